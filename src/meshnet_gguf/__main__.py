@@ -1,0 +1,4 @@
+from meshnet_gguf.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Node settings: one pydantic-settings model fed by CLI flags, `MESHNET_*` env and a TOML file.
+
+Every timeout, limit and retry policy the node uses lives here (or as a named
+constant next to its one user) with the reason for its default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+ENV_PREFIX = "MESHNET_"
+CONFIG_FILE_ENV = "MESHNET_CONFIG"
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    return Path(os.environ.get(var) or Path.home() / fallback)
+
+
+def default_download_dir() -> Path:
+    """`$XDG_DATA_HOME/meshnet/models` (usually `~/.local/share/meshnet/models`)."""
+    return _xdg("XDG_DATA_HOME", ".local/share") / "meshnet" / "models"
+
+
+def default_state_dir() -> Path:
+    """`$XDG_STATE_HOME/meshnet` (usually `~/.local/state/meshnet`): identity, ledger, pidfile."""
+    return _xdg("XDG_STATE_HOME", ".local/state") / "meshnet"
+
+
+class NodeSettings(BaseSettings):
+    """Everything `meshnet-gguf serve` can be told. Flags override env, env overrides the TOML file."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
+
+    # --- model -------------------------------------------------------------
+    gguf: str | None = Field(None, description="Local .gguf file or directory, HF repo id (owner/name[:QUANT]) or catalog id")
+    quant: str | None = Field(None, description="Quant to select from a repo/directory/catalog entry, e.g. UD-IQ3_XXS")
+    demo: bool = Field(False, description="Serve the bundled demo model (gemma-3-270m Q4_K_M from the `demo` extra)")
+    download_dir: Path = Field(default_factory=default_download_dir)
+    state_dir: Path = Field(default_factory=default_state_dir)
+    offline: bool = Field(False, description="Use only files already on disk; never contact the hub")
+    force: bool = Field(False, description="Launch even when the quant does not appear to fit this machine")
+
+    # --- public side -------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = Field(None, description="Standalone mode: require this bearer key from local clients")
+    advertised_url: str | None = Field(None, description="URL the tracker should use to reach this node")
+
+    # --- llama-server ------------------------------------------------------
+    llama_server: Path | None = Field(None, description="Explicit llama-server binary")
+    ctx_size: int | None = Field(None, ge=0, description="Total context (all slots); default: planned from memory")
+    parallel: int = Field(4, ge=1, le=256, description="llama-server slots = max requests in flight")
+    n_gpu_layers: str | None = Field(None, description="'all', 'auto' or a count; default: planned from hardware")
+    llama_args: list[str] = Field(default_factory=list, description="Extra arguments passed to llama-server verbatim")
+    upstream_client: Literal["aiohttp", "httpx"] = Field(
+        "aiohttp", description="HTTP client for the proxy -> llama-server hop (chosen by bench/RESULTS.md)"
+    )
+
+    # --- supervisor policy -------------------------------------------------
+    # A 100 GB model can take many minutes to load; the deadline is a stall timer
+    # reset by every log line, so only a silent child is declared stuck.
+    load_stall_timeout_s: float = Field(300.0, gt=0)
+    health_poll_interval_s: float = Field(0.25, gt=0, le=0.25)
+    restart_backoff_initial_s: float = Field(1.0, gt=0)
+    restart_backoff_max_s: float = Field(60.0, gt=0)
+    # A child that stayed up this long is "stable": its next crash starts the backoff anew.
+    restart_stable_after_s: float = Field(120.0, gt=0)
+    max_quick_crashes: int = Field(5, ge=1, description="Crashes before stability before giving up into `failed`")
+    stop_timeout_s: float = Field(10.0, gt=0, description="SIGTERM -> SIGKILL grace for llama-server")
+
+    # --- proxy limits ------------------------------------------------------
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)")
+    drain_grace_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish on shutdown")
+    retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 503 answers")
+
+    # --- meshnet -----------------------------------------------------------
+    tracker: str | None = Field(None, description="Tracker base URL; enables registration, routes and billing")
+    tracker_public_key: str | None = Field(None, description="Pinned tracker Ed25519 public key (PEM or base64url raw)")
+    enrolment_secret: str | None = Field(None, description="Secret the tracker requires to register a node")
+
+    # --- logs --------------------------------------------------------------
+    log_format: Literal["auto", "text", "json"] = "auto"
+    log_level: str = "INFO"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get(CONFIG_FILE_ENV)
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+        return tuple(sources)

@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and the `dev` commands (tiny models, stub servers)."""
