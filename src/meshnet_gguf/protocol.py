@@ -1,21 +1,79 @@
 """Wire models shared by the node, the reference tracker and the relay. No I/O here.
 
 `docs/protocol.md` is the prose contract; these models are its machine form.
+Times on the wire are Unix seconds; layers are the GGUF `{arch}.block_count`
+transformer blocks, numbered from 0, ranges inclusive.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROTOCOL_VERSION = "1"
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error", "rejected", "unknown"]
 NodeState = Literal["starting", "loading", "ready", "restarting", "draining", "stopped", "failed"]
+# The tracker's view of a node (docs/protocol.md, "Node state machine"); only `online` nodes get routes.
+MeshState = Literal["joining", "online", "draining"]
+
+# --- headers ---------------------------------------------------------------
+ROUTE_HEADER = "X-Meshnet-Route"
+REQUEST_ID_HEADER = "X-Meshnet-Request-Id"
+USAGE_PROMPT_TOKENS_HEADER = "X-Meshnet-Usage-Prompt-Tokens"
+USAGE_COMPLETION_TOKENS_HEADER = "X-Meshnet-Usage-Completion-Tokens"
+ENROLMENT_HEADER = "X-Meshnet-Enrolment"
+# node -> tracker calls carry `Authorization: Bearer <node token>` (see NodeAuthClaims).
+
+# SSE comment the node adds just before `data: [DONE]`; standard clients ignore comments.
+USAGE_COMMENT_PREFIX = "meshnet-usage "
+
+# --- timings and limits (the contract's numbers; docs/protocol.md, "Timings") ----
+# Heartbeats are cheap; 10 s keeps a dead node routable for at most ~30 s.
+DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
+# A node missing this many heartbeats in a row is dropped: one lost packet must not evict it.
+NODE_TTL_HEARTBEATS = 3
+# A route authorises the *start* of one request; a short life bounds the replay cache.
+MAX_ROUTE_LIFETIME_S = 60
+# Clocks of volunteer machines drift; NTP keeps them well inside this.
+CLOCK_SKEW_S = 5
+# Node request tokens only need to outlive one HTTP call.
+NODE_AUTH_LIFETIME_S = 60
+# Keeps one receipts call small (each receipt is ~1 kB) and quick to verify.
+MAX_RECEIPTS_PER_BATCH = 100
+
+NODE_AUTH_AUDIENCE = "meshnet-tracker"
+WELL_KNOWN_PATH = "/.well-known/meshnet-tracker"
+
+# Route refusals a node answers (status, code). Kept here so tracker, relay and docs agree.
+ROUTE_ERRORS: dict[str, int] = {
+    "route_missing": 401,
+    "route_malformed": 401,
+    "route_bad_signature": 401,
+    "route_expired": 401,
+    "route_not_yet_valid": 401,
+    "route_wrong_issuer": 401,
+    "route_lifetime_too_long": 401,
+    "route_wrong_node": 403,
+    "route_wrong_model": 403,
+    "route_wrong_path": 403,
+    "route_not_single_hop": 403,
+    "route_coverage_mismatch": 403,
+    "route_body_mismatch": 403,
+    "route_replayed": 403,
+    "route_replay_cache_full": 503,
+    "route_key_unavailable": 503,
+}
 
 
-class UsageRecord(BaseModel):
+class _Wire(BaseModel):
+    """Unknown fields are ignored so a newer peer can add fields without breaking an older one."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class UsageRecord(_Wire):
     """What one proxied request used. Exactly one per request, whatever its end."""
 
     request_id: str
@@ -33,7 +91,7 @@ class UsageRecord(BaseModel):
     decode_tokens_per_s: float | None = None
 
 
-class UsageTotals(BaseModel):
+class UsageTotals(_Wire):
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -42,7 +100,7 @@ class UsageTotals(BaseModel):
     cancelled: int = 0
 
 
-class HealthReport(BaseModel):
+class HealthReport(_Wire):
     """`GET /health` body. 200 only when `state == "ready"`."""
 
     protocol_version: str = PROTOCOL_VERSION
@@ -50,6 +108,8 @@ class HealthReport(BaseModel):
     detail: str | None = None
     model: str | None = None
     quant: str | None = None
+    first_layer: int | None = None
+    last_layer: int | None = None
     slots_total: int = 0
     slots_busy: int = 0
     uptime_s: float = 0.0
@@ -59,3 +119,223 @@ class HealthReport(BaseModel):
     usage: UsageTotals = Field(default_factory=UsageTotals)
     node_version: str | None = None
     llama_build: str | None = None
+
+
+# --- registration and liveness --------------------------------------------
+
+
+class ShardDigest(_Wire):
+    name: str = Field(description="File name, e.g. model-00001-of-00003.gguf")
+    sha256: str | None = Field(None, description="Hex digest; None when the node did not verify it")
+    size: int | None = None
+
+
+class HardwareSummary(_Wire):
+    """What an operator or a placement policy wants to know at a glance; not a full probe."""
+
+    summary: str = Field(description="One line, e.g. 'Vulkan0: Radeon 8060S (96 GiB), 16 cores, 128 GiB RAM'")
+    backend: str | None = Field(None, description="cpu, vulkan, rocm, cuda, metal")
+    memory_bytes: int | None = None
+    gpu_memory_bytes: int | None = None
+
+
+class NodeLoad(_Wire):
+    slots_total: int = Field(ge=0)
+    slots_busy: int = Field(0, ge=0)
+    queue_depth: int = Field(0, ge=0, description="Requests admitted but waiting for a slot")
+    recent_tokens_per_s: float | None = None
+
+
+class NodeAnnouncement(_Wire):
+    """`POST /v1/nodes/register` body: everything the tracker needs to route to this node."""
+
+    protocol_version: str = PROTOCOL_VERSION
+    node_id: str
+    public_key: str = Field(description="Ed25519 public key, base64url of the 32 raw bytes, no padding")
+    advertised_url: str = Field(description="Base URL the tracker (or relay) uses to reach the node")
+    model_id: str = Field(description="The `model` clients name; the node answers /v1/models with it")
+    quant: str | None = None
+    shards: list[ShardDigest] = Field(default_factory=list)
+    first_layer: int = Field(ge=0)
+    last_layer: int = Field(ge=0)
+    total_layers: int = Field(gt=0, description="GGUF block count")
+    ctx_size: int | None = None
+    slots: int = Field(gt=0)
+    hardware: HardwareSummary | None = None
+    llama_build: str | None = None
+    node_version: str
+    state: MeshState = "joining"
+
+    @property
+    def full_coverage(self) -> bool:
+        return self.first_layer == 0 and self.last_layer == self.total_layers - 1
+
+    @model_validator(mode="after")
+    def _ordered_layers(self) -> NodeAnnouncement:
+        if self.last_layer < self.first_layer or self.last_layer >= self.total_layers:
+            raise ValueError("layers must satisfy first_layer <= last_layer < total_layers")
+        return self
+
+
+class RegistrationAck(_Wire):
+    node_id: str
+    issuer: str = Field(description="The `iss` this tracker puts in route tokens")
+    heartbeat_interval_s: float = Field(gt=0, description="The node sends heartbeats this often")
+    ttl_s: float = Field(gt=0, description="Without a heartbeat for this long the node is dropped")
+
+
+class Heartbeat(_Wire):
+    """`POST /v1/nodes/{node_id}/heartbeat` body."""
+
+    node_id: str
+    state: MeshState
+    load: NodeLoad
+
+
+class HeartbeatAck(_Wire):
+    ttl_s: float
+
+
+class Deregistration(_Wire):
+    """`POST /v1/nodes/{node_id}/deregister` body."""
+
+    node_id: str
+    reason: str = "shutdown"
+
+
+class TrackerInfo(_Wire):
+    """`GET /.well-known/meshnet-tracker`: what a node pins and how often it must report."""
+
+    protocol_version: str = PROTOCOL_VERSION
+    issuer: str
+    public_key: str = Field(description="Ed25519 public key, base64url raw, to pin as tracker_public_key")
+    heartbeat_interval_s: float
+    ttl_s: float
+    max_route_lifetime_s: int = MAX_ROUTE_LIFETIME_S
+
+
+# --- tokens (JWT claims, EdDSA) ---------------------------------------------
+
+
+class RouteHop(_Wire):
+    node_id: str
+    first_layer: int = Field(ge=0)
+    last_layer: int = Field(ge=0)
+
+
+class RouteClaims(_Wire):
+    """Claims of `X-Meshnet-Route`, signed by the tracker."""
+
+    iss: str
+    sub: str = Field(description="Node id the route is for")
+    jti: str = Field(description="Request id; one route authorises one request")
+    iat: int
+    exp: int
+    v: str = PROTOCOL_VERSION
+    path: str = Field(description="API path the route is for, e.g. /v1/chat/completions")
+    model: str
+    hops: list[RouteHop]
+    body_sha256: str = Field(description="Hex sha256 of the exact request body bytes")
+    max_tokens: int | None = Field(None, ge=1, description="Most completion tokens the node may produce")
+
+
+class NodeAuthClaims(_Wire):
+    """Claims of the bearer token on node -> tracker calls, signed by the node key."""
+
+    iss: str = Field(description="Node id")
+    aud: str = NODE_AUTH_AUDIENCE
+    iat: int
+    exp: int
+    htm: str = Field(description="HTTP method of the call")
+    htu: str = Field(description="Path of the call, e.g. /v1/nodes/node-x/heartbeat")
+    body_sha256: str
+
+
+class ReceiptClaims(_Wire):
+    """Claims of a usage receipt, signed by the node. No `exp`: a receipt may arrive hours late."""
+
+    iss: str = Field(description="Node id")
+    jti: str = Field(description="Request id, equal to usage.request_id")
+    iat: int
+    usage: UsageRecord
+
+
+# --- billing ----------------------------------------------------------------
+
+
+class UsageReceipt(_Wire):
+    request_id: str
+    token: str = Field(description="JWT (EdDSA, node key) whose claims are ReceiptClaims")
+
+
+class ReceiptBatch(_Wire):
+    """`POST /v1/nodes/{node_id}/receipts` body. Resending a receipt is harmless (idempotent by request id)."""
+
+    node_id: str
+    receipts: list[UsageReceipt] = Field(max_length=MAX_RECEIPTS_PER_BATCH)
+
+
+class ReceiptRejection(_Wire):
+    request_id: str
+    code: str = Field(description="bad_signature, wrong_node, unknown_request, malformed")
+    message: str
+
+
+class ReceiptAck(_Wire):
+    """`accepted` (new or already stored) is final; `rejected` is final too: never resend those."""
+
+    accepted: list[str] = Field(default_factory=list)
+    rejected: list[ReceiptRejection] = Field(default_factory=list)
+
+
+class UsageCounts(_Wire):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+UsageAgreement = Literal["agree", "mismatch", "awaiting_receipt", "unmetered"]
+
+
+class TrackerUsage(_Wire):
+    """`GET /v1/usage/{request_id}` on the tracker: its own count beside the node's receipt."""
+
+    request_id: str
+    node_id: str
+    model: str
+    stream: bool
+    status: int | None = None
+    outcome: str | None = Field(None, description="complete, cancelled, upstream_error, in_flight")
+    tracker: UsageCounts
+    node: UsageCounts | None = None
+    node_finish_reason: FinishReason | None = None
+    agreement: UsageAgreement
+
+
+# --- errors -----------------------------------------------------------------
+
+
+class ErrorDetail(_Wire):
+    message: str
+    type: str
+    code: str | int | None = None
+    param: str | None = None
+
+
+class ErrorBody(_Wire):
+    """OpenAI's error shape, used for every refusal so SDKs surface the message."""
+
+    error: ErrorDetail
+
+
+def error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    """The JSON body for a refusal; `type` follows OpenAI's names for the status class."""
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        409: "conflict_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, code=code)).model_dump()

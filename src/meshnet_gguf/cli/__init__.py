@@ -6,12 +6,29 @@ import importlib
 
 import typer
 
+from meshnet_gguf import __version__
+
 app = typer.Typer(
     name="meshnet-gguf",
     help="Serve GGUF models through llama-server as a whole-model Meshnet node.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"meshnet-gguf {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit"),
+) -> None:
+    """Serve GGUF models through llama-server as a whole-model Meshnet node."""
+
 
 # Each module exposes `register(app)`. Listed, not discovered, so the help order is deliberate.
 _COMMAND_MODULES = [

@@ -1,0 +1,141 @@
+"""The curated model catalog (`catalog.toml`) and the "featured" rule.
+
+An entry is featured only when it can actually load here: a llama-server is
+available and at least one of its quants fits this machine's memory budget.
+"A featured model nobody can load is an anti-feature." The caller measures the
+budget and the binary (floor-2 probes); this module only applies the rule.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from functools import lru_cache
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from meshnet_gguf.gguf_names import normalize_quant, strip_dynamic_prefix
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+CATALOG_RESOURCE = "catalog.toml"
+DEMO_ID = "demo"
+
+
+class CatalogError(ValueError):
+    """The catalog file is malformed (a packaging bug, not an operator error)."""
+
+
+@dataclass(frozen=True)
+class CatalogQuant:
+    name: str
+    files: str  # glob over repo paths that matches exactly this quant's shards
+    total_bytes: int
+    shards: int
+
+    def matches_path(self, path: str) -> bool:
+        return fnmatchcase(path, self.files)
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    id: str
+    title: str
+    quants: tuple[CatalogQuant, ...]
+    repo: str | None = None
+    package: str | None = None
+    context_length: int | None = None
+    notes: str = ""
+
+    def quant(self, name: str) -> CatalogQuant | None:
+        """Case-insensitive lookup; `UD-` optional when that leaves one candidate (as in `select_quant`)."""
+        wanted = normalize_quant(name)
+        exact = [q for q in self.quants if normalize_quant(q.name) == wanted]
+        if exact:
+            return exact[0]
+        loose = [q for q in self.quants if strip_dynamic_prefix(q.name) == strip_dynamic_prefix(wanted)]
+        return loose[0] if len(loose) == 1 else None
+
+    def fitting_quants(self, budget_bytes: int) -> list[CatalogQuant]:
+        return [q for q in self.quants if quant_fits(q, budget_bytes)]
+
+
+@dataclass(frozen=True)
+class Catalog:
+    entries: tuple[CatalogEntry, ...]
+
+    def get(self, entry_id: str) -> CatalogEntry | None:
+        wanted = entry_id.strip().lower()
+        return next((e for e in self.entries if e.id == wanted), None)
+
+    @property
+    def ids(self) -> list[str]:
+        return [e.id for e in self.entries]
+
+
+def quant_fits(quant: CatalogQuant, budget_bytes: int) -> bool:
+    """Weights must fit the budget; the budget (hardware.py) already leaves room for KV cache and the OS."""
+    return quant.total_bytes <= budget_bytes
+
+
+def featured(entry: CatalogEntry, budget_bytes: int, binary_available: bool) -> bool:
+    """Show an entry as featured only when it can load here (issue 3: no featured model nobody can load)."""
+    return binary_available and any(quant_fits(q, budget_bytes) for q in entry.quants)
+
+
+def _require(table: dict[str, Any], key: str, where: str) -> Any:
+    if key not in table:
+        raise CatalogError(f"catalog {where}: missing '{key}'")
+    return table[key]
+
+
+def parse_catalog(text: str) -> Catalog:
+    data = tomllib.loads(text)
+    entries: list[CatalogEntry] = []
+    for raw in data.get("model", []):
+        entry_id = str(_require(raw, "id", "entry")).lower()
+        quants = tuple(
+            CatalogQuant(
+                name=normalize_quant(str(_require(q, "name", entry_id))),
+                files=str(_require(q, "files", entry_id)),
+                total_bytes=int(_require(q, "total_bytes", entry_id)),
+                shards=int(_require(q, "shards", entry_id)),
+            )
+            for q in raw.get("quant", [])
+        )
+        if not quants:
+            raise CatalogError(f"catalog entry {entry_id}: no quants")
+        if (raw.get("repo") is None) == (raw.get("package") is None):
+            raise CatalogError(f"catalog entry {entry_id}: give exactly one of 'repo' or 'package'")
+        entries.append(
+            CatalogEntry(
+                id=entry_id,
+                title=str(raw.get("title", entry_id)),
+                quants=quants,
+                repo=raw.get("repo"),
+                package=raw.get("package"),
+                context_length=raw.get("context_length"),
+                notes=str(raw.get("notes", "")),
+            )
+        )
+    ids = [e.id for e in entries]
+    if len(set(ids)) != len(ids):
+        raise CatalogError(f"catalog: duplicate ids in {ids}")
+    return Catalog(tuple(entries))
+
+
+def load_catalog(path: Path | None = None) -> Catalog:
+    """The packaged catalog, or the file at `path` (for tests and local curation)."""
+    if path is not None:
+        return parse_catalog(Path(path).read_text(encoding="utf-8"))
+    return _packaged_catalog()
+
+
+@lru_cache(maxsize=1)
+def _packaged_catalog() -> Catalog:
+    return parse_catalog(files("meshnet_gguf").joinpath(CATALOG_RESOURCE).read_text(encoding="utf-8"))

