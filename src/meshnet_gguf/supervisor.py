@@ -334,14 +334,19 @@ def reap_stale_child(pidfile: Path | None, timeout_s: float = 10.0) -> bool:
         pidfile.unlink(missing_ok=True)
         return False
     log.warning("ending llama-server pid %s left by an earlier run", proc.pid)
-    try:
-        proc.terminate()
-        proc.wait(timeout=timeout_s)
-    except psutil.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout_s)
-    except psutil.NoSuchProcess:
-        pass
+    for stop in (proc.terminate, proc.kill):
+        try:
+            stop()
+            proc.wait(timeout=timeout_s)
+            break
+        except psutil.NoSuchProcess:
+            break
+        except psutil.TimeoutExpired:
+            continue
+    else:
+        # A zombie is dead already; anything else still holds memory and must be reported.
+        if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            log.error("llama-server pid %s from an earlier run survived SIGKILL", proc.pid)
     pidfile.unlink(missing_ok=True)
     return True
 

