@@ -117,6 +117,9 @@ class _Exchange:
     last_token_at: float | None = None
     decode_tokens_per_s: float | None = None
     usage_seen: bool = False
+    # Gives the admission slot back; called just before the answer's last bytes so a
+    # client that sends its next request the moment this one ends is not refused.
+    release: Callable[[], None] = lambda: None
 
     def note_usage(self, usage: Mapping[str, Any], timings: Mapping[str, Any] | None) -> None:
         self.usage_seen = True
@@ -266,10 +269,19 @@ class ProxyApp:
         )
         upstream_body = _prepare_upstream_body(payload, body, stream, grant.max_tokens)
         self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+
+        exchange.release = release
         try:
             await self._forward(exchange, target, upstream_body, receive, send)
         finally:
-            self.in_flight -= 1
+            release()
             await self._record(exchange)
 
     async def _forward(
@@ -335,6 +347,7 @@ class ProxyApp:
             (b"x-meshnet-usage-prompt-tokens", str(exchange.prompt_tokens).encode()),
             (b"x-meshnet-usage-completion-tokens", str(exchange.completion_tokens).encode()),
         ]
+        exchange.release()
         await _respond(send, response.status, body, headers)
 
     async def _relay_stream(self, exchange: _Exchange, response: UpstreamResponse, send: Send) -> None:
@@ -375,6 +388,7 @@ class ProxyApp:
                     "more_body": True,
                 }
             )
+        exchange.release()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # --- admission helpers --------------------------------------------------
