@@ -43,12 +43,14 @@ class OutboxReporter:
         batch_size: int = MAX_RECEIPTS_PER_BATCH,
         backoff: Backoff | None = None,
         idle_poll_s: float = OUTBOX_IDLE_POLL_S,
+        linger_s: float = 0.0,
     ) -> None:
         self._ledger = ledger
         self._sender = sender
         self._batch_size = min(batch_size, MAX_RECEIPTS_PER_BATCH)
         self._backoff = backoff or Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
         self._idle_poll_s = idle_poll_s
+        self._linger_s = linger_s
         self._wake = anyio.Event()
 
     def wake(self) -> None:
@@ -68,7 +70,8 @@ class OutboxReporter:
             self._backoff.reset()
             with anyio.move_on_after(self._idle_poll_s):
                 await self._wake.wait()
-            self._wake = anyio.Event()
+            # Let receipts of requests ending close together share one batch.
+            await anyio.sleep(self._linger_s)
 
     async def flush(self) -> int:
         """Send batches until the outbox is empty; returns how many receipts the tracker settled.

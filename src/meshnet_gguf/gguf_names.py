@@ -139,10 +139,12 @@ class QuantGroup(Generic[FileT]):
     def label(self) -> str:
         return self.quant or PurePosixPath(self.base).name
 
-    def describe(self) -> str:
+    def describe(self, note: str = "") -> str:
+        """One line for listings and error messages: label, size, shards, `note`, first file."""
         shards = f"{self.shard_count} shard{'s' if self.shard_count != 1 else ''}"
         missing = f", MISSING shard(s) {', '.join(map(str, self.missing_shards))}" if self.missing_shards else ""
-        return f"{self.label:<14} {format_bytes(self.total_bytes):>10}  {shards}{missing}  ({self.first.path})"
+        note = f"  {note}" if note else ""
+        return f"{self.label:<14} {format_bytes(self.total_bytes):>10}  {shards:<9}{missing}{note}  ({self.first.path})"
 
 
 def group_quants(files: Iterable[FileT]) -> list[QuantGroup[FileT]]:

@@ -155,10 +155,37 @@ class Node:
         self.drain_hooks: list[Callable[[], Awaitable[None]]] = []
         self.shutdown_hooks: list[Callable[[], Awaitable[None]]] = []
         self.health_extras: list[Callable[[HealthReport], HealthReport]] = []
+        if s.tracker:
+            self._link_mesh()
         self.exit_code = 0
         self._shutdown = anyio.Event()
         self._force = False
         self._signals_seen = 0
+
+    def _link_mesh(self) -> None:
+        """With a tracker: signed routes in front of the proxy, receipts behind it, presence beside it (issue 5)."""
+        from meshnet_gguf.meshnet_link import MeshnetLink, MeshSetupError, ServedModel
+
+        launch, s = self.launch, self.settings
+        served = ServedModel(
+            model_id=launch.model_name,
+            shards=[launch.model_path],
+            quant=launch.quant,
+            llama_build=launch.binary.build,
+            slots=s.parallel,
+            ctx_size=s.ctx_size,
+            binary=launch.binary,
+        )
+        try:
+            self.mesh = MeshnetLink(s, served, self.health_report)
+        except MeshSetupError as exc:
+            raise NodeSetupError(str(exc)) from exc
+        self.proxy.route_verifier = self.mesh.route_verifier
+        self.proxy.usage_sinks.append(self.mesh.usage_sink)
+        self.health_extras.append(self.mesh.health_extra)
+        self.background_tasks.append(self.mesh.run)
+        self.drain_hooks.append(self.mesh.drain)
+        self.shutdown_hooks.append(self.mesh.close)
 
     # --- views ------------------------------------------------------------
     def _upstream_target(self) -> UpstreamTarget | None:

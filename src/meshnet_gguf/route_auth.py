@@ -90,6 +90,10 @@ class RouteVerifier:
         self._replay = replay_cache or ReplayCache()
         self._clock = clock
 
+    @property
+    def issuer(self) -> str:
+        return self._issuer
+
     def verify(self, headers: Mapping[str, str], body: bytes, path: str) -> RouteClaims:
         """Return the verified claims, or raise `RouteRejected`. Call once per request, before forwarding.
 
@@ -121,6 +125,8 @@ class RouteVerifier:
             raw = decode_token(token, self._key, required=_REQUIRED_CLAIMS, leeway=CLOCK_SKEW_S, verify_exp=False)
         except jwt.InvalidSignatureError:
             raise RouteRejected("route_bad_signature", "route signature does not match the pinned tracker key") from None
+        except jwt.ImmatureSignatureError:
+            raise RouteRejected("route_not_yet_valid", "route issued in the future; check both clocks (NTP)") from None
         except jwt.InvalidTokenError as exc:
             raise RouteRejected("route_malformed", f"route token is not valid: {exc}") from None
         if raw.get("iss") != self._issuer:

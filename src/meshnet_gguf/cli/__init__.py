@@ -33,6 +33,12 @@ def _root(
 # Each module exposes `register(app)`. Listed, not discovered, so the help order is deliberate.
 _COMMAND_MODULES = [
     "serve",
+    "hardware",
+    "models",
+    "usage",
+    "dev",
+    "service",
+    "doctor",
 ]
 
 for _name in _COMMAND_MODULES:

@@ -21,7 +21,7 @@ Why not the PyPI `olah` mirror: measured (see design/FACTS.md) it ignores HTTP
 behaviour under test, cannot be exercised through it; its `model_info` carries
 no sizes; it needs git repositories with LFS objects rather than a plain folder;
 and it has no hooks for counting bytes, stalling or corrupting. This server is
-~300 lines of starlette on the stack the node already uses.
+a few hundred lines of starlette + uvicorn, the stack the node already uses.
 
 Run by hand: `python -m meshnet_gguf.devtools.hf_server ROOT [--port N] [--gated owner/name --token T]`.
 """
@@ -92,8 +92,9 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if not header or not header.startswith("bytes=") or "," in header:
         return None
     start_text, _, end_text = header[len("bytes=") :].partition("-")
-    if not start_text:
-        return None  # suffix ranges are not used by huggingface_hub
+    # Suffix ranges are not used by huggingface_hub; like any invalid range they are ignored (RFC 9110).
+    if not start_text.isdigit() or (end_text and not end_text.isdigit()):
+        return None
     start = int(start_text)
     end = int(end_text) if end_text else size - 1
     return start, min(end, size - 1)
@@ -115,6 +116,8 @@ class LocalHub:
         self._corruptions: dict[tuple[str, str], int] = {}
         self._hash_cache: dict[tuple[Path, int, int], str] = {}
         self._closing = False
+        # False mimics mirrors that ignore Range and answer 200 with the whole file (olah does).
+        self.honour_range = True
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
@@ -344,7 +347,7 @@ class LocalHub:
         }
         if info.is_lfs:
             headers.update({"X-Linked-Etag": etag, "X-Linked-Size": str(info.size)})
-        byte_range = _parse_range(request.headers.get("range"), info.size)
+        byte_range = _parse_range(request.headers.get("range"), info.size) if self.honour_range else None
         start, end, status = 0, info.size - 1, 200
         if byte_range is not None:
             start, end = byte_range

@@ -31,6 +31,9 @@ class TinyModelSpec:
     context_length: int = 2048
     seed: int = 0
     name: str = "tiny-llama"
+    # "Q8_0" stores the matrices quantized, so llama.cpp runs its integer dot-product
+    # kernels (the ones a binary built for another CPU can die on); "F32" avoids them.
+    weight_type: str = "F32"
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -87,7 +90,7 @@ def write_tiny_model(
     writer.add_head_count_kv(spec.n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if spec.weight_type == "Q8_0" else gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -97,24 +100,35 @@ def write_tiny_model(
     writer.add_bos_token_id(n_vocab - 1)
     writer.add_add_bos_token(False)
 
+    quantized = spec.weight_type == "Q8_0"
+    if spec.weight_type not in ("F32", "Q8_0"):
+        raise ValueError(f"weight_type must be F32 or Q8_0, not {spec.weight_type}")
+
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    def add_matrix(name: str, data: np.ndarray) -> None:
+        if quantized:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, data)
 
     kv_dim = head_dim * spec.n_head_kv
     writer.add_tensor("token_embd.weight", weight(n_vocab, spec.n_embd))
     for layer in range(spec.n_layers):
         prefix = f"blk.{layer}"
         writer.add_tensor(f"{prefix}.attn_norm.weight", np.ones(spec.n_embd, np.float32))
-        writer.add_tensor(f"{prefix}.attn_q.weight", weight(spec.n_embd, spec.n_embd))
-        writer.add_tensor(f"{prefix}.attn_k.weight", weight(kv_dim, spec.n_embd))
-        writer.add_tensor(f"{prefix}.attn_v.weight", weight(kv_dim, spec.n_embd))
-        writer.add_tensor(f"{prefix}.attn_output.weight", weight(spec.n_embd, spec.n_embd))
+        add_matrix(f"{prefix}.attn_q.weight", weight(spec.n_embd, spec.n_embd))
+        add_matrix(f"{prefix}.attn_k.weight", weight(kv_dim, spec.n_embd))
+        add_matrix(f"{prefix}.attn_v.weight", weight(kv_dim, spec.n_embd))
+        add_matrix(f"{prefix}.attn_output.weight", weight(spec.n_embd, spec.n_embd))
         writer.add_tensor(f"{prefix}.ffn_norm.weight", np.ones(spec.n_embd, np.float32))
-        writer.add_tensor(f"{prefix}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd))
-        writer.add_tensor(f"{prefix}.ffn_up.weight", weight(spec.n_ff, spec.n_embd))
-        writer.add_tensor(f"{prefix}.ffn_down.weight", weight(spec.n_embd, spec.n_ff))
+        add_matrix(f"{prefix}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd))
+        add_matrix(f"{prefix}.ffn_up.weight", weight(spec.n_ff, spec.n_embd))
+        add_matrix(f"{prefix}.ffn_down.weight", weight(spec.n_embd, spec.n_ff))
     writer.add_tensor("output_norm.weight", np.ones(spec.n_embd, np.float32))
-    writer.add_tensor("output.weight", weight(n_vocab, spec.n_embd))
+    add_matrix("output.weight", weight(n_vocab, spec.n_embd))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

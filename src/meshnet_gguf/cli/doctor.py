@@ -1,0 +1,42 @@
+"""`meshnet-gguf doctor`: argument handling and printing only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from meshnet_gguf.config import NodeSettings
+
+# Exit codes: 0 nothing blocks serving (warnings may remain), 1 something does.
+EXIT_BLOCKED = 1
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def doctor(
+        gguf: Annotated[Optional[str], typer.Option(help="Model to check as `serve --gguf` takes it")] = None,
+        quant: Annotated[Optional[str], typer.Option(help="Quant to check, e.g. UD-IQ3_XXS")] = None,
+        demo: Annotated[bool, typer.Option("--demo", help="Check the demo model")] = False,
+        host: Annotated[Optional[str], typer.Option(help="Public address the node would bind")] = None,
+        port: Annotated[Optional[int], typer.Option(help="Public port the node would bind")] = None,
+        llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary to check")] = None,
+        download_dir: Annotated[Optional[Path], typer.Option(help="Where GGUF files are downloaded")] = None,
+        tracker: Annotated[Optional[str], typer.Option(help="Tracker URL to compare clocks with")] = None,
+        offline: Annotated[bool, typer.Option("--offline", help="Never contact the hub for model sizes")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
+    ) -> None:
+        """Check binary, GPUs, memory, disk, clock and port; explain each problem and how to fix it."""
+        from meshnet_gguf.doctor import DoctorEnvironment, run_doctor
+
+        given = dict(
+            gguf=gguf, quant=quant, demo=demo, host=host, port=port, llama_server=llama_server,
+            download_dir=download_dir, tracker=tracker, offline=offline,
+        )  # fmt: skip
+        settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
+        report = run_doctor(DoctorEnvironment(settings))
+        typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
+        if report.blocking:
+            raise typer.Exit(EXIT_BLOCKED)

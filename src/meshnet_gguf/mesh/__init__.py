@@ -1,0 +1,5 @@
+"""Reference Meshnet services (tracker; relay to come) that prove the node's contract end to end.
+
+They import only the shared wire contract (`meshnet_gguf.protocol`, `signing`,
+`sse`, `retry`), never node internals, exactly as an outside implementation would.
+"""

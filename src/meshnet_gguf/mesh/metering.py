@@ -1,0 +1,98 @@
+"""The tracker's own count of a request's tokens, taken from the bytes it relays.
+
+It reads a copy and never changes what is forwarded. Sources, best first: the
+`usage` object llama-server produced (the usage chunk of a stream, or the body
+of a plain answer), then the node's in-band `: meshnet-usage {...}` comment,
+then the node's `X-Meshnet-Usage-*` headers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from meshnet_gguf.protocol import (
+    USAGE_COMMENT_PREFIX,
+    USAGE_COMPLETION_TOKENS_HEADER,
+    USAGE_PROMPT_TOKENS_HEADER,
+    UsageCounts,
+)
+from meshnet_gguf.sse import DONE_DATA, SSESplitter, event_data, is_comment
+
+# A plain (non-streamed) answer is parsed for its `usage` only up to this size;
+# bigger ones (large embedding batches) are counted from the node's headers.
+MAX_METERED_BODY_BYTES = 16 * 1024 * 1024
+_COMMENT_PREFIX = b": " + USAGE_COMMENT_PREFIX.encode()
+
+
+class RelayMeter:
+    def __init__(self, event_stream: bool) -> None:
+        self.event_stream = event_stream
+        self._splitter = SSESplitter() if event_stream else None
+        self._body = bytearray()
+        self._body_too_big = False
+        self._usage: UsageCounts | None = None
+        self._comment: UsageCounts | None = None
+        self.done = False
+        self.error = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self._splitter is None:
+            if len(self._body) + len(chunk) > MAX_METERED_BODY_BYTES:
+                self._body_too_big = True
+                self._body.clear()
+            elif not self._body_too_big:
+                self._body += chunk
+            return
+        for event in self._splitter.feed(chunk):
+            self._meter_event(event)
+
+    def counts(self, headers: Mapping[str, str]) -> UsageCounts | None:
+        """The best count seen, or None when the relayed bytes carried none."""
+        if self._splitter is None and not self._body_too_big and self._body:
+            self._usage = _usage_of(_json(bytes(self._body))) or self._usage
+        if self._usage is not None:
+            return self._usage
+        if self._comment is not None:
+            return self._comment
+        prompt = headers.get(USAGE_PROMPT_TOKENS_HEADER.lower()) or headers.get(USAGE_PROMPT_TOKENS_HEADER)
+        completion = headers.get(USAGE_COMPLETION_TOKENS_HEADER.lower()) or headers.get(USAGE_COMPLETION_TOKENS_HEADER)
+        if prompt is not None and completion is not None and prompt.isdigit() and completion.isdigit():
+            return UsageCounts(prompt_tokens=int(prompt), completion_tokens=int(completion))
+        return None
+
+    def _meter_event(self, event: bytes) -> None:
+        if is_comment(event):
+            if event.startswith(_COMMENT_PREFIX):
+                self._comment = _usage_of(_json(event[len(_COMMENT_PREFIX) :]), nested=False) or self._comment
+            return
+        data = event_data(event)
+        if data is None:
+            return
+        if data == DONE_DATA:
+            self.done = True
+            return
+        chunk = _json(data)
+        if isinstance(chunk, dict):
+            if "error" in chunk:
+                self.error = True
+            self._usage = _usage_of(chunk) or self._usage
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _usage_of(obj: Any, nested: bool = True) -> UsageCounts | None:
+    usage = obj.get("usage") if nested and isinstance(obj, dict) else obj
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int):
+        return None
+    # Embeddings answers carry only prompt (and total) tokens.
+    return UsageCounts(prompt_tokens=prompt, completion_tokens=completion if isinstance(completion, int) else 0)

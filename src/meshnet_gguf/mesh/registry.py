@@ -1,0 +1,112 @@
+"""The tracker's live view of its nodes: who is registered, their state, load and health.
+
+In memory on purpose: after a tracker restart nodes learn it from their next
+heartbeat (404 unknown_node) and register again within one period.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from meshnet_gguf.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
+
+
+@dataclass
+class NodeEntry:
+    announcement: NodeAnnouncement
+    state: MeshState
+    load: NodeLoad
+    last_seen: float
+    healthy: bool = False
+    health: HealthReport | None = None
+    in_flight: int = 0  # requests this tracker is relaying to the node right now
+    routed: int = 0
+    registered_at: float = field(default_factory=time.time)
+
+    @property
+    def node_id(self) -> str:
+        return self.announcement.node_id
+
+    def busy_fraction(self) -> float:
+        # Our own in-flight count is current; the heartbeat's is up to a period old but sees
+        # traffic from elsewhere. The larger of the two is the better guess.
+        busy = max(self.in_flight, self.load.slots_busy + self.load.queue_depth)
+        return busy / max(self.announcement.slots, 1)
+
+
+class NodeRegistry:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._nodes: dict[str, NodeEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def all(self) -> list[NodeEntry]:
+        return list(self._nodes.values())
+
+    def get(self, node_id: str) -> NodeEntry | None:
+        return self._nodes.get(node_id)
+
+    def register(self, announcement: NodeAnnouncement) -> NodeEntry:
+        previous = self._nodes.get(announcement.node_id)
+        entry = NodeEntry(
+            announcement=announcement,
+            state=announcement.state,
+            load=NodeLoad(slots_total=announcement.slots),
+            last_seen=self._clock(),
+            # A re-registration (e.g. the node restarted) must not forget requests still being relayed.
+            in_flight=previous.in_flight if previous else 0,
+        )
+        self._nodes[announcement.node_id] = entry
+        return entry
+
+    def heartbeat(self, node_id: str, state: MeshState, load: NodeLoad) -> NodeEntry | None:
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            return None
+        entry.state, entry.load, entry.last_seen = state, load, self._clock()
+        return entry
+
+    def remove(self, node_id: str) -> NodeEntry | None:
+        return self._nodes.pop(node_id, None)
+
+    def expire(self) -> list[str]:
+        """Drop nodes silent for longer than the TTL; returns their ids."""
+        cutoff = self._clock() - self.ttl_s
+        gone = [node_id for node_id, entry in self._nodes.items() if entry.last_seen < cutoff]
+        for node_id in gone:
+            del self._nodes[node_id]
+        return gone
+
+    def routable(self, model: str) -> list[NodeEntry]:
+        """Online, healthy, fresh nodes holding every layer of `model`: the only ones given single-hop routes."""
+        cutoff = self._clock() - self.ttl_s
+        return [
+            entry
+            for entry in self._nodes.values()
+            if entry.announcement.model_id == model
+            and entry.state == "online"
+            and entry.healthy
+            and entry.last_seen >= cutoff
+            and entry.announcement.full_coverage
+        ]
+
+    def pick(self, model: str, exclude: Collection[str] = ()) -> NodeEntry | None:
+        candidates = [e for e in self.routable(model) if e.node_id not in exclude]
+        if not candidates:
+            return None
+        # Least busy first; among equals the one routed to least, so idle nodes share the work.
+        return min(candidates, key=lambda e: (e.busy_fraction(), e.routed))
+
+    def models(self) -> dict[str, list[NodeEntry]]:
+        """Every model some node announced, with its routable nodes (possibly none)."""
+        found: dict[str, list[NodeEntry]] = {}
+        for entry in self._nodes.values():
+            found.setdefault(entry.announcement.model_id, [])
+        for model in found:
+            found[model] = self.routable(model)
+        return found

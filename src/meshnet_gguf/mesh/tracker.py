@@ -1,0 +1,595 @@
+"""Reference Meshnet tracker: registers nodes, routes each OpenAI request to one whole-model node
+with a signed single-hop route, relays the answer unbuffered, and keeps its own usage ledger.
+
+It speaks only the contract in `docs/protocol.md` (through `meshnet_gguf.protocol`
+and the floor-1 helpers); it knows nothing of how a node works inside.
+Run it with `meshnet-gguf dev tracker`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshnet_gguf.mesh.metering import RelayMeter
+from meshnet_gguf.mesh.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.mesh.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, TrackerLedger
+from meshnet_gguf.protocol import (
+    CLOCK_SKEW_S,
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    ENROLMENT_HEADER,
+    MAX_ROUTE_LIFETIME_S,
+    NODE_AUTH_AUDIENCE,
+    NODE_AUTH_LIFETIME_S,
+    NODE_TTL_HEARTBEATS,
+    PROTOCOL_VERSION,
+    REQUEST_ID_HEADER,
+    ROUTE_HEADER,
+    WELL_KNOWN_PATH,
+    Deregistration,
+    Heartbeat,
+    HeartbeatAck,
+    HealthReport,
+    NodeAnnouncement,
+    ReceiptAck,
+    ReceiptBatch,
+    ReceiptClaims,
+    ReceiptRejection,
+    RegistrationAck,
+    RouteClaims,
+    RouteHop,
+    TrackerInfo,
+    UsageReceipt,
+    error_body,
+)
+from meshnet_gguf.signing import (
+    KeyFormatError,
+    body_sha256,
+    decode_token,
+    encode_token,
+    load_or_create_private_key,
+    node_id_for,
+    parse_public_key,
+    public_key_text,
+    tracker_issuer_for,
+)
+
+log = logging.getLogger(__name__)
+
+TRACKER_KEY_FILE = "tracker_key.pem"
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions")
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+# Half the contract's ceiling: plenty for a request to reach its node, little to replay.
+DEFAULT_ROUTE_LIFETIME_S = 30
+# Health polls catch a node that heartbeats but cannot serve (llama-server restarting).
+DEFAULT_HEALTH_POLL_INTERVAL_S = 5.0
+HEALTH_POLL_TIMEOUT_S = 2.0
+# Same default as the node's own body limit: larger requests would be refused there anyway.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# Applied when a client names no limit, so every route carries a finite max_tokens.
+DEFAULT_MAX_TOKENS_CAP = 4096
+# A node that refuses the connection never saw the request, so one more node may be tried.
+MAX_ROUTE_ATTEMPTS = 2
+RELAY_CONNECT_TIMEOUT_S = 5.0
+# Between two chunks of an answer: a 100 GB model may prefill a long prompt for minutes.
+RELAY_READ_TIMEOUT_S = 600.0
+# Registration bodies are small; anything bigger is not a node talking.
+MAX_CONTROL_BODY_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TrackerConfig:
+    state_dir: Path
+    enrolment_secret: str | None = None
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    route_lifetime_s: int = DEFAULT_ROUTE_LIFETIME_S
+    health_poll_interval_s: float = DEFAULT_HEALTH_POLL_INTERVAL_S
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+
+    def __post_init__(self) -> None:
+        if not 0 < self.route_lifetime_s <= MAX_ROUTE_LIFETIME_S:
+            raise ValueError(f"route lifetime must be 1..{MAX_ROUTE_LIFETIME_S} s")
+
+    @property
+    def ttl_s(self) -> float:
+        return self.heartbeat_interval_s * NODE_TTL_HEARTBEATS
+
+
+class Refusal(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.code, self.message), self.status, headers=self.headers)
+
+
+class Tracker:
+    def __init__(self, config: TrackerConfig) -> None:
+        self.config = config
+        self._key = load_or_create_private_key(Path(config.state_dir) / TRACKER_KEY_FILE)
+        self.public_key_text = public_key_text(self._key.public_key())
+        self.issuer = tracker_issuer_for(self._key.public_key())
+        self.registry = NodeRegistry(config.ttl_s)
+        self.ledger = TrackerLedger(Path(config.state_dir) / TRACKER_LEDGER_FILE)
+        self._http: httpx.AsyncClient | None = None
+        self._poll_wake = anyio.Event()
+
+    def info(self) -> TrackerInfo:
+        return TrackerInfo(
+            issuer=self.issuer,
+            public_key=self.public_key_text,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            ttl_s=self.config.ttl_s,
+        )
+
+    # --- app ---------------------------------------------------------------
+    def app(self) -> Starlette:
+        relay = _RelayEndpoint(self)
+        routes = [
+            Route(WELL_KNOWN_PATH, self._well_known, methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/v1/nodes", self._nodes, methods=["GET"]),
+            Route("/v1/nodes/register", self._register, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/heartbeat", self._heartbeat, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/deregister", self._deregister, methods=["POST"]),
+            Route("/v1/nodes/{node_id}/receipts", self._receipts, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/usage", self._usage_list, methods=["GET"]),
+            Route("/v1/usage/{request_id}", self._usage, methods=["GET"]),
+            *(Route(path, relay, methods=["POST"]) for path in INFERENCE_PATHS),
+        ]
+        return Starlette(routes=routes, lifespan=self._lifespan)
+
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(RELAY_READ_TIMEOUT_S, connect=RELAY_CONNECT_TIMEOUT_S, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http:
+            self._http = http
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_nodes)
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()
+            self._http = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise RuntimeError("tracker app is not running (lifespan not started)")
+        return self._http
+
+    # --- node liveness -----------------------------------------------------
+    def poll_soon(self) -> None:
+        self._poll_wake.set()
+
+    async def _watch_nodes(self) -> None:
+        while True:
+            self._poll_wake = anyio.Event()
+            for node_id in self.registry.expire():
+                log.warning("node %s missed its heartbeats for %.0f s; dropped", node_id, self.config.ttl_s)
+            async with anyio.create_task_group() as tg:
+                for entry in self.registry.all():
+                    tg.start_soon(self._poll_health, entry)
+            with anyio.move_on_after(self.config.health_poll_interval_s):
+                await self._poll_wake.wait()
+
+    async def _poll_health(self, entry: NodeEntry) -> None:
+        url = entry.announcement.advertised_url.rstrip("/") + "/health"
+        try:
+            response = await self.http.get(url, timeout=HEALTH_POLL_TIMEOUT_S)
+            entry.health = HealthReport.model_validate_json(response.content)
+            healthy = response.status_code == 200 and entry.health.state == "ready"
+        except (httpx.HTTPError, ValidationError) as exc:
+            log.debug("health poll of %s failed: %s", entry.node_id, exc)
+            healthy = False
+        if healthy != entry.healthy:
+            log.info("node %s is %s", entry.node_id, "healthy" if healthy else "not healthy")
+        entry.healthy = healthy
+
+    # --- control endpoints ------------------------------------------------
+    async def _well_known(self, request: Request) -> Response:
+        return _model_response(self.info())
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "protocol_version": PROTOCOL_VERSION, "nodes": len(self.registry)})
+
+    async def _nodes(self, request: Request) -> Response:
+        return JSONResponse(
+            [
+                {
+                    "node_id": e.node_id,
+                    "model": e.announcement.model_id,
+                    "state": e.state,
+                    "healthy": e.healthy,
+                    "in_flight": e.in_flight,
+                    "load": e.load.model_dump(),
+                    "advertised_url": e.announcement.advertised_url,
+                    "announcement": e.announcement.model_dump(exclude={"public_key"}),
+                }
+                for e in self.registry.all()
+            ]
+        )
+
+    async def _register(self, request: Request) -> Response:
+        try:
+            body = await _control_body(request)
+            announcement = _parse(NodeAnnouncement, body)
+            if announcement.protocol_version.split(".")[0] != PROTOCOL_VERSION.split(".")[0]:
+                raise Refusal(409, "unsupported_protocol", f"tracker speaks protocol {PROTOCOL_VERSION}")
+            self._check_enrolment(request)
+            try:
+                key = parse_public_key(announcement.public_key)
+            except KeyFormatError as exc:
+                raise Refusal(400, "bad_public_key", str(exc)) from None
+            if node_id_for(key) != announcement.node_id:
+                raise Refusal(400, "node_id_mismatch", "node_id is not derived from public_key")
+            _verify_node_call(request, body, announcement.node_id, key)
+            if not announcement.full_coverage:
+                raise Refusal(
+                    422, "partial_coverage_unsupported", "this tracker routes single-hop only; a node must hold every layer"
+                )
+        except Refusal as refusal:
+            return refusal.response()
+        await self.ledger.remember_node(announcement.node_id, announcement.public_key)
+        self.registry.register(announcement)
+        self.poll_soon()
+        log.info(
+            "node %s registered: %s at %s (%s)",
+            announcement.node_id, announcement.model_id, announcement.advertised_url, announcement.state,
+        )
+        return _model_response(
+            RegistrationAck(
+                node_id=announcement.node_id,
+                issuer=self.issuer,
+                heartbeat_interval_s=self.config.heartbeat_interval_s,
+                ttl_s=self.config.ttl_s,
+            )
+        )
+
+    def _check_enrolment(self, request: Request) -> None:
+        expected = self.config.enrolment_secret
+        if expected is None:
+            return
+        given = request.headers.get(ENROLMENT_HEADER, "")
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise Refusal(401, "bad_enrolment_secret", f"registration needs the tracker's enrolment secret in {ENROLMENT_HEADER}")
+
+    async def _heartbeat(self, request: Request) -> Response:
+        node_id = request.path_params["node_id"]
+        try:
+            entry = self._registered(node_id)
+            body = await _control_body(request)
+            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key))
+            beat = _parse(Heartbeat, body)
+        except Refusal as refusal:
+            return refusal.response()
+        was = entry.state
+        self.registry.heartbeat(node_id, beat.state, beat.load)
+        if beat.state != was:
+            log.info("node %s: %s -> %s", node_id, was, beat.state)
+            self.poll_soon()
+        return _model_response(HeartbeatAck(ttl_s=self.config.ttl_s))
+
+    async def _deregister(self, request: Request) -> Response:
+        node_id = request.path_params["node_id"]
+        try:
+            entry = self._registered(node_id)
+            body = await _control_body(request)
+            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key))
+            reason = _parse(Deregistration, body).reason
+        except Refusal as refusal:
+            return refusal.response()
+        self.registry.remove(node_id)
+        log.info("node %s deregistered (%s)", node_id, reason)
+        return JSONResponse({})
+
+    def _registered(self, node_id: str) -> NodeEntry:
+        entry = self.registry.get(node_id)
+        if entry is None:
+            raise Refusal(404, "unknown_node", f"node {node_id} is not registered; register again")
+        return entry
+
+    async def _receipts(self, request: Request) -> Response:
+        node_id = request.path_params["node_id"]
+        try:
+            # Keys are kept in the ledger, so receipts verify even before the node re-registers
+            # after a tracker restart.
+            key_text = await self.ledger.node_key(node_id)
+            if key_text is None:
+                raise Refusal(404, "unknown_node", f"node {node_id} never registered here")
+            key = parse_public_key(key_text)
+            body = await _control_body(request)
+            _verify_node_call(request, body, node_id, key)
+            batch = _parse(ReceiptBatch, body)
+            if batch.node_id != node_id:
+                raise Refusal(400, "wrong_node", "batch node_id differs from the path")
+        except Refusal as refusal:
+            return refusal.response()
+        ack = ReceiptAck()
+        for receipt in batch.receipts:
+            try:
+                await self._accept_receipt(node_id, key, receipt)
+            except Refusal as refusal:
+                log.warning("receipt %s from %s refused: %s", receipt.request_id, node_id, refusal.message)
+                ack.rejected.append(ReceiptRejection(request_id=receipt.request_id, code=refusal.code, message=refusal.message))
+            else:
+                ack.accepted.append(receipt.request_id)
+        return _model_response(ack)
+
+    async def _accept_receipt(self, node_id: str, key: Ed25519PublicKey, receipt: UsageReceipt) -> None:
+        try:
+            raw = decode_token(receipt.token, key, required=["iss", "jti", "iat", "usage"], leeway=CLOCK_SKEW_S)
+            claims = ReceiptClaims.model_validate(raw)
+        except jwt.InvalidSignatureError:
+            raise Refusal(400, "bad_signature", "receipt signature does not match the node key") from None
+        except (jwt.InvalidTokenError, ValidationError) as exc:
+            raise Refusal(400, "malformed", f"receipt is not valid: {exc}") from None
+        if claims.iss != node_id:
+            raise Refusal(400, "wrong_node", f"receipt signed for node {claims.iss}")
+        if not (claims.jti == claims.usage.request_id == receipt.request_id):
+            raise Refusal(400, "malformed", "receipt request ids disagree")
+        relayed = await self.ledger.relayed(receipt.request_id)
+        if relayed is None:
+            raise Refusal(400, "unknown_request", "this tracker never routed that request")
+        if relayed.node_id != node_id:
+            raise Refusal(400, "wrong_node", f"request was routed to {relayed.node_id}")
+        if await self.ledger.store_receipt(node_id, claims.usage, receipt.token):
+            await self._compare(receipt.request_id)
+
+    async def _compare(self, request_id: str) -> None:
+        usage = await self.ledger.usage(request_id)
+        if usage is not None and usage.agreement == "mismatch":
+            log.warning(
+                "usage mismatch for %s on %s: tracker counted %s, node signed %s",
+                request_id, usage.node_id, usage.tracker.model_dump(), usage.node.model_dump() if usage.node else None,
+            )
+
+    async def _models(self, request: Request) -> Response:
+        data = [
+            {"id": model, "object": "model", "created": 0, "owned_by": "meshnet", "meshnet_nodes": len(nodes)}
+            for model, nodes in sorted(self.registry.models().items())
+            if nodes
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _usage(self, request: Request) -> Response:
+        usage = await self.ledger.usage(request.path_params["request_id"])
+        if usage is None:
+            return Refusal(404, "unknown_request", "no request with that id was routed here").response()
+        return _model_response(usage)
+
+    async def _usage_list(self, request: Request) -> Response:
+        limit = int(request.query_params.get("limit", "100"))
+        return JSONResponse([u.model_dump() for u in await self.ledger.usage_list(limit=limit)])
+
+    # --- routing ------------------------------------------------------------
+    def sign_route(self, node: NodeEntry, request_id: str, path: str, model: str, body: bytes, max_tokens: int | None) -> str:
+        now = int(time.time())
+        ann = node.announcement
+        claims = RouteClaims(
+            iss=self.issuer,
+            sub=ann.node_id,
+            jti=request_id,
+            iat=now,
+            exp=now + self.config.route_lifetime_s,
+            path=path,
+            model=model,
+            hops=[RouteHop(node_id=ann.node_id, first_layer=ann.first_layer, last_layer=ann.last_layer)],
+            body_sha256=body_sha256(body),
+            max_tokens=max_tokens,
+        )
+        return encode_token(claims.model_dump(), self._key)
+
+    def route_max_tokens(self, path: str, payload: dict[str, Any]) -> int | None:
+        if path not in GENERATING_PATHS:
+            return None
+        asked = [v for f in MAX_TOKENS_FIELDS if isinstance(v := payload.get(f), int) and not isinstance(v, bool) and v > 0]
+        return min([*asked, self.config.max_tokens_cap])
+
+
+class _RelayEndpoint:
+    """Pure ASGI for the inference routes: full control of streaming, disconnects and clean-up."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        request = Request(scope, receive)
+        try:
+            body = await _limited_body(request, self.tracker.config.max_body_bytes)
+            payload = _json_object(body)
+            model = payload.get("model")
+            if not isinstance(model, str) or not model:
+                raise Refusal(400, "missing_model", "'model' is required")
+            upstream, node, request_id, stream = await self._open(scope["path"], model, payload, body)
+        except Refusal as refusal:
+            await refusal.response()(scope, receive, send)
+            return
+        meter = RelayMeter(upstream.headers.get("content-type", "").startswith("text/event-stream"))
+        outcome: Outcome = "cancelled"
+        try:
+            headers = [
+                (k.encode("latin-1"), v.encode("latin-1"))
+                for k, v in upstream.headers.items()
+                if k.lower() not in _HOP_HEADERS
+            ]
+            await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
+            async with anyio.create_task_group() as tg:
+
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch_disconnect)
+                outcome = await self._pump(upstream, meter, send)
+                tg.cancel_scope.cancel()
+        except OSError:
+            outcome = "cancelled"  # the client went away while we were sending
+        finally:
+            node.in_flight -= 1
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+                if upstream.status_code >= 400:
+                    outcome = "refused"
+                counts = meter.counts(upstream.headers)
+                await self.tracker.ledger.finish_request(request_id, upstream.status_code, outcome, counts)
+                log.info(
+                    "request %s -> %s: %s %s, %s", request_id, node.node_id, upstream.status_code, outcome,
+                    counts.model_dump() if counts else "no usage seen",
+                )
+                await self.tracker._compare(request_id)
+
+    async def _open(
+        self, path: str, model: str, payload: dict[str, Any], body: bytes
+    ) -> tuple[httpx.Response, NodeEntry, str, bool]:
+        tracker = self.tracker
+        if model not in tracker.registry.models():
+            raise Refusal(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
+        stream = payload.get("stream") is True
+        max_tokens = tracker.route_max_tokens(path, payload)
+        tried: set[str] = set()
+        for _ in range(MAX_ROUTE_ATTEMPTS):
+            node = tracker.registry.pick(model, exclude=tried)
+            if node is None:
+                break
+            tried.add(node.node_id)
+            request_id = f"req-{uuid.uuid4().hex}"
+            token = tracker.sign_route(node, request_id, path, model, body, max_tokens)
+            await tracker.ledger.open_request(request_id, node.node_id, model, path, stream)
+            headers = {
+                "content-type": "application/json",
+                "accept-encoding": "identity",  # relay bytes as the node wrote them
+                ROUTE_HEADER: token,
+                REQUEST_ID_HEADER: request_id,
+                "x-request-id": request_id,
+            }
+            url = node.announcement.advertised_url.rstrip("/") + path
+            node.in_flight += 1
+            node.routed += 1
+            try:
+                upstream = await tracker.http.send(tracker.http.build_request("POST", url, content=body, headers=headers), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                node.in_flight -= 1
+                node.healthy = False  # until the next health poll says otherwise
+                tracker.poll_soon()
+                log.warning("node %s unreachable (%s); trying another", node.node_id, exc)
+                await tracker.ledger.finish_request(request_id, None, "refused", None)
+                continue
+            except httpx.HTTPError as exc:
+                node.in_flight -= 1
+                await tracker.ledger.finish_request(request_id, None, "upstream_error", None)
+                raise Refusal(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
+            return upstream, node, request_id, stream
+        raise Refusal(
+            503,
+            "no_node_available",
+            f"no ready node for {model!r} right now; retry shortly",
+            headers={"retry-after": str(max(1, int(tracker.config.heartbeat_interval_s)))},
+        )
+
+    async def _pump(self, upstream: httpx.Response, meter: RelayMeter, send: Any) -> Outcome:
+        try:
+            async for chunk in upstream.aiter_raw():
+                meter.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            log.warning("relay from node broke: %s", exc)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return "upstream_error"
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if meter.error or (meter.event_stream and not meter.done):
+            return "upstream_error"
+        return "complete"
+
+
+# Headers that describe the node -> tracker hop, not ours (uvicorn frames the body itself).
+_HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
+
+
+def _model_response(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status, media_type="application/json")
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise Refusal(400, "malformed", f"{model.__name__}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise Refusal(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise Refusal(400, "invalid_json", "request body must be a JSON object")
+    return payload
+
+
+async def _limited_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Refusal(413, "body_too_large", f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _control_body(request: Request) -> bytes:
+    return await _limited_body(request, MAX_CONTROL_BODY_BYTES)
+
+
+def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519PublicKey) -> None:
+    """Check the node's bearer token: its key signed this very method, path and body, moments ago."""
+    auth = request.headers.get("authorization", "")
+    if not auth.startswith("Bearer "):
+        raise Refusal(401, "missing_node_auth", "node calls need Authorization: Bearer <node token>")
+    try:
+        claims = decode_token(
+            auth[len("Bearer ") :],
+            key,
+            required=["iss", "aud", "iat", "exp", "htm", "htu", "body_sha256"],
+            leeway=CLOCK_SKEW_S,
+            audience=NODE_AUTH_AUDIENCE,
+        )
+    except jwt.InvalidTokenError as exc:
+        raise Refusal(401, "bad_node_auth", f"node token is not valid: {exc}") from None
+    if claims["exp"] - claims["iat"] > NODE_AUTH_LIFETIME_S:
+        raise Refusal(401, "bad_node_auth", "node token lives too long")
+    if claims["iss"] != node_id:
+        raise Refusal(401, "bad_node_auth", "node token is for another node")
+    if (claims["htm"], claims["htu"]) != (request.method, request.url.path):
+        raise Refusal(401, "bad_node_auth", "node token is for another call")
+    if claims["body_sha256"] != body_sha256(body):
+        raise Refusal(401, "bad_node_auth", "body differs from the one the node signed")
+
+
+def create_app(config: TrackerConfig) -> Starlette:
+    return Tracker(config).app()

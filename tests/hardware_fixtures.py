@@ -1,0 +1,95 @@
+"""Recorded machines (tests/fixtures/hardware/<box>/) and model facts shared by the hardware, plan and advisor tests.
+
+Each box holds `root/` (the sysfs and proc files the probes read) and
+`commands/<name>.txt` (what `llama-server --list-devices`, `nvidia-smi` and
+`rocminfo` printed there). A command without a file was not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshnet_gguf.binary import BinaryInfo
+from meshnet_gguf.catalog import load_catalog
+from meshnet_gguf.hardware import HardwareReport, RecordedCommands, probe_hardware
+from meshnet_gguf.launch_plan import ModelFacts
+from meshnet_gguf.quant_advisor import QuantOption
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
+BOXES = ("strix-halo-128", "strix-halo-128-carveout-64", "strix-halo-80", "nvidia-rtx4090", "cpu-only")
+
+# DeepSeek-V4-Flash's attention, as its config states it: 43 layers, one
+# shared KV head of 512 dims. Counting every layer's KV in full is an upper
+# bound (the model compresses most layers' KV). Sizes and context come from the catalog.
+DEEPSEEK_V4_FLASH_LAYERS = 43
+DEEPSEEK_V4_FLASH_KV_HEADS = 1
+DEEPSEEK_V4_FLASH_HEAD_DIM = 512
+
+
+def require_software_vulkan() -> None:
+    """Skip unless Mesa's lavapipe ICD is installed (CI installs Debian's mesa-vulkan-drivers)."""
+    icd_dirs = (Path("/usr/share/vulkan/icd.d"), Path("/etc/vulkan/icd.d"))
+    if not any(p.name.startswith("lvp_icd") for d in icd_dirs for p in d.glob("*.json")):
+        pytest.skip("no software Vulkan driver (Debian: apt install mesa-vulkan-drivers)")
+
+
+def fixture_binary(help_file: str = "llama-server-help-b10434.txt") -> BinaryInfo:
+    """A BinaryInfo with a recorded `--help`; its path is only a name for the recorded command runner."""
+    return BinaryInfo(
+        path=Path("llama-server"),
+        source="fixture",
+        version="fixture",
+        build=None,
+        help_text=(FIXTURES / help_file).read_text(),
+    )
+
+
+def load_box(box: str, *, list_devices: str | None = None, binary: BinaryInfo | None = None) -> HardwareReport:
+    """Probe a recorded box; `list_devices` swaps in another recorded `--list-devices` output of that box."""
+    commands = FIXTURES / box / "commands"
+    replace = {"llama-server": commands / list_devices} if list_devices else None
+    return probe_hardware(
+        binary or fixture_binary(),
+        root=FIXTURES / box / "root",
+        run=RecordedCommands(commands, replace=replace),
+        platform="linux",
+    )
+
+
+def deepseek_quants() -> list[QuantOption]:
+    entry = load_catalog().get("deepseek-v4-flash")
+    assert entry is not None, "the catalog lost its DeepSeek-V4-Flash entry"
+    return [QuantOption(q.name, q.total_bytes, q.shards) for q in entry.quants]
+
+
+def deepseek_facts(quant: str) -> ModelFacts:
+    entry = load_catalog().get("deepseek-v4-flash")
+    assert entry is not None and entry.context_length
+    q = entry.quant(quant)
+    assert q is not None, f"catalog has no {quant}"
+    return ModelFacts(
+        name=f"DeepSeek-V4-Flash-{q.name}",
+        total_bytes=q.total_bytes,
+        block_count=DEEPSEEK_V4_FLASH_LAYERS,
+        head_count_kv=DEEPSEEK_V4_FLASH_KV_HEADS,
+        head_dim_k=DEEPSEEK_V4_FLASH_HEAD_DIM,
+        head_dim_v=DEEPSEEK_V4_FLASH_HEAD_DIM,
+        context_length=entry.context_length,
+        path=Path("models") / q.name / f"DeepSeek-V4-Flash-{q.name}-00001-of-{q.shards:05d}.gguf",
+        shard_count=q.shards,
+    )
+
+
+def dense_facts(name: str, total_bytes: int, layers: int, kv_heads: int, head_dim: int, context: int) -> ModelFacts:
+    return ModelFacts(
+        name=name,
+        total_bytes=total_bytes,
+        block_count=layers,
+        head_count_kv=kv_heads,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim,
+        context_length=context,
+        path=Path("models") / f"{name}.gguf",
+    )

@@ -1,0 +1,250 @@
+"""Launch plans from recorded machines, and one real launch whose layers must land on Vulkan0."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hardware_fixtures import deepseek_facts, dense_facts, fixture_binary, load_box, require_software_vulkan
+from node_process import free_port
+
+from meshnet_gguf.binary import BinaryInfo
+from meshnet_gguf.config import NodeSettings
+from meshnet_gguf.gguf_info import read_gguf_info
+from meshnet_gguf.hardware import GB, probe_hardware
+from meshnet_gguf.launch_plan import (
+    CTX_GRANULARITY,
+    MAX_CTX_PER_SLOT,
+    MIN_CTX_PER_SLOT,
+    ModelFacts,
+    ctx_floor,
+    plan_launch,
+)
+
+# A dense 70B at Q4_K_M and an 8B at Q4_K_M, with their published attention shapes.
+LLAMA_70B_Q4 = dense_facts("Llama-3.3-70B-Q4_K_M", int(42.5 * GB), layers=80, kv_heads=8, head_dim=128, context=131072)
+QWEN_8B_Q4 = dense_facts("Qwen3-8B-Q4_K_M", int(5.0 * GB), layers=36, kv_heads=8, head_dim=128, context=40960)
+SUPERVISOR_OPTIONS = {"--host", "--port", "--api-key", "--api-key-file"}
+
+
+def _value(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_deepseek_ud_iq3_xxs_on_strix_halo_128_offloads_every_layer_without_mmap() -> None:
+    model = deepseek_facts("UD-IQ3_XXS")
+    hw = load_box("strix-halo-128")
+    plan = plan_launch(model, hw, NodeSettings(), fixture_binary())
+
+    assert not plan.cpu_only and plan.fits
+    assert (plan.backend, plan.device) == ("vulkan", "Vulkan0")
+    assert plan.gpu_layers == plan.total_layers == model.block_count + 1
+    assert _value(plan.argv, "--n-gpu-layers") == str(plan.total_layers)
+    assert _value(plan.argv, "--device") == "Vulkan0"
+    assert plan.load_mode == "no-mmap" and _value(plan.argv, "--load-mode") == "none"
+    assert _value(plan.argv, "--model").endswith("-00001-of-00004.gguf")
+    # context: at least the floor, at most the per-slot cap, whole KV pages per slot, within the GPU budget
+    assert ctx_floor(model, 4) <= plan.ctx_size <= 4 * MAX_CTX_PER_SLOT
+    assert plan.ctx_size % (4 * CTX_GRANULARITY) == 0
+    assert _value(plan.argv, "--ctx-size") == str(plan.ctx_size)
+    assert plan.gpu_bytes <= hw.gpus[0].budget_bytes
+    assert not SUPERVISOR_OPTIONS & set(plan.argv)
+    assert "all 44 layers" in plan.describe() and "CPU only" not in plan.describe()
+
+
+def test_large_carve_out_plan_stays_inside_the_honest_budget() -> None:
+    hw = load_box("strix-halo-128-carveout-64")
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, NodeSettings(), fixture_binary())
+
+    gpu = hw.gpus[0]
+    assert plan.gpu_layers == plan.total_layers
+    assert plan.gpu_bytes <= gpu.budget_bytes < gpu.memory_total_bytes - 40 * GB
+
+
+def test_cpu_box_plan_is_cpu_only_and_says_so() -> None:
+    hw = load_box("cpu-only")
+    plan = plan_launch(QWEN_8B_Q4, hw, NodeSettings(), fixture_binary())
+
+    assert plan.cpu_only and plan.backend == "cpu" and plan.device is None
+    assert plan.gpu_layers == 0 and _value(plan.argv, "--n-gpu-layers") == "0"
+    assert plan.load_mode == "mmap" and "--load-mode" not in plan.argv and "--no-mmap" not in plan.argv
+    assert plan.ctx_size == 4 * min(MAX_CTX_PER_SLOT, QWEN_8B_Q4.context_length)
+    assert any(r.startswith("CPU only: this machine has no GPU") for r in plan.reasons)
+    assert plan.describe().startswith("plan: CPU only")
+
+
+def test_nvidia_box_splits_a_70b_between_the_4090_and_the_cpu() -> None:
+    hw = load_box("nvidia-rtx4090")
+    plan = plan_launch(LLAMA_70B_Q4, hw, NodeSettings(), fixture_binary())
+
+    assert plan.device == "Vulkan0"  # the RTX 4090, not the Raphael iGPU (Vulkan1)
+    assert isinstance(plan.gpu_layers, int) and 0 < plan.gpu_layers < plan.total_layers
+    assert plan.gpu_bytes <= hw.primary_gpu().budget_bytes
+    assert plan.load_mode == "mmap"  # dedicated VRAM: the page cache is no second copy in the same memory
+    assert plan.fits
+    assert any("the other layers run on the CPU" in r for r in plan.reasons)
+
+
+def test_nvidia_invisible_to_llama_server_falls_back_to_cpu_with_the_reason() -> None:
+    hw = load_box("nvidia-rtx4090", list_devices="llama-server-no-vulkan.txt")
+    plan = plan_launch(QWEN_8B_Q4, hw, NodeSettings(), fixture_binary())
+
+    assert plan.cpu_only
+    assert any("lists no device for NVIDIA GeForce RTX 4090" in r for r in plan.reasons)
+
+
+def test_operator_choices_win_over_the_plan() -> None:
+    hw = load_box("strix-halo-128")
+    settings = NodeSettings(
+        ctx_size=8192,
+        n_gpu_layers="10",
+        parallel=2,
+        llama_args=["--flash-attn", "off", "-b", "512", "--mmap"],
+    )
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, settings, fixture_binary())
+
+    assert plan.gpu_layers == 10 and _value(plan.argv, "--n-gpu-layers") == "10"
+    assert plan.ctx_size == 8192 and _value(plan.argv, "--ctx-size") == "8192"
+    assert _value(plan.argv, "--parallel") == "2"
+    assert plan.flash_attn == "off"
+    # the plan does not emit its own spelling of what the operator set; theirs comes last, verbatim
+    assert plan.argv.count("--flash-attn") == 1 and "--batch-size" not in plan.argv and "--load-mode" not in plan.argv
+    assert plan.argv[-5:] == ("--flash-attn", "off", "-b", "512", "--mmap")
+    assert any("set by --ctx-size" in r for r in plan.reasons)
+
+
+def test_quantized_kv_cache_from_llama_args_enlarges_the_planned_context() -> None:
+    hw = load_box("strix-halo-80")
+    small = dense_facts("Mistral-Small-24B-Q4_K_M", int(14.3 * GB), layers=40, kv_heads=8, head_dim=128, context=131072)
+    f16 = plan_launch(small, hw, NodeSettings(parallel=8), fixture_binary())
+    q8 = plan_launch(small, hw, NodeSettings(parallel=8, llama_args=["-ctk", "q8_0", "-ctv", "q8_0"]), fixture_binary())
+
+    assert f16.ctx_size < q8.ctx_size
+
+
+def test_older_binary_gets_no_mmap_and_bare_flash_attn_and_a_device_warning() -> None:
+    old = fixture_binary("llama-server-help-old.txt")
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), load_box("strix-halo-128", binary=old), NodeSettings(), old)
+
+    assert "--no-mmap" in plan.argv and "--load-mode" not in plan.argv
+    flash = plan.argv.index("--flash-attn")
+    assert plan.argv[flash + 1].startswith("-")  # a bare switch on builds before on|off|auto
+    assert "--device" not in plan.argv
+    assert any("no --device option" in w for w in plan.warnings)
+
+
+def test_one_gpu_listed_by_two_backends_is_pinned_to_one_device(tmp_path: Path) -> None:
+    listing = tmp_path / "llama-server.txt"
+    listing.write_text(
+        "Available devices:\n"
+        "  ROCm0: AMD Radeon Graphics (126976 MiB, 126000 MiB free)\n"
+        "  Vulkan0: Radeon 8060S Graphics (RADV GFX1151) (127488 MiB, 126812 MiB free)\n"
+    )
+    hw = load_box("strix-halo-128", list_devices=str(listing))
+    assert len(hw.gpus) == 1 and {d.name for d in hw.gpus[0].llama_devices} == {"ROCm0", "Vulkan0"}
+
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, NodeSettings(), fixture_binary())
+    assert plan.argv.count("--device") == 1 and _value(plan.argv, "--device") == "Vulkan0"
+
+
+def test_a_model_too_large_for_the_box_is_planned_but_flagged() -> None:
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), load_box("strix-halo-80"), NodeSettings(), fixture_binary())
+
+    assert not plan.fits
+    assert plan.ctx_size > 0  # 0 would ask llama-server for the whole training context
+    assert any("does not fit" in w for w in plan.warnings)
+
+
+def test_kv_estimate_counts_every_layer_and_head() -> None:
+    model = deepseek_facts("UD-IQ3_XXS")
+    assert model.kv_bytes_per_token() == 43 * 1 * (512 + 512) * 2
+    assert model.kv_bytes_per_token("q8_0", "q8_0") == pytest.approx(43 * 1024 * 34 / 32)
+    assert ctx_floor(model, 4) == 4 * MIN_CTX_PER_SLOT
+
+
+def test_model_facts_from_a_real_gguf_header(tiny_split_gguf: Path) -> None:
+    from meshnet_gguf.gguf_info import total_bytes
+
+    shards = sorted(tiny_split_gguf.parent.glob("tiny-*-of-*.gguf"))
+    facts = ModelFacts.from_gguf(read_gguf_info(tiny_split_gguf), total_bytes(shards))
+
+    assert (facts.block_count, facts.head_count_kv, facts.head_dim_k, facts.context_length) == (2, 2, 16, 2048)
+    assert facts.shard_count == 3 and facts.total_bytes == sum(p.stat().st_size for p in shards)
+    assert facts.path == tiny_split_gguf and facts.guessed == ()
+
+
+# --------------------------------------------------------------------------- the real binary on lavapipe
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+_VULKAN_BUFFER = re.compile(r"Vulkan0 model buffer size\s*=\s*([\d.]+) MiB")
+
+
+@pytest.mark.real_llama
+@pytest.mark.slow
+def test_real_llama_server_puts_every_layer_on_vulkan0(real_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path) -> None:
+    require_software_vulkan()
+    hw = probe_hardware(real_llama, device_env={"GGML_VK_VISIBLE_DEVICES": "0"})
+    assert hw.llama_devices, hw.probes
+    info = read_gguf_info(tiny_gguf)
+    model = ModelFacts.from_gguf(info, info.file_bytes)
+    # The only device is a software renderer, so offloading must be asked for; -lv 4 prints the load log.
+    settings = NodeSettings(n_gpu_layers="all", parallel=1, llama_args=["-lv", "4"])
+    plan = plan_launch(model, hw, settings, real_llama)
+    assert (plan.device, plan.gpu_layers, plan.total_layers) == ("Vulkan0", 3, 3)
+    assert plan.env == {"GGML_VK_VISIBLE_DEVICES": "0"}
+
+    port = free_port()
+    log_path = tmp_path / "llama-server.log"
+    argv = [str(real_llama.path), *plan.argv, "--host", "127.0.0.1", "--port", str(port)]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, env=real_llama.environment({**_base_env(), **plan.env}), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(proc, port)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text(errors="replace")
+
+    # "offloaded 3/3 layers" prints even without a GPU; the buffer lines say where the weights really are.
+    assert "offloaded 3/3 layers to GPU" in text, text[-3000:]
+    buffer = _VULKAN_BUFFER.search(text)
+    assert buffer and float(buffer.group(1)) > 0, text[-3000:]
+    assert "CPU_Mapped model buffer" not in text
+    assert "load_mode = none" in text or "--load-mode" not in plan.argv
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("GGML_")}
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"llama-server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"llama-server was not healthy within {READY_TIMEOUT_S:.0f} s")
+
+
+def test_gpu_layers_given_as_a_llama_arg_shape_the_estimate_too() -> None:
+    settings = NodeSettings(llama_args=["-ngl", "0"])
+    plan = plan_launch(QWEN_8B_Q4, load_box("strix-halo-128"), settings, fixture_binary())
+
+    assert plan.cpu_only and "--n-gpu-layers" not in plan.argv
+    assert plan.argv[-2:] == ("-ngl", "0")

@@ -1,0 +1,141 @@
+"""The node serving real GGUF models through the real llama-server, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+pytestmark = pytest.mark.real_llama
+
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+def llama_endpoint(pid: int) -> tuple[str, str]:
+    """llama-server's private URL and internal key, read the way an operator with root could."""
+    proc = psutil.Process(pid)
+    argv = proc.cmdline()
+    port = argv[argv.index("--port") + 1]
+    return f"http://127.0.0.1:{port}", proc.environ()["LLAMA_API_KEY"]
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("model", ["tiny_gguf", "tiny_split_gguf"])
+def test_serves_single_file_and_split_models_to_the_openai_sdk(model: str, request, real_llama, start_node) -> None:  # type: ignore[no-untyped-def]
+    path: Path = request.getfixturevalue(model)
+    node = start_node("--gguf", str(path), "--ctx-size", "2048")
+    node.wait_ready()
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
+    answer = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=8)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    assert answer.usage is not None and answer.usage.completion_tokens >= 1
+
+    chunks = list(client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=8, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks and all(c.usage is None for c in chunks)  # usage chunk hidden: not asked for
+    assert text.isascii()
+
+    completion = client.completions.create(model="any", prompt="abc", max_tokens=4)
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    assert [m.id for m in client.models.list()] == [node.health().json()["model"]]
+    health = node.health().json()
+    assert health["usage"]["requests"] == 3
+    assert health["usage"]["completion_tokens"] >= answer.usage.completion_tokens + 4
+
+
+def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "2048", "--parallel", "2")
+    node.wait_ready()
+    child = node.llama_pid()
+    assert child
+    received: list[bytes] = []
+    finished_at: list[float] = []
+
+    def stream() -> None:
+        with httpx.Client(timeout=60) as client:
+            body = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
+            with client.stream("POST", node.url + "/v1/chat/completions", json=body) as response:
+                for chunk in response.iter_bytes():
+                    received.append(chunk)
+        finished_at.append(time.monotonic())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while sum(c.count(b'"content"') for c in received) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    killed_at = time.monotonic()
+    os.kill(child, signal.SIGKILL)
+    reader.join(timeout=10)
+    assert finished_at and finished_at[0] - killed_at < 1.0
+    body = b"".join(received)
+    assert b'data: {"error"' in body and body.endswith(b"data: [DONE]\n\n")
+
+    unhealthy = node.health()
+    assert unhealthy is not None and unhealthy.status_code == 503
+    health = node.wait_ready(timeout=60)
+    assert health["restarts"] == 1
+    assert node.llama_pid() != child
+    answer = openai.OpenAI(base_url=node.url + "/v1", api_key="x").chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=3
+    )
+    assert answer.choices[0].message.content is not None
+
+
+def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "4096", "--parallel", "1")
+    node.wait_ready()
+    url, key = llama_endpoint(node.llama_pid())
+    slots_url, auth = url + "/slots", {"authorization": f"Bearer {key}"}
+    with httpx.Client(timeout=60) as client:
+        body = {"messages": MESSAGES, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        with client.stream("POST", node.url + "/v1/chat/completions", json=body) as response:
+            chunks = response.iter_bytes()
+            for _ in range(3):
+                next(chunks)
+            assert any(s["is_processing"] for s in httpx.get(slots_url, headers=auth).json())
+        # Leaving the block closed the connection mid-stream.
+        closed_at = time.monotonic()
+        while any(s["is_processing"] for s in httpx.get(slots_url, headers=auth).json()):
+            assert time.monotonic() - closed_at < 2.0, "llama-server kept generating for a gone client"
+            time.sleep(0.02)
+    usage = node.health().json()["usage"]
+    assert usage["cancelled"] == 1 and 0 < usage["completion_tokens"] < 1000
+
+
+def test_sigterm_exits_0_and_leaves_no_llama_server(real_llama, start_node, tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(tiny_gguf))
+    node.wait_ready()
+    child = node.llama_pid()
+    assert child and not gone(child)
+    node.signal(signal.SIGTERM)
+    assert node.wait_exit() == 0
+    assert gone(child)
+    assert not (node.state_dir / "llama-server.pid").exists()
+
+
+@pytest.mark.slow
+def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "2048")
+    node.wait_ready()
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
+    answer = client.chat.completions.create(model="gemma", messages=MESSAGES, max_tokens=16)
+    assert answer.choices[0].message.content and answer.choices[0].message.content.strip()
+    stream = client.chat.completions.create(
+        model="gemma", messages=MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    usage = chunks[-1].usage
+    assert usage is not None and 1 <= usage.completion_tokens <= 16 and usage.prompt_tokens > 0

@@ -1,0 +1,80 @@
+"""The quant advisor on recorded machines: name what fits before a 100 GB download, refuse what does not."""
+
+from __future__ import annotations
+
+import pytest
+from hardware_fixtures import deepseek_facts, deepseek_quants, load_box
+
+from meshnet_gguf.hardware import GB, MemoryCapacity
+from meshnet_gguf.launch_plan import COMPUTE_OVERHEAD_BYTES, ctx_floor
+from meshnet_gguf.quant_advisor import QuantDoesNotFit, QuantOption, advise_quant, check_quant
+
+MODEL = deepseek_facts("UD-IQ3_XXS")  # the attention shape is the same for every quant
+TARGET_CTX = ctx_floor(MODEL, 4)
+
+
+def test_iq4_xs_on_strix_halo_128_is_refused_naming_ud_iq3_xxs() -> None:
+    capacity = load_box("strix-halo-128").capacity()
+
+    with pytest.raises(QuantDoesNotFit) as refused:
+        check_quant("IQ4_XS", deepseek_quants(), capacity, model=MODEL, target_ctx=TARGET_CTX)
+
+    message = str(refused.value)
+    assert message.startswith("IQ4_XS needs ")
+    assert "this box can give the GPU" in message
+    assert "UD-IQ3_XXS fits" in message and "--force" in message
+    assert refused.value.suggestion == "UD-IQ3_XXS"
+
+
+def test_ud_iq3_xxs_on_strix_halo_128_fits_on_the_gpu() -> None:
+    capacity = load_box("strix-halo-128").capacity()
+    fit = check_quant("UD-IQ3_XXS", deepseek_quants(), capacity, model=MODEL, target_ctx=TARGET_CTX)
+
+    assert fit.fits and fit.fits_gpu
+    assert fit.need_bytes == fit.quant.total_bytes + int(MODEL.kv_bytes_per_token() * TARGET_CTX) + COMPUTE_OVERHEAD_BYTES
+
+
+def test_advice_names_the_largest_quant_that_fits() -> None:
+    advice = advise_quant(deepseek_quants(), load_box("strix-halo-128").capacity(), model=MODEL, target_ctx=TARGET_CTX)
+
+    assert advice.best is not None and advice.best.quant.name == "UD-IQ3_XXS"
+    sizes = [o.quant.total_bytes for o in advice.options]
+    assert sizes == sorted(sizes, reverse=True)
+    assert "<- best" in advice.describe()
+
+
+def test_nothing_fits_on_the_80_gb_box_and_the_message_says_so() -> None:
+    capacity = load_box("strix-halo-80").capacity()
+
+    with pytest.raises(QuantDoesNotFit) as refused:
+        check_quant("UD-IQ3_XXS", deepseek_quants(), capacity, model=MODEL, target_ctx=TARGET_CTX)
+
+    assert "no quant of this model fits here" in str(refused.value)
+    assert "the smallest, UD-IQ2_XXS" in str(refused.value)
+    assert refused.value.suggestion is None
+
+
+def test_a_quant_that_only_fits_partly_on_the_cpu_says_so() -> None:
+    capacity = load_box("nvidia-rtx4090").capacity()
+    advice = advise_quant(deepseek_quants(), capacity, model=MODEL, target_ctx=TARGET_CTX)
+
+    best = advice.best
+    assert best is not None and best.fits and not best.fits_gpu
+    with pytest.raises(QuantDoesNotFit, match="fits, partly on the CPU,"):
+        check_quant("IQ4_XS", deepseek_quants(), capacity, model=MODEL, target_ctx=TARGET_CTX)
+
+
+def test_whole_on_the_gpu_beats_a_larger_quant_split_with_the_cpu() -> None:
+    capacity = MemoryCapacity(total_bytes=80 * GB, gpu_bytes=24 * GB, gpu_name="a 24 GB card", unified=False)
+    quants = [QuantOption("Q8_0", 34 * GB), QuantOption("Q4_K_M", 19 * GB)]
+    advice = advise_quant(quants, capacity, model=None, target_ctx=0)
+
+    assert advice.best is not None and advice.best.quant.name == "Q4_K_M"
+
+
+def test_quant_names_match_without_case_or_the_ud_prefix() -> None:
+    capacity = load_box("strix-halo-128").capacity()
+    fit = check_quant("iq3_xxs", deepseek_quants(), capacity, model=MODEL, target_ctx=TARGET_CTX)
+    assert fit.quant.name == "UD-IQ3_XXS"
+    with pytest.raises(ValueError, match="not one of"):
+        check_quant("Q9_9", deepseek_quants(), capacity, model=MODEL, target_ctx=TARGET_CTX)
