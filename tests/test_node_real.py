@@ -53,8 +53,8 @@ def test_serves_single_file_and_split_models_to_the_openai_sdk(model: str, reque
     assert health["usage"]["completion_tokens"] >= answer.usage.completion_tokens + 4
 
 
-def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
-    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "2048", "--parallel", "2")
+def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048", "--parallel", "2")
     node.wait_ready()
     child = node.llama_pid()
     assert child
@@ -92,8 +92,8 @@ def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, sta
     assert answer.choices[0].message.content is not None
 
 
-def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
-    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "4096", "--parallel", "1")
+def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "4096", "--parallel", "1")
     node.wait_ready()
     url, key = llama_endpoint(node.llama_pid())
     slots_url, auth = url + "/slots", {"authorization": f"Bearer {key}"}
@@ -125,8 +125,8 @@ def test_sigterm_exits_0_and_leaves_no_llama_server(real_llama, start_node, tiny
 
 
 @pytest.mark.slow
-def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
-    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "2048")
+def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048")
     node.wait_ready()
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
     answer = client.chat.completions.create(model="gemma", messages=MESSAGES, max_tokens=16)
@@ -139,3 +139,17 @@ def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, g
     assert text.strip()
     usage = chunks[-1].usage
     assert usage is not None and 1 <= usage.completion_tokens <= 16 and usage.prompt_tokens > 0
+
+
+def test_a_build_too_new_for_this_cpu_is_explained_not_just_reported(real_llama, start_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from meshnet_gguf.cpu_compat import quantized_kernels_work
+    from meshnet_gguf.devtools.tiny_model import TinyModelSpec, write_tiny_model
+
+    quantized = write_tiny_model(tmp_path / "q8.gguf", TinyModelSpec(weight_type="Q8_0"))
+    node = start_node("--gguf", str(quantized))
+    if quantized_kernels_work(real_llama):
+        node.wait_ready()  # this CPU runs the build's quantized kernels: the model simply serves
+        return
+    assert node.wait_exit() == 1
+    log = node.log_text()
+    assert "illegal instruction (SIGILL)" in log and "fetch_llama_server.sh cpu" in log

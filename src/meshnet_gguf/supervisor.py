@@ -45,6 +45,11 @@ PIDFILE_NAME = "llama-server.pid"
 # create_time from /proc has 10 ms resolution; anything closer is the same process.
 _CREATE_TIME_TOLERANCE_S = 0.05
 _PR_SET_PDEATHSIG = 1
+ILLEGAL_INSTRUCTION_HINT = (
+    "this llama-server build uses CPU instructions this processor lacks (it was compiled for a newer CPU). "
+    "Get a build for this machine: scripts/fetch_llama_server.sh cpu (or vulkan/rocm), then pass "
+    "--llama-server PATH; offloading every layer to a GPU also avoids the CPU kernels"
+)
 _ERROR_MARKERS = ("error", "failed", "fatal", "abort", "exception", "what():", "cannot", "unable")
 
 
@@ -293,6 +298,10 @@ class Supervisor:
             return f"llama-server printed nothing for {self.policy.load_stall_timeout_s:.0f} s while loading"
         if outcome == "unresponsive":
             return f"llama-server stopped answering /health ({self.policy.liveness_failures} probes failed)"
+        if proc.returncode == -signal.SIGILL:
+            return f"llama-server crashed with an illegal instruction (SIGILL): {ILLEGAL_INSTRUCTION_HINT}"
+        if proc.returncode is not None and proc.returncode < 0:
+            return f"llama-server was killed by {signal.Signals(-proc.returncode).name}"
         return f"llama-server exited with code {proc.returncode}"
 
     def _failure_message(self, reason: str) -> str:

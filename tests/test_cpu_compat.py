@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshnet_gguf.binary import BinaryInfo
+from meshnet_gguf.cpu_compat import quantized_kernels_work
+from meshnet_gguf.gguf_convert import dequantize_to_f16
+from meshnet_gguf.gguf_info import read_gguf_info
+from meshnet_gguf.devtools.tiny_model import TinyModelSpec, write_tiny_model
+
+
+def test_a_binary_that_serves_passes_the_probe(fake_llama: BinaryInfo) -> None:
+    assert quantized_kernels_work(fake_llama) is True
+
+
+def test_a_binary_dying_with_sigill_fails_the_probe(tmp_path: Path) -> None:
+    from meshnet_gguf.binary import probe_binary
+
+    script = tmp_path / "llama-server"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --help) echo "--port PORT"; exit 0;; --version) echo "version: 1 (b1)"; exit 0;; esac\n'
+        "kill -ILL $$\n"
+    )
+    script.chmod(0o755)
+    assert quantized_kernels_work(probe_binary(script, "test")) is False
+
+
+@pytest.mark.real_llama
+def test_dequantized_copy_keeps_the_model_and_runs_on_float_kernels(real_llama: BinaryInfo, tmp_path: Path) -> None:
+    source = write_tiny_model(tmp_path / "q8.gguf", TinyModelSpec(weight_type="Q8_0", n_layers=3))
+    copy = dequantize_to_f16(source, tmp_path / "f16.gguf")
+    before, after = read_gguf_info(source), read_gguf_info(copy)
+    assert (after.block_count, after.head_count_kv, after.tensor_count) == (before.block_count, before.head_count_kv, before.tensor_count)
+    assert after.file_type == 1  # MOSTLY_F16
+    assert not (tmp_path / "f16.gguf.part").exists()
