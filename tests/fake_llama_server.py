@@ -212,6 +212,9 @@ async def main(argv: list[str]) -> int:
     if "--help" in argv:
         print(HELP)
         return 0
+    if "--list-devices" in argv:  # the node's hardware probe asks; a fake has no GPU
+        print("Available devices:")
+        return 0
     fake = FakeLlama(argv)
     exit_code = os.environ.get("FAKE_LLAMA_EXIT_ON_START")
     print(f"main: loading model '{fake.args.get('--model')}'", flush=True)

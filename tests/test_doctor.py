@@ -231,8 +231,8 @@ class _DateHandler(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def tracker() -> Iterator[tuple[str, list[str]]]:
+@pytest.fixture(scope="module")
+def tracker_server() -> Iterator[tuple[str, list[str]]]:
     seen: list[str] = []
 
     class Handler(_DateHandler):
@@ -248,6 +248,12 @@ def tracker() -> Iterator[tuple[str, list[str]]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def tracker(tracker_server: tuple[str, list[str]]) -> tuple[str, list[str]]:
+    tracker_server[1].clear()
+    return tracker_server
 
 
 @pytest.mark.parametrize(("offset_s", "status"), [(0.0, "ok"), (4.5, "warn"), (-30.0, "fail"), (3600.0, "fail")])

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from node_process import NodeProcess, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = 1.0
 WAIT_S = 30.0
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
@@ -129,6 +129,9 @@ def tracker(tmp_path: Path) -> Iterator[TrackerProcess]:
     proc = TrackerProcess(tmp_path)
     yield proc
     proc.close()
+    # pytest shows this only when the test failed: both sides' logs, to see why.
+    for log in [proc.log_path, *sorted(tmp_path.glob("*/node-*.log"))]:
+        print(f"----- {log.name}\n{log.read_text(errors='replace')[-4000:]}")
 
 
 def start_meshed_node(start_node, tracker: TrackerProcess, gguf: Path, workdir: Path, **env: str) -> NodeProcess:  # type: ignore[no-untyped-def]

@@ -21,9 +21,9 @@ from starlette.routing import Route
 from meshnet_gguf.billing import LedgerUsageSink, OutboxReporter
 from meshnet_gguf.identity import NodeIdentity
 from meshnet_gguf.ledger import UsageLedger
+from meshnet_gguf.mesh.registry import NodeRegistry
 from meshnet_gguf.mesh.tracker import Tracker, TrackerConfig
 from meshnet_gguf.protocol import (
-    ENROLMENT_HEADER,
     WELL_KNOWN_PATH,
     HealthReport,
     NodeAnnouncement,
@@ -166,6 +166,32 @@ async def start_node(tg: anyio.abc.TaskGroup, tmp_path: Path, name: str, tracker
 
 async def models(http: httpx.AsyncClient, url: str) -> list[str]:
     return [m["id"] for m in (await http.get(url + "/v1/models")).json()["data"]]
+
+
+def test_registry_ttl_selection_and_re_registration() -> None:
+    now = [0.0]
+    registry = NodeRegistry(ttl_s=3.0, clock=lambda: now[0])
+
+    def announce(node_id: str, **over: Any) -> NodeAnnouncement:
+        fields = dict(
+            node_id=node_id, public_key="k", advertised_url="http://127.0.0.1:1", model_id=MODEL,
+            first_layer=0, last_layer=1, total_layers=2, slots=2, node_version="t", state="online",
+        )  # fmt: skip
+        return NodeAnnouncement(**{**fields, **over})
+
+    a, b = registry.register(announce("a")), registry.register(announce("b"))
+    assert registry.pick(MODEL) is None  # not health-checked yet
+    a.healthy = b.healthy = True
+    a.in_flight = 1
+    assert registry.pick(MODEL) is b  # least busy
+    # A node restarting re-registers: relays still running keep counting on the same entry.
+    assert registry.register(announce("a", advertised_url="http://127.0.0.1:2")) is a and a.in_flight == 1
+    assert not a.healthy  # the new announcement is polled before it gets routes
+    now[0] = 2.0
+    registry.heartbeat("b", "online", NodeLoad(slots_total=2))
+    now[0] = 4.0
+    assert registry.expire() == ["a"] and registry.pick(MODEL) is b
+    assert registry.pick(MODEL, exclude={"b"}) is None
 
 
 async def test_well_known_key_is_persisted_and_pinnable(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ from meshnet_gguf.protocol import (
     ReceiptBatch,
     RouteClaims,
     UsageReceipt,
+    ErrorBody,
     UsageRecord,
-    error_body,
 )
 
 
@@ -81,9 +81,11 @@ def test_usage_record_keeps_its_existing_shape() -> None:
     assert record.finish_reason == "unknown" and record.completion_tokens == 0
 
 
-def test_error_body_is_openai_shaped() -> None:
-    body = error_body(403, "route_replayed", "already used")
-    assert body == {"error": {"message": "already used", "type": "permission_error", "code": "route_replayed", "param": None}}
+def test_refusals_parse_as_the_protocol_error_body() -> None:
+    from meshnet_gguf.errors import ApiError
+
+    body = ErrorBody.model_validate_json(ApiError(403, "route_replayed", "already used").body())
+    assert (body.error.code, body.error.type, body.error.message) == ("route_replayed", "permission_error", "already used")
 
 
 def test_contract_numbers_hold_together() -> None:

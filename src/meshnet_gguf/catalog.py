@@ -3,7 +3,13 @@
 An entry is featured only when it can actually load here: a llama-server is
 available and at least one of its quants fits this machine's memory budget.
 "A featured model nobody can load is an anti-feature." The caller measures the
-budget and the binary (floor-2 probes); this module only applies the rule.
+budget and the binary (floor-2 probes) and says what each quant needs (the
+quant advisor: weights + KV cache + compute buffers); this module only applies
+the rule.
+
+Entries may carry the model's attention shape (`layers`, `kv_heads`,
+`head_dim_k`, `head_dim_v`), so a KV cache and a launch plan can be estimated
+before a byte is downloaded (`launch_plan.ModelFacts.from_catalog`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from fnmatch import fnmatchcase
 from functools import lru_cache
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from meshnet_gguf.gguf_names import normalize_quant, strip_dynamic_prefix
 
@@ -41,6 +47,23 @@ class CatalogQuant:
     def matches_path(self, path: str) -> bool:
         return fnmatchcase(path, self.files)
 
+    @property
+    def first_file(self) -> str:
+        """The repo path of shard 1 (what llama-server loads): the glob's `*` is the shard number."""
+        if self.shards > 1 and "*" in self.files:
+            return self.files.replace("*", f"{1:05d}", 1)
+        return self.files
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizes the KV cache, as the model's config (and GGUF header) states it; the same for every quant."""
+
+    layers: int  # transformer blocks (`<arch>.block_count`)
+    kv_heads: int  # `<arch>.attention.head_count_kv` (the largest, when it varies per layer)
+    head_dim_k: int  # `<arch>.attention.key_length`
+    head_dim_v: int  # `<arch>.attention.value_length`
+
 
 @dataclass(frozen=True)
 class CatalogEntry:
@@ -51,6 +74,7 @@ class CatalogEntry:
     package: str | None = None
     context_length: int | None = None
     notes: str = ""
+    shape: ModelShape | None = None
 
     def quant(self, name: str) -> CatalogQuant | None:
         """Case-insensitive lookup; `UD-` optional when that leaves one candidate (as in `select_quant`)."""
@@ -61,8 +85,8 @@ class CatalogEntry:
         loose = [q for q in self.quants if strip_dynamic_prefix(q.name) == strip_dynamic_prefix(wanted)]
         return loose[0] if len(loose) == 1 else None
 
-    def fitting_quants(self, budget_bytes: int) -> list[CatalogQuant]:
-        return [q for q in self.quants if quant_fits(q, budget_bytes)]
+    def fitting_quants(self, budget_bytes: int, need_bytes: NeedBytes | None = None) -> list[CatalogQuant]:
+        return [q for q in self.quants if quant_fits(q, budget_bytes, need_bytes)]
 
 
 @dataclass(frozen=True)
@@ -77,15 +101,30 @@ class Catalog:
     def ids(self) -> list[str]:
         return [e.id for e in self.entries]
 
+    def by_repo(self, repo_id: str) -> CatalogEntry | None:
+        """The entry curating `repo_id` (hub ids are case-insensitive), for its model shape."""
+        wanted = repo_id.strip().lower()
+        return next((e for e in self.entries if e.repo is not None and e.repo.lower() == wanted), None)
 
-def quant_fits(quant: CatalogQuant, budget_bytes: int) -> bool:
-    """Weights must fit the budget; the budget (hardware.py) already leaves room for KV cache and the OS."""
-    return quant.total_bytes <= budget_bytes
+
+# What a quant needs in memory to run: the quant advisor's weights + KV cache + compute buffers.
+NeedBytes = Callable[[CatalogQuant], int]
 
 
-def featured(entry: CatalogEntry, budget_bytes: int, binary_available: bool) -> bool:
+def quant_fits(quant: CatalogQuant, budget_bytes: int, need_bytes: NeedBytes | None = None) -> bool:
+    """Whether `quant` fits `budget_bytes` (the box's capacity, system reserve already kept back).
+
+    `need_bytes` should come from the quant advisor (`quant_advisor.need_bytes_for`), which
+    adds the KV cache and compute buffers to the weights; without it only the weights count,
+    which over-promises by a few GB.
+    """
+    need = need_bytes(quant) if need_bytes is not None else quant.total_bytes
+    return need <= budget_bytes
+
+
+def featured(entry: CatalogEntry, budget_bytes: int, binary_available: bool, need_bytes: NeedBytes | None = None) -> bool:
     """Show an entry as featured only when it can load here (issue 3: no featured model nobody can load)."""
-    return binary_available and any(quant_fits(q, budget_bytes) for q in entry.quants)
+    return binary_available and any(quant_fits(q, budget_bytes, need_bytes) for q in entry.quants)
 
 
 def _require(table: dict[str, Any], key: str, where: str) -> Any:
@@ -112,6 +151,15 @@ def parse_catalog(text: str) -> Catalog:
             raise CatalogError(f"catalog entry {entry_id}: no quants")
         if (raw.get("repo") is None) == (raw.get("package") is None):
             raise CatalogError(f"catalog entry {entry_id}: give exactly one of 'repo' or 'package'")
+        shape = None
+        if any(k in raw for k in ("layers", "kv_heads", "head_dim_k", "head_dim_v")):
+            head_dim_k = int(_require(raw, "head_dim_k", entry_id))
+            shape = ModelShape(
+                layers=int(_require(raw, "layers", entry_id)),
+                kv_heads=int(_require(raw, "kv_heads", entry_id)),
+                head_dim_k=head_dim_k,
+                head_dim_v=int(raw.get("head_dim_v", head_dim_k)),
+            )
         entries.append(
             CatalogEntry(
                 id=entry_id,
@@ -121,6 +169,7 @@ def parse_catalog(text: str) -> Catalog:
                 package=raw.get("package"),
                 context_length=raw.get("context_length"),
                 notes=str(raw.get("notes", "")),
+                shape=shape,
             )
         )
     ids = [e.id for e in entries]

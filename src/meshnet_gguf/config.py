@@ -87,6 +87,16 @@ class NodeSettings(BaseSettings):
         1.0, ge=0, description="Usage receipts go to the tracker in batches, at most this often"
     )
 
+    # --- diagnosis ---------------------------------------------------------
+    # A testing and diagnosis aid, not for serving: plan for a recorded machine (a
+    # folder laid out like tests/fixtures/hardware/<box>: `root/` with the sysfs and
+    # proc files, `commands/<name>.txt` with what llama-server --list-devices,
+    # nvidia-smi and rocminfo printed there) instead of probing this one. Lets an
+    # operator reproduce another box's plan with `serve --dry-run` (issue 4).
+    hardware_fixture: Path | None = Field(
+        None, description="Testing/diagnosis aid: probe a recorded machine (root/ + commands/) instead of this one"
+    )
+
     # --- logs --------------------------------------------------------------
     log_format: Literal["auto", "text", "json"] = "auto"
     log_level: str = "INFO"

@@ -66,7 +66,9 @@ __all__ = [
     "MemoryCapacity",
     "RecordedCommands",
     "format_table",
+    "probe_configured",
     "probe_hardware",
+    "probe_recorded",
 ]
 
 
@@ -542,6 +544,32 @@ def probe_hardware(
         notes=tuple(log.notes),
         platform=platform,
     )
+
+
+def probe_recorded(box: Path, binary: BinaryInfo | None = None) -> HardwareReport:
+    """Probe a machine recorded as files instead of this one: a testing and diagnosis aid.
+
+    `box` is laid out like `tests/fixtures/hardware/<box>`: `root/` holds the
+    sysfs, proc and Vulkan ICD files the probes read, `commands/<name>.txt` what
+    `llama-server --list-devices`, `nvidia-smi` and `rocminfo` printed there (a
+    command without a file was not installed). The binary's own `--help` is
+    still this machine's. Raises FileNotFoundError when `box` has no `root/`.
+    """
+    box = Path(box).expanduser()
+    if not (box / "root").is_dir():
+        raise FileNotFoundError(
+            f"{box} is not a recorded machine: it needs a root/ folder (sysfs, proc) and commands/ "
+            "(see tests/fixtures/hardware/<box>)"
+        )
+    commands = box / "commands"
+    # Recorded as llama-server.txt whatever this machine's binary is called.
+    replace = {binary.path.name: commands / "llama-server.txt"} if binary is not None else None
+    return probe_hardware(binary, root=box / "root", run=RecordedCommands(commands, replace=replace), platform="linux")
+
+
+def probe_configured(binary: BinaryInfo | None, fixture: Path | None = None) -> HardwareReport:
+    """This machine, or the recorded one the `hardware_fixture` setting (MESHNET_HARDWARE_FIXTURE) names."""
+    return probe_recorded(fixture, binary) if fixture is not None else probe_hardware(binary)
 
 
 # --------------------------------------------------------------------------- formatting

@@ -23,6 +23,7 @@ from meshnet_gguf.gguf_names import format_bytes
 from meshnet_gguf.hardware import GiB, GpuInfo, HardwareReport, LlamaDevice
 
 if TYPE_CHECKING:
+    from meshnet_gguf.catalog import CatalogEntry, CatalogQuant
     from meshnet_gguf.gguf_info import GGUFInfo
 
 # llama.cpp's compute buffers at the default micro-batch (512) measure 0.5-1.5 GiB
@@ -123,6 +124,36 @@ class ModelFacts:
             context_length=known(info.context_length, MIN_CTX_PER_SLOT, "training context"),
             path=path if path is not None else info.path,
             shard_count=info.split_count,
+            guessed=tuple(guessed),
+        )
+
+    @classmethod
+    def from_catalog(cls, entry: CatalogEntry, quant: str | CatalogQuant, *, path: Path | None = None) -> ModelFacts:
+        """Facts from the catalog (its figures for the quant, its model shape), to plan before a download.
+
+        `path` is where shard 1 will be once downloaded (it goes into `--model`).
+        Raises ValueError when the entry has no such quant or no model shape.
+        """
+        chosen = entry.quant(quant) if isinstance(quant, str) else quant
+        if chosen is None:
+            raise ValueError(f"catalog entry {entry.id} has no quant {quant}; it offers {', '.join(q.name for q in entry.quants)}")
+        if entry.shape is None:
+            raise ValueError(f"catalog entry {entry.id} gives no model shape (layers, kv_heads, head_dim_k)")
+        guessed: list[str] = []
+        context = entry.context_length
+        if not context:
+            context = MIN_CTX_PER_SLOT
+            guessed.append(f"training context unknown: assumed {context}")
+        return cls(
+            name=f"{entry.id}:{chosen.name}",
+            total_bytes=chosen.total_bytes,
+            block_count=entry.shape.layers,
+            head_count_kv=entry.shape.kv_heads,
+            head_dim_k=entry.shape.head_dim_k,
+            head_dim_v=entry.shape.head_dim_v,
+            context_length=context,
+            path=path,
+            shard_count=chosen.shards,
             guessed=tuple(guessed),
         )
 

@@ -25,8 +25,11 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
+
+from meshnet_gguf.gguf_names import shard_file_name, shard_position, split_base
 
 # Share of the whole load given to each phase, so one number can rise
 # steadily: reading tensors dominates any big load; the rest is short.
@@ -54,7 +57,7 @@ _DOTS = re.compile(r"^\.+$")
 # (pattern, phase, human description). Checked in order; first match wins.
 # Older llama.cpp builds spell a few of these `llm_load_*`.
 _PHASES: tuple[tuple[re.Pattern[str], str, str], ...] = (
-    (re.compile(r"load_model: loading model"), "metadata", "reading model metadata"),
+    (re.compile(r"(load_model|main): loading model"), "metadata", "reading model metadata"),
     (re.compile(r"fitting params to device memory"), "fitting", "fitting the model to device memory"),
     (re.compile(r"(load_tensors|llm_load_tensors): loading model tensors"), "tensors", "loading tensors"),
     (re.compile(r"llama_context: constructing llama_context|llama threadpool init"), "context", "creating context"),
@@ -85,6 +88,19 @@ def format_bytes(count: float) -> str:
         if count >= _UNITS[unit]:
             return f"{count / _UNITS[unit]:.1f} {unit}"
     return f"{count:.0f} B"
+
+
+def model_file_bytes(first_shard: Path) -> int | None:
+    """Bytes llama-server will read for this model: every shard of a split, or the one file."""
+    position = shard_position(first_shard.name)
+    shards = [first_shard]
+    if position is not None:
+        base = split_base(first_shard.name)
+        shards = [first_shard.with_name(shard_file_name(base, k, position.count)) for k in range(1, position.count + 1)]
+    try:
+        return sum(shard.stat().st_size for shard in shards)
+    except OSError:
+        return None
 
 
 class LoadProgressTracker:

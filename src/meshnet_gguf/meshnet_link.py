@@ -63,6 +63,8 @@ TRACKER_KEY_PIN_FILE = "tracker_public_key"
 SHARD_DIGESTS_FILE = "shard_digests.json"
 # On the way out, one bounded try to deliver the last receipts; what is left goes next start.
 FINAL_FLUSH_TIMEOUT_S = 5.0
+# Retry-After while the tracker key is still unknown: the first-contact retry runs about this often.
+KEY_UNKNOWN_RETRY_AFTER_S = 5
 # Routes admitted this recently before a restart could still be replayed; their ids come from the ledger.
 REPLAY_SEED_WINDOW_S = MAX_ROUTE_LIFETIME_S + 2 * CLOCK_SKEW_S
 
@@ -118,7 +120,7 @@ class RouteGate:
         if self._verifier is None:
             raise ApiError(
                 503, "route_key_unavailable", "this node has not learnt its tracker's key yet; retry shortly",
-                headers={"retry-after": "5"},
+                headers={"retry-after": str(KEY_UNKNOWN_RETRY_AFTER_S)},
             )  # fmt: skip
         try:
             claims = self._verifier.verify(headers, body, path)
@@ -258,9 +260,7 @@ class MeshnetLink:
                 log.warning("cannot fetch the tracker key yet (%s); requests get 503 until then; retrying in %.0f s", exc, delay)
                 await anyio.sleep(delay)
         pin = Path(self.settings.state_dir) / TRACKER_KEY_PIN_FILE
-        tmp = pin.with_name(f".{pin.name}.{os.getpid()}.tmp")
-        tmp.write_text(info.public_key + "\n")
-        os.replace(tmp, pin)
+        _write_atomically(pin, info.public_key + "\n")
         self.route_verifier.set_tracker_key(key)
         log.warning(
             "pinned tracker key %s on first contact (trust on first use) in %s; "
@@ -304,9 +304,7 @@ class MeshnetLink:
                 sha = sha256_of(path).hexdigest()
             cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
             digests.append(ShardDigest(name=path.name, sha256=sha, size=st.st_size))
-        tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, cache_path)
+        _write_atomically(cache_path, json.dumps(cache, indent=1))
         return digests
 
 
@@ -320,6 +318,13 @@ def hardware_summary(report: HardwareReport) -> HardwareSummary:
         memory_bytes=report.ram_total_bytes,
         gpu_memory_bytes=gpu.budget_bytes if gpu else None,
     )
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader (or a crash) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _default_advertised_url(settings: NodeSettings) -> str:

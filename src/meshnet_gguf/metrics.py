@@ -303,9 +303,13 @@ async def fetch_llama_metrics(
             log.debug("llama-server /metrics answered %s", response.status)
     except (UpstreamError, TimeoutError) as exc:
         log.debug("llama-server /metrics unavailable: %s", exc)
-    up = (
+    return llama_up_text(text is not None) + (text or "")
+
+
+def llama_up_text(up: bool) -> str:
+    """`meshnet_llamacpp_up`, alone: what a scrape shows while llama-server is not there to ask."""
+    return (
         f"# HELP {LLAMACPP_PREFIX}up 1 if llama-server's own metrics were read for this scrape\n"
         f"# TYPE {LLAMACPP_PREFIX}up gauge\n"
-        f"{LLAMACPP_PREFIX}up {1 if text is not None else 0}\n"
+        f"{LLAMACPP_PREFIX}up {1 if up else 0}\n"
     )
-    return up + (text or "")

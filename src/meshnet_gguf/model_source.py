@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal
 
-from meshnet_gguf.catalog import DEMO_ID, Catalog, CatalogEntry, load_catalog, quant_fits
+from meshnet_gguf.catalog import DEMO_ID, Catalog, CatalogEntry, CatalogQuant, load_catalog, quant_fits
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.download import (
     DISK_FREE_MARGIN_BYTES,
@@ -407,6 +407,86 @@ def _check_headers(model: ResolvedModel) -> GGUFInfo:
         return check_shard_set(list(model.shards))
     except GGUFError as exc:
         raise ModelResolutionError(f"{model.label} is not a loadable GGUF: {exc}") from exc
+
+
+# ---- what is asked for, before any download (the quant check, `serve --dry-run`) ---------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """What `--gguf`/`--quant`/`--demo` ask for, read with no I/O but `stat`, in `resolve_model`'s order."""
+
+    kind: Literal["local", "catalog", "repo"]
+    text: str  # as the operator wrote it, for messages
+    quant: str | None  # as asked for (spec suffix or --quant); None: not chosen
+    entry: CatalogEntry | None = None  # the catalog entry (kind "catalog")
+    repo_id: str | None = None  # the hub repo (kind "repo", or a catalog entry's repo)
+
+    def quant_or_only(self) -> str | None:
+        """The asked-for quant, or a catalog entry's only one."""
+        if self.quant is None and self.entry is not None and len(self.entry.quants) == 1:
+            return self.entry.quants[0].name
+        return self.quant
+
+
+def parse_model_spec(settings: NodeSettings, catalog: Catalog | None = None) -> ModelSpec | None:
+    """Classify `--gguf` without fetching anything; None when nothing or nothing recognisable is asked
+    for (`resolve_model` then says why). Raises ModelResolutionError for conflicting quants."""
+    catalog = catalog or load_catalog()
+    if settings.demo:
+        entry = catalog.get(DEMO_ID)
+        assert entry is not None, "the packaged catalog always has the demo entry"
+        return ModelSpec("catalog", DEMO_ID, settings.quant, entry=entry, repo_id=entry.repo)
+    spec = settings.gguf
+    if not spec:
+        return None
+    path = Path(spec).expanduser().absolute()
+    if path.is_file() or path.is_dir():
+        return ModelSpec("local", spec, settings.quant)
+    catalog_match = CATALOG_SPEC_RE.match(spec)
+    entry = catalog.get(catalog_match["id"]) if catalog_match else None
+    if catalog_match and entry is not None:
+        quant = _merge_quant(catalog_match["quant"], settings.quant, spec)
+        return ModelSpec("catalog", entry.id, quant, entry=entry, repo_id=entry.repo)
+    repo_match = REPO_ID_RE.match(spec)
+    if repo_match and not spec.lower().endswith(GGUF_SUFFIX):
+        quant = _merge_quant(repo_match["quant"], settings.quant, spec)
+        return ModelSpec("repo", repo_match["repo"], quant, repo_id=repo_match["repo"])
+    return None
+
+
+def expected_first_shard(entry: CatalogEntry, quant: CatalogQuant, download_dir: Path) -> Path:
+    """Where shard 1 of a catalog quant lands once downloaded (or assembled, for a packaged model)."""
+    base = Path(download_dir).expanduser().absolute()
+    if entry.package is not None:
+        return base / entry.id / quant.first_file
+    assert entry.repo is not None
+    return repo_local_dir(base, entry.repo) / quant.first_file
+
+
+def shards_on_disk(spec: ModelSpec, settings: NodeSettings) -> tuple[Path, ...] | None:
+    """The asked-for catalog or hub model's shards when all are already in the download dir, else None.
+
+    No network, no hashing, no writes: for `serve --dry-run`, which plans from the
+    header on disk and leaves verification to the real start.
+    """
+    quant = spec.quant_or_only()
+    entry = spec.entry
+    if entry is not None and entry.package is not None:
+        chosen = entry.quant(quant) if quant else None
+        path = expected_first_shard(entry, chosen, settings.download_dir) if chosen else None
+        return (path,) if path is not None and path.is_file() else None
+    if spec.repo_id is None or quant is None:
+        return None
+    directory = repo_local_dir(settings.download_dir, spec.repo_id)
+    if not directory.is_dir():
+        return None
+    chosen_glob = entry.quant(quant).files if entry is not None and entry.quant(quant) is not None else None  # type: ignore[union-attr]
+    try:
+        group = _pick_group(group_quants(_scan_dir(directory)), quant, chosen_glob, spec.repo_id, None)
+    except ModelResolutionError:
+        return None
+    if not group.complete:
+        return None
+    return tuple(directory / f.path for f in group.files)
 
 
 # ---- listing for `meshnet-gguf models REPO` ---------------------------------------------------

@@ -7,7 +7,7 @@ transformer blocks, numbered from 0, ranges inclusive.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -322,20 +322,7 @@ class ErrorDetail(_Wire):
 
 
 class ErrorBody(_Wire):
-    """OpenAI's error shape, used for every refusal so SDKs surface the message."""
+    """OpenAI's error shape, used for every refusal so SDKs surface the message (`errors.ApiError` writes it)."""
 
     error: ErrorDetail
 
-
-def error_body(status: int, code: str, message: str) -> dict[str, Any]:
-    """The JSON body for a refusal; `type` follows OpenAI's names for the status class."""
-    kind = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        409: "conflict_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return ErrorBody(error=ErrorDetail(message=message, type=kind, code=code)).model_dump()

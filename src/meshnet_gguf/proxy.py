@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import anyio
 
 from meshnet_gguf.errors import ApiError, openai_error_body
+from meshnet_gguf.logs import request_id_var
 from meshnet_gguf.protocol import FinishReason, HealthReport, UsageRecord
 from meshnet_gguf.sse import DONE_DATA, SSESplitter, comment_event, data_event
 from meshnet_gguf.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
@@ -237,6 +238,8 @@ class ProxyApp:
         path: str = scope["path"]
         headers = _headers(scope)
         request_id = _client_request_id(headers)
+        # Each request runs in its own task, so the id stays with this request's log lines.
+        request_id_var.set(request_id)
         try:
             if self.draining:
                 raise self._unavailable("This node is draining for shutdown; retry on another node")
@@ -244,6 +247,7 @@ class ProxyApp:
             self._check_api_key(headers)
             grant = self.route_verifier.verify(headers, body, path) if self.route_verifier else RouteGrant()
             request_id = grant.request_id or request_id
+            request_id_var.set(request_id)
             payload = _parse_json_object(body)
             required = INFERENCE_ROUTES[path]
             if required not in payload:

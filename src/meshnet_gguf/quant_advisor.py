@@ -10,11 +10,14 @@ message that names the one that does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from meshnet_gguf.gguf_names import format_bytes
 from meshnet_gguf.hardware import MemoryCapacity
-from meshnet_gguf.launch_plan import COMPUTE_OVERHEAD_BYTES, ModelFacts, memory_need_bytes
+from meshnet_gguf.launch_plan import COMPUTE_OVERHEAD_BYTES, ModelFacts, ctx_floor, memory_need_bytes
+
+if TYPE_CHECKING:
+    from meshnet_gguf.catalog import CatalogEntry, CatalogQuant
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,11 @@ class QuantAdvice:
         loose = [o for o in self.options if o.quant.name.lower().removeprefix("ud-") == wanted]
         return loose[0] if len(loose) == 1 else None
 
+    def need_bytes(self, quant: CatalogQuant) -> int:
+        """What a catalog quant needs here (weights + KV + compute): `catalog.featured`'s `need_bytes`."""
+        fit = self.find(quant.name)
+        return fit.need_bytes if fit is not None else memory_need_bytes(quant.total_bytes, 0.0, 0)
+
     def describe(self) -> str:
         lines = [f"{self.capacity.describe()}; target context {self.target_ctx} tokens"]
         best = self.best
@@ -99,6 +107,27 @@ def advise_quant(
             )
         )
     return QuantAdvice(capacity, target_ctx, tuple(options))
+
+
+def target_context(model: ModelFacts | None, *, parallel: int, ctx_size: int | None) -> int:
+    """The context a quant must leave room for: `--ctx-size` when given (0: the model's own),
+    else every slot's minimum (`launch_plan.ctx_floor`), the least the plan would launch with."""
+    if model is None:
+        return ctx_size or 0
+    if ctx_size is not None:
+        return ctx_size or model.context_length
+    return ctx_floor(model, parallel)
+
+
+def catalog_quant_options(entry: CatalogEntry) -> list[QuantOption]:
+    return [QuantOption(q.name, q.total_bytes, q.shards) for q in entry.quants]
+
+
+def advise_catalog_entry(entry: CatalogEntry, capacity: MemoryCapacity, *, parallel: int, ctx_size: int | None) -> QuantAdvice:
+    """Rate a catalog entry's quants with its model shape (KV cache) when the catalog gives one."""
+    model = ModelFacts.from_catalog(entry, entry.quants[0]) if entry.shape is not None else None
+    target = target_context(model, parallel=parallel, ctx_size=ctx_size)
+    return advise_quant(catalog_quant_options(entry), capacity, model=model, target_ctx=target)
 
 
 def check_quant(

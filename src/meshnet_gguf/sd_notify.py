@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping, MutableMapping
+import threading
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,10 @@ _ENV_VARS = (NOTIFY_SOCKET_ENV, WATCHDOG_USEC_ENV, WATCHDOG_PID_ENV)
 # systemd drains its notify socket promptly; if it ever does not, a bounded
 # wait keeps a stuck manager from freezing the node's event loop.
 SEND_TIMEOUT_S = 1.0
+# While a long step runs before the node's loop exists (a first download of a
+# 100 GB model), the start timeout is pushed out this far, this often.
+PREPARE_EXTEND_S = 15 * 60
+PREPARE_EXTEND_EVERY_S = 60.0
 # sd_watchdog_enabled(3) recommends pinging at half the interval, so one late
 # tick never trips the watchdog.
 WATCHDOG_PING_FRACTION = 0.5
@@ -117,6 +123,32 @@ class SystemdNotifier:
         """Ask for `seconds` more of start (or stop) time: used while a big model is still
         making progress, so `TimeoutStartSec` catches a stuck start but not a slow one."""
         return self.notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}")
+
+    @contextmanager
+    def extending_start(
+        self, status: str, *, extend_s: float = PREPARE_EXTEND_S, every_s: float = PREPARE_EXTEND_EVERY_S
+    ) -> Iterator[None]:
+        """Keep `TimeoutStartSec` from ending a long synchronous step (model download and
+        checks) while it runs. That step bounds itself (the downloader gives up on a
+        stalled transfer), so this timer cannot keep a stuck start alive forever."""
+        if not self.enabled:
+            yield
+            return
+        done = threading.Event()
+
+        def extend() -> None:
+            while True:
+                self.notify(f"EXTEND_TIMEOUT_USEC={int(extend_s * 1_000_000)}", *_status(status))
+                if done.wait(every_s):
+                    return
+
+        worker = threading.Thread(target=extend, name="systemd-start-extender", daemon=True)
+        worker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            worker.join()
 
     def close(self) -> None:
         if self._socket is not None:

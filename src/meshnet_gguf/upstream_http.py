@@ -23,6 +23,10 @@ READ_IDLE_TIMEOUT_S = 900.0
 # Connections kept to llama-server: one per slot suffices; extra covers health probes.
 POOL_HEADROOM = 8
 STREAM_READ_SIZE = 64 * 1024
+# llama-server (cpp-httplib) closes a connection idle for 5 s. A pooled one kept
+# longer can be reused just as the server closes it, and the request fails with
+# "Can not write request body"; dropping idle ones first avoids that race.
+IDLE_CONNECTION_TTL_S = 4.0
 
 
 class UpstreamError(Exception):
@@ -81,7 +85,9 @@ class AiohttpUpstream:
         # Created lazily: an aiohttp session binds to the running event loop.
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections, force_close=False),
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections, force_close=False, keepalive_timeout=IDLE_CONNECTION_TTL_S
+                ),
                 timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=READ_IDLE_TIMEOUT_S),
                 auto_decompress=False,
                 skip_auto_headers=("Accept-Encoding", "User-Agent"),
@@ -127,7 +133,7 @@ class HttpxUpstream:
     def __init__(self, max_connections: int) -> None:
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=READ_IDLE_TIMEOUT_S, write=60.0, pool=None),
-            limits=httpx.Limits(max_connections=max_connections + POOL_HEADROOM),
+            limits=httpx.Limits(max_connections=max_connections + POOL_HEADROOM, keepalive_expiry=IDLE_CONNECTION_TTL_S),
         )
 
     async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> UpstreamResponse:

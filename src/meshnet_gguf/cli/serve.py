@@ -34,15 +34,16 @@ def register(app: typer.Typer) -> None:
         download_dir: Annotated[Optional[Path], typer.Option(help="Where GGUF files are downloaded")] = None,
         state_dir: Annotated[Optional[Path], typer.Option(help="Node identity, ledger and pidfile")] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Use only files already on disk")] = False,
-        force: Annotated[bool, typer.Option("--force", help="Launch even if the quant does not seem to fit")] = False,
+        force: Annotated[bool, typer.Option("--force", help="Download and launch even if the quant or the plan does not seem to fit")] = False,
         api_key: Annotated[Optional[str], typer.Option(help="Standalone: require this bearer key")] = None,
         tracker: Annotated[Optional[str], typer.Option(help="Tracker URL: register, require signed routes, report usage")] = None,
         upstream_client: Annotated[Optional[str], typer.Option(help="aiohttp or httpx for the llama-server hop")] = None,
         log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
-        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the launch plan and argv, then exit")] = False,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
     ) -> None:
         """Serve a GGUF model through llama-server on an OpenAI-compatible port."""
         from meshnet_gguf.node import Node, NodeSetupError, prepare_launch
+        from meshnet_gguf.sd_notify import SystemdNotifier
 
         settings = settings_from_flags(
             gguf=gguf, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
@@ -52,7 +53,9 @@ def register(app: typer.Typer) -> None:
         )  # fmt: skip
         _configure_logging(settings)
         try:
-            launch = prepare_launch(settings)
+            # Under systemd a first download can outlast TimeoutStartSec: say what is happening, and extend it.
+            with SystemdNotifier.from_environment().extending_start("preparing the model (download and checks)"):
+                launch = prepare_launch(settings, dry_run=dry_run)
         except NodeSetupError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc

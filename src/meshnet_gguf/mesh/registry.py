@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshnet_gguf.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
 
@@ -21,9 +21,9 @@ class NodeEntry:
     last_seen: float
     healthy: bool = False
     health: HealthReport | None = None
+    health_misses: int = 0  # polls in a row that got no answer
     in_flight: int = 0  # requests this tracker is relaying to the node right now
     routed: int = 0
-    registered_at: float = field(default_factory=time.time)
 
     @property
     def node_id(self) -> str:
@@ -52,16 +52,15 @@ class NodeRegistry:
         return self._nodes.get(node_id)
 
     def register(self, announcement: NodeAnnouncement) -> NodeEntry:
-        previous = self._nodes.get(announcement.node_id)
-        entry = NodeEntry(
-            announcement=announcement,
-            state=announcement.state,
-            load=NodeLoad(slots_total=announcement.slots),
-            last_seen=self._clock(),
-            # A re-registration (e.g. the node restarted) must not forget requests still being relayed.
-            in_flight=previous.in_flight if previous else 0,
-        )
-        self._nodes[announcement.node_id] = entry
+        entry = self._nodes.get(announcement.node_id)
+        if entry is None:
+            entry = NodeEntry(announcement, announcement.state, NodeLoad(slots_total=announcement.slots), self._clock())
+            self._nodes[announcement.node_id] = entry
+            return entry
+        # Updated in place: relays in progress hold this entry and give their in-flight count back to it.
+        entry.announcement, entry.state, entry.last_seen = announcement, announcement.state, self._clock()
+        entry.load = NodeLoad(slots_total=announcement.slots)
+        entry.healthy, entry.health_misses = False, 0  # a new announcement (new URL?) is polled afresh
         return entry
 
     def heartbeat(self, node_id: str, state: MeshState, load: NodeLoad) -> NodeEntry | None:

