@@ -26,7 +26,15 @@ import anyio
 
 from meshnet_gguf.errors import ApiError, openai_error_body
 from meshnet_gguf.logs import request_id_var
-from meshnet_gguf.protocol import FinishReason, HealthReport, UsageRecord
+from meshnet_gguf.protocol import (
+    REQUEST_ID_HEADER,
+    USAGE_COMMENT_PREFIX,
+    USAGE_COMPLETION_TOKENS_HEADER,
+    USAGE_PROMPT_TOKENS_HEADER,
+    FinishReason,
+    HealthReport,
+    UsageRecord,
+)
 from meshnet_gguf.sse import DONE_DATA, SSESplitter, comment_event, data_event
 from meshnet_gguf.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 
@@ -37,11 +45,13 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-REQUEST_ID_HEADER = "x-meshnet-request-id"
 CLIENT_REQUEST_ID_HEADER = "x-request-id"
+# ASGI header names are lower-case bytes.
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
+_PROMPT_TOKENS_KEY = USAGE_PROMPT_TOKENS_HEADER.lower().encode()
+_COMPLETION_TOKENS_KEY = USAGE_COMPLETION_TOKENS_HEADER.lower().encode()
 # A client-chosen request id is echoed back and logged: keep it short and printable.
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-USAGE_COMMENT_PREFIX = "meshnet-usage "
 _FINISH_RE = re.compile(rb'"finish_reason":"([a-z_]+)"')
 
 # Which JSON field each inference route must carry (the minimum llama-server needs).
@@ -347,9 +357,9 @@ class ProxyApp:
             (k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS
         ]
         headers += [
-            (REQUEST_ID_HEADER.encode(), exchange.request_id.encode()),
-            (b"x-meshnet-usage-prompt-tokens", str(exchange.prompt_tokens).encode()),
-            (b"x-meshnet-usage-completion-tokens", str(exchange.completion_tokens).encode()),
+            (_REQUEST_ID_KEY, exchange.request_id.encode()),
+            (_PROMPT_TOKENS_KEY, str(exchange.prompt_tokens).encode()),
+            (_COMPLETION_TOKENS_KEY, str(exchange.completion_tokens).encode()),
         ]
         exchange.release()
         await _respond(send, response.status, body, headers)
@@ -360,7 +370,7 @@ class ProxyApp:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [*_STREAM_HEADERS, (REQUEST_ID_HEADER.encode(), exchange.request_id.encode())],
+                "headers": [*_STREAM_HEADERS, (_REQUEST_ID_KEY, exchange.request_id.encode())],
             }
         )
         splitter = SSESplitter()
@@ -572,7 +582,7 @@ async def _send_error(send: Send, error: ApiError, request_id: str | None = None
     headers = [(b"content-type", b"application/json")]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     if request_id:
-        headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+        headers.append((_REQUEST_ID_KEY, request_id.encode()))
     status = 400 if error.status == 499 else error.status  # 499 is log-only; the client is gone anyway
     await _respond(send, status, error.body(), headers)
 
