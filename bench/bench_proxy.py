@@ -630,8 +630,11 @@ async def many_streams(node: Node, n: int, tokens: int) -> dict[str, Any]:
 
 
 def stub_node(name: str, client: str, env: dict[str, str]) -> Node:
-    model = CACHE / "stub.gguf"
-    model.write_bytes(b"GGUF")  # the stub never reads it; the node only checks it is a file
+    model = CACHE / "stub-tiny.gguf"  # the stub never reads it; the node checks its header
+    if not model.exists():
+        from meshnet_gguf.devtools.tiny_model import write_tiny_model
+
+        write_tiny_model(model)
     args = ["--gguf", str(model), "--llama-server", str(stub_wrapper()), "--parallel", "256", "--upstream-client", client]
     return Node(name, args, env)
 

@@ -20,13 +20,6 @@ from meshnet_gguf.quant_advisor import QuantOption
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
 BOXES = ("strix-halo-128", "strix-halo-128-carveout-64", "strix-halo-80", "nvidia-rtx4090", "cpu-only")
 
-# DeepSeek-V4-Flash's attention, as its config states it: 43 layers, one
-# shared KV head of 512 dims. Counting every layer's KV in full is an upper
-# bound (the model compresses most layers' KV). Sizes and context come from the catalog.
-DEEPSEEK_V4_FLASH_LAYERS = 43
-DEEPSEEK_V4_FLASH_KV_HEADS = 1
-DEEPSEEK_V4_FLASH_HEAD_DIM = 512
-
 
 def require_software_vulkan() -> None:
     """Skip unless Mesa's lavapipe ICD is installed (CI installs Debian's mesa-vulkan-drivers)."""
@@ -65,21 +58,13 @@ def deepseek_quants() -> list[QuantOption]:
 
 
 def deepseek_facts(quant: str) -> ModelFacts:
+    """DeepSeek-V4-Flash as the catalog describes it: its sizes, context and model shape
+    (43 layers, one shared KV head of 512 dims), shard 1 under `models/`."""
     entry = load_catalog().get("deepseek-v4-flash")
-    assert entry is not None and entry.context_length
+    assert entry is not None and entry.shape is not None, "the catalog lost DeepSeek-V4-Flash or its model shape"
     q = entry.quant(quant)
     assert q is not None, f"catalog has no {quant}"
-    return ModelFacts(
-        name=f"DeepSeek-V4-Flash-{q.name}",
-        total_bytes=q.total_bytes,
-        block_count=DEEPSEEK_V4_FLASH_LAYERS,
-        head_count_kv=DEEPSEEK_V4_FLASH_KV_HEADS,
-        head_dim_k=DEEPSEEK_V4_FLASH_HEAD_DIM,
-        head_dim_v=DEEPSEEK_V4_FLASH_HEAD_DIM,
-        context_length=entry.context_length,
-        path=Path("models") / q.name / f"DeepSeek-V4-Flash-{q.name}-00001-of-{q.shards:05d}.gguf",
-        shard_count=q.shards,
-    )
+    return ModelFacts.from_catalog(entry, q, path=Path("models") / q.first_file)
 
 
 def dense_facts(name: str, total_bytes: int, layers: int, kv_heads: int, head_dim: int, context: int) -> ModelFacts:

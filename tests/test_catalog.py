@@ -63,14 +63,34 @@ def test_malformed_catalogs_are_rejected() -> None:
         parse_catalog('[[model]]\nid="x"\nrepo="a/b"\n')
 
 
-@pytest.mark.parametrize(("budget", "binary", "deepseek_featured"), [(128 * GB, True, "yes"), (20 * GB, True, "no"), (128 * GB, False, "no")])
+def test_featured_counts_kv_cache_and_compute_buffers_like_the_advisor() -> None:
+    from meshnet_gguf.hardware import MemoryCapacity
+    from meshnet_gguf.quant_advisor import advise_catalog_entry
+
+    deepseek = load_catalog().get("deepseek-v4-flash")
+    assert deepseek is not None
+    smallest = min(deepseek.quants, key=lambda q: q.total_bytes)
+    # The weights alone would fit; with the KV cache and compute buffers they do not.
+    capacity = MemoryCapacity(total_bytes=smallest.total_bytes, gpu_bytes=0, gpu_name=None, unified=False)
+    advice = advise_catalog_entry(deepseek, capacity, parallel=4, ctx_size=None)
+    assert featured(deepseek, capacity.total_bytes, binary_available=True)
+    assert not featured(deepseek, capacity.total_bytes, binary_available=True, need_bytes=advice.need_bytes)
+    assert advice.need_bytes(smallest) > smallest.total_bytes
+
+
+@pytest.mark.parametrize(
+    ("box", "binary", "deepseek_featured"),
+    [("strix-halo-128", True, "yes"), ("strix-halo-80", True, "no"), ("cpu-only", True, "no"), ("strix-halo-128", False, "no")],
+)
 def test_models_command_features_deepseek_only_where_it_can_load(
-    monkeypatch: pytest.MonkeyPatch, budget: int, binary: bool, deepseek_featured: str
+    monkeypatch: pytest.MonkeyPatch, box: str, binary: bool, deepseek_featured: str
 ) -> None:
+    from hardware_fixtures import FIXTURES, fixture_binary
+
     from meshnet_gguf.cli import app
 
-    monkeypatch.setattr(model_source, "machine_budget_bytes", lambda binary=None: budget)
-    monkeypatch.setattr(model_source, "local_llama_server", lambda explicit=None: SimpleNamespace(describe=lambda: "fake") if binary else None)
+    monkeypatch.setenv("MESHNET_HARDWARE_FIXTURE", str(FIXTURES / box))
+    monkeypatch.setattr(model_source, "local_llama_server", lambda explicit=None: fixture_binary() if binary else None)
     result = CliRunner().invoke(app, ["models"])
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.output.splitlines()]
@@ -79,4 +99,7 @@ def test_models_command_features_deepseek_only_where_it_can_load(
     assert deepseek[2:5] == ["UD-IQ2_XXS", "78.4", "GB"]
     listed = {r[0] for r in rows if r and r[0] in {"UD-IQ3_XXS", "IQ4_XS", "UD-Q4_K_XL"}}
     assert listed == {"UD-IQ3_XXS", "IQ4_XS", "UD-Q4_K_XL"}
-    assert any(r[:4] == ["UD-IQ3_XXS", "104.2", "GB", "4"] for r in rows)
+    iq3 = next(r for r in rows if r[:4] == ["UD-IQ3_XXS", "104.2", "GB", "4"])
+    # FITS agrees with the quant advisor (and so with `serve`): UD-IQ3_XXS fits the 128 GB Strix Halo only.
+    assert iq3[-1] == ("yes" if box == "strix-halo-128" else "no")
+    assert next(r for r in rows if r and r[0] == "IQ4_XS")[-1] == "no"

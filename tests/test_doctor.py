@@ -58,6 +58,7 @@ def _environment(
         NodeSettings(**values),  # type: ignore[arg-type]
         root=root,
         find_binary=lambda s: fixture_binary(),
+        quantized_kernels_work=lambda binary: True,
         hardware=lambda binary: report,
         model_size=lambda s: size,
         free_bytes=lambda directory: free,
@@ -210,6 +211,16 @@ def test_missing_binary_blocks_serving() -> None:
     doctor = run_doctor(env)
     binary = _only(doctor, "binary")[0]
     assert binary.status == "fail" and "meshnet-gguf[llama]" in binary.fix
+    assert doctor.blocking
+
+
+def test_binary_that_crashes_on_quantized_models_blocks_serving() -> None:
+    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root")
+    env.quantized_kernels_work = lambda binary: False
+    doctor = run_doctor(env)
+    binary = _only(doctor, "binary")[0]
+    assert binary.status == "fail" and "SIGILL" in binary.summary
+    assert "--llama-server" in binary.fix
     assert doctor.blocking
 
 

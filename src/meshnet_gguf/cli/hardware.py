@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show CPU, RAM, GPUs, the llama-server devices and the honest GPU memory budget."""
         from meshnet_gguf.binary import BinaryNotFound, find_llama_server
-        from meshnet_gguf.hardware import format_table, probe_hardware
+        from meshnet_gguf.config import NodeSettings
+        from meshnet_gguf.hardware import format_table, probe_configured
 
         try:
             binary = find_llama_server(llama_server)
@@ -27,7 +28,15 @@ def register(app: typer.Typer) -> None:
             # The machine's own facts are still worth printing; the report says the binary was not probed.
             typer.echo(f"warning: {str(exc).splitlines()[0]}", err=True)
             binary = None
-        report = probe_hardware(binary)
+        # MESHNET_HARDWARE_FIXTURE (a testing/diagnosis aid) shows a recorded machine instead of this one.
+        fixture = NodeSettings().hardware_fixture
+        try:
+            report = probe_configured(binary, fixture)
+        except FileNotFoundError as exc:
+            typer.echo(f"error: hardware_fixture (MESHNET_HARDWARE_FIXTURE): {exc}", err=True)
+            raise typer.Exit(2) from exc
+        if fixture is not None:
+            typer.echo(f"warning: showing the recorded machine {fixture}, not this one (MESHNET_HARDWARE_FIXTURE)", err=True)
         if as_json:
             typer.echo(json.dumps(report.to_dict(), indent=2, default=str))
         else:

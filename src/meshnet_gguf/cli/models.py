@@ -65,18 +65,24 @@ def register(app: typer.Typer) -> None:
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary (for the 'featured' check)")] = None,
     ) -> None:
         """Show the model catalog, or the quants a repo offers with their sizes."""
-        from meshnet_gguf.catalog import featured, load_catalog, quant_fits
+        from meshnet_gguf.catalog import featured, load_catalog
         from meshnet_gguf.gguf_names import format_bytes
-        from meshnet_gguf.model_source import (
-            ModelResolutionError,
-            local_llama_server,
-            machine_budget_bytes,
-            offered_quants,
-        )
+        from meshnet_gguf.hardware import probe_configured
+        from meshnet_gguf.launch_plan import ModelFacts
+        from meshnet_gguf.model_source import ModelResolutionError, local_llama_server, offered_quants
+        from meshnet_gguf.quant_advisor import QuantOption, advise_catalog_entry, advise_quant, target_context
 
         settings = _settings(download_dir=download_dir, offline=offline, llama_server=llama_server)
         binary = local_llama_server(settings.llama_server)
-        budget = machine_budget_bytes(binary)
+        try:
+            capacity = probe_configured(binary, settings.hardware_fixture).capacity()
+        except FileNotFoundError as exc:
+            typer.echo(f"error: hardware_fixture (MESHNET_HARDWARE_FIXTURE): {exc}", err=True)
+            raise typer.Exit(EXIT_SETUP_ERROR) from exc
+        catalog = load_catalog()
+        # A quant fits when the quant advisor says so: weights + KV cache for every slot's
+        # minimum context + compute buffers within this box's capacity (what `serve` checks).
+        memory_line = f"memory here: {capacity.describe()}; NEEDS = weights + KV cache + compute buffers"
 
         if repo is not None:
             try:
@@ -84,26 +90,40 @@ def register(app: typer.Typer) -> None:
             except ModelResolutionError as exc:
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(EXIT_SETUP_ERROR) from exc
-            rows = [["QUANT", "SIZE", "SHARDS", "FITS", "FILE"]]
-            for q in offered.quants:
+            curated = catalog.get(repo) or catalog.by_repo(repo)
+            facts = ModelFacts.from_catalog(curated, curated.quants[0]) if curated and curated.shape else None
+            options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants]
+            advice = advise_quant(
+                options, capacity, model=facts, target_ctx=target_context(facts, parallel=settings.parallel, ctx_size=settings.ctx_size)
+            )
+            fits = {o.quant: o for o in advice.options}
+            rows = [["QUANT", "SIZE", "SHARDS", "NEEDS", "FITS", "FILE"]]
+            for q, option in zip(offered.quants, options):
                 shards = str(q.shards) if q.complete else f"{q.shards} (incomplete)"
-                rows.append([q.name, format_bytes(q.total_bytes), shards, "yes" if q.total_bytes <= budget else "no", q.first_file])
+                fit = fits[option]
+                rows.append([
+                    q.name, format_bytes(q.total_bytes), shards, format_bytes(fit.need_bytes),
+                    "yes" if fit.fits else "no", q.first_file,
+                ])  # fmt: skip
             typer.echo(f"{offered.title} ({offered.source})")
-            typer.echo(_table(rows, right={1, 2}) if offered.quants else "no GGUF models found")
-            typer.echo(f"\nmemory budget here: {format_bytes(budget)}")
+            typer.echo(_table(rows, right={1, 2, 3}) if offered.quants else "no GGUF models found")
+            kv = "" if facts else " (KV cache unknown until downloaded: not counted)"
+            typer.echo(f"\n{memory_line}{kv}")
             return
 
-        catalog = load_catalog()
-        rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "FITS"]]
+        rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "NEEDS", "FITS"]]
         for entry in catalog.entries:
-            is_featured = featured(entry, budget, binary is not None)
+            advice = advise_catalog_entry(entry, capacity, parallel=settings.parallel, ctx_size=settings.ctx_size)
+            is_featured = featured(entry, capacity.total_bytes, binary is not None, need_bytes=advice.need_bytes)
             for i, q in enumerate(entry.quants):
                 first = i == 0
+                fit = advice.find(q.name)
                 rows.append([
                     entry.id if first else "", ("yes" if is_featured else "no") if first else "",
-                    q.name, format_bytes(q.total_bytes), str(q.shards), "yes" if quant_fits(q, budget) else "no",
+                    q.name, format_bytes(q.total_bytes), str(q.shards),
+                    format_bytes(fit.need_bytes) if fit else "?", "yes" if fit and fit.fits else "no",
                 ])  # fmt: skip
-        typer.echo(_table(rows, right={3, 4}))
+        typer.echo(_table(rows, right={3, 4, 5}))
         found = f"llama-server {binary.describe()}" if binary is not None else "no llama-server found"
-        typer.echo(f"\nmemory budget here: {format_bytes(budget)}; {found}")
-        typer.echo("featured = a llama-server is available and at least one quant fits the memory budget")
+        typer.echo(f"\n{memory_line}; {found}")
+        typer.echo("featured = a llama-server is available and at least one quant fits this machine")
