@@ -73,14 +73,6 @@ def notify_socket(tmp_path: Path) -> Iterator[NotifySocket]:
     sock.close()
 
 
-def _let_llama_close_the_streamed_connection() -> None:
-    # llama-server closes its connection right after a streamed answer; a request
-    # sent within that instant can pick the closing connection from the proxy's
-    # pool and fail ("Can not write request body"). Reported to the proxy's owner;
-    # this test is about metrics and drain, so it steps around that race.
-    time.sleep(0.2)
-
-
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -124,7 +116,6 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
         )
     )
     streamed_usage = chunks[-1].usage
-    _let_llama_close_the_streamed_connection()
     assert answer.usage is not None and streamed_usage is not None
     assert httpx.post(node.url + "/v1/chat/completions", content=b"{not json").status_code == 400
     metrics = httpx.get(node.url + "/metrics")

@@ -53,6 +53,20 @@ def test_serves_single_file_and_split_models_to_the_openai_sdk(model: str, reque
     assert health["usage"]["completion_tokens"] >= answer.usage.completion_tokens + 4
 
 
+def test_back_to_back_requests_after_streams_never_hit_a_closed_connection(real_llama, start_node, tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    # llama-server closes the connection after each streamed answer; a pooled client that
+    # reused it for the next request would fail with 503 "Can not write request body".
+    node = start_node("--gguf", str(tiny_gguf), "--ctx-size", "2048")
+    node.wait_ready()
+    statuses = []
+    with httpx.Client(base_url=node.url, timeout=30) as client:
+        for _ in range(150):
+            statuses.append(client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "stream": True}).status_code)
+            statuses.append(client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code)
+            statuses.append(client.get("/v1/models").status_code)
+    assert set(statuses) == {200}
+
+
 def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
     node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048", "--parallel", "2")
     node.wait_ready()

@@ -322,7 +322,7 @@ class ProxyApp:
     async def _exchange(self, exchange: _Exchange, target: UpstreamTarget, body: bytes, send: Send) -> None:
         url = target.base_url + exchange.path
         try:
-            response = await self._client.send("POST", url, _upstream_headers(target), body)
+            response = await self._client.send("POST", url, _upstream_headers(target, stream=exchange.stream), body)
         except UpstreamError as exc:
             exchange.finish_reason = "error"
             exchange.status = 503
@@ -558,8 +558,13 @@ def _prepare_upstream_body(payload: dict[str, Any], body: bytes, stream: bool, m
     return json.dumps(payload, separators=(",", ":")).encode() if changed else body
 
 
-def _upstream_headers(target: UpstreamTarget) -> dict[str, str]:
-    return {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
+def _upstream_headers(target: UpstreamTarget, *, stream: bool = False) -> dict[str, str]:
+    headers = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
+    if stream:
+        # llama-server closes the connection after every streamed answer; saying so up
+        # front keeps the pool from handing that dead connection to the next request.
+        headers["connection"] = "close"
+    return headers
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -22,7 +22,8 @@ CONNECT_TIMEOUT_S = 5.0
 READ_IDLE_TIMEOUT_S = 900.0
 # Connections kept to llama-server: one per slot suffices; extra covers health probes.
 POOL_HEADROOM = 8
-STREAM_READ_SIZE = 64 * 1024
+# Fresh-connection retries after a pooled connection turned out closed before any answer.
+STALE_CONNECTION_RETRIES = 1
 # llama-server (cpp-httplib) closes a connection idle for 5 s. A pooled one kept
 # longer can be reused just as the server closes it, and the request fails with
 # "Can not write request body"; dropping idle ones first avoids that race.
@@ -95,11 +96,18 @@ class AiohttpUpstream:
         return self._session
 
     async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> UpstreamResponse:
-        try:
-            response = await self._client().request(method, url, headers=headers, data=body, allow_redirects=False)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise UpstreamError(f"llama-server unreachable: {exc!r}") from exc
-        return _AiohttpResponse(response)
+        for attempt in range(STALE_CONNECTION_RETRIES + 1):
+            try:
+                response = await self._client().request(method, url, headers=headers, data=body, allow_redirects=False)
+                return _AiohttpResponse(response)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == STALE_CONNECTION_RETRIES:
+                    raise UpstreamError(f"llama-server unreachable: {exc!r}") from exc
+                # A pooled connection llama-server had already closed: no answer came, so the
+                # request never ran; a fresh connection is safe to try.
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                raise UpstreamError(f"llama-server unreachable: {exc!r}") from exc
+        raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
         if self._session is not None:
