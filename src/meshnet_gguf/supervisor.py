@@ -28,10 +28,11 @@ import httpx
 import psutil
 
 from meshnet_gguf.binary import BinaryInfo
+from meshnet_gguf.logs import LLAMA_LOGGER, llama_log_level
 from meshnet_gguf.protocol import NodeState
 
 log = logging.getLogger(__name__)
-child_log = logging.getLogger("meshnet_gguf.llama")
+child_log = logging.getLogger(LLAMA_LOGGER)
 
 API_KEY_ENV = "LLAMA_API_KEY"  # llama-server reads its key from here: never on argv, never in logs
 LOG_RING_LINES = 400
@@ -215,7 +216,7 @@ class Supervisor:
         if not line.strip():
             return
         self.log_ring.append(line)
-        child_log.info("%s", line)
+        child_log.log(llama_log_level(line), "%s", line)
         for listener in self.line_listeners:
             listener(line)
 
