@@ -168,8 +168,8 @@ def test_stale_child_from_pidfile_is_ended_but_a_recycled_pid_is_not(tmp_path: P
             victim.kill()
 
 
-def test_no_orphan_survives_kill_9_of_the_node(start_node, fake_llama_path: Path) -> None:  # type: ignore[no-untyped-def]
-    node = start_node("--gguf", str(fake_llama_path), "--llama-server", str(fake_llama_path))
+def test_no_orphan_survives_kill_9_of_the_node(start_node, fake_llama_path: Path, tiny_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))
     node.wait_ready()
     child = node.llama_pid()
     assert child and psutil.pid_exists(child)
@@ -181,7 +181,7 @@ def test_no_orphan_survives_kill_9_of_the_node(start_node, fake_llama_path: Path
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
-def test_restart_after_kill_9_reaps_the_stale_child_by_pidfile(start_node, fake_llama_path: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_restart_after_kill_9_reaps_the_stale_child_by_pidfile(start_node, fake_llama_path: Path, tiny_gguf: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     # Simulate a child that outlived its node (e.g. a platform without parent-death signals):
     # started through a shell that exits, so like a real orphan it is not our child.
     launcher = subprocess.run(
@@ -192,7 +192,7 @@ def test_restart_after_kill_9_reaps_the_stale_child_by_pidfile(start_node, fake_
     state = tmp_path / "state"
     state.mkdir()
     (state / PIDFILE_NAME).write_text(json.dumps({"pid": stale.pid, "create_time": stale.create_time()}))
-    node = start_node("--gguf", str(fake_llama_path), "--llama-server", str(fake_llama_path))
+    node = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))
     node.wait_ready()
     psutil.wait_procs([stale], timeout=5)
     assert not stale.is_running() or stale.status() == psutil.STATUS_ZOMBIE
