@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from local_hub_fixtures import ROOT_SPLIT, access, hub, hub_root  # noqa: F401
+from local_hub_fixtures import ROOT_SPLIT, hub, hub_root  # noqa: F401
 from node_process import NodeProcess
 
 from meshnet_gguf.devtools.hf_server import LocalHub
@@ -50,6 +50,7 @@ def serve(start_node: StartNode, hub: LocalHub, tmp_path: Path, run: str, *extra
     """`serve --gguf owner/name --quant Q --download-dir D` with its own state dir per run (for the pidfile)."""
     workdir = tmp_path / run
     workdir.mkdir()
+    # NodeProcess passes `--download-dir <workdir>/models` first; this later one wins (click keeps the last value).
     download_dir = tmp_path / "D"
     return start_node(
         "--gguf", ROOT_SPLIT, "--quant", QUANT, "--download-dir", str(download_dir), "--ctx-size", "1024", *extra,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from hardware_fixtures import FIXTURES
-from local_hub_fixtures import ROOT_SPLIT, access, hub, hub_root  # noqa: F401
+from local_hub_fixtures import ROOT_SPLIT, hub, hub_root  # noqa: F401
 
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.devtools.hf_server import LocalHub
@@ -163,3 +163,25 @@ def test_a_hub_model_is_planned_from_its_header_once_on_disk_and_never_fetched(
     assert hub.bytes_served(ROOT_SPLIT) == 0
     assert f"--alias {ROOT_SPLIT}:Q8_0" in done.stdout and "Tiny-Q8_0-00001-of-00003.gguf" in done.stdout
     assert "plan: CPU only" in done.stdout and "a dry run does not re-check sha256" in done.stdout
+
+
+def test_serve_refuses_a_quant_that_cannot_fit_before_downloading_a_byte(tmp_path: Path, recorded_llama: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHNET_", "HF_"))}
+    env.update(HF_ENDPOINT=CLOSED_HUB, HF_HOME=str(tmp_path / "hf-home"), MESHNET_HARDWARE_FIXTURE=str(FIXTURES / "strix-halo-128"))
+    argv = [
+        sys.executable, "-m", "meshnet_gguf", "serve", "--gguf", "deepseek-v4-flash", "--quant", "IQ4_XS",
+        "--llama-server", str(recorded_llama), "--download-dir", str(tmp_path / "models"), "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S)
+
+    assert done.returncode == 2
+    assert "UD-IQ3_XXS fits" in done.stderr and "downloading" not in done.stderr
+    assert downloaded(tmp_path) == []
+
+
+def test_a_hardware_fixture_that_is_not_a_recorded_machine_is_a_clear_error(tmp_path: Path, recorded_llama: Path, tiny_gguf: Path) -> None:
+    done = dry_run(tmp_path, str(tmp_path / "nowhere"), "--gguf", str(tiny_gguf), llama=recorded_llama)
+
+    assert done.returncode == 2
+    assert "MESHNET_HARDWARE_FIXTURE" in done.stderr and "not a recorded machine" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,8 +1,8 @@
 """Composition root: build the node's pieces from settings and run them in one task group.
 
 `prepare_launch()` does everything that can fail before a port is opened
-(binary, model, plan); `Node.run()` then serves until a signal, drains, and
-returns the process exit code.
+(binary, hardware, quant fit, model download and verification, launch plan);
+`Node.run()` then serves until a signal, drains, and returns the process exit code.
 """
 
 from __future__ import annotations
@@ -123,11 +123,11 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False) -> Prepared
         spec = parse_model_spec(settings, catalog)
     except ModelResolutionError as exc:
         raise NodeSetupError(str(exc)) from exc
-    advice, shape_facts = _check_quant_fits(spec, settings, hardware, catalog)
+    advice = _check_quant_fits(spec, settings, hardware, catalog)
 
     notes: list[str] = []
     if dry_run:
-        resolved, facts, model_name, quant = _plan_input_without_download(spec, settings, catalog, shape_facts, advice, notes)
+        resolved, facts, model_name, quant = _plan_input_without_download(spec, settings, catalog, advice, notes)
     else:
         resolved = _resolve(settings, catalog)
         # --- CPU compatibility hook (the lead's: the bundled llama-server dies with SIGILL on
@@ -171,8 +171,7 @@ def _model_name(resolved: ResolvedModel) -> str:
     Catalog and hub models use their label, `deepseek-v4-flash:UD-IQ3_XXS` or
     `owner/name:Q4_K_M`: the same on every node that serves them, whatever the
     download dir, so a tracker can group those nodes. Local files use their file
-    name without `.gguf` and without a split's `-00001-of-00003` (`Model-Q4_K_M`),
-    as llama-server itself would name them.
+    name without `.gguf` and without a split's `-00001-of-00003` (`Model-Q4_K_M`).
     """
     if resolved.catalog_id or resolved.repo_id:
         return resolved.label
@@ -234,9 +233,7 @@ def _shape_facts(spec: ModelSpec, catalog: Catalog) -> ModelFacts | None:
     return ModelFacts.from_catalog(entry, entry.quants[0])
 
 
-def _check_quant_fits(
-    spec: ModelSpec | None, settings: NodeSettings, hardware: HardwareReport, catalog: Catalog
-) -> tuple[QuantAdvice | None, ModelFacts | None]:
+def _check_quant_fits(spec: ModelSpec | None, settings: NodeSettings, hardware: HardwareReport, catalog: Catalog) -> QuantAdvice | None:
     """Before any download: rate the offered quants on this box and refuse one that cannot fit (issue 4).
 
     Catalog models are rated from the catalog's figures, hub repos from the hub's
@@ -245,7 +242,7 @@ def _check_quant_fits(
     choose from: the launch plan alone decides for them.
     """
     if spec is None or spec.kind == "local":
-        return None, None
+        return None
     facts = _shape_facts(spec, catalog)
     if spec.entry is not None:
         options = catalog_quant_options(spec.entry)
@@ -255,10 +252,10 @@ def _check_quant_fits(
             offered = offered_quants(spec.repo_id, settings)
         except ModelResolutionError as exc:
             log.debug("no listing of %s for the quant check: %s", spec.repo_id, exc)
-            return None, facts  # resolving the model reports the same problem, with what to do
+            return None  # resolving the model reports the same problem, with what to do
         options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants if q.complete]
     if not options:
-        return None, facts
+        return None
     target = target_context(facts, parallel=settings.parallel, ctx_size=settings.ctx_size)
     capacity = hardware.capacity()
     advice = advise_quant(options, capacity, model=facts, target_ctx=target)
@@ -271,7 +268,7 @@ def _check_quant_fits(
         if spec.entry is not None:
             offered_names = ", ".join(q.name for q in spec.entry.quants)
             raise NodeSetupError(f"{spec.entry.id} has no quant {quant}; the catalog offers {offered_names}")
-        return advice, facts  # resolving the model lists what the repo offers
+        return advice  # resolving the model lists what the repo offers
     try:
         fit = check_quant(quant, options, capacity, model=facts, target_ctx=target)
     except QuantDoesNotFit as exc:
@@ -281,7 +278,7 @@ def _check_quant_fits(
     else:
         where = "on the GPU" if fit.fits_gpu else "partly on the CPU" if capacity.gpu_bytes else "in RAM"
         log.info("quant %s fits %s: %s; %s", fit.quant.name, where, fit.describe(target), capacity.describe())
-    return advice, facts
+    return advice
 
 
 def _resolve(settings: NodeSettings, catalog: Catalog, *, progress: bool = True) -> ResolvedModel:
@@ -305,7 +302,6 @@ def _plan_input_without_download(
     spec: ModelSpec | None,
     settings: NodeSettings,
     catalog: Catalog,
-    shape_facts: ModelFacts | None,
     advice: QuantAdvice | None,
     notes: list[str],
 ) -> tuple[ResolvedModel | None, ModelFacts, str, str | None]:

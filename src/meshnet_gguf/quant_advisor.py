@@ -71,10 +71,12 @@ class QuantAdvice:
         return fit.need_bytes if fit is not None else memory_need_bytes(quant.total_bytes, 0.0, 0)
 
     def describe(self) -> str:
-        lines = [f"{self.capacity.describe()}; target context {self.target_ctx} tokens"]
+        context = f"target context {self.target_ctx} tokens" if self.target_ctx else "KV cache not counted (model shape unknown)"
+        lines = [f"{self.capacity.describe()}; {context}"]
         best = self.best
+        in_ram = "fits (partly on the CPU)" if self.capacity.gpu_bytes > 0 else "fits in RAM"
         for option in self.options:
-            verdict = "fits on the GPU" if option.fits_gpu else "fits (partly on the CPU)" if option.fits else "does not fit"
+            verdict = "fits on the GPU" if option.fits_gpu else in_ram if option.fits else "does not fit"
             mark = " <- best" if option is best else ""
             lines.append(f"  {option.quant.name:<14} {format_bytes(option.need_bytes):>7} needed: {verdict}{mark}")
         return "\n".join(lines)
