@@ -33,7 +33,7 @@ request_id_var: ContextVar[str | None] = ContextVar("meshnet_request_id", defaul
 
 # Libraries that log every HTTP exchange at INFO: on the hot path of the proxy
 # that is a line per request the operator did not ask for.
-_NOISY_LOGGERS = ("httpx", "httpcore", "httpx2", "httpcore2", "hpack", "urllib3")
+_NOISY_LOGGERS = ("httpx", "httpcore", "httpx2", "httpcore2", "hpack", "urllib3", "gguf")
 _SYSTEMD_MARKERS = ("JOURNAL_STREAM", "INVOCATION_ID")
 # Attributes every LogRecord has; anything else came from `extra=` and goes into JSON.
 _STANDARD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "request_id", "source", "tags"}

@@ -15,7 +15,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import anyio
@@ -23,9 +23,11 @@ import uvicorn
 
 from meshnet_gguf import __version__
 from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server
-from meshnet_gguf.catalog import Catalog, load_catalog
+from meshnet_gguf.catalog import DEMO_ID, Catalog, load_catalog
 from meshnet_gguf.config import NodeSettings
-from meshnet_gguf.gguf_info import GGUFError, check_shard_set
+from meshnet_gguf.cpu_compat import quantized_kernels_work
+from meshnet_gguf.gguf_convert import dequantize_to_f16
+from meshnet_gguf.gguf_info import GGUFError, check_shard_set, read_gguf_info
 from meshnet_gguf.gguf_names import format_bytes, quant_of
 from meshnet_gguf.hardware import HardwareReport, probe_configured
 from meshnet_gguf.launch_plan import LaunchPlan, ModelFacts, plan_launch
@@ -59,6 +61,8 @@ log = logging.getLogger(__name__)
 
 # uvicorn's own graceful shutdown runs after our drain, so it only closes idle keep-alives.
 HTTP_SHUTDOWN_TIMEOUT_S = 2.0
+# Where `--demo` keeps its dequantized copy on CPUs the llama-server build is too new for.
+DEMO_F16_FILE = "gemma-3-270m-f16.gguf"
 # Polling in-flight during drain; small, the drain is rare.
 DRAIN_POLL_S = 0.05
 
@@ -158,11 +162,30 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False) -> Prepared
 
 
 def _runnable_on_this_cpu(resolved: ResolvedModel, binary: BinaryInfo, settings: NodeSettings) -> ResolvedModel:
-    """Placeholder for the lead's CPU-compatibility step (gguf_convert / cpu_compat); returns `resolved` as is.
+    """The demo as this llama-server can run it on this CPU: as downloaded, or an F16 copy.
 
+    A build compiled for a newer CPU dies with SIGILL on quantized kernels (see
+    `cpu_compat`). For the demo, whose job is to show a working node in one
+    command, the dequantized copy (540 MB, made once) is the better answer;
+    any other model is served as asked, and a crash is explained by the supervisor.
     Not called in a dry run, which must not write model files.
     """
-    return resolved
+    if resolved.catalog_id != DEMO_ID or quantized_kernels_work(binary):
+        return resolved
+    f16 = settings.download_dir / "demo" / DEMO_F16_FILE
+    if not f16.is_file() or f16.stat().st_mtime < resolved.first_shard.stat().st_mtime:
+        log.warning("this CPU cannot run %s's quantized kernels: writing an F16 copy of the demo (once)", binary.path)
+        dequantize_to_f16(resolved.first_shard, f16)
+    log.warning("serving the demo as F16 (%s): %s", f16, "the llama-server build needs CPU instructions this machine lacks")
+    return replace(
+        resolved,
+        first_shard=f16,
+        shards=(f16,),
+        total_bytes=f16.stat().st_size,
+        sha256s=(None,),
+        quant="F16",  # the name clients see says what really runs
+        header=read_gguf_info(f16),
+    )
 
 
 def _model_name(resolved: ResolvedModel) -> str:
@@ -419,13 +442,16 @@ class Node:
         from meshnet_gguf.meshnet_link import MeshnetLink, MeshSetupError, ServedModel
 
         launch, s = self.launch, self.settings
+        resolved = launch.resolved
         served = ServedModel(
             model_id=launch.model_name,
-            shards=[launch.model_path],
+            shards=list(resolved.shards) if resolved else [launch.model_path],
             quant=launch.quant,
+            sha256s=list(resolved.sha256s) if resolved else (),
             llama_build=launch.binary.build,
             slots=s.parallel,
-            ctx_size=s.ctx_size,
+            ctx_size=launch.plan.ctx_size if launch.plan else s.ctx_size,
+            hardware=launch.hardware,
             binary=launch.binary,
         )
         try:

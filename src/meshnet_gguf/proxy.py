@@ -380,9 +380,13 @@ class ProxyApp:
                 events = splitter.feed(chunk)
                 if not events:
                     continue
-                out, untouched, done_sent = _meter_events(exchange, events)
-                # Whole events arriving as one chunk (the usual case) go out as that very chunk.
-                body = chunk if untouched and not splitter.pending and len(chunk) == sum(map(len, events)) else out
+                replaced, done_sent = _meter_events(exchange, events)
+                if replaced is None:
+                    # Whole events arriving as one chunk (the usual case) go out as that very chunk.
+                    whole = not splitter.pending and len(chunk) == sum(map(len, events))
+                    body = chunk if whole else b"".join(events)
+                else:
+                    body = b"".join(replaced)
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
         except UpstreamError as exc:
@@ -466,31 +470,33 @@ class ProxyApp:
 
 
 # --- metering ---------------------------------------------------------------
-def _meter_events(exchange: _Exchange, events: list[bytes]) -> tuple[bytes, bool, bool]:
-    """Meter complete SSE events; return (bytes to forward, whether they are unchanged, whether [DONE] passed)."""
-    out: list[bytes] = []
-    untouched = True
+def _meter_events(exchange: _Exchange, events: list[bytes]) -> tuple[list[bytes] | None, bool]:
+    """Meter complete SSE events; return (what to forward instead of them, or None when they go
+    out unchanged; whether [DONE] passed).
+
+    Hot path (one call per upstream read): the replacement list is only built once an event
+    is added or dropped, and the clock is read once per call (the events arrived together).
+    """
+    out: list[bytes] | None = None
     done = False
-    for event in events:
+    now = 0.0
+    for i, event in enumerate(events):
+        keep = True
+        extra = None
         if event.startswith(b":"):
-            out.append(event)  # llama-server keep-alive pings pass through
+            pass  # llama-server keep-alive pings pass through
         elif event.startswith(b"data: [DONE]"):
-            out.append(exchange.usage_comment())
-            out.append(event)
-            untouched = False
+            extra = exchange.usage_comment()
             done = True
         elif b'"choices":[]' in event and b'"usage"' in event:
             _meter_usage_event(exchange, event)
-            if exchange.client_wants_usage:
-                out.append(event)
-            else:
-                untouched = False
+            keep = exchange.client_wants_usage
         elif event.startswith(b"error") or event.startswith(b'data: {"error"'):
             exchange.finish_reason = "error"
-            out.append(event)
         else:
-            now = time.perf_counter()
             if b'"content":' in event or b'"text":' in event or b'"tool_calls"' in event:
+                if not now:
+                    now = time.perf_counter()
                 exchange.content_events += 1
                 if exchange.first_token_at is None:
                     exchange.first_token_at = now
@@ -498,8 +504,14 @@ def _meter_events(exchange: _Exchange, events: list[bytes]) -> tuple[bytes, bool
             finish = _FINISH_RE.search(event)
             if finish:
                 exchange.finish_reason = _finish_reason(finish.group(1).decode())
-            out.append(event)
-    return b"".join(out), untouched, done
+        if out is None and (extra is not None or not keep):
+            out = events[:i]
+        if out is not None:
+            if extra is not None:
+                out.append(extra)
+            if keep:
+                out.append(event)
+    return out, done
 
 
 def _meter_usage_event(exchange: _Exchange, event: bytes) -> None:

@@ -58,9 +58,11 @@ class _AiohttpResponse:
         self.headers = [(k, v) for k, v in response.headers.items()]
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
+        content = self._response.content
         try:
-            # iter_any yields whatever arrived: no re-chunking to a fixed size.
-            async for chunk in self._response.content.iter_any():
+            # readany() returns whatever arrived (b"" at the end): no re-chunking to a fixed
+            # size. Called directly, not through iter_any(), to save a wrapper per chunk.
+            while chunk := await content.readany():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"llama-server connection broke: {exc!r}") from exc
