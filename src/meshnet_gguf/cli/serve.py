@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 
 import anyio
 import typer
+from pydantic import ValidationError
 
 from meshnet_gguf.config import NodeSettings
 
@@ -37,6 +38,10 @@ def register(app: typer.Typer) -> None:
         force: Annotated[bool, typer.Option("--force", help="Download and launch even if the quant or the plan does not seem to fit")] = False,
         api_key: Annotated[Optional[str], typer.Option(help="Standalone: require this bearer key")] = None,
         tracker: Annotated[Optional[str], typer.Option(help="Tracker URL: register, require signed routes, report usage")] = None,
+        tracker_public_key: Annotated[Optional[str], typer.Option(help="Pin the tracker's Ed25519 key (else learned on first contact)")] = None,
+        advertised_url: Annotated[Optional[str], typer.Option(help="URL the tracker should use to reach this node")] = None,
+        enrolment_secret: Annotated[Optional[str], typer.Option(help="Secret the tracker requires to register (prefer MESHNET_ENROLMENT_SECRET: argv is visible to other users)")] = None,
+        drain_grace_s: Annotated[Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown [default: 30]")] = None,
         upstream_client: Annotated[Optional[str], typer.Option(help="aiohttp or httpx for the llama-server hop")] = None,
         log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
@@ -45,12 +50,17 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.node import Node, NodeSetupError, prepare_launch
         from meshnet_gguf.sd_notify import SystemdNotifier
 
-        settings = settings_from_flags(
-            gguf=gguf, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
-            n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
-            state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
-            upstream_client=upstream_client, log_format=log_format,
-        )  # fmt: skip
+        try:
+            settings = settings_from_flags(
+                gguf=gguf, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
+                n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
+                state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
+                tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret,
+                drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
+            )  # fmt: skip
+        except ValidationError as exc:
+            typer.echo(f"error: {_first_problem(exc)}", err=True)
+            raise typer.Exit(2) from exc
         _configure_logging(settings)
         try:
             # Under systemd a first download can outlast TimeoutStartSec: say what is happening, and extend it.
@@ -62,8 +72,18 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             typer.echo(launch.describe())
             return
-        code = anyio.run(Node(launch).run, backend_options={"use_uvloop": True})
+        try:
+            code = anyio.run(Node(launch).run, backend_options={"use_uvloop": True})
+        except NodeSetupError as exc:  # e.g. the port is taken, or the mesh link cannot start
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
         raise typer.Exit(code)
+
+
+def _first_problem(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") if error["loc"] else "settings"
+    return f"{where}: {error['msg']}"
 
 
 def _configure_logging(settings: NodeSettings) -> None:
