@@ -232,7 +232,9 @@ def test_fetch_real_llama_server_metrics(llama_with_metrics: tuple[str, str]) ->
             deadline = time.monotonic() + 30
             while True:
                 text = await fetch_llama_metrics(client, base, api_key)
-                if f"{LLAMACPP_PREFIX}up 1" in text or api_key is None or time.monotonic() > deadline:
+                # Parsed, not searched: the HELP line itself reads "..._up 1 if llama-server's ...".
+                up = _samples(text.encode()).get((f"{LLAMACPP_PREFIX}up", ()))
+                if up == 1 or api_key is None or time.monotonic() > deadline:
                     return text
                 await anyio.sleep(0.1)  # still loading: /metrics answers 503
         finally:
