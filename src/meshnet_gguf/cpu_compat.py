@@ -21,7 +21,7 @@ import httpx
 
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.devtools.tiny_model import TinyModelSpec, write_tiny_model
-from meshnet_gguf.supervisor import free_local_port
+from meshnet_gguf.ports import free_local_port
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections import deque
@@ -29,6 +28,7 @@ import psutil
 
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.logs import LLAMA_LOGGER, llama_log_level
+from meshnet_gguf.ports import free_local_port
 from meshnet_gguf.protocol import NodeState
 
 log = logging.getLogger(__name__)
@@ -359,12 +359,6 @@ def reap_stale_child(pidfile: Path | None, timeout_s: float = 10.0) -> bool:
             log.error("llama-server pid %s from an earlier run survived SIGKILL", proc.pid)
     pidfile.unlink(missing_ok=True)
     return True
-
-
-def free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -1,0 +1,14 @@
+"""Loopback ports for private listeners (llama-server, probes)."""
+
+from __future__ import annotations
+
+import socket
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_local_port() -> int:
+    """A port free on 127.0.0.1 right now (the kernel's pick; the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
