@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -73,11 +74,16 @@ def register(app: typer.Typer) -> None:
             typer.echo(launch.describe())
             return
         try:
-            code = anyio.run(Node(launch).run, backend_options={"use_uvloop": True})
+            code = anyio.run(Node(launch).run, backend_options={"use_uvloop": _uvloop_available()})
         except NodeSetupError as exc:  # e.g. the port is taken, or the mesh link cannot start
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         raise typer.Exit(code)
+
+
+def _uvloop_available() -> bool:
+    # uvloop (from uvicorn[standard]) speeds the proxy up; where it cannot be installed, asyncio's loop serves.
+    return importlib.util.find_spec("uvloop") is not None
 
 
 def _first_problem(exc: ValidationError) -> str:
