@@ -189,3 +189,14 @@ def test_hardware_command_prints_table_and_json() -> None:
     assert as_json.exit_code == 0, as_json.output
     data = json.loads(as_json.stdout)
     assert data["ram_total_bytes"] > 0 and "gpus" in data and "probes" in data
+
+
+def test_ram_falls_back_to_psutil_where_proc_meminfo_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # macOS and some sandboxes have no /proc/meminfo; psutil then reads the OS's own figures.
+    from meshnet_gguf import hardware_sources
+
+    monkeypatch.setattr(hardware_sources, "read_meminfo", lambda root: None)
+    log = hardware_sources.SourceLog()
+    total, available = hardware_sources.read_memory(Path("/"), log)
+    assert total > 0 and 0 < available <= total
+    assert log.status["/proc/meminfo"] == "absent; used psutil"

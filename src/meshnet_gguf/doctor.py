@@ -27,7 +27,7 @@ from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.download import DISK_FREE_MARGIN_BYTES, FreeBytes, default_free_bytes
 from meshnet_gguf.gguf_names import format_bytes
-from meshnet_gguf.hardware import GpuInfo, HardwareReport, probe_hardware
+from meshnet_gguf.hardware import GLVND_PACKAGES, GpuInfo, HardwareReport, probe_hardware
 from meshnet_gguf.hardware_sources import TTM_PAGE_BYTES, CommandRunner, run_command
 from meshnet_gguf.protocol import CLOCK_SKEW_S, WELL_KNOWN_PATH
 
@@ -45,7 +45,6 @@ DATE_RESOLUTION_S = 1.0
 _LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu")
 # libglvnd: NVIDIA's Vulkan ICD loads libGLX_nvidia.so.0, which needs these (FACTS.md).
 _GLVND_LIBRARIES = ("libGLdispatch.so.0", "libGLX.so.0")
-GLVND_PACKAGES = "libglvnd0 libglx0 libegl1 libgl1 libopengl0 libgles2 libvulkan1"
 DEVICE_GROUPS_FIX = (
     "add the user that runs the node to the render and video groups (sudo usermod -aG render,video USER, then log in "
     "again); the systemd service from `meshnet-gguf service install` gets them through SupplementaryGroups"
@@ -214,7 +213,7 @@ def _nvidia_without_vulkan(gpu: GpuInfo, report: HardwareReport, root: Path) -> 
             "warn",
             summary,
             f"NVIDIA's Vulkan driver (libGLX_nvidia.so.0) needs libglvnd, and {', '.join(missing)} "
-            "is missing, so the Vulkan loader drops the GPU",
+            f"{'is' if len(missing) == 1 else 'are'} missing, so the Vulkan loader drops the GPU",
             f"install the GL vendor libraries: apt install {GLVND_PACKAGES} (Fedora: dnf install libglvnd-glx "
             "libglvnd-egl vulkan-loader), then run doctor again",
         )

@@ -428,6 +428,10 @@ def _build_gpu(
     )
 
 
+# NVIDIA's Vulkan ICD (libGLX_nvidia.so.0) loads through libglvnd; without these the GPU vanishes from Vulkan.
+GLVND_PACKAGES = "libglvnd0 libglx0 libegl1 libgl1 libopengl0 libgles2 libvulkan1"
+
+
 def _diagnose(report_gpus: list[GpuInfo], llama: tuple[LlamaDevice, ...] | None, icds: tuple[str, ...], log: SourceLog) -> None:
     """Say why a GPU the machine has would not be used, and what to do."""
     if llama is None:
@@ -436,11 +440,13 @@ def _diagnose(report_gpus: list[GpuInfo], llama: tuple[LlamaDevice, ...] | None,
         if gpu.kind == "software" or gpu.usable_by_binary:
             continue
         if gpu.vendor == "nvidia":
+            has_icd = any("nvidia" in icd.lower() for icd in icds)
             log.notes.append(
                 f"nvidia-smi sees {gpu.name} but llama-server lists no device for it, so it would run on the CPU. "
                 "This build has no CUDA backend and NVIDIA's Vulkan driver did not load: it needs the GL vendor "
-                "libraries (Debian: apt install libglvnd0 libglx0 libegl1 libvulkan1) and nvidia_icd.json "
-                f"(Vulkan ICDs found: {', '.join(icds) or 'none'})."
+                f"libraries (Debian: apt install {GLVND_PACKAGES})"
+                + ("" if has_icd else " and NVIDIA's Vulkan ICD file, nvidia_icd.json, which the driver installs")
+                + f" (Vulkan ICDs found: {', '.join(icds) or 'none'}; `meshnet-gguf doctor` names the missing libraries)."
             )
         elif gpu.vendor == "amd":
             log.notes.append(

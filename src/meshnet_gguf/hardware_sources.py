@@ -206,7 +206,7 @@ def read_memory(root: Path, log: SourceLog) -> tuple[int, int]:
         try:
             import psutil
 
-            vm = psutil.virtualread_memory()
+            vm = psutil.virtual_memory()
             log.status["/proc/meminfo"] = "absent; used psutil"
             return int(vm.total), int(vm.available)
         except Exception as exc:  # psutil is a dependency, but a broken platform must not stop the node
