@@ -28,6 +28,7 @@ FLOORS: dict[str, int] = {
         3,
     ),  # fmt: skip
     # 4: composition
+    "launch": 4,
     "node": 4,
     "node_ops": 4,
 }

@@ -21,7 +21,7 @@ from local_hub_fixtures import ROOT_SPLIT, hub, hub_root  # noqa: F401
 
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.devtools.hf_server import LocalHub
-from meshnet_gguf.node import PreparedLaunch, prepare_launch
+from meshnet_gguf.launch import PreparedLaunch, prepare_launch
 
 RECORDED_HELP = FIXTURES / "llama-server-help-b10434.txt"
 # Nothing listens here: a dry run that tried the hub would fail loudly rather than download.

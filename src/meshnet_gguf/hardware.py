@@ -21,7 +21,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from meshnet_gguf.gguf_names import format_bytes
 from meshnet_gguf.hardware_sources import (

@@ -48,7 +48,8 @@ def register(app: typer.Typer) -> None:
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
     ) -> None:
         """Serve a GGUF model through llama-server on an OpenAI-compatible port."""
-        from meshnet_gguf.node import Node, NodeSetupError, prepare_launch
+        from meshnet_gguf.launch import NodeSetupError, prepare_launch
+        from meshnet_gguf.node import Node
         from meshnet_gguf.sd_notify import SystemdNotifier
 
         try:
