@@ -24,6 +24,11 @@ READ_IDLE_TIMEOUT_S = 900.0
 POOL_HEADROOM = 8
 # Fresh-connection retries after a pooled connection turned out closed before any answer.
 STALE_CONNECTION_RETRIES = 1
+# Per-connection read buffer of the aiohttp hop (its StreamReader stops reading from the
+# socket at twice this). aiohttp's 64 KiB default lets 256 streams whose clients read
+# slower than llama-server writes hold 30-110 MB more in the node (bench/RESULTS.md);
+# 16 KiB (still ~60 SSE events) bounds that at no measurable cost in events/s.
+READ_BUFFER_BYTES = 16 * 1024
 # llama-server (cpp-httplib) closes a connection idle for 5 s. A pooled one kept
 # longer can be reused just as the server closes it, and the request fails with
 # "Can not write request body"; dropping idle ones first avoids that race.
@@ -94,6 +99,7 @@ class AiohttpUpstream:
                 timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=READ_IDLE_TIMEOUT_S),
                 auto_decompress=False,
                 skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                read_bufsize=READ_BUFFER_BYTES,
             )
         return self._session
 
