@@ -138,7 +138,8 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     first_bytes = threading.Barrier(3)
 
     def stream() -> None:
-        request = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
+        # ignore_eos: the random model must not end early, or nothing is left in flight to drain.
+        request = {"messages": MESSAGES, "max_tokens": 1200, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=60) as http, http.stream("POST", node.url + "/v1/chat/completions", json=request) as r:
             received = b""
             for n, chunk in enumerate(r.iter_raw()):
