@@ -236,3 +236,19 @@ def test_cli_reports_setup_errors_clearly(tmp_path) -> None:  # type: ignore[no-
     )  # fmt: skip
     assert done.returncode == 2
     assert "missing.gguf" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_cut_short_stream_counts_only_real_tokens() -> None:
+    # Without llama-server's usage chunk (client gone, child died) the node counts content
+    # events; the opening role delta and the empty closing chunk are not tokens.
+    from meshnet_gguf.proxy import _carries_a_token
+
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+    closing = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+    text = b'data: {"choices":[{"index":0,"text":"ab","finish_reason":null}]}\n\n'
+    empty_text = b'data: {"choices":[{"index":0,"text":"","finish_reason":"stop"}]}\n\n'
+    tool = b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}\n\n'
+    assert [_carries_a_token(e) for e in (role, token, closing, text, empty_text, tool)] == [
+        False, True, False, True, False, True,
+    ]  # fmt: skip

@@ -125,7 +125,6 @@ class _Exchange:
     content_events: int = 0
     finish_reason: FinishReason = "unknown"
     first_token_at: float | None = None
-    last_token_at: float | None = None
     decode_tokens_per_s: float | None = None
     usage_seen: bool = False
     # Gives the admission slot back; called just before the answer's last bytes so a
@@ -494,13 +493,12 @@ def _meter_events(exchange: _Exchange, events: list[bytes]) -> tuple[list[bytes]
         elif event.startswith(b"error") or event.startswith(b'data: {"error"'):
             exchange.finish_reason = "error"
         else:
-            if b'"content":' in event or b'"text":' in event or b'"tool_calls"' in event:
+            if _carries_a_token(event):
                 if not now:
                     now = time.perf_counter()
                 exchange.content_events += 1
                 if exchange.first_token_at is None:
                     exchange.first_token_at = now
-                exchange.last_token_at = now
             finish = _FINISH_RE.search(event)
             if finish:
                 exchange.finish_reason = _finish_reason(finish.group(1).decode())
@@ -512,6 +510,16 @@ def _meter_events(exchange: _Exchange, events: list[bytes]) -> tuple[list[bytes]
             if keep:
                 out.append(event)
     return out, done
+
+
+def _carries_a_token(event: bytes) -> bool:
+    """A generated piece: non-empty content or text, or a tool call. The opening
+    `{"role":"assistant","content":null}` delta and the empty closing chunk are not tokens."""
+    if b'"content":"' in event:
+        return b'"content":""' not in event
+    if b'"text":"' in event:
+        return b'"text":""' not in event
+    return b'"tool_calls"' in event
 
 
 def _meter_usage_event(exchange: _Exchange, event: bytes) -> None:
