@@ -29,7 +29,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from meshnet_gguf.ports import free_local_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -263,12 +264,6 @@ async def get_json(port: int, path: str, timeout: float = 2.0) -> dict[str, Any]
 # ----------------------------------------------------------------------------
 # Processes: the node, its llama-server, pinning, RSS.
 # ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def pin(pid: int, cpus: set[int]) -> None:
     """Pin every thread of a process (sched_setaffinity on a pid moves only that thread)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -288,7 +283,7 @@ def _die_with_parent() -> None:
 
 class Node:
     def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None, *, trace: bool = False) -> None:
-        self.port = free_port()
+        self.port = free_local_port()
         work = CACHE / "run" / f"{name}-{self.port}"
         work.mkdir(parents=True, exist_ok=True)
         self.state_dir = work / "state"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ from pathlib import Path
 
 import httpx
 
+from meshnet_gguf.ports import free_local_port as free_port
 from meshnet_gguf.supervisor import PIDFILE_NAME, reap_stale_child
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.05
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class NodeProcess:

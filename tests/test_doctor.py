@@ -32,15 +32,10 @@ from meshnet_gguf.doctor import (
     run_doctor,
 )
 from meshnet_gguf.hardware import HardwareReport
+from meshnet_gguf.ports import free_local_port
 from meshnet_gguf.protocol import WELL_KNOWN_PATH
 
 GB = 1000**3
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _environment(
@@ -52,7 +47,7 @@ def _environment(
     access: Callable[[Path, int], bool] = lambda path, mode: True,
     **settings: object,
 ) -> DoctorEnvironment:
-    values: dict[str, object] = {"gguf": "some/model:Q4_K_M", "port": _free_port()}
+    values: dict[str, object] = {"gguf": "some/model:Q4_K_M", "port": free_local_port()}
     values.update(settings)
     return DoctorEnvironment(
         NodeSettings(**values),  # type: ignore[arg-type]
@@ -280,7 +275,7 @@ def test_clock_skew_against_the_tracker(tracker: tuple[str, list[str]], offset_s
 
 
 def test_unreachable_tracker_fails() -> None:
-    env = DoctorEnvironment(NodeSettings(tracker=f"http://127.0.0.1:{_free_port()}"))
+    env = DoctorEnvironment(NodeSettings(tracker=f"http://127.0.0.1:{free_local_port()}"))
     finding = check_clock(env)[0]
     assert finding.status == "fail" and "did not answer" in finding.summary
 
@@ -304,7 +299,7 @@ def test_port_in_use_names_the_holder() -> None:
 
 
 def test_free_port_is_ok() -> None:
-    assert check_port(DoctorEnvironment(NodeSettings(port=_free_port())))[0].status == "ok"
+    assert check_port(DoctorEnvironment(NodeSettings(port=free_local_port())))[0].status == "ok"
 
 
 # --- CLI on this machine --------------------------------------------------------------------
@@ -312,7 +307,7 @@ def test_free_port_is_ok() -> None:
 
 def test_cli_json_and_exit_code(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "tiny.gguf")
-    port = _free_port()
+    port = free_local_port()
     args = ["doctor", "--gguf", str(model), "--port", str(port), "--download-dir", str(tmp_path), "--json"]
     result = CliRunner().invoke(app, [*args, "--llama-server", str(tmp_path / "no-such-llama-server")])
     assert result.exit_code == 1

@@ -20,6 +20,7 @@ from meshnet_gguf.metrics import (
     rename_llama_metric,
     rewrite_llama_metrics,
 )
+from meshnet_gguf.ports import free_local_port
 from meshnet_gguf.protocol import UsageRecord
 from meshnet_gguf.upstream_http import make_upstream_client
 
@@ -189,16 +190,10 @@ def test_scrape_appends_llama_metrics() -> None:
 # --- against the real llama-server --------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def llama_with_metrics(real_llama: BinaryInfo, tiny_gguf: Path) -> Iterator[tuple[str, str]]:
     binary, model = real_llama, tiny_gguf
-    port, key = _free_port(), "metrics-test-key"
+    port, key = free_local_port(), "metrics-test-key"
     env = binary.environment()
     env["LLAMA_API_KEY"] = key
     child = subprocess.Popen(
@@ -254,7 +249,7 @@ def test_fetch_from_nothing_listening_is_up_zero() -> None:
     async def fetch() -> str:
         client = make_upstream_client("aiohttp", 1)
         try:
-            return await fetch_llama_metrics(client, f"http://127.0.0.1:{_free_port()}", "k", timeout_s=2)
+            return await fetch_llama_metrics(client, f"http://127.0.0.1:{free_local_port()}", "k", timeout_s=2)
         finally:
             await client.aclose()
 
