@@ -32,7 +32,7 @@ FLOORS: dict[str, int] = {
     "node": 4,
     "node_ops": 4,
 }
-MESH_MAY_IMPORT = {"protocol", "sse", "errors", "retry", "signing"}
+REFERENCE_MAY_IMPORT = {"protocol", "sse", "errors", "retry", "signing"}
 
 
 def _module_name(path: Path) -> str:
@@ -59,7 +59,7 @@ def test_every_module_has_a_floor() -> None:
     modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
     unplaced = {
         m for m in modules
-        if m not in FLOORS and not m.startswith(("cli", "mesh")) and m not in ("__init__", "__main__", "devtools")
+        if m not in FLOORS and not m.startswith(("cli", "reference")) and m not in ("__init__", "__main__", "devtools")
     }  # fmt: skip
     assert not unplaced, f"place these modules on a floor in this test and docs/architecture.md: {sorted(unplaced)}"
 
@@ -68,10 +68,10 @@ def test_no_module_imports_a_higher_floor() -> None:
     violations = []
     for path in PACKAGE.rglob("*.py"):
         module = _module_name(path)
-        if module in ("__init__", "__main__", "devtools") or module.startswith("mesh"):
+        if module in ("__init__", "__main__", "devtools") or module.startswith("reference"):
             continue
         for target in _imports(path):
-            if target.startswith("mesh") or target in ("devtools",):
+            if target.startswith("reference") or target in ("devtools",):
                 continue
             if _floor(target) > _floor(module):
                 violations.append(f"{module} (floor {_floor(module)}) imports {target} (floor {_floor(target)})")
@@ -79,8 +79,8 @@ def test_no_module_imports_a_higher_floor() -> None:
 
 
 def test_reference_mesh_services_speak_only_the_shared_contract() -> None:
-    for path in (PACKAGE / "mesh").rglob("*.py"):
-        foreign = {t for t in _imports(path) if not t.startswith("mesh") and t not in MESH_MAY_IMPORT}
+    for path in (PACKAGE / "reference").rglob("*.py"):
+        foreign = {t for t in _imports(path) if not t.startswith("reference") and t not in REFERENCE_MAY_IMPORT}
         assert not foreign, f"{path.name} imports node internals: {sorted(foreign)}"
 
 

@@ -25,8 +25,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet_gguf.ledger import LEDGER_FILE
 from meshnet_gguf.meshnet_link import TRACKER_KEY_PIN_FILE
-from meshnet_gguf.mesh.tracker import TRACKER_KEY_FILE
-from meshnet_gguf.mesh.tracker_ledger import TRACKER_LEDGER_FILE
+from meshnet_gguf.reference.tracker import TRACKER_KEY_FILE
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
 from meshnet_gguf.protocol import ROUTE_HEADER, WELL_KNOWN_PATH
 from meshnet_gguf.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for
 

@@ -28,7 +28,7 @@ def tracker(
     """Run the reference tracker: registers nodes, signs single-hop routes, relays and bills."""
     import uvicorn
 
-    from meshnet_gguf.mesh.tracker import Tracker, TrackerConfig
+    from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # One line per health poll and relayed request would drown the tracker's own log.

@@ -21,8 +21,8 @@ from starlette.routing import Route
 from meshnet_gguf.billing import LedgerUsageSink, OutboxReporter
 from meshnet_gguf.identity import NodeIdentity
 from meshnet_gguf.ledger import UsageLedger
-from meshnet_gguf.mesh.registry import NodeRegistry
-from meshnet_gguf.mesh.tracker import Tracker, TrackerConfig
+from meshnet_gguf.reference.registry import NodeRegistry
+from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
 from meshnet_gguf.protocol import (
     WELL_KNOWN_PATH,
     HealthReport,

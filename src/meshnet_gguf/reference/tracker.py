@@ -30,9 +30,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet_gguf.errors import ApiError
-from meshnet_gguf.mesh.metering import RelayMeter
-from meshnet_gguf.mesh.registry import NodeEntry, NodeRegistry
-from meshnet_gguf.mesh.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, TrackerLedger
+from meshnet_gguf.reference.metering import RelayMeter
+from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, TrackerLedger
 from meshnet_gguf.protocol import (
     CLOCK_SKEW_S,
     DEFAULT_HEARTBEAT_INTERVAL_S,
