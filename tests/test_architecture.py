@@ -22,7 +22,7 @@ FLOORS: dict[str, int] = {
     # 3: the working rooms
     **dict.fromkeys(
         [
-            "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
+            "memory_model", "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
             "billing", "meshnet_link", "doctor", "service",
         ],
         3,

@@ -9,21 +9,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hardware_fixtures import deepseek_facts, dense_facts, fixture_binary, load_box, require_software_vulkan
+from hardware_fixtures import choices, deepseek_facts, dense_facts, fixture_binary, load_box, require_software_vulkan
 from node_process import free_port
 
 from meshnet_gguf.binary import BinaryInfo
-from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.gguf_info import read_gguf_info
 from meshnet_gguf.hardware import GB, probe_hardware
-from meshnet_gguf.launch_plan import (
-    CTX_GRANULARITY,
-    MAX_CTX_PER_SLOT,
-    MIN_CTX_PER_SLOT,
-    ModelFacts,
-    ctx_floor,
-    plan_launch,
-)
+from meshnet_gguf.launch_plan import CTX_GRANULARITY, MAX_CTX_PER_SLOT, plan_launch
+from meshnet_gguf.memory_model import MIN_CTX_PER_SLOT, ModelFacts, ctx_floor
 
 # A dense 70B at Q4_K_M and an 8B at Q4_K_M, with their published attention shapes.
 LLAMA_70B_Q4 = dense_facts("Llama-3.3-70B-Q4_K_M", int(42.5 * GB), layers=80, kv_heads=8, head_dim=128, context=131072)
@@ -38,7 +31,7 @@ def _value(argv: tuple[str, ...], flag: str) -> str:
 def test_deepseek_ud_iq3_xxs_on_strix_halo_128_offloads_every_layer_without_mmap() -> None:
     model = deepseek_facts("UD-IQ3_XXS")
     hw = load_box("strix-halo-128")
-    plan = plan_launch(model, hw, NodeSettings(), fixture_binary())
+    plan = plan_launch(model, hw, choices(), fixture_binary())
 
     assert not plan.cpu_only and plan.fits
     assert (plan.backend, plan.device) == ("vulkan", "Vulkan0")
@@ -58,7 +51,7 @@ def test_deepseek_ud_iq3_xxs_on_strix_halo_128_offloads_every_layer_without_mmap
 
 def test_large_carve_out_plan_stays_inside_the_honest_budget() -> None:
     hw = load_box("strix-halo-128-carveout-64")
-    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, NodeSettings(), fixture_binary())
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, choices(), fixture_binary())
 
     gpu = hw.gpus[0]
     assert plan.gpu_layers == plan.total_layers
@@ -67,7 +60,7 @@ def test_large_carve_out_plan_stays_inside_the_honest_budget() -> None:
 
 def test_cpu_box_plan_is_cpu_only_and_says_so() -> None:
     hw = load_box("cpu-only")
-    plan = plan_launch(QWEN_8B_Q4, hw, NodeSettings(), fixture_binary())
+    plan = plan_launch(QWEN_8B_Q4, hw, choices(), fixture_binary())
 
     assert plan.cpu_only and plan.backend == "cpu" and plan.device is None
     assert plan.gpu_layers == 0 and _value(plan.argv, "--n-gpu-layers") == "0"
@@ -79,7 +72,7 @@ def test_cpu_box_plan_is_cpu_only_and_says_so() -> None:
 
 def test_nvidia_box_splits_a_70b_between_the_4090_and_the_cpu() -> None:
     hw = load_box("nvidia-rtx4090")
-    plan = plan_launch(LLAMA_70B_Q4, hw, NodeSettings(), fixture_binary())
+    plan = plan_launch(LLAMA_70B_Q4, hw, choices(), fixture_binary())
 
     assert plan.device == "Vulkan0"  # the RTX 4090, not the Raphael iGPU (Vulkan1)
     assert isinstance(plan.gpu_layers, int) and 0 < plan.gpu_layers < plan.total_layers
@@ -91,7 +84,7 @@ def test_nvidia_box_splits_a_70b_between_the_4090_and_the_cpu() -> None:
 
 def test_nvidia_invisible_to_llama_server_falls_back_to_cpu_with_the_reason() -> None:
     hw = load_box("nvidia-rtx4090", list_devices="llama-server-no-vulkan.txt")
-    plan = plan_launch(QWEN_8B_Q4, hw, NodeSettings(), fixture_binary())
+    plan = plan_launch(QWEN_8B_Q4, hw, choices(), fixture_binary())
 
     assert plan.cpu_only
     assert any("lists no device for NVIDIA GeForce RTX 4090" in r for r in plan.reasons)
@@ -99,11 +92,11 @@ def test_nvidia_invisible_to_llama_server_falls_back_to_cpu_with_the_reason() ->
 
 def test_operator_choices_win_over_the_plan() -> None:
     hw = load_box("strix-halo-128")
-    settings = NodeSettings(
+    settings = choices(
         ctx_size=8192,
         n_gpu_layers="10",
         parallel=2,
-        llama_args=["--flash-attn", "off", "-b", "512", "--mmap"],
+        llama_args=("--flash-attn", "off", "-b", "512", "--mmap"),
     )
     plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, settings, fixture_binary())
 
@@ -120,15 +113,15 @@ def test_operator_choices_win_over_the_plan() -> None:
 def test_quantized_kv_cache_from_llama_args_enlarges_the_planned_context() -> None:
     hw = load_box("strix-halo-80")
     small = dense_facts("Mistral-Small-24B-Q4_K_M", int(14.3 * GB), layers=40, kv_heads=8, head_dim=128, context=131072)
-    f16 = plan_launch(small, hw, NodeSettings(parallel=8), fixture_binary())
-    q8 = plan_launch(small, hw, NodeSettings(parallel=8, llama_args=["-ctk", "q8_0", "-ctv", "q8_0"]), fixture_binary())
+    f16 = plan_launch(small, hw, choices(parallel=8), fixture_binary())
+    q8 = plan_launch(small, hw, choices(parallel=8, llama_args=("-ctk", "q8_0", "-ctv", "q8_0")), fixture_binary())
 
     assert f16.ctx_size < q8.ctx_size
 
 
 def test_older_binary_gets_no_mmap_and_bare_flash_attn_and_a_device_warning() -> None:
     old = fixture_binary("llama-server-help-old.txt")
-    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), load_box("strix-halo-128", binary=old), NodeSettings(), old)
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), load_box("strix-halo-128", binary=old), choices(), old)
 
     assert "--no-mmap" in plan.argv and "--load-mode" not in plan.argv
     flash = plan.argv.index("--flash-attn")
@@ -147,12 +140,12 @@ def test_one_gpu_listed_by_two_backends_is_pinned_to_one_device(tmp_path: Path) 
     hw = load_box("strix-halo-128", list_devices=str(listing))
     assert len(hw.gpus) == 1 and {d.name for d in hw.gpus[0].llama_devices} == {"ROCm0", "Vulkan0"}
 
-    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, NodeSettings(), fixture_binary())
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, choices(), fixture_binary())
     assert plan.argv.count("--device") == 1 and _value(plan.argv, "--device") == "Vulkan0"
 
 
 def test_a_model_too_large_for_the_box_is_planned_but_flagged() -> None:
-    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), load_box("strix-halo-80"), NodeSettings(), fixture_binary())
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), load_box("strix-halo-80"), choices(), fixture_binary())
 
     assert not plan.fits
     assert plan.ctx_size > 0  # 0 would ask llama-server for the whole training context
@@ -193,7 +186,7 @@ def test_real_llama_server_puts_every_layer_on_vulkan0(real_llama: BinaryInfo, t
     info = read_gguf_info(tiny_gguf)
     model = ModelFacts.from_gguf(info, info.file_bytes)
     # The only device is a software renderer, so offloading must be asked for; -lv 4 prints the load log.
-    settings = NodeSettings(n_gpu_layers="all", parallel=1, llama_args=["-lv", "4"])
+    settings = choices(n_gpu_layers="all", parallel=1, llama_args=("-lv", "4"))
     plan = plan_launch(model, hw, settings, real_llama)
     assert (plan.device, plan.gpu_layers, plan.total_layers) == ("Vulkan0", 3, 3)
     assert plan.env == {"GGML_VK_VISIBLE_DEVICES": "0"}
@@ -243,7 +236,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int) -> None:
 
 
 def test_gpu_layers_given_as_a_llama_arg_shape_the_estimate_too() -> None:
-    settings = NodeSettings(llama_args=["-ngl", "0"])
+    settings = choices(llama_args=("-ngl", "0"))
     plan = plan_launch(QWEN_8B_Q4, load_box("strix-halo-128"), settings, fixture_binary())
 
     assert plan.cpu_only and "--n-gpu-layers" not in plan.argv

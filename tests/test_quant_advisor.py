@@ -6,7 +6,7 @@ import pytest
 from hardware_fixtures import deepseek_facts, deepseek_quants, load_box
 
 from meshnet_gguf.hardware import GB, MemoryCapacity
-from meshnet_gguf.launch_plan import COMPUTE_OVERHEAD_BYTES, ctx_floor
+from meshnet_gguf.memory_model import COMPUTE_OVERHEAD_BYTES, ctx_floor
 from meshnet_gguf.quant_advisor import QuantDoesNotFit, QuantOption, advise_quant, check_quant
 
 MODEL = deepseek_facts("UD-IQ3_XXS")  # the attention shape is the same for every quant

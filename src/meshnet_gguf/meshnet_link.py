@@ -28,7 +28,7 @@ from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.download import sha256_of
 from meshnet_gguf.errors import ApiError
 from meshnet_gguf.gguf_info import read_gguf_info
-from meshnet_gguf.gguf_names import shard_file_name, split_base
+from meshnet_gguf.gguf_names import sibling_shards
 from meshnet_gguf.hardware import HardwareReport, probe_hardware
 from meshnet_gguf.identity import NodeIdentity
 from meshnet_gguf.ledger import UsageLedger
@@ -145,8 +145,7 @@ class MeshnetLink:
         self.total_layers = info.block_count
         if len(model.shards) == 1 and info.split_count > 1:
             # Given only shard 1 (what llama-server loads): the others sit beside it, named by the split.
-            base = split_base(model.shards[0].name)
-            shards = [model.shards[0].with_name(shard_file_name(base, k, info.split_count)) for k in range(1, info.split_count + 1)]
+            shards = sibling_shards(model.shards[0], info.split_count)
             self.model = model = dataclasses.replace(model, shards=shards)
 
         self.identity = NodeIdentity.load_or_create(state_dir)
