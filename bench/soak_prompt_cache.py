@@ -105,16 +105,14 @@ def soak(port: int, pid: int, *, requests: int, minutes: float | None, prompt_to
     return samples
 
 
-def planned_cache_ram(model: Path, ctx: int, parallel: int) -> str:
-    """What the node's launch plan sets `--cache-ram` to for this model on this machine."""
-    from meshnet_gguf.binary import find_llama_server as find
+def planned_cache_ram(model: Path, ctx: int, parallel: int, download_dir: Path) -> str:
+    """What `serve --dry-run` sets `--cache-ram` to for this model on this machine."""
     from meshnet_gguf.config import NodeSettings
-    from meshnet_gguf.launch import plan_for_settings
+    from meshnet_gguf.launch import prepare_launch
 
-    settings = NodeSettings(gguf=str(model), ctx_size=ctx, parallel=parallel, n_gpu_layers="0")
-    plan = plan_for_settings(settings, find(None)).plan
-    argv = list(plan.argv)
-    return argv[argv.index("--cache-ram") + 1]
+    settings = NodeSettings(gguf=str(model), ctx_size=ctx, parallel=parallel, n_gpu_layers="0", download_dir=download_dir)
+    args = list(prepare_launch(settings, dry_run=True).child.args)
+    return args[args.index("--cache-ram") + 1]
 
 
 def main() -> int:
@@ -134,7 +132,10 @@ def main() -> int:
         state = KV_BYTES_PER_TOKEN * args.prompt_tokens
         print(f"model: {model.stat().st_size / 1e6:.0f} MB, ~{state / 2**20:.1f} MiB of KV state per {args.prompt_tokens}-token prompt")
         for limit in limits:
-            value = planned_cache_ram(model, args.ctx, args.parallel) if limit == "plan" else None if limit == "default" else limit
+            if limit == "plan":
+                value: str | None = planned_cache_ram(model, args.ctx, args.parallel, Path(tmp) / "models")
+            else:
+                value = None if limit == "default" else limit
             child, port = start_server(model, cache_ram=value, ctx=args.ctx, parallel=args.parallel, log_path=Path(tmp) / f"{limit}.log")
             try:
                 samples = soak(port, child.pid, requests=args.requests, minutes=args.minutes, prompt_tokens=args.prompt_tokens, seed=1)

@@ -190,3 +190,21 @@ def test_a_hardware_fixture_that_is_not_a_recorded_machine_is_a_clear_error(tmp_
     assert done.returncode == 2
     assert "MESHNET_HARDWARE_FIXTURE" in done.stderr and "not a recorded machine" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_repo_form_gets_the_same_advice_and_figures_as_the_catalog_form(tmp_path: Path, recorded_llama: Path) -> None:
+    """DeepSeek-V4-Flash by catalog id and by repo id: one memory model, so one set of figures."""
+    by_id = dry_run(tmp_path, "strix-halo-128", "--gguf", "deepseek-v4-flash:UD-IQ3_XXS", llama=recorded_llama)
+    by_repo = dry_run(tmp_path, "strix-halo-128", "--gguf", "unsloth/DeepSeek-V4-Flash-GGUF:UD-IQ3_XXS", llama=recorded_llama)
+    assert by_id.returncode == 0 and by_repo.returncode == 0, by_id.stderr + by_repo.stderr
+
+    def figures(out: str) -> list[str]:
+        lines = out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("quants:"))
+        advice = lines[start : start + 5]
+        memory = [line for line in lines if line.startswith(("memory:", "  = weights"))]
+        return advice + memory
+
+    assert "<- best" in by_repo.stdout  # the repo form gives quant advice (the hub is closed: the catalog's quants)
+    assert figures(by_repo.stdout) == figures(by_id.stdout)
+    assert "107.8 GB needed: fits on the GPU <- best" in by_repo.stdout

