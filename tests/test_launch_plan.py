@@ -15,8 +15,8 @@ from node_process import free_port
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.gguf_info import read_gguf_info
 from meshnet_gguf.hardware import GB, probe_hardware
-from meshnet_gguf.launch_plan import CTX_GRANULARITY, MAX_CTX_PER_SLOT, plan_launch
-from meshnet_gguf.memory_model import MIN_CTX_PER_SLOT, ModelFacts, ctx_floor
+from meshnet_gguf.launch_plan import plan_launch
+from meshnet_gguf.memory_model import ModelFacts, ctx_floor
 
 # A dense 70B at Q4_K_M and an 8B at Q4_K_M, with their published attention shapes.
 LLAMA_70B_Q4 = dense_facts("Llama-3.3-70B-Q4_K_M", int(42.5 * GB), layers=80, kv_heads=8, head_dim=128, context=131072)
@@ -40,11 +40,14 @@ def test_deepseek_ud_iq3_xxs_on_strix_halo_128_offloads_every_layer_without_mmap
     assert _value(plan.argv, "--device") == "Vulkan0"
     assert plan.load_mode == "no-mmap" and _value(plan.argv, "--load-mode") == "none"
     assert _value(plan.argv, "--model").endswith("-00001-of-00004.gguf")
-    # context: at least the floor, at most the per-slot cap, whole KV pages per slot, within the GPU budget
-    assert ctx_floor(model, 4) <= plan.ctx_size <= 4 * MAX_CTX_PER_SLOT
-    assert plan.ctx_size % (4 * CTX_GRANULARITY) == 0
-    assert _value(plan.argv, "--ctx-size") == str(plan.ctx_size)
-    assert plan.gpu_bytes <= hw.gpus[0].budget_bytes
+    # Context, by hand from the recorded box: the GPU budget 129,065,631,744 B (test_hardware) less
+    # 104,200,000,000 B of weights and 2 GiB (2,147,483,648 B) of compute buffers leaves 22,718,148,096 B;
+    # the KV cache takes 43 layers x 1 head x (512 + 512) x 2 B = 88,064 B per token, so 257,972 tokens
+    # fit, rounded down to whole 256-cell pages on each of 4 slots (1,024 tokens): 251 x 1,024 = 257,024.
+    assert plan.ctx_size == 257_024 and _value(plan.argv, "--ctx-size") == "257024"
+    # What is left for the prompt cache: 22,718,148,096 - 88,064 x 257,024 = 83,586,560 B = 79.7 MiB -> 79 MiB.
+    assert _value(plan.argv, "--cache-ram") == "79" and plan.memory.prompt_cache == 79 * 2**20
+    assert plan.gpu_bytes == 104_200_000_000 + 2_147_483_648 + 88_064 * 257_024
     assert not SUPERVISOR_OPTIONS & set(plan.argv)
     assert "all 44 layers" in plan.describe() and "CPU only" not in plan.describe()
 
@@ -65,7 +68,15 @@ def test_cpu_box_plan_is_cpu_only_and_says_so() -> None:
     assert plan.cpu_only and plan.backend == "cpu" and plan.device is None
     assert plan.gpu_layers == 0 and _value(plan.argv, "--n-gpu-layers") == "0"
     assert plan.load_mode == "mmap" and "--load-mode" not in plan.argv and "--no-mmap" not in plan.argv
-    assert plan.ctx_size == 4 * min(MAX_CTX_PER_SLOT, QWEN_8B_Q4.context_length)
+    # 4 slots x the model's own 40,960 tokens (below the 65,536 per-slot cap) = 163,840 tokens. They fit:
+    # RAM 60,332,130,304 B (test_hardware) - 5 GB weights - 2 GiB compute = 53,184,646,656 B, and the KV
+    # cache is 36 layers x 8 heads x (128 + 128) x 2 B = 147,456 B per token x 163,840 = 24,159,191,040 B.
+    assert plan.ctx_size == 163_840
+    assert plan.memory.kv_host == 24_159_191_040
+    # The prompt cache gets one more context's worth (24.2 GB) capped at llama.cpp's 8 GiB default;
+    # 29,025,455,616 B of RAM are still free, so the cap binds: --cache-ram 8192 (MiB).
+    assert _value(plan.argv, "--cache-ram") == "8192"
+    assert plan.host_bytes == 5_000_000_000 + 2_147_483_648 + 24_159_191_040 + 8_589_934_592
     assert any(r.startswith("CPU only: this machine has no GPU") for r in plan.reasons)
     assert plan.describe().startswith("plan: CPU only")
 
@@ -154,9 +165,28 @@ def test_a_model_too_large_for_the_box_is_planned_but_flagged() -> None:
 
 def test_kv_estimate_counts_every_layer_and_head() -> None:
     model = deepseek_facts("UD-IQ3_XXS")
-    assert model.kv_bytes_per_token() == 43 * 1 * (512 + 512) * 2
-    assert model.kv_bytes_per_token("q8_0", "q8_0") == pytest.approx(43 * 1024 * 34 / 32)
-    assert ctx_floor(model, 4) == 4 * MIN_CTX_PER_SLOT
+    # 43 layers x 1 KV head x (512 K + 512 V dims) x 2 bytes (f16)
+    assert model.kv_bytes_per_token() == 88_064
+    # q8_0 stores 32 elements in 34 bytes: 43 x 1,024 x 34 / 32 = 46,784 bytes
+    assert model.kv_bytes_per_token("q8_0", "q8_0") == 46_784
+    # every one of 4 slots gets 4,096 tokens (the model's own context, 163,840, is longer)
+    assert ctx_floor(model, 4) == 16_384
+
+
+def test_the_plan_and_the_quant_advisor_count_the_same_bytes_for_the_same_context() -> None:
+    """One memory model: at the advisor's context (16,384 tokens) the plan needs what the advisor says."""
+    from hardware_fixtures import deepseek_quants
+
+    from meshnet_gguf.quant_advisor import advise_quant
+
+    hw = load_box("strix-halo-128")
+    plan = plan_launch(deepseek_facts("UD-IQ3_XXS"), hw, choices(ctx_size=16_384), fixture_binary())
+    advice = advise_quant(deepseek_quants(), hw.capacity(), model=deepseek_facts("UD-IQ3_XXS"), target_ctx=16_384)
+    fit = advice.find("UD-IQ3_XXS")
+    # 104,200,000,000 weights + 88,064 x 16,384 = 1,442,840,576 KV + 2,147,483,648 compute
+    assert fit is not None and fit.need_bytes == plan.memory.need_bytes == 107_790_324_224
+    # the prompt cache comes on top, from what is left: one more context's worth, 1,442,840,576 B = 1,376 MiB
+    assert _value(plan.argv, "--cache-ram") == "1376"
 
 
 def test_model_facts_from_a_real_gguf_header(tiny_split_gguf: Path) -> None:

@@ -67,13 +67,14 @@ class ChildSpec:
 
 @dataclass(frozen=True)
 class SupervisorPolicy:
-    load_stall_timeout_s: float = 300.0
-    health_poll_interval_s: float = 0.25
-    restart_backoff_initial_s: float = 1.0
-    restart_backoff_max_s: float = 60.0
-    restart_stable_after_s: float = 120.0
-    max_quick_crashes: int = 5
-    stop_timeout_s: float = 10.0
+    # No defaults here: the node's settings (`config.NodeSettings`) hold them, with their reasons.
+    load_stall_timeout_s: float
+    health_poll_interval_s: float
+    restart_backoff_initial_s: float
+    restart_backoff_max_s: float
+    restart_stable_after_s: float
+    max_quick_crashes: int
+    stop_timeout_s: float
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
 
