@@ -326,7 +326,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
         ]
     gpu = report.primary_gpu()
     whole = size.placement in ("gpu", "cpu") if size.placement is not None else gpu is None or need <= capacity.gpu_bytes
-    if whole:
+    if whole or gpu is None:
         where = f"on {gpu.name}" if gpu is not None and size.placement != "cpu" else "in RAM"
         return [Finding("memory", "ok", f"{size.label} needs {format_bytes(need)}{context}: fits {where}")]
     gtt_limited = gpu.unified and gpu.vendor == "amd" and ("GTT" in gpu.budget_basis or "ttm" in gpu.budget_basis)

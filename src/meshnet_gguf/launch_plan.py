@@ -74,7 +74,8 @@ UNLIMITED_CACHE_RAM = -1
 class BinaryCapabilities(Protocol):
     """What the plan needs to know of the binary; `binary.BinaryInfo` is one."""
 
-    help_text: str
+    @property
+    def help_text(self) -> str: ...
 
     def supports(self, flag: str) -> bool: ...
 
