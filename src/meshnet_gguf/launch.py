@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 
 # Where `--demo` keeps its dequantized copy on CPUs the llama-server build is too new for.
 DEMO_F16_FILE = "gemma-3-270m-f16.gguf"
+# Notes that a serving node logs as warnings: a plan made for another machine, or forced.
+RECORDED_MACHINE_NOTE = "hardware: planned for the recorded machine (a testing aid)"
+_WARNING_NOTES = (RECORDED_MACHINE_NOTE, "--force")
 
 
 class NodeSetupError(RuntimeError):
@@ -184,11 +187,9 @@ def plan_model(
     hardware: HardwareReport,
     *,
     dry_run: bool,
-    refuse_misfits: bool = True,
 ) -> PreparedLaunch:
-    """Steps 4 to 7 for a binary and hardware already known (`doctor` has them; it passes
-    `refuse_misfits=False` to learn the plan's verdict rather than an error)."""
-    force = settings.force or not refuse_misfits
+    """Steps 4 to 7, for a binary and hardware already known."""
+    force = settings.force
     access = HubAccess.from_environment(offline=settings.offline)
     choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=force)
     if dry_run:
@@ -201,7 +202,9 @@ def plan_model(
     name = operator_alias or model.name
     args = [*plan.argv] if operator_alias else [*plan.argv, "--alias", name]
     notes = [*choice.notes, *model.notes]
-    if not plan.fits and force and refuse_misfits:
+    if settings.hardware_fixture is not None:
+        notes.insert(0, f"{RECORDED_MACHINE_NOTE} {settings.hardware_fixture}, not this one: its plan may not run here")
+    if not plan.fits and force:
         notes.append(f"--force: launching {name} although the plan says it does not fit this machine")
     return PreparedLaunch(
         settings=settings.model_copy(update={"parallel": request.operator.parallel}),
@@ -389,16 +392,11 @@ def _log_launch(launch: PreparedLaunch) -> None:
     """What a serving node says at start (a dry run prints `describe()` instead)."""
     hardware = launch.hardware
     if hardware is not None:
-        if launch.settings.hardware_fixture is not None:
-            log.warning(
-                "hardware: the recorded machine %s, not this one (a testing aid): its plan may not run here",
-                launch.settings.hardware_fixture,
-            )
         log.info("hardware: %s", hardware.summary())
         for note in hardware.notes:
             log.info("hardware note: %s", note)
     for note in launch.notes:
-        (log.warning if note.startswith("--force") else log.info)("%s", note)
+        (log.warning if note.startswith(_WARNING_NOTES) else log.info)("%s", note)
     if launch.plan is not None:
         log.info("launch plan for %s:\n%s", launch.model_name, launch.plan.describe())
 
