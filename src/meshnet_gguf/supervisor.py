@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 import httpx
@@ -28,6 +29,7 @@ import psutil
 
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.logs import LLAMA_LOGGER, llama_log_level
+from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.ports import free_local_port
 from meshnet_gguf.protocol import NodeState
 
@@ -78,8 +80,27 @@ class SupervisorPolicy:
     liveness_failures: int = LIVENESS_FAILURES
 
 
-class Supervisor:
-    def __init__(self, spec: ChildSpec, policy: SupervisorPolicy, *, state_dir: Path | None = None) -> None:
+class ChildListener(Protocol):
+    """Told, from the supervisor's task, of every line llama-server prints and every state change."""
+
+    def child_line(self, line: str) -> None: ...
+
+    def child_state(self, state: NodeState, detail: str | None, pid: int | None) -> None: ...
+
+
+class Supervisor(BasePart):
+    """A node part: `run()` owns the child; `close()` stops it (SIGTERM to its group, then SIGKILL)."""
+
+    name = "llama-server"
+
+    def __init__(
+        self,
+        spec: ChildSpec,
+        policy: SupervisorPolicy,
+        *,
+        state_dir: Path | None = None,
+        listeners: Sequence[ChildListener] = (),
+    ) -> None:
         self.spec = spec
         self.policy = policy
         self.state: NodeState = "starting"
@@ -89,8 +110,7 @@ class Supervisor:
         self.pid: int | None = None
         self.api_key = secrets.token_urlsafe(32)
         self.log_ring: deque[str] = deque(maxlen=LOG_RING_LINES)
-        self.line_listeners: list[Callable[[str], None]] = []
-        self.state_listeners: list[Callable[[NodeState], None]] = []
+        self._listeners = tuple(listeners)
         self.ready_since: float | None = None
         self._pidfile = state_dir / PIDFILE_NAME if state_dir else None
         self._stop_requested = anyio.Event()
@@ -117,6 +137,9 @@ class Supervisor:
         """Ask the owner task to stop the child and wait until it has."""
         self._stop_requested.set()
         await self._stopped.wait()
+
+    async def close(self) -> None:
+        await self.stop()
 
     async def run(self) -> None:
         """Own the child until stop() or give-up. Raises ChildFailed when it cannot serve."""
@@ -217,8 +240,8 @@ class Supervisor:
             return
         self.log_ring.append(line)
         child_log.log(llama_log_level(line), "%s", line)
-        for listener in self.line_listeners:
-            listener(line)
+        for listener in self._listeners:
+            listener.child_line(line)
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process, http: httpx.AsyncClient) -> str:
         health_url = f"{self.base_url}/health"
@@ -291,8 +314,8 @@ class Supervisor:
         changed = state != self.state
         self.state, self.detail = state, detail
         if changed:
-            for listener in self.state_listeners:
-                listener(state)
+            for listener in self._listeners:
+                listener.child_state(state, detail, self.pid)
 
     def _describe_end(self, outcome: str, proc: asyncio.subprocess.Process) -> str:
         if outcome == "stalled":
