@@ -39,6 +39,10 @@ child_log = logging.getLogger(LLAMA_LOGGER)
 API_KEY_ENV = "LLAMA_API_KEY"  # llama-server reads its key from here: never on argv, never in logs
 LOG_RING_LINES = 400
 FAILURE_TAIL_LINES = 25
+# Of that tail, a failure message quotes at most this many lines (its error lines first).
+FAILURE_QUOTED_LINES = 10
+# After SIGTERM, llama-server gets this long to exit before SIGKILL (a big model unmaps for seconds).
+STOP_TIMEOUT_S = 10.0
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 # After ready: a /health probe this often; this many failures in a row means wedged.
 LIVENESS_INTERVAL_S = 5.0
@@ -75,7 +79,7 @@ class SupervisorPolicy:
     restart_backoff_max_s: float = 60.0
     restart_stable_after_s: float = 120.0
     max_quick_crashes: int = 5
-    stop_timeout_s: float = 10.0
+    stop_timeout_s: float = STOP_TIMEOUT_S
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
 
@@ -155,7 +159,7 @@ class Supervisor(BasePart):
             self._stopped.set()
 
     async def _run(self) -> None:
-        reap_stale_child(self._pidfile)
+        reap_stale_child(self._pidfile, self.policy.stop_timeout_s)
         backoff = self.policy.restart_backoff_initial_s
         quick_crashes = 0
         ever_ready = False
@@ -331,7 +335,7 @@ class Supervisor(BasePart):
     def _failure_message(self, reason: str) -> str:
         tail = self.tail()
         errors = [line for line in tail if any(m in line.lower() for m in _ERROR_MARKERS)]
-        shown = errors[-10:] or tail[-10:]
+        shown = errors[-FAILURE_QUOTED_LINES:] or tail[-FAILURE_QUOTED_LINES:]
         return reason + ("; its last log lines:\n  " + "\n  ".join(shown) if shown else "; it printed nothing")
 
     def _write_pidfile(self, pid: int) -> None:
@@ -349,7 +353,7 @@ class Supervisor(BasePart):
             self._pidfile.unlink(missing_ok=True)
 
 
-def reap_stale_child(pidfile: Path | None, timeout_s: float = 10.0) -> bool:
+def reap_stale_child(pidfile: Path | None, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     """End the llama-server an earlier, killed run left behind; True when one was ended.
 
     Identified by pid AND start time from our pidfile, so a recycled pid that now
