@@ -1,7 +1,7 @@
 """The node's link to the mesh, built from settings when a tracker is configured.
 
 One object the node starts in its task group. It gives the proxy a
-`route_verifier` (only tracker-routed requests get through) and a `usage_sink`
+`route_gate` (only tracker-routed requests get through) and a `usage_sink`
 (every request's usage becomes a signed receipt in the ledger), and runs the
 registration/heartbeat and outbox tasks. `drain()` tells the tracker to stop
 routing here; `close()` makes a last delivery attempt and deregisters.
@@ -32,6 +32,7 @@ from meshnet_gguf.gguf_names import sibling_shards
 from meshnet_gguf.hardware import HardwareReport, probe_hardware
 from meshnet_gguf.identity import NodeIdentity
 from meshnet_gguf.ledger import UsageLedger
+from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.protocol import (
     CLOCK_SKEW_S,
     MAX_ROUTE_LIFETIME_S,
@@ -129,7 +130,11 @@ class RouteGate:
         return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens)
 
 
-class MeshnetLink:
+class MeshnetLink(BasePart):
+    """A node part: registration and heartbeats, the receipt outbox, and the route gate."""
+
+    name = "mesh link"
+
     def __init__(self, settings: NodeSettings, model: ServedModel, health: Callable[[], HealthReport]) -> None:
         if not settings.tracker:
             raise MeshSetupError("the mesh link needs a tracker URL (--tracker or MESHNET_TRACKER)")
@@ -137,6 +142,7 @@ class MeshnetLink:
         self.model = model
         self._health = health
         self._draining = False
+        self._tasks: anyio.CancelScope | None = None
         state_dir = Path(settings.state_dir)
         self.advertised_url = settings.advertised_url or _default_advertised_url(settings)
         info = read_gguf_info(model.shards[0])
@@ -153,7 +159,7 @@ class MeshnetLink:
         self.client = TrackerClient(settings.tracker, self.identity, enrolment_secret=settings.enrolment_secret)
         self.reporter = OutboxReporter(self.ledger, self.client, linger_s=settings.usage_report_interval_s)
         self.usage_sink = LedgerUsageSink(self.ledger, self.identity, self.reporter)
-        self.route_verifier = RouteGate(self.identity.node_id, model.model_id, self.total_layers, self._configured_key(state_dir))
+        self.route_gate = RouteGate(self.identity.node_id, model.model_id, self.total_layers, self._configured_key(state_dir))
         self._seed_replay_cache()
         self.presence = NodePresence(self.client, self._announcement, self._status)
         self._shards: list[ShardDigest] | None = None
@@ -161,15 +167,19 @@ class MeshnetLink:
         log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
 
     # --- what the node wires in ---------------------------------------------
-    def health_extra(self, report: HealthReport) -> HealthReport:
+    def health(self, report: HealthReport) -> HealthReport:
         return report.model_copy(update={"first_layer": 0, "last_layer": self.total_layers - 1})
+
+    def outbox_depth(self) -> int:
+        return self.ledger.outbox_depth_sync()
 
     async def run(self) -> None:
         """Background task for the node's lifetime: outbox, key pinning, shard digests, presence."""
         async with anyio.create_task_group() as tg:
+            self._tasks = tg.cancel_scope
             # Receipts left by a previous run go out first; they need no registration.
             tg.start_soon(self.reporter.run)
-            if self.route_verifier.issuer is None:
+            if self.route_gate.issuer is None:
                 await self._learn_tracker_key()
             self._shards = await anyio.to_thread.run_sync(self._shard_digests)
             report = self.model.hardware or await anyio.to_thread.run_sync(probe_hardware, self.model.binary)
@@ -191,6 +201,8 @@ class MeshnetLink:
 
     async def close(self) -> None:
         """After the last request: deliver what can be delivered, deregister, release the ledger."""
+        if self._tasks is not None:
+            self._tasks.cancel()  # the reporter and heartbeats stop before the final flush
         with anyio.move_on_after(FINAL_FLUSH_TIMEOUT_S):
             try:
                 await self.reporter.flush()
@@ -260,7 +272,7 @@ class MeshnetLink:
                 await anyio.sleep(delay)
         pin = Path(self.settings.state_dir) / TRACKER_KEY_PIN_FILE
         write_atomically(pin, info.public_key + "\n")
-        self.route_verifier.set_tracker_key(key)
+        self.route_gate.set_tracker_key(key)
         log.warning(
             "pinned tracker key %s on first contact (trust on first use) in %s; "
             "set MESHNET_TRACKER_PUBLIC_KEY to pin it explicitly",
@@ -271,7 +283,7 @@ class MeshnetLink:
         """A pinned key that is not the tracker's would refuse every route: say so loudly, once."""
         while self.presence.last_ack is None:
             await anyio.sleep(1.0)
-        expected = self.route_verifier.issuer
+        expected = self.route_gate.issuer
         if self.presence.last_ack.issuer != expected:
             log.error(
                 "the tracker signs routes as %s but the pinned key belongs to %s: every routed request will be "
@@ -282,7 +294,7 @@ class MeshnetLink:
     def _seed_replay_cache(self) -> None:
         now = time.time()
         for request_id, started_at in self.ledger.request_ids_since_sync(now - REPLAY_SEED_WINDOW_S):
-            self.route_verifier.replay_cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
+            self.route_gate.replay_cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
 
     def _shard_digests(self) -> list[ShardDigest]:
         cache_path = Path(self.settings.state_dir) / SHARD_DIGESTS_FILE
