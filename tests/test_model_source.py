@@ -308,3 +308,11 @@ def test_downloaded_three_shard_model_loads_in_llama_server(
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+
+
+def test_bytes_fetched_from_the_hub_are_counted_once(hub: LocalHub, access: HubAccess, tmp_path: Path) -> None:
+    """What the node exports as meshnet_download_bytes: the bytes received, and none when the files are already there."""
+    first = resolve_model(_settings(tmp_path, ROOT_SPLIT, "Q8_0"), progress=False, access=access)
+    assert first.fetched_bytes == first.total_bytes == hub.bytes_served(ROOT_SPLIT) > 0
+    again = resolve_model(_settings(tmp_path, ROOT_SPLIT, "Q8_0"), progress=False, access=access)
+    assert again.fetched_bytes == 0

@@ -219,6 +219,7 @@ def plan_model(
         plan=plan,
         advice=choice.advice,
         resolved=model.resolved,
+        downloaded_bytes=model.resolved.fetched_bytes if model.resolved is not None else 0,
     )
 
 

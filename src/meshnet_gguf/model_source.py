@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal
 from meshnet_gguf.catalog import DEMO_ID, Catalog, CatalogEntry, CatalogQuant, load_catalog, quant_fits
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.download import (
+    ByteCount,
     DISK_FREE_MARGIN_BYTES,
     DownloadError,
     FreeBytes,
@@ -92,6 +93,7 @@ class ResolvedModel:
     catalog_id: str | None = None
     commit: str | None = None
     context_length: int | None = None  # the catalog's figure, when the model came from the catalog
+    fetched_bytes: int = 0  # received from the hub while resolving (0 when everything was on disk)
     notes: tuple[str, ...] = field(default=())
     # Shard 1's parsed header, filled by the pre-launch check (parsing costs seconds on big vocabularies: reuse it).
     header: GGUFInfo | None = field(default=None, repr=False)
@@ -384,10 +386,11 @@ def _resolve_repo(
     budget = None if quant else budget_of()
     group = _pick_group(groups, quant, files_glob, repo_id, budget)
     _require_complete(group, repo_id)
+    count = ByteCount()
     try:
         paths = fetch_files(
             listing, group.files, download_dir, access, progress=progress, free_bytes=free_bytes,
-            what=f"{repo_id}:{group.label}",
+            what=f"{repo_id}:{group.label}", count=count,
         )  # fmt: skip
     except NotEnoughDiskSpace as exc:
         smaller = [g for g in groups if g.complete and g.total_bytes + DISK_FREE_MARGIN_BYTES <= exc.free_bytes]
@@ -396,7 +399,7 @@ def _resolve_repo(
     return ResolvedModel(
         first_shard=paths[0], shards=tuple(paths), total_bytes=group.total_bytes, source="hub",
         sha256s=tuple(f.sha256 for f in group.files), verified=all(f.sha256 for f in group.files),
-        repo_id=repo_id, quant=group.quant, commit=listing.commit,
+        repo_id=repo_id, quant=group.quant, commit=listing.commit, fetched_bytes=count.received,
     )  # fmt: skip
 
 
