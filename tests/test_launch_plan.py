@@ -139,6 +139,8 @@ def test_older_binary_gets_no_mmap_and_bare_flash_attn_and_a_device_warning() ->
     assert plan.argv[flash + 1].startswith("-")  # a bare switch on builds before on|off|auto
     assert "--device" not in plan.argv
     assert any("no --device option" in w for w in plan.warnings)
+    # a build from before the RAM prompt cache: no --cache-ram to set, and no cache to count
+    assert "--cache-ram" not in plan.argv and plan.memory.prompt_cache == 0
 
 
 def test_one_gpu_listed_by_two_backends_is_pinned_to_one_device(tmp_path: Path) -> None:
@@ -271,3 +273,15 @@ def test_gpu_layers_given_as_a_llama_arg_shape_the_estimate_too() -> None:
 
     assert plan.cpu_only and "--n-gpu-layers" not in plan.argv
     assert plan.argv[-2:] == ("-ngl", "0")
+
+
+def test_the_operators_cache_ram_is_left_to_them_and_counted() -> None:
+    hw = load_box("cpu-only")
+    mine = plan_launch(QWEN_8B_Q4, hw, choices(llama_args=("--cache-ram", "512")), fixture_binary())
+    assert mine.argv.count("--cache-ram") == 1 and mine.argv[-2:] == ("--cache-ram", "512")
+    assert mine.memory.prompt_cache == 512 * 2**20  # 536,870,912 B counted in RAM
+
+    unlimited = plan_launch(QWEN_8B_Q4, hw, choices(llama_args=("-cram", "-1")), fixture_binary())
+    assert "--cache-ram" not in unlimited.argv
+    assert unlimited.memory.prompt_cache == 8192 * 2**20  # counted at llama.cpp's default, with a warning
+    assert any("no limit" in w for w in unlimited.warnings)

@@ -115,8 +115,9 @@ class OperatorChoices:
                 if flag in spellings:
                     given.add(option)
                     following = args[i + 1] if i + 1 < len(args) else ""
-                    # Switches (--no-mmap, an old build's bare -fa) take no value.
-                    values[option] = inline if eq else ("" if following.startswith("-") else following)
+                    # Switches (--no-mmap, an old build's bare -fa) take no value; "-1" is a value, not an option.
+                    is_value = not following.startswith("-") or following.lstrip("-").isdigit()
+                    values[option] = inline if eq else (following if is_value else "")
         if "parallel" in values:
             parallel = _whole_number(values["parallel"], "--llama-arg --parallel", least=1)
         if "cache_ram" in values:
