@@ -9,7 +9,10 @@ PACKAGE = Path(__file__).parent.parent / "src" / "meshnet_gguf"
 
 FLOORS: dict[str, int] = {
     # 1: shared vocabulary, no I/O
-    **dict.fromkeys(["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part", "admission"], 1),
+    **dict.fromkeys(
+        ["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part", "admission", "atomic_file"],
+        1,
+    ),
     # 2: one outside thing each (a file, a process, a socket, the hub, the database)
     **dict.fromkeys(
         [
@@ -22,7 +25,7 @@ FLOORS: dict[str, int] = {
     # 3: the working rooms
     **dict.fromkeys(
         [
-            "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
+            "memory_model", "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
             "billing", "meshnet_link", "doctor", "service",
         ],
         3,

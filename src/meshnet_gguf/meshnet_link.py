@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,13 +21,14 @@ import anyio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from meshnet_gguf import __version__
+from meshnet_gguf.atomic_file import write_atomically
 from meshnet_gguf.billing import LedgerUsageSink, OutboxReporter
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.download import sha256_of
 from meshnet_gguf.errors import ApiError
 from meshnet_gguf.gguf_info import read_gguf_info
-from meshnet_gguf.gguf_names import shard_file_name, split_base
+from meshnet_gguf.gguf_names import sibling_shards
 from meshnet_gguf.hardware import HardwareReport, probe_hardware
 from meshnet_gguf.identity import NodeIdentity
 from meshnet_gguf.ledger import UsageLedger
@@ -151,8 +151,7 @@ class MeshnetLink(BasePart):
         self.total_layers = info.block_count
         if len(model.shards) == 1 and info.split_count > 1:
             # Given only shard 1 (what llama-server loads): the others sit beside it, named by the split.
-            base = split_base(model.shards[0].name)
-            shards = [model.shards[0].with_name(shard_file_name(base, k, info.split_count)) for k in range(1, info.split_count + 1)]
+            shards = sibling_shards(model.shards[0], info.split_count)
             self.model = model = dataclasses.replace(model, shards=shards)
 
         self.identity = NodeIdentity.load_or_create(state_dir)
@@ -272,7 +271,7 @@ class MeshnetLink(BasePart):
                 log.warning("cannot fetch the tracker key yet (%s); requests get 503 until then; retrying in %.0f s", exc, delay)
                 await anyio.sleep(delay)
         pin = Path(self.settings.state_dir) / TRACKER_KEY_PIN_FILE
-        _write_atomically(pin, info.public_key + "\n")
+        write_atomically(pin, info.public_key + "\n")
         self.route_gate.set_tracker_key(key)
         log.warning(
             "pinned tracker key %s on first contact (trust on first use) in %s; "
@@ -316,7 +315,7 @@ class MeshnetLink(BasePart):
                 sha = sha256_of(path).hexdigest()
             cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
             digests.append(ShardDigest(name=path.name, sha256=sha, size=st.st_size))
-        _write_atomically(cache_path, json.dumps(cache, indent=1))
+        write_atomically(cache_path, json.dumps(cache, indent=1))
         return digests
 
 
@@ -330,13 +329,6 @@ def hardware_summary(report: HardwareReport) -> HardwareSummary:
         memory_bytes=report.ram_total_bytes,
         gpu_memory_bytes=gpu.budget_bytes if gpu else None,
     )
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """A reader (or a crash) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _default_advertised_url(settings: NodeSettings) -> str:

@@ -28,6 +28,7 @@ import httpx
 import psutil
 
 from meshnet_gguf.binary import BinaryInfo
+from meshnet_gguf.config import LLAMA_STOP_TIMEOUT_S
 from meshnet_gguf.logs import LLAMA_LOGGER, llama_log_level
 from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.ports import free_local_port
@@ -41,8 +42,8 @@ LOG_RING_LINES = 400
 FAILURE_TAIL_LINES = 25
 # Of that tail, a failure message quotes at most this many lines (its error lines first).
 FAILURE_QUOTED_LINES = 10
-# After SIGTERM, llama-server gets this long to exit before SIGKILL (a big model unmaps for seconds).
-STOP_TIMEOUT_S = 10.0
+# After SIGTERM, llama-server gets this long to exit before SIGKILL: the node's setting's default.
+STOP_TIMEOUT_S = LLAMA_STOP_TIMEOUT_S
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 # After ready: a /health probe this often; this many failures in a row means wedged.
 LIVENESS_INTERVAL_S = 5.0
@@ -73,13 +74,14 @@ class ChildSpec:
 
 @dataclass(frozen=True)
 class SupervisorPolicy:
-    load_stall_timeout_s: float = 300.0
-    health_poll_interval_s: float = 0.25
-    restart_backoff_initial_s: float = 1.0
-    restart_backoff_max_s: float = 60.0
-    restart_stable_after_s: float = 120.0
-    max_quick_crashes: int = 5
-    stop_timeout_s: float = STOP_TIMEOUT_S
+    # No defaults here: the node's settings (`config.NodeSettings`) hold them, with their reasons.
+    load_stall_timeout_s: float
+    health_poll_interval_s: float
+    restart_backoff_initial_s: float
+    restart_backoff_max_s: float
+    restart_stable_after_s: float
+    max_quick_crashes: int
+    stop_timeout_s: float
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
 
