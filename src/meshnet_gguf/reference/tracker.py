@@ -585,10 +585,10 @@ class _RelayEndpoint:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
-                outcome = "timed_out"
-                with anyio.move_on_at(deadline):
+                with anyio.move_on_at(deadline) as relaying:
                     outcome = await self._pump(upstream, meter, send)
-                if outcome == "timed_out":
+                if relaying.cancelled_caught:
+                    outcome = "timed_out"
                     log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.tracker.config.relay_total_timeout_s)
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
