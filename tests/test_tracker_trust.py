@@ -273,8 +273,13 @@ async def test_loopback_nodes_only_where_the_operator_allows_them(tmp_path: Path
             assert info.value.code == "unsafe_advertised_url" and node.challenges == 0
     with pytest.raises(UnsafeNodeURL):
         await pin_node_url("http://localhost:1", AddressPolicy())
-    pinned = await pin_node_url("http://10.1.2.3:1", AddressPolicy(allow_private=True))
+    permissive = AddressPolicy(allow_loopback=True, allow_private=True)
+    pinned = await pin_node_url("http://10.1.2.3:1", permissive)
     assert pinned.address == ipaddress.ip_address("10.1.2.3")
+    # Whatever the operator allows, metadata, link-local and non-unicast addresses stay out.
+    for never in ("http://169.254.169.254", "http://[fd00:ec2::254]", "http://[fe80::1]:1", "http://0.0.0.0:1", "http://[::]:1", "http://240.0.0.1"):
+        with pytest.raises(UnsafeNodeURL):
+            await pin_node_url(never, permissive)
 
 
 async def test_the_resolved_address_is_pinned_so_dns_cannot_rebind(tracker, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -464,7 +469,8 @@ async def test_a_relay_that_never_ends_is_cut_at_the_total_time_limit(tmp_path: 
         async with node.running(), httpx.AsyncClient(timeout=30) as http:
             await wait_until(lambda: routable(http, url))
             started = time.monotonic()
-            answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [], "stream": True})
+            with anyio.fail_after(10):
+                answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [], "stream": True})
             assert answer.status_code == 200 and time.monotonic() - started < 5
             [usage] = (await http.get(url + "/v1/usage")).json()
             assert usage["outcome"] == "timed_out"
