@@ -110,6 +110,7 @@ class Node:
             raise NodeSetupError(str(exc)) from exc
         self.proxy.route_verifier = self.mesh.route_verifier
         self.proxy.usage_sinks.append(self.mesh.usage_sink)
+        self.proxy.query_get_routes.update([self.mesh.control_route])
         self.health_extras.append(self.mesh.health_extra)
         self.background_tasks.append(self.mesh.run)
         self.drain_hooks.append(self.mesh.drain)

@@ -19,6 +19,7 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from urllib.parse import parse_qsl
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -99,6 +100,8 @@ class UsageSink(Protocol):
 
 
 ExtraRoute = Callable[[], Awaitable[tuple[int, bytes, str]]]
+# A GET route that reads its query string (the mesh link's control challenge).
+QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
 
 
 @dataclass
@@ -173,6 +176,7 @@ class ProxyApp:
         route_verifier: RouteVerifier | None = None,
         api_key: str | None = None,
         extra_get_routes: Mapping[str, ExtraRoute] | None = None,
+        query_get_routes: Mapping[str, QueryRoute] | None = None,
     ) -> None:
         self._upstream = upstream
         self._client = client
@@ -183,6 +187,7 @@ class ProxyApp:
         self.route_verifier = route_verifier
         self._api_key = api_key
         self.extra_get_routes = dict(extra_get_routes or {})
+        self.query_get_routes = dict(query_get_routes or {})
         self.in_flight = 0
         self.draining = False
         # Called with (path, status) for requests refused before reaching llama-server
@@ -206,6 +211,10 @@ class ProxyApp:
             await self._serve_models(scope, send)
         elif path in self.extra_get_routes and method == "GET":
             status, body, content_type = await self.extra_get_routes[path]()
+            await _respond(send, status, body, [(b"content-type", content_type.encode())])
+        elif path in self.query_get_routes and method == "GET":
+            query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+            status, body, content_type = await self.query_get_routes[path](query)
             await _respond(send, status, body, [(b"content-type", content_type.encode())])
         elif path in INFERENCE_ROUTES or path == "/v1/models" or path == "/health":
             await _send_error(send, ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}"))
