@@ -546,3 +546,20 @@ async def test_shutdown_with_a_dead_tracker_is_bounded(tmp_path: Path, tiny_gguf
     ledger = UsageLedger.in_state_dir(tmp_path / "n")
     assert [r.request_id for r in await ledger.pending(10)] == ["req-pending"]
     await ledger.aclose()
+
+
+async def test_doctor_names_a_tracker_key_mismatch_and_an_unsafe_first_contact(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from meshnet_gguf.doctor import DoctorEnvironment, check_tracker_key
+
+    service, url = tracker
+    other = Tracker(TrackerConfig(state_dir=tmp_path / "other", open_enrolment=True)).public_key_text
+
+    def check(**settings: Any):  # type: ignore[no-untyped-def]
+        return check_tracker_key(DoctorEnvironment(NodeSettings(state_dir=tmp_path / "n", **settings)))[0]
+
+    mismatch = await anyio.to_thread.run_sync(lambda: check(tracker=url, tracker_public_key=other))
+    assert mismatch.status == "fail" and "tracker key mismatch" in mismatch.summary and service.public_key_text in mismatch.summary
+    same = await anyio.to_thread.run_sync(lambda: check(tracker=url, tracker_public_key=service.public_key_text))
+    assert same.status == "ok"
+    unsafe = check(tracker="http://192.0.2.10:8000")  # nothing is sent: no key to compare
+    assert unsafe.status == "fail" and "MESHNET_TRACKER_PUBLIC_KEY" in unsafe.explanation + unsafe.fix

@@ -64,14 +64,13 @@ from meshnet_gguf.tracker_client import (
     NodePresence,
     TrackerClient,
     TrackerRefused,
+    TRACKER_KEY_PIN_FILE,
     TrackerUnavailable,
     first_contact_problem,
 )
 
 log = logging.getLogger(__name__)
 
-# Trust-on-first-use pin of the tracker key, when none was configured.
-TRACKER_KEY_PIN_FILE = "tracker_public_key"
 # sha256 of each shard, remembered by size and mtime so a restart does not re-hash 100 GB.
 SHARD_DIGESTS_FILE = "shard_digests.json"
 # On the way out, one bounded try to deliver the last receipts; what is left goes next start.

@@ -54,6 +54,8 @@ RETRY_MAX_S = 60.0
 STATE_CHECK_INTERVAL_S = 1.0
 # Deregistering is a courtesy on the way out; shutdown must not hang on a dead tracker.
 DEREGISTER_TIMEOUT_S = 3.0
+# The tracker key learnt on first contact, pinned in the state dir (delete it to learn again).
+TRACKER_KEY_PIN_FILE = "tracker_public_key"
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -69,7 +69,7 @@ def tracker(
     if secret is None:
         typer.echo("enrolment: OPEN (--open): anyone who can reach this tracker may register a node")
     else:
-        typer.echo("enrolment: nodes must present the secret below (MESHNET_ENROLMENT_SECRET)")
+        typer.echo("enrolment: nodes must present the enrolment secret (MESHNET_ENROLMENT_SECRET in the line below)")
     allowed = [kind for kind, on in (("loopback", allow_loopback), ("private", allow_private)) if on]
     typer.echo(f"node addresses: public{''.join(', ' + kind for kind in allowed)} allowed"
                + (" (loopback is for a mesh on this machine)" if allow_loopback else ""))
