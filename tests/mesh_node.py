@@ -21,6 +21,7 @@ from urllib.parse import parse_qsl
 import anyio
 import httpx
 
+from meshnet_gguf.admission import Admission
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.meshnet_link import MeshnetLink, QueryRoute, ServedModel
 from meshnet_gguf.ports import free_local_port
@@ -109,21 +110,23 @@ class MeshNode:
         )  # fmt: skip
         self.link = MeshnetLink(self.settings, ServedModel(model_id=MODEL, shards=[tiny_gguf], slots=slots), self.health)
         self.upstream_client = make_upstream_client("httpx", slots)
+        self.admission = Admission(slots=slots)
         self.proxy = ProxyApp(
             upstream=lambda: UpstreamTarget(llama.url, FAKE_LLAMA_KEY) if self.state == "ready" else None,
             client=self.upstream_client,
-            limits=ProxyLimits(slots=slots, max_body_bytes=8 * 1024 * 1024, retry_after_s=1),
+            admission=self.admission,
+            limits=ProxyLimits(max_body_bytes=8 * 1024 * 1024, retry_after_s=1),
             model_name=MODEL,
             health=self.health,
             usage_sinks=[self.link.usage_sink],
-            route_verifier=self.link.route_verifier,
+            route_check=self.link.route_gate,
         )
         self.app = compose_node_app(self.proxy, dict([self.link.control_route]))
 
     def health(self) -> HealthReport:
-        busy = self.proxy.in_flight if hasattr(self, "proxy") else 0
+        busy = self.admission.in_flight if hasattr(self, "admission") else 0
         report = HealthReport(state=self.state, model=MODEL, slots_total=self.settings.parallel, slots_busy=busy)
-        return self.link.health_extra(report)
+        return self.link.health(report)
 
     @property
     def node_id(self) -> str:

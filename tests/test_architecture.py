@@ -9,13 +9,13 @@ PACKAGE = Path(__file__).parent.parent / "src" / "meshnet_gguf"
 
 FLOORS: dict[str, int] = {
     # 1: shared vocabulary, no I/O
-    **dict.fromkeys(["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part"], 1),
+    **dict.fromkeys(["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part", "admission"], 1),
     # 2: one outside thing each (a file, a process, a socket, the hub, the database)
     **dict.fromkeys(
         [
             "config", "binary", "gguf_info", "gguf_convert", "hardware_sources", "hardware", "download",
             "ledger", "identity", "route_auth", "logs", "sd_notify", "load_progress", "usage_stats",
-            "upstream_http", "cpu_compat", "metrics", "devtools.tiny_model", "devtools.hf_server",
+            "upstream_http", "cpu_compat", "metrics", "metering", "http_server", "devtools.tiny_model", "devtools.hf_server",
         ],
         2,
     ),  # fmt: skip

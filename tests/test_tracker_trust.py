@@ -489,9 +489,9 @@ def test_no_trust_on_first_use_over_plain_http_to_another_machine(tmp_path: Path
     with pytest.raises(MeshSetupError, match="MESHNET_TRACKER_PUBLIC_KEY"):
         link("http://192.0.2.10:8000")  # TEST-NET: nothing is sent, the link refuses at setup
     pinned = Tracker(TrackerConfig(state_dir=tmp_path / "t", open_enrolment=True)).public_key_text
-    assert link("http://192.0.2.10:8000", pinned).route_verifier.issuer is not None
+    assert link("http://192.0.2.10:8000", pinned).route_gate.issuer is not None
     for fine in ("https://tracker.example", "http://127.0.0.1:8000", "http://localhost:8000"):
-        assert link(fine).route_verifier.issuer is None  # learnt on first contact, which is safe there
+        assert link(fine).route_gate.issuer is None  # learnt on first contact, which is safe there
 
 
 async def test_a_node_whose_pinned_key_is_not_the_trackers_says_so_and_stays_off_line(tracker, tmp_path: Path, tiny_gguf: Path, llama) -> None:  # type: ignore[no-untyped-def]

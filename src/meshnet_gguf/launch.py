@@ -70,6 +70,7 @@ class PreparedLaunch:
     # The verified model on disk; in a dry run the unverified files found on disk, or None
     # when nothing is downloaded yet and the plan came from the catalog's figures.
     resolved: ResolvedModel | None = None
+    downloaded_bytes: int = 0  # fetched from the hub for this launch (0 when everything was on disk)
 
     def describe(self) -> str:
         lines = []

@@ -1,7 +1,7 @@
 """The node's link to the mesh, built from settings when a tracker is configured.
 
 One object the node starts in its task group. It gives the proxy a
-`route_verifier` (only tracker-routed requests get through), a `usage_sink`
+`route_gate` (only tracker-routed requests get through), a `usage_sink`
 (every request's usage becomes a signed receipt in the ledger) and one GET
 route, `control_route` (the tracker's reachability challenge, signed with the
 node key), and runs the registration/heartbeat and outbox tasks. `drain()`
@@ -38,6 +38,7 @@ from meshnet_gguf.gguf_names import shard_file_name, split_base
 from meshnet_gguf.hardware import HardwareReport, probe_hardware
 from meshnet_gguf.identity import NodeIdentity
 from meshnet_gguf.ledger import UsageLedger
+from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.protocol import (
     CLOCK_SKEW_S,
     MAX_ROUTE_LIFETIME_S,
@@ -147,7 +148,11 @@ class RouteGate:
         return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens)
 
 
-class MeshnetLink:
+class MeshnetLink(BasePart):
+    """A node part: registration and heartbeats, the receipt outbox, the route gate and the control proof."""
+
+    name = "mesh link"
+
     def __init__(self, settings: NodeSettings, model: ServedModel, health: Callable[[], HealthReport]) -> None:
         if not settings.tracker:
             raise MeshSetupError("the mesh link needs a tracker URL (--tracker or MESHNET_TRACKER)")
@@ -155,6 +160,7 @@ class MeshnetLink:
         self.model = model
         self._health = health
         self._draining = False
+        self._tasks: anyio.CancelScope | None = None
         state_dir = Path(settings.state_dir)
         self.advertised_url = settings.advertised_url or _default_advertised_url(settings)
         info = read_gguf_info(model.shards[0])
@@ -175,7 +181,7 @@ class MeshnetLink:
         self.client = TrackerClient(settings.tracker, self.identity, enrolment_secret=settings.enrolment_secret)
         self.reporter = OutboxReporter(self.ledger, self.client, linger_s=settings.usage_report_interval_s)
         self.usage_sink = LedgerUsageSink(self.ledger, self.identity, self.reporter)
-        self.route_verifier = RouteGate(self.identity.node_id, model.model_id, self.total_layers, None)
+        self.route_gate = RouteGate(self.identity.node_id, model.model_id, self.total_layers, None)
         if pinned is not None:
             self._trust(pinned)
         self._seed_replay_cache()
@@ -188,10 +194,13 @@ class MeshnetLink:
         log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
 
     # --- what the node wires in ---------------------------------------------
-    def health_extra(self, report: HealthReport) -> HealthReport:
+    def health(self, report: HealthReport) -> HealthReport:
         return report.model_copy(
             update={"first_layer": 0, "last_layer": self.total_layers - 1, "mesh_problem": self.presence.problem}
         )
+
+    def outbox_depth(self) -> int:
+        return self.ledger.outbox_depth_sync()
 
     async def answer_control_challenge(self, query: Mapping[str, str]) -> tuple[int, bytes, str]:
         """`GET /.well-known/meshnet-node?nonce=...`: the tracker's nonce, signed with this node's key
@@ -200,7 +209,7 @@ class MeshnetLink:
         if not nonce or len(nonce) > NODE_CONTROL_NONCE_MAX_CHARS or not set(nonce) <= _NONCE_ALPHABET:
             error = ApiError(400, "bad_nonce", f"{NODE_CONTROL_NONCE_PARAM} must be base64url, at most {NODE_CONTROL_NONCE_MAX_CHARS} characters")
             return error.status, error.body(), "application/json"
-        audience = self.route_verifier.issuer
+        audience = self.route_gate.issuer
         if audience is None:
             error = ApiError(503, "route_key_unavailable", "this node has not learnt its tracker's key yet")
             return error.status, error.body(), "application/json"
@@ -210,9 +219,10 @@ class MeshnetLink:
     async def run(self) -> None:
         """Background task for the node's lifetime: outbox, key pinning, shard digests, presence."""
         async with anyio.create_task_group() as tg:
+            self._tasks = tg.cancel_scope
             # Receipts left by a previous run go out first; they need no registration.
             tg.start_soon(self.reporter.run)
-            if self.route_verifier.issuer is None:
+            if self.route_gate.issuer is None:
                 await self._learn_tracker_key()
             self._shards = await anyio.to_thread.run_sync(self._shard_digests)
             report = self.model.hardware or await anyio.to_thread.run_sync(probe_hardware, self.model.binary)
@@ -233,6 +243,8 @@ class MeshnetLink:
 
     async def close(self) -> None:
         """After the last request: deliver what can be delivered, deregister, release the ledger."""
+        if self._tasks is not None:
+            self._tasks.cancel()  # the reporter and heartbeats stop before the final flush
         with anyio.move_on_after(FINAL_FLUSH_TIMEOUT_S):
             try:
                 await self.reporter.flush()
@@ -289,12 +301,12 @@ class MeshnetLink:
             raise MeshSetupError(f"{source}: {exc}") from exc
 
     def _trust(self, key: Ed25519PublicKey) -> None:
-        self.route_verifier.set_tracker_key(key)
-        self.client.audience = self.route_verifier.issuer
+        self.route_gate.set_tracker_key(key)
+        self.client.audience = self.route_gate.issuer
 
     def _check_ack(self, ack: RegistrationAck) -> str | None:
         """A tracker signing as another issuer than the pinned key's would have every route refused."""
-        expected = self.route_verifier.issuer
+        expected = self.route_gate.issuer
         if ack.issuer == expected:
             return None
         return (
@@ -310,10 +322,10 @@ class MeshnetLink:
             published = parse_public_key((await self.client.info()).public_key)
         except (TrackerUnavailable, KeyFormatError):
             return str(refusal)
-        if tracker_issuer_for(published) != self.route_verifier.issuer:
+        if tracker_issuer_for(published) != self.route_gate.issuer:
             return (
                 f"tracker key mismatch: {self.settings.tracker} publishes {public_key_text(published)} but this node pinned "
-                f"the key of {self.route_verifier.issuer}; fix tracker_public_key (or delete {TRACKER_KEY_PIN_FILE} "
+                f"the key of {self.route_gate.issuer}; fix tracker_public_key (or delete {TRACKER_KEY_PIN_FILE} "
                 "in the state dir to re-learn it)"
             )
         return str(refusal)
@@ -342,7 +354,7 @@ class MeshnetLink:
     def _seed_replay_cache(self) -> None:
         now = time.time()
         for request_id, started_at in self.ledger.request_ids_since_sync(now - REPLAY_SEED_WINDOW_S):
-            self.route_verifier.replay_cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
+            self.route_gate.replay_cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
 
     def _shard_digests(self) -> list[ShardDigest]:
         cache_path = Path(self.settings.state_dir) / SHARD_DIGESTS_FILE
