@@ -134,14 +134,16 @@ class MeshNode:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[MeshNode]:
-        """Serve on loopback and run the mesh link; on exit the link closes as on shutdown."""
-        async with serve_asgi(self.app, self.port), anyio.create_task_group() as tg:
-            tg.start_soon(self.link.run)
-            try:
-                yield self
-            finally:
-                tg.cancel_scope.cancel()
-                with anyio.CancelScope(shield=True), anyio.move_on_after(1):
-                    await self.link.client.aclose()
-                    await self.upstream_client.aclose()
+        """Serve on loopback and run the mesh link; on exit its tasks stop and its clients close."""
+        async with serve_asgi(self.app, self.port):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.link.run)
+                try:
+                    yield self
+                finally:
+                    tg.cancel_scope.cancel()
+            # Only once the link's tasks have ended: none of them may find its client closed.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+                await self.link.client.aclose()
+                await self.upstream_client.aclose()
         self.link.ledger.close()

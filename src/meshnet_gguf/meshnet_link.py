@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +54,7 @@ from meshnet_gguf.protocol import (
     RegistrationAck,
     ShardDigest,
 )
-from meshnet_gguf.proxy import RouteGrant
+from meshnet_gguf.proxy import QueryRoute, RouteGrant
 from meshnet_gguf.retry import Backoff
 from meshnet_gguf.route_auth import ReplayCache, RouteRejected, RouteVerifier
 from meshnet_gguf.signing import KeyFormatError, parse_public_key, public_key_text, tracker_issuer_for
@@ -82,10 +82,6 @@ KEY_UNKNOWN_RETRY_AFTER_S = 5
 REPLAY_SEED_WINDOW_S = MAX_ROUTE_LIFETIME_S + 2 * CLOCK_SKEW_S
 # A tracker's nonce is base64url; anything else is not a tracker asking.
 _NONCE_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
-
-# A GET route the proxy serves: called with the request's query parameters, answers
-# (status, body, content type).
-QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
 
 
 class MeshSetupError(RuntimeError):
