@@ -30,6 +30,8 @@ from meshnet_gguf.gguf_names import format_bytes
 from meshnet_gguf.hardware import GLVND_PACKAGES, GpuInfo, HardwareReport, probe_hardware
 from meshnet_gguf.hardware_sources import TTM_PAGE_BYTES, CommandRunner, run_command
 from meshnet_gguf.protocol import CLOCK_SKEW_S, WELL_KNOWN_PATH
+from meshnet_gguf.signing import KeyFormatError, parse_public_key, public_key_text
+from meshnet_gguf.tracker_client import TRACKER_KEY_PIN_FILE, first_contact_problem
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -137,6 +139,7 @@ def run_doctor(env: DoctorEnvironment) -> DoctorReport:
     findings += check_memory(report, size)
     findings += check_disk(env, size)
     findings += check_clock(env)
+    findings += check_tracker_key(env)
     findings += check_port(env)
     return DoctorReport(tuple(findings))
 
@@ -427,6 +430,45 @@ def check_clock(env: DoctorEnvironment) -> list[Finding]:
     if off > CLOCK_WARN_S:
         return [Finding("clock", "warn", summary, f"within the {tolerance} s route tolerance, but drifting", fix)]
     return [Finding("clock", "ok", summary)]
+
+
+# --- tracker key -----------------------------------------------------------------------
+
+
+def check_tracker_key(env: DoctorEnvironment) -> list[Finding]:
+    """The key the node pinned is the one the tracker publishes, or can be learnt safely."""
+    tracker = env.settings.tracker
+    if not tracker:
+        return [Finding("tracker key", "skip", "no tracker configured")]
+    pin = Path(env.settings.state_dir) / TRACKER_KEY_PIN_FILE
+    pinned_text = env.settings.tracker_public_key or (pin.read_text().strip() if pin.exists() else None)
+    fix = "set MESHNET_TRACKER_PUBLIC_KEY to the key the tracker prints at start (its `serve` line)"
+    if not pinned_text:
+        problem = first_contact_problem(tracker)
+        if problem:
+            return [Finding("tracker key", "fail", "no tracker key pinned", problem, fix)]
+        return [Finding("tracker key", "warn", "no tracker key pinned: the node will trust the key the tracker shows first", "", fix)]
+    client = env.tracker_client or httpx.Client(timeout=TRACKER_TIMEOUT_S)
+    try:
+        pinned = parse_public_key(pinned_text)
+        published = parse_public_key(client.get(tracker.rstrip("/") + WELL_KNOWN_PATH).json()["public_key"])
+    except KeyFormatError as exc:
+        return [Finding("tracker key", "fail", f"the pinned tracker key is not a key: {exc}", "", fix)]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        return [Finding("tracker key", "skip", f"could not read the tracker's key: {exc}")]
+    finally:
+        if env.tracker_client is None:
+            client.close()
+    if public_key_text(published) != public_key_text(pinned):
+        return [
+            Finding(
+                "tracker key", "fail",
+                f"tracker key mismatch: {tracker} publishes {public_key_text(published)}, this node pinned {public_key_text(pinned)}",
+                "every route the tracker signs would be refused, so the node reports itself not online",
+                f"{fix}, or delete {pin} to learn it again",
+            )  # fmt: skip
+        ]
+    return [Finding("tracker key", "ok", f"the pinned key is the tracker's ({public_key_text(pinned)[:12]}…)")]
 
 
 # --- port ------------------------------------------------------------------------------

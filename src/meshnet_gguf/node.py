@@ -126,6 +126,7 @@ def build_node(launch: PreparedLaunch) -> Node:
         route_check=mesh.route_gate if mesh else None,
         api_key=settings.api_key,
         extra_get_routes={METRICS_PATH: metrics.scrape},
+        query_get_routes=dict([mesh.control_route]) if mesh else None,
         on_rejected=metrics.count_request,
     )
     try:

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from urllib.parse import parse_qsl
 from typing import Any, Protocol
 
 import anyio
@@ -100,6 +101,8 @@ class UsageSink(Protocol):
 
 
 ExtraRoute = Callable[[], Awaitable[tuple[int, bytes, str]]]
+# A GET route that reads its query string (the mesh link's control challenge).
+QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class ProxyApp:
         route_check: RouteCheck | None = None,
         api_key: str | None = None,
         extra_get_routes: Mapping[str, ExtraRoute] | None = None,
+        query_get_routes: Mapping[str, QueryRoute] | None = None,
         on_rejected: Callable[[str, int], None] | None = None,
     ) -> None:
         self._upstream = upstream
@@ -136,6 +140,7 @@ class ProxyApp:
         self._route_check = route_check
         self._api_key = api_key
         self._extra_get_routes = dict(extra_get_routes or {})
+        self._query_get_routes = dict(query_get_routes or {})
         # Told (path, status) of each request refused before reaching llama-server: such
         # requests yield no usage record (nothing was used, and nothing is billed).
         self._on_rejected = on_rejected
@@ -157,6 +162,10 @@ class ProxyApp:
             await self._serve_models(scope, send)
         elif path in self._extra_get_routes and method == "GET":
             status, body, content_type = await self._extra_get_routes[path]()
+            await _respond(send, status, body, [(b"content-type", content_type.encode())])
+        elif path in self._query_get_routes and method == "GET":
+            query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+            status, body, content_type = await self._query_get_routes[path](query)
             await _respond(send, status, body, [(b"content-type", content_type.encode())])
         elif path in INFERENCE_ROUTES or path == "/v1/models" or path == "/health":
             await _send_error(send, ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}"))
