@@ -124,7 +124,9 @@ def build_node(launch: PreparedLaunch) -> Node:
         health=health,
         usage_sinks=[usage_stats, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
         route_check=mesh.route_gate if mesh else None,
+        journal=mesh.usage_sink if mesh else None,
         api_key=settings.api_key,
+        allowed_hosts=[settings.host],
         extra_get_routes={METRICS_PATH: metrics.scrape},
         on_rejected=metrics.count_request,
     )
