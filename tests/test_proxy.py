@@ -132,8 +132,8 @@ def test_bad_input_never_reaches_llama_server(fake_node) -> None:  # type: ignor
     node.wait_ready()
     with httpx.Client(base_url=node.url) as client:
         cases = {
-            "too large": client.post("/v1/chat/completions", content=b"{" + b" " * 9_000_000 + b"}"),
-            "invalid json": client.post("/v1/chat/completions", content=b"{nope"),
+            "too large": client.post("/v1/chat/completions", content=b"{" + b" " * 9_000_000 + b"}", headers=JSON_TYPE),
+            "invalid json": client.post("/v1/chat/completions", content=b"{nope", headers=JSON_TYPE),
             "not an object": client.post("/v1/chat/completions", json=[1, 2]),
             "no messages": client.post("/v1/chat/completions", json={"max_tokens": 3}),
             "no prompt": client.post("/v1/completions", json={"messages": []}),
