@@ -19,6 +19,7 @@ bottleneck it is used to measure.
     FAKE_LLAMA_HANG_AFTER_S    /health stops answering this long after start (a wedged server)
     FAKE_LLAMA_EVENTS_PER_WRITE events coalesced per socket write when streaming (default 1)
     FAKE_LLAMA_REQUEST_LOG     append one JSON line per inference request (path + body)
+    FAKE_LLAMA_ENV_DUMP        write the environment it was started with to this file (JSON)
 """
 
 from __future__ import annotations
@@ -233,6 +234,9 @@ async def main(argv: list[str]) -> int:
         print("Available devices:")
         return 0
     fake = FakeLlama(argv)
+    if os.environ.get("FAKE_LLAMA_ENV_DUMP"):
+        with open(os.environ["FAKE_LLAMA_ENV_DUMP"], "w") as fh:
+            json.dump(dict(os.environ), fh)
     exit_code = os.environ.get("FAKE_LLAMA_EXIT_ON_START")
     print(f"main: loading model '{fake.args.get('--model')}'", flush=True)
     if exit_code:
