@@ -365,17 +365,20 @@ class ProxyApp:
                 while (await receive())["type"] != "http.disconnect":
                     pass
                 disconnected = True
-                tg.cancel_scope.cancel()
+                if meter.stream:
+                    # Closing the stream is what stops llama-server's generation.
+                    tg.cancel_scope.cancel()
+                # A whole answer is read to its end all the same: llama-server does not notice
+                # the client left and generates it in full, so it is billed in full.
 
             tg.start_soon(watch_disconnect)
             try:
                 await self._exchange(meter, target, body, send)
             finally:
                 tg.cancel_scope.cancel()
-        if disconnected and meter.finish_reason in ("unknown",):
+        if disconnected and (not meter.stream or meter.finish_reason == "unknown") and meter.finish_reason != "error":
             meter.finish_reason = "cancelled"
-            if not meter.status:
-                meter.status = CLIENT_CLOSED_STATUS
+            meter.status = CLIENT_CLOSED_STATUS
 
     async def _exchange(self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send) -> None:
         url = target.base_url + meter.path
