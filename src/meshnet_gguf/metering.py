@@ -41,6 +41,8 @@ class RequestMeter:
     first_token_at: float | None = None
     decode_tokens_per_s: float | None = None
     usage_seen: bool = False
+    # llama-server answered with an error status: it refused the request, nothing ran.
+    refused_upstream: bool = False
     # Gives the admission slot back; called just before the answer's last bytes so a
     # client that sends its next request the moment this one ends is not refused.
     release: Callable[[], None] = lambda: None
@@ -63,7 +65,9 @@ class RequestMeter:
             self.decode_tokens_per_s = float(timings["predicted_per_second"])
 
     def prompt_billed(self) -> int:
-        return self.prompt_tokens if self.usage_seen else self.prompt_counted
+        if self.usage_seen:
+            return self.prompt_tokens
+        return 0 if self.refused_upstream else self.prompt_counted
 
     def usage_comment(self) -> bytes:
         return comment_event(

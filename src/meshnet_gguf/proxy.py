@@ -280,10 +280,14 @@ class ProxyApp:
                 prompt_counted=prompt_tokens,
             )
             if self._journal is not None:
-                with anyio.CancelScope(shield=True):  # written whole even if the client leaves now
-                    opened = await self._journal.open(meter.usage_record(self.model_name), grant.expires_at)
+                try:
+                    with anyio.CancelScope(shield=True):  # written whole even if the client leaves now
+                        opened = await self._journal.open(meter.usage_record(self.model_name), grant.expires_at)
+                except Exception as exc:  # a full or broken disk: serve nothing that cannot be billed
+                    log.error("request %s: could not write its ledger row, not forwarded: %s", request_id, exc)
+                    raise self._unavailable("This node cannot record requests right now; retry on another node") from None
                 if not opened:
-                    raise ApiError(409, "route_replayed", f"request {request_id} was already served by this node")
+                    raise ApiError(403, "route_replayed", f"request {request_id} was already served by this node")
         except ApiError as exc:
             if release is not None:
                 release()
@@ -414,6 +418,7 @@ class ProxyApp:
             meter_whole_body(meter, body)
         else:
             meter.finish_reason = "error"
+            meter.refused_upstream = True
         headers = [
             (k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS
         ]

@@ -88,7 +88,8 @@ class RouteVerifier:
         self.node_id = node_id
         self.model_id = model_id
         self.total_layers = total_layers
-        self._replay = replay_cache or ReplayCache()
+        # An empty cache is falsy: `or` would silently swap a shared (seeded later) cache for a private one.
+        self._replay = replay_cache if replay_cache is not None else ReplayCache()
         self._clock = clock
 
     @property
