@@ -27,6 +27,8 @@ LONG_PROMPT = "klmnopqrst" * 150
 # How many llama-server kills the mid-stream fault test runs (bench: FAULT_KILLS=20).
 KILLS = int(os.environ.get("FAULT_KILLS", "3"))
 ERROR_EVENT_WITHIN_S = 1.0
+# Ready again after a llama-server crash within its own load time plus this (restart backoff included).
+READY_AGAIN_MARGIN_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +163,72 @@ async def test_llama_server_killed_mid_stream_ends_every_stream_with_an_error_an
         finally:
             child.close()
     print(f"llama-server kill -9 x{KILLS}: error event after {max(figures) * 1000:.0f} ms at most")
+
+
+@pytest.mark.slow
+def test_a_node_whose_llama_server_is_killed_mid_stream_errors_at_once_and_is_ready_again_soon(  # type: ignore[no-untyped-def]
+    real_llama, tiny_gguf, start_node, tmp_path
+) -> None:
+    """The whole node (supervisor included): kill -9 of its llama-server, KILLS times. Each stream
+    ends with an error event within a second and the node is ready again within load time + 2 s."""
+    import signal
+    import threading
+
+    # Each kill here is a first crash: after half a second up, llama-server counts as stable again
+    # (the default 120 s would make kills in a row back off 1, 2, 4... s, the crash-loop guard).
+    env = {"MESHNET_RESTART_STABLE_AFTER_S": "0.5", "MESHNET_MAX_QUICK_CRASHES": "100"}
+    node = start_node("--gguf", str(tiny_gguf), "--parallel", "2", "--ctx-size", "4096", env=env)
+    node.wait_ready()
+    body = {"prompt": LONG_PROMPT[:500], "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    error_after: list[float] = []
+    ready_after: list[float] = []
+    load_s: list[float] = []
+    for _ in range(KILLS):
+        time.sleep(0.5)
+        pid = node.llama_pid()
+        assert pid is not None
+        ends: list[tuple[float, bytes]] = []
+        going = threading.Event()
+
+        def stream() -> None:
+            tail = b""
+            with httpx.stream("POST", node.url + "/v1/completions", json=body, timeout=30) as response:
+                for chunk in response.iter_bytes():
+                    tail = (tail + chunk)[-4096:]
+                    if tail.count(b'"text":') >= 5:
+                        going.set()
+            ends.append((time.monotonic(), tail))
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert going.wait(20)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        thread.join(20)
+        [(ended, tail)] = ends
+        error_after.append(ended - killed)
+        assert b"llama-server stopped mid-answer" in tail and tail.endswith(b"data: [DONE]\n\n")
+        # Ready again: a new llama-server pid, healthy. Its own load time comes from its log.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            health = node.health()
+            if health is not None and health.status_code == 200 and node.llama_pid() not in (None, pid):
+                break
+            time.sleep(0.02)
+        ready_after.append(time.monotonic() - killed)
+        load_s.append(_last_load_seconds(node.log_text()))
+    worst = max(error_after)
+    print(f"node llama-server kill -9 x{KILLS}: error event <= {worst * 1000:.0f} ms; ready again after "
+          f"{min(ready_after):.2f}-{max(ready_after):.2f} s; minus load time: {max(r - l for r, l in zip(ready_after, load_s)):.2f} s at most")  # fmt: skip
+    assert worst <= ERROR_EVENT_WITHIN_S
+    for ready, load in zip(ready_after, load_s):
+        assert ready <= load + READY_AGAIN_MARGIN_S, (ready, load)
+
+
+def _last_load_seconds(log: str) -> float:
+    """llama-server's own clock at `model loaded` (its lines start with minutes.seconds.millis.micros since start)."""
+    import re
+
+    stamps = re.findall(r"(\d+)\.(\d+)\.(\d+)\.(\d+) I srv  llama_server: model loaded", log)
+    minutes, seconds, millis, _ = stamps[-1]
+    return int(minutes) * 60 + int(seconds) + int(millis) / 1000
