@@ -130,3 +130,52 @@ def test_kill_9_under_concurrent_streams_then_restart_bills_every_request_exactl
     relayed = {u["request_id"]: u for u in tracker.usage()}
     # Every request the tracker relayed that reached this node is billed exactly once.
     assert set(receipts) <= set(relayed)
+
+
+# How long the tracker stays down (bench: TRACKER_DOWN_S=120).
+TRACKER_DOWN_S = float(__import__("os").environ.get("TRACKER_DOWN_S", "3"))
+
+
+def test_tracker_down_for_a_while_under_traffic_then_back_loses_and_doubles_no_receipt(  # type: ignore[no-untyped-def]
+    real_llama, tracker, tiny_gguf, start_node, tmp_path
+) -> None:
+    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node", MESHNET_TRACKER_PUBLIC_KEY=tracker.public_key())
+    client = sdk(tracker)
+    stop = threading.Event()
+    done: list[str] = []
+
+    def traffic() -> None:
+        while not stop.is_set():
+            try:
+                for _ in client.completions.create(model=tiny_gguf.stem, prompt="keep going", max_tokens=200, stream=True,
+                                                   extra_body={"ignore_eos": True}):  # fmt: skip
+                    pass
+                done.append("ok")
+            except openai.OpenAIError:
+                done.append("failed")
+                time.sleep(0.2)
+
+    workers = [threading.Thread(target=traffic) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        wait_for(lambda: done.count("ok") >= 2, "traffic flowing")
+        tracker.kill()  # streams in flight are cut at the tracker; the node finishes and bills them
+        time.sleep(TRACKER_DOWN_S)
+        tracker.start()
+        back = time.monotonic()
+        wait_for(lambda: tracker.models() == [tiny_gguf.stem], "the node re-registered", node.log_path, timeout=120)
+        ok_before = done.count("ok")
+        wait_for(lambda: done.count("ok") >= ok_before + 1, "traffic flowing again")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+    wait_for(lambda: all(r["reported"] for r in node_ledger(node.state_dir).values()), "every receipt delivered", node.log_path, timeout=120)
+    delivered_after = time.monotonic() - back
+    rows = ledger_rows(node.state_dir)
+    receipts = tracker.receipt_rows()
+    assert len(receipts) == len(set(receipts)) == len(rows)  # none doubled
+    assert set(receipts) == {r["request_id"] for r in rows}  # none lost
+    print(f"tracker down {TRACKER_DOWN_S:.0f} s under traffic: {len(rows)} receipts, 0 lost, 0 doubled, "
+          f"all delivered {delivered_after:.1f} s after it came back")  # fmt: skip
