@@ -131,24 +131,25 @@ async def test_llama_server_killed_mid_stream_ends_every_stream_with_an_error_an
             async with serve_front(child.url) as front, httpx.AsyncClient(base_url=front.url, timeout=30) as client:
                 body = {"prompt": LONG_PROMPT, "max_tokens": 1800, "stream": True, "ignore_eos": True}
                 ends: list[tuple[float, bytes]] = []
-                started = anyio.Event()
-                counted = {"n": 0}
+                going = [anyio.Event(), anyio.Event()]
 
-                async def stream() -> None:
+                async def stream(k: int) -> None:
                     tail = b""
+                    seen = 0
                     async with client.stream("POST", "/v1/completions", json=body) as response:
                         async for chunk in response.aiter_bytes():
                             tail = (tail + chunk)[-4096:]
-                            counted["n"] += chunk.count(b'"text":')
-                            if counted["n"] >= 20:
-                                started.set()
+                            seen += chunk.count(b'"text":')
+                            if seen >= 10:
+                                going[k].set()
                     ends.append((time.monotonic(), tail))
 
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(stream)
-                    tg.start_soon(stream)
-                    with anyio.fail_after(20):
-                        await started.wait()
+                    tg.start_soon(stream, 0)
+                    tg.start_soon(stream, 1)
+                    with anyio.fail_after(30):
+                        for event in going:
+                            await event.wait()  # both streams are generating
                     killed_at = time.monotonic()
                     child.kill()
                 records = await wait_records(front.sink, 2)

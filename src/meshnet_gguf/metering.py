@@ -43,6 +43,9 @@ class RequestMeter:
     usage_seen: bool = False
     # llama-server answered with an error status: it refused the request, nothing ran.
     refused_upstream: bool = False
+    # The whole answer is being handed to the client: a disconnect from now on is the
+    # client closing after it, not a cancellation.
+    answered: bool = False
     # Gives the admission slot back; called just before the answer's last bytes so a
     # client that sends its next request the moment this one ends is not refused.
     release: Callable[[], None] = lambda: None

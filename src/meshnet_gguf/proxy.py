@@ -368,6 +368,8 @@ class ProxyApp:
                 nonlocal disconnected
                 while (await receive())["type"] != "http.disconnect":
                     pass
+                if meter.answered:
+                    return  # the client closed after its answer, as a client may
                 disconnected = True
                 if meter.stream:
                     # Closing the stream is what stops llama-server's generation.
@@ -380,7 +382,9 @@ class ProxyApp:
                 await self._exchange(meter, target, body, send)
             finally:
                 tg.cancel_scope.cancel()
-        if disconnected and (not meter.stream or meter.finish_reason == "unknown") and meter.finish_reason != "error":
+        # `disconnected` is only set for a client that left before its answer was handed over.
+        cut_short = meter.finish_reason == "unknown" or not meter.stream
+        if disconnected and cut_short and meter.finish_reason != "error":
             meter.finish_reason = "cancelled"
             meter.status = CLIENT_CLOSED_STATUS
 
@@ -428,6 +432,7 @@ class ProxyApp:
             (_COMPLETION_TOKENS_KEY, str(meter.completion_tokens).encode()),
         ]
         meter.release()
+        meter.answered = True
         await _respond(send, response.status, body, headers)
 
     async def _relay_stream(self, meter: RequestMeter, response: UpstreamResponse, send: Send) -> None:
