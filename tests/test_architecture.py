@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).parent.parent / "src" / "meshnet_gguf"
 FLOORS: dict[str, int] = {
     # 1: shared vocabulary, no I/O
     **dict.fromkeys(
-        ["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part", "admission", "atomic_file"],
+        ["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part", "admission", "atomic_file",
+         "request_validation"],
         1,
     ),
     # 2: one outside thing each (a file, a process, a socket, the hub, the database)

@@ -117,7 +117,7 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     )
     streamed_usage = chunks[-1].usage
     assert answer.usage is not None and streamed_usage is not None
-    assert httpx.post(node.url + "/v1/chat/completions", content=b"{not json").status_code == 400
+    assert httpx.post(node.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
     metrics = httpx.get(node.url + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     s = _samples(metrics.text)

@@ -88,13 +88,13 @@ def test_stream_bytes_pass_through_unchanged_plus_one_usage_comment(fake_node, d
     assert usage == {"request_id": "abc-123", "prompt_tokens": 7, "cached_tokens": 2, "completion_tokens": 5, "finish_reason": "length"}
 
 
-def test_usage_is_always_asked_of_llama_but_only_shown_when_the_client_asked(fake_node) -> None:  # type: ignore[no-untyped-def]
+def test_the_client_gets_the_stream_it_asked_for_with_timings(fake_node) -> None:  # type: ignore[no-untyped-def]
     node, request_log = fake_node()
     node.wait_ready()
     with httpx.Client() as client:
         plain = client.post(node.url + "/v1/chat/completions", json={**CHAT, "stream": True}).content
-    assert forwarded(request_log)[-1]["body"]["stream_options"] == {"include_usage": True}
-    assert b'"choices":[]' not in plain  # the usage-only chunk was dropped
+    assert "stream_options" not in forwarded(request_log)[-1]["body"]  # the client's body, unchanged
+    assert b'"choices":[]' not in plain and b'"timings"' in plain  # llama.cpp's timings kept
     assert b": meshnet-usage " in plain and plain.endswith(b"data: [DONE]\n\n")
     # The official SDK streams it without noticing the comment.
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
@@ -124,13 +124,16 @@ def test_non_streamed_answers_carry_usage_headers(fake_node) -> None:  # type: i
     assert health["usage"]["requests"] == 3 and health["usage"]["completion_tokens"] == 5
 
 
+JSON_TYPE = {"content-type": "application/json"}
+
+
 def test_bad_input_never_reaches_llama_server(fake_node) -> None:  # type: ignore[no-untyped-def]
     node, request_log = fake_node()
     node.wait_ready()
     with httpx.Client(base_url=node.url) as client:
         cases = {
-            "too large": client.post("/v1/chat/completions", content=b"{" + b" " * 9_000_000 + b"}"),
-            "invalid json": client.post("/v1/chat/completions", content=b"{nope"),
+            "too large": client.post("/v1/chat/completions", content=b"{" + b" " * 9_000_000 + b"}", headers=JSON_TYPE),
+            "invalid json": client.post("/v1/chat/completions", content=b"{nope", headers=JSON_TYPE),
             "not an object": client.post("/v1/chat/completions", json=[1, 2]),
             "no messages": client.post("/v1/chat/completions", json={"max_tokens": 3}),
             "no prompt": client.post("/v1/completions", json={"messages": []}),
