@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).parent.parent / "src" / "meshnet_gguf"
 
 FLOORS: dict[str, int] = {
     # 1: shared vocabulary, no I/O
-    **dict.fromkeys(["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part"], 1),
+    **dict.fromkeys(["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part", "node_tls"], 1),
     # 2: one outside thing each (a file, a process, a socket, the hub, the database)
     **dict.fromkeys(
         [
@@ -23,7 +23,7 @@ FLOORS: dict[str, int] = {
     **dict.fromkeys(
         [
             "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
-            "billing", "meshnet_link", "doctor", "service",
+            "billing", "meshnet_link", "doctor", "service", "relay_link",
         ],
         3,
     ),  # fmt: skip
@@ -32,7 +32,7 @@ FLOORS: dict[str, int] = {
     "node": 4,
     "node_ops": 4,
 }
-REFERENCE_MAY_IMPORT = {"protocol", "sse", "errors", "retry", "signing"}
+REFERENCE_MAY_IMPORT = {"protocol", "sse", "errors", "retry", "signing", "node_tls"}
 
 
 def _module_name(path: Path) -> str:
