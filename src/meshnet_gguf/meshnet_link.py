@@ -40,6 +40,7 @@ from meshnet_gguf.protocol import (
     MeshState,
     NodeAnnouncement,
     NodeLoad,
+    RelayAttachment,
     ShardDigest,
 )
 from meshnet_gguf.proxy import RouteGrant
@@ -159,6 +160,8 @@ class MeshnetLink:
         self.presence = NodePresence(self.client, self._announcement, self._status)
         self._shards: list[ShardDigest] | None = None
         self._hardware: HardwareSummary | None = None
+        # Set by the node when it serves through a relay: the tracker then reaches it there.
+        self.relay_attachment: RelayAttachment | None = None
         log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
 
     # --- what the node wires in ---------------------------------------------
@@ -220,7 +223,8 @@ class MeshnetLink:
         return NodeAnnouncement(
             node_id=self.identity.node_id,
             public_key=self.identity.public_key_text,
-            advertised_url=self.advertised_url,
+            advertised_url=self.relay_attachment.url if self.relay_attachment else self.advertised_url,
+            relay=self.relay_attachment,
             model_id=model.model_id,
             quant=model.quant,
             shards=self._shards or [],

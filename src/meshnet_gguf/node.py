@@ -80,6 +80,8 @@ class Node:
         self.health_extras: list[Callable[[HealthReport], HealthReport]] = []
         if s.tracker:
             self._link_mesh()
+        if s.relay:
+            self._link_relay()
         # systemd notify, /metrics, load progress and log redaction, through the hooks above (issue 6).
         self.operations = NodeOperations(self)
         self.exit_code = 0
@@ -114,6 +116,23 @@ class Node:
         self.background_tasks.append(self.mesh.run)
         self.drain_hooks.append(self.mesh.drain)
         self.shutdown_hooks.append(self.mesh.close)
+
+    def _link_relay(self) -> None:
+        """With a relay: an outbound tunnel brings the tracker's requests to this node's own listener."""
+        from meshnet_gguf.relay_link import build_relay_link, local_address_for
+
+        s = self.settings
+        assert s.relay is not None
+        try:
+            self.relay = build_relay_link(s.relay, s.state_dir, local_address_for(s.host, s.port))
+        except ValueError as exc:
+            raise NodeSetupError(f"--relay: {exc}") from exc
+        if s.tracker:
+            self.mesh.relay_attachment = self.relay.attachment()
+        self.health_extras.append(self.relay.health)
+        self.background_tasks.append(self.relay.run)
+        self.drain_hooks.append(self.relay.drain)
+        self.shutdown_hooks.append(self.relay.close)
 
     # --- views ------------------------------------------------------------
     def _upstream_target(self) -> UpstreamTarget | None:

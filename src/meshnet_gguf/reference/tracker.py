@@ -32,6 +32,7 @@ from starlette.routing import Route
 from meshnet_gguf.errors import ApiError
 from meshnet_gguf.reference.metering import RelayMeter
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.relay_dialer import NodeDialer
 from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, TrackerLedger
 from meshnet_gguf.protocol import (
     CLOCK_SKEW_S,
@@ -130,6 +131,7 @@ class Tracker:
         self.registry = NodeRegistry(config.ttl_s)
         self.ledger = TrackerLedger(Path(config.state_dir) / TRACKER_LEDGER_FILE)
         self._http: httpx.AsyncClient | None = None
+        self._dialer: NodeDialer | None = None
         self._poll_wake = anyio.Event()
 
     def info(self) -> TrackerInfo:
@@ -164,19 +166,29 @@ class Tracker:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=RELAY_KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http:
             self._http = http
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_nodes)
-                try:
-                    yield
-                finally:
-                    tg.cancel_scope.cancel()
-            self._http = None
+            self._dialer = NodeDialer(http, timeout=timeout, limits=limits)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._watch_nodes)
+                    try:
+                        yield
+                    finally:
+                        tg.cancel_scope.cancel()
+            finally:
+                await self._dialer.aclose()
+                self._http = self._dialer = None
 
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
             raise RuntimeError("tracker app is not running (lifespan not started)")
         return self._http
+
+    def node_endpoint(self, entry: NodeEntry) -> tuple[httpx.AsyncClient, str]:
+        """How to reach a node: the client to use and its API base URL (direct, or through its relay)."""
+        if self._dialer is None:
+            raise RuntimeError("tracker app is not running (lifespan not started)")
+        return self._dialer.endpoint(entry.announcement)
 
     # --- node liveness -----------------------------------------------------
     def poll_soon(self) -> None:
@@ -194,9 +206,9 @@ class Tracker:
                 await self._poll_wake.wait()
 
     async def _poll_health(self, entry: NodeEntry) -> None:
-        url = entry.announcement.advertised_url.rstrip("/") + "/health"
         try:
-            response = await self.http.get(url, timeout=HEALTH_POLL_TIMEOUT_S)
+            client, base_url = self.node_endpoint(entry)
+            response = await client.get(base_url + "/health", timeout=HEALTH_POLL_TIMEOUT_S)
             entry.health = HealthReport.model_validate_json(response.content)
             healthy = response.status_code == 200 and entry.health.state == "ready"
             entry.health_misses = 0
@@ -487,12 +499,13 @@ class _RelayEndpoint:
                 REQUEST_ID_HEADER: request_id,
                 "x-request-id": request_id,
             }
-            url = node.announcement.advertised_url.rstrip("/") + path
             node.in_flight += 1
             node.routed += 1
             try:
-                upstream = await tracker.http.send(tracker.http.build_request("POST", url, content=body, headers=headers), stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                client, base_url = tracker.node_endpoint(node)
+                upstream = await client.send(client.build_request("POST", base_url + path, content=body, headers=headers), stream=True)
+            # ProxyError: the node's relay holds no tunnel for it right now; either way the node saw nothing.
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError) as exc:
                 node.in_flight -= 1
                 node.healthy = False  # until the next health poll says otherwise
                 tracker.poll_soon()
@@ -518,7 +531,9 @@ class _RelayEndpoint:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             log.warning("relay from node broke: %s", exc)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
+            tail = _stream_error_event(f"the node's answer broke off: {exc}") if meter.event_stream else b""
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
             return "upstream_error"
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if meter.error or (meter.event_stream and not meter.done):
@@ -528,6 +543,11 @@ class _RelayEndpoint:
 
 # Headers that describe the node -> tracker hop, not ours (uvicorn frames the body itself).
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
+
+
+def _stream_error_event(message: str) -> bytes:
+    detail = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_broken"}}
+    return b"data: " + json.dumps(detail).encode() + b"\n\n"
 
 
 def _error_response(error: ApiError) -> Response:
