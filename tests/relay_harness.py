@@ -50,6 +50,7 @@ class StreamApp:
             return
         request = json.loads(body or b"{}")
         n, delay = int(request.get("n", 5)), float(request.get("delay", 0))
+        pad = "x" * int(request.get("pad", 0))
         self.active += 1
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
@@ -64,7 +65,7 @@ class StreamApp:
                 tg.start_soon(watch)
                 await send({"type": "http.response.body", "body": b": keep-this-comment\n\n", "more_body": True})
                 for i in range(n):
-                    await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+                    await send({"type": "http.response.body", "body": f"data: {i}{pad}\n\n".encode(), "more_body": True})
                     if delay:
                         await anyio.sleep(delay)
                 await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
@@ -135,3 +136,35 @@ async def read_events(response: httpx.Response) -> list[str]:
         if line.startswith("data: "):
             events.append(line[len("data: ") :])
     return events
+
+
+async def raw_tunnel(relay_url: str) -> tuple[Any, Any, dict[str, Any]]:
+    """Open an upgraded tunnel connection by hand (an attacker's or a broken node's view); returns the challenge."""
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    host, port = relay_url.removeprefix("http://").split(":")
+    stream = await anyio.connect_tcp(host, int(port))
+    buffered = BufferedByteReceiveStream(stream)
+    await stream.send(b"GET /v1/relay/tunnel HTTP/1.1\r\nHost: relay\r\nConnection: Upgrade\r\nUpgrade: meshnet-relay/1\r\n\r\n")
+    head = await buffered.receive_until(b"\r\n\r\n", 8192)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    challenge = json.loads(await buffered.receive_until(b"\n", 65536))
+    return stream, buffered, challenge
+
+
+async def read_answer(buffered: Any) -> dict[str, Any]:
+    return json.loads(await buffered.receive_until(b"\n", 65536))
+
+
+def attach_message(identity: NodeIdentity, nonce: str, *, role: str = "control", node_id: str | None = None,
+                   public_key: str | None = None, signer: Any = None, aud: str = "meshnet-relay") -> bytes:
+    import time as _time
+
+    from meshnet_gguf.signing import encode_token
+
+    now = int(_time.time())
+    node_id = node_id or identity.node_id
+    claims = {"iss": node_id, "aud": aud, "nonce": nonce, "role": role, "iat": now, "exp": now + 30}
+    proof = encode_token(claims, signer or identity.private_key)
+    message = {"type": "attach", "role": role, "node_id": node_id, "public_key": public_key or identity.public_key_text, "proof": proof}
+    return json.dumps(message).encode() + b"\n"

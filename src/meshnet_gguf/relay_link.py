@@ -168,11 +168,14 @@ class RelayLink(BasePart):
                     with anyio.CancelScope() as scope:
                         self._session_scope = scope
                         await self._session(backoff)
-                except RelayRefusedError as exc:
-                    self._set_down("refused", str(exc))
-                except (OSError, anyio.BrokenResourceError, anyio.EndOfStream, anyio.IncompleteRead,
-                        anyio.ClosedResourceError, TimeoutError, RelayProtocolError, ssl.SSLError) as exc:  # fmt: skip
-                    self._set_down("disconnected", f"{type(exc).__name__}: {exc}".rstrip(": "))
+                except Exception as exc:  # noqa: BLE001 - sorted below; anything unexpected is re-raised
+                    cause = _first_leaf(exc)
+                    if isinstance(cause, RelayRefusedError):
+                        self._set_down("refused", str(cause))
+                    elif isinstance(cause, _CONNECTION_ENDS):
+                        self._set_down("disconnected", f"{type(cause).__name__}: {cause}".rstrip(": "))
+                    else:
+                        raise
                 if self._draining:
                     break
                 delay = backoff.next_delay()
@@ -236,15 +239,20 @@ class RelayLink(BasePart):
 
     async def _work_connection(self) -> None:
         """Dial one work connection, wait idle until the relay splices a tracker to it, then serve that."""
+        dialed = False
         try:
             stream, _buffered, _ = await self._dial("work")
+            dialed = True
         except Exception as exc:  # noqa: BLE001 - the control session notices a dead relay; here we only pace
             log.debug("work connection failed: %r", exc)
             await anyio.sleep(WORK_RETRY_DELAY_S)
+        finally:
+            # Also when cancelled with the session: the counts must stay true for the next one.
             self._dialing -= 1
-            self._pool_change()
+            if not dialed:
+                self._pool_change()
+        if not dialed:
             return
-        self._dialing -= 1
         self._idle += 1
         in_use = False
 
@@ -338,6 +346,20 @@ class RelayLink(BasePart):
     def _set_down(self, state: RelayLinkState, error: str) -> None:
         self.state = state
         self.last_error = error
+
+
+# How a session with the relay ends other than by a refusal: the link reconnects after any of them.
+_CONNECTION_ENDS = (
+    OSError, TimeoutError, ssl.SSLError, RelayProtocolError, anyio.BrokenResourceError, anyio.EndOfStream,
+    anyio.IncompleteRead, anyio.ClosedResourceError,
+)  # fmt: skip
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups from task groups."""
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:  # type: ignore[attr-defined]
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
 
 
 class _Prepended(anyio.abc.ByteReceiveStream):

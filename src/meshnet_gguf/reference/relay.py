@@ -295,7 +295,6 @@ class Relay:
             previous.close()
         else:
             log.info("node %s attached", attach.node_id)
-        silence_limit = self.config.ping_interval_s + self.config.ping_timeout_s
         try:
             await _send_message(stream, attached)
             async with anyio.create_task_group() as tg:
@@ -305,23 +304,31 @@ class Relay:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(end_when_replaced)
-                while True:
-                    with anyio.fail_after(silence_limit):
-                        message = _parse(RelayPing, await _receive_line(buffered))
-                    if message.type == "ping":
-                        await _send_message(stream, RelayPing(type="pong"))
-        except TimeoutError:
-            log.warning("node %s: control silent for %.0f s; tunnel dropped", attach.node_id, silence_limit)
-        except _Refusal as refusal:
-            log.warning("node %s: %s; tunnel dropped", attach.node_id, refusal.message)
-            with anyio.move_on_after(1):
-                await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            log.info("node %s: control connection closed", attach.node_id)
+                ending = await self._control_loop(stream, buffered)
+                log.info("node %s: %s; tunnel dropped", attach.node_id, ending)
+                tg.cancel_scope.cancel()
         finally:
             tunnel.close()
             if self.tunnels.get(attach.node_id) is tunnel:
                 del self.tunnels[attach.node_id]
+
+    async def _control_loop(self, stream: StapledByteStream, buffered: BufferedByteReceiveStream) -> str:
+        """Answer pings until the node goes silent, breaks the protocol or closes; returns why it ended."""
+        silence_limit = self.config.ping_interval_s + self.config.ping_timeout_s
+        try:
+            while True:
+                with anyio.fail_after(silence_limit):
+                    message = _parse(RelayPing, await _receive_line(buffered))
+                if message.type == "ping":  # type: ignore[attr-defined]
+                    await _send_message(stream, RelayPing(type="pong"))
+        except TimeoutError:
+            return f"control silent for {silence_limit:.1f} s"
+        except _Refusal as refusal:
+            with anyio.move_on_after(1):
+                await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
+            return refusal.message
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return "control connection closed"
 
     async def _park_work(self, tunnel: _Tunnel, stream: StapledByteStream) -> None:
         work = _ParkedWork(stream)
