@@ -23,7 +23,7 @@ FLOORS: dict[str, int] = {
     **dict.fromkeys(
         [
             "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
-            "billing", "meshnet_link", "doctor", "service", "relay_link",
+            "billing", "meshnet_link", "doctor", "service", "relay_link", "relay_ops",
         ],
         3,
     ),  # fmt: skip

@@ -329,3 +329,32 @@ async def test_a_tampering_relay_gets_the_request_refused_not_changed(tmp_path: 
     # TLS dropped the altered record: what the node's HTTP server got (at most the untouched head) never
     # includes the request body the relay changed, and the request failed instead of running altered.
     assert all(SECRET_PROMPT.encode() not in body for body in m.app.bodies)
+
+
+# --- what operators see ------------------------------------------------------------------------------
+
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+
+from meshnet_gguf.config import NodeSettings  # noqa: E402
+from meshnet_gguf.protocol import HealthReport  # noqa: E402
+from meshnet_gguf.relay_ops import RelayLinkCollector, check_relay  # noqa: E402
+
+
+async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:
+    async with mesh(tmp_path) as m:
+        report = m.link.health(HealthReport(state="ready"))
+        assert report.relay is not None and report.relay.state == "attached" and report.relay.connects == 1
+        registry = CollectorRegistry()
+        registry.register(RelayLinkCollector(m.link))
+        text = generate_latest(registry).decode()
+        assert f'meshnet_relay_attached{{relay="{m.relay_url}"}} 1.0' in text
+        assert "meshnet_relay_idle_work_connections" in text
+
+        up = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay=m.relay_url, state_dir=tmp_path / "node"))
+        assert up[0].status == "ok" and "tunnel is up" in up[0].summary
+        other = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay=m.relay_url, state_dir=tmp_path / "other"))
+        assert other[0].status == "ok" and "no tunnel now" in other[0].summary
+        assert m.relay.tunnels[m.identity.node_id] is not None  # the probe left the node's tunnel alone
+    dead = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay=f"http://127.0.0.1:{free_local_port()}", state_dir=tmp_path / "x"))
+    assert dead[0].status == "fail"
+    assert (await anyio.to_thread.run_sync(check_relay, NodeSettings(state_dir=tmp_path / "x")))[0].status == "skip"

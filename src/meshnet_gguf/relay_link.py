@@ -421,6 +421,20 @@ async def _send(stream: ByteStream, message: BaseModel) -> None:
     await stream.send(message.model_dump_json().encode() + b"\n")
 
 
+async def probe_relay(endpoint: RelayEndpoint, identity: NodeIdentity) -> bool:
+    """Attach one work connection and let it go: True when the node's tunnel is up, False when the relay
+    verified the key but holds no tunnel for it. Raises what dialling raises otherwise."""
+    link = RelayLink(endpoint, identity, ssl.create_default_context(), b"", lambda: ("127.0.0.1", 0))
+    try:
+        stream, _, _ = await link._dial("work")
+    except RelayRefusedError as exc:
+        if exc.code == "no_control_channel":  # refused only after the proof checked out
+            return False
+        raise
+    await stream.aclose()
+    return True
+
+
 def build_relay_link(relay_url: str, state_dir: Path, local_address: Callable[[], tuple[str, int]]) -> RelayLink:
     """The one constructor the node calls: identity from the state dir, certificate written beside the key."""
     endpoint = RelayEndpoint.parse(relay_url)
@@ -443,4 +457,4 @@ def local_address_for(host: str, port: int) -> Callable[[], tuple[str, int]]:
     return lambda: (target, port)
 
 
-__all__ = ["RelayEndpoint", "RelayLink", "RelayRefusedError", "build_relay_link", "local_address_for"]
+__all__ = ["RelayEndpoint", "RelayLink", "RelayProtocolError", "RelayRefusedError", "build_relay_link", "local_address_for", "probe_relay"]
