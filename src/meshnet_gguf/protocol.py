@@ -371,6 +371,12 @@ class RelayAttached(_Wire):
     max_idle_work: int = Field(gt=0, description="Idle work connections the relay keeps for this node")
 
 
+class RelayReady(_Wire):
+    """node -> relay, on a work connection after `attached`: the node listens for TLS now; park me."""
+
+    type: Literal["ready"] = "ready"
+
+
 class RelayRefused(_Wire):
     """relay -> node, then the relay closes the connection."""
 

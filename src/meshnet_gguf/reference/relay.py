@@ -47,6 +47,7 @@ from meshnet_gguf.protocol import (
     RelayAttached,
     RelayChallenge,
     RelayPing,
+    RelayReady,
     RelayRefused,
 )
 from meshnet_gguf.signing import KeyFormatError, decode_token, node_id_for, parse_public_key
@@ -260,6 +261,13 @@ class Relay:
         else:
             assert tunnel is not None
             await _send_message(stream, attached)
+            # The node says `ready` once it listens for TLS; only then may a ClientHello reach it.
+            try:
+                with anyio.fail_after(self.config.handshake_timeout_s):
+                    _parse(RelayReady, await _receive_line(buffered))
+            except _Refusal as refusal:
+                await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
+                return
             await self._park_work(tunnel, stream)
 
     def _verify(self, attach: RelayAttach, nonce: str) -> None:
