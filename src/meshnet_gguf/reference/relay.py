@@ -90,9 +90,17 @@ class _ParkedWork:
     """An idle work connection, waiting to be spliced to a tracker's CONNECT."""
 
     stream: ByteStream
-    assigned: anyio.Event = field(default_factory=anyio.Event)
     peer: ByteStream | None = None
+    assigned: anyio.Event = field(default_factory=anyio.Event)
     done: anyio.Event = field(default_factory=anyio.Event)
+    # Cancelled to end the idle wait: by a CONNECT that takes this connection (peer set) or by the
+    # tunnel closing (peer left None). One scope, no extra task per idle connection.
+    idle_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+    def assign(self, peer: ByteStream) -> None:
+        self.peer = peer
+        self.assigned.set()
+        self.idle_scope.cancel()
 
 
 @dataclass(eq=False)
@@ -134,6 +142,10 @@ class _Tunnel:
     def close(self) -> None:
         self.closed.set()
         self._arrival.set()
+        while self.idle:
+            work = self.idle.popleft()
+            work.assigned.set()  # with no peer: the idle connection just ends
+            work.idle_scope.cancel()
 
 
 class Relay:
@@ -217,12 +229,14 @@ class Relay:
         if work is None:
             await raw.send(_http_error(503, "no_work_connection", f"{node_id} has no free work connection; retry"))
             return
-        await raw.send(b"HTTP/1.1 200 Connection Established\r\n\r\n")
         tunnel.streams_active += 1
         tunnel.streams_total += 1
         started = time.monotonic()
-        work.peer = stream
-        work.assigned.set()
+        try:
+            await raw.send(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        finally:
+            # Even when the tracker is already gone: the splice then ends at once and releases the node's side.
+            work.assign(stream)
         try:
             await work.done.wait()
         finally:
@@ -340,28 +354,20 @@ class Relay:
 
     async def _park_work(self, tunnel: _Tunnel, stream: StapledByteStream) -> None:
         work = _ParkedWork(stream)
+        if tunnel.closed.is_set():
+            return
         tunnel.park(work)
-        async with anyio.create_task_group() as tg:
-
-            async def watch_idle() -> None:
-                # A node sends nothing on an idle work connection; EOF means it went away.
-                try:
-                    await stream.receive(1)
-                except Exception:  # noqa: BLE001 - any end of the idle connection
-                    pass
-                if tunnel.unpark(work):
-                    tg.cancel_scope.cancel()
-
-            async def watch_tunnel() -> None:
-                await tunnel.closed.wait()
-                if tunnel.unpark(work):
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(watch_idle)
-            tg.start_soon(watch_tunnel)
-            await work.assigned.wait()
-            tg.cancel_scope.cancel()
-        if not work.assigned.is_set() or work.peer is None:
+        with work.idle_scope:
+            # A node sends nothing on an idle work connection: any byte or EOF ends it.
+            try:
+                await stream.receive(1)
+            except Exception:  # noqa: BLE001 - any end of the idle connection
+                pass
+            if not tunnel.unpark(work):
+                # A CONNECT took it in the same instant: let it assign, so it is not left waiting on `done`.
+                with anyio.CancelScope(shield=True):
+                    await work.assigned.wait()
+        if work.peer is None:
             return
         try:
             await _splice(work.peer, stream)
