@@ -72,7 +72,7 @@ RECONNECT_MAX_S = 4.0
 # Dialling the relay and its upgrade answer: any network that can carry inference does this quickly.
 DIAL_TIMEOUT_S = 10.0
 # Idle work connections the node keeps at the relay (the relay may ask for fewer).
-DEFAULT_IDLE_WORK = 8
+DEFAULT_IDLE_WORK = 4
 # A work connection that failed to attach is not retried faster than this, so a refusing relay is not hammered.
 WORK_RETRY_DELAY_S = 0.5
 # The TLS handshake of a work connection in use; the tracker starts it at once after CONNECT.
