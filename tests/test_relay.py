@@ -116,7 +116,7 @@ async def test_garbage_oversize_messages_and_heads_are_refused_while_others_are_
         async with await anyio.connect_tcp(host, int(port)) as raw:
             await raw.send(b"\x16\x03\x01 this is no HTTP\r\n\r\n")
             assert (await raw.receive()).startswith(b"HTTP/1.1 400")
-        # Garbage on a live control connection ends that tunnel only after a refusal; the node comes back.
+        # None of that disturbed the attached node.
         async with client.stream("POST", m.node_url + "/v1/chat/completions", json={"n": 3}) as response:
             assert await read_events(response) == ["0", "1", "2", "[DONE]"]
         assert m.relay.stats()["tunnels"] == 1
@@ -358,3 +358,20 @@ async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:
     dead = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay=f"http://127.0.0.1:{free_local_port()}", state_dir=tmp_path / "x"))
     assert dead[0].status == "fail"
     assert (await anyio.to_thread.run_sync(check_relay, NodeSettings(state_dir=tmp_path / "x")))[0].status == "skip"
+
+
+async def test_garbage_on_a_live_control_connection_drops_only_that_tunnel(tmp_path: Path) -> None:
+    async with mesh(tmp_path) as m, m.client() as client:
+        other = NodeIdentity.from_private_key(Ed25519PrivateKey.generate())
+        stream, buffered, challenge = await raw_tunnel(m.relay_url)
+        async with stream:
+            await stream.send(attach_message(other, challenge["nonce"]))
+            assert (await read_answer(buffered))["type"] == "attached"
+            assert other.node_id in m.relay.tunnels
+            await stream.send(b"\x00garbage that is no ping\n")
+            assert (await read_answer(buffered))["code"] == "bad_message"
+        with anyio.fail_after(2):
+            while other.node_id in m.relay.tunnels:
+                await anyio.sleep(0.01)
+        async with client.stream("POST", m.node_url + "/v1/chat/completions", json={"n": 2}) as response:
+            assert await read_events(response) == ["0", "1", "[DONE]"]
