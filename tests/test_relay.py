@@ -350,12 +350,12 @@ async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:
         assert f'meshnet_relay_attached{{relay="{m.relay_url}"}} 1.0' in text
         assert "meshnet_relay_idle_work_connections" in text
 
-        up = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay=m.relay_url, state_dir=tmp_path / "node"))
+        up = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay_url=m.relay_url, state_dir=tmp_path / "node"))
         assert up[0].status == "ok" and "tunnel is up" in up[0].summary
-        other = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay=m.relay_url, state_dir=tmp_path / "other"))
+        other = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay_url=m.relay_url, state_dir=tmp_path / "other"))
         assert other[0].status == "ok" and "no tunnel now" in other[0].summary
         assert m.relay.tunnels[m.identity.node_id] is not None  # the probe left the node's tunnel alone
-    dead = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay=f"http://127.0.0.1:{free_local_port()}", state_dir=tmp_path / "x"))
+    dead = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay_url=f"http://127.0.0.1:{free_local_port()}", state_dir=tmp_path / "x"))
     assert dead[0].status == "fail"
     assert (await anyio.to_thread.run_sync(check_relay, NodeSettings(state_dir=tmp_path / "x")))[0].status == "skip"
 
@@ -375,3 +375,16 @@ async def test_garbage_on_a_live_control_connection_drops_only_that_tunnel(tmp_p
                 await anyio.sleep(0.01)
         async with client.stream("POST", m.node_url + "/v1/chat/completions", json={"n": 2}) as response:
             assert await read_events(response) == ["0", "1", "[DONE]"]
+
+
+def test_the_relay_url_comes_from_flag_env_or_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshnet_gguf.cli.serve import settings_from_flags
+
+    assert settings_from_flags(relay_url="http://flag:1").relay_url == "http://flag:1"
+    monkeypatch.setenv("MESHNET_RELAY_URL", "http://env:2")
+    assert NodeSettings().relay_url == "http://env:2"
+    monkeypatch.delenv("MESHNET_RELAY_URL")
+    config = tmp_path / "node.toml"
+    config.write_text('relay_url = "http://file:3"\n')
+    monkeypatch.setenv("MESHNET_CONFIG", str(config))
+    assert NodeSettings().relay_url == "http://file:3"

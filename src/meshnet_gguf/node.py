@@ -80,7 +80,7 @@ class Node:
         self.health_extras: list[Callable[[HealthReport], HealthReport]] = []
         if s.tracker:
             self._link_mesh()
-        if s.relay:
+        if s.relay_url:
             self._link_relay()
         # systemd notify, /metrics, load progress and log redaction, through the hooks above (issue 6).
         self.operations = NodeOperations(self)
@@ -122,9 +122,9 @@ class Node:
         from meshnet_gguf.relay_link import build_relay_link, local_address_for
 
         s = self.settings
-        assert s.relay is not None
+        assert s.relay_url is not None
         try:
-            self.relay = build_relay_link(s.relay, s.state_dir, local_address_for(s.host, s.port))
+            self.relay = build_relay_link(s.relay_url, s.state_dir, local_address_for(s.host, s.port))
         except ValueError as exc:
             raise NodeSetupError(f"--relay: {exc}") from exc
         if s.tracker:

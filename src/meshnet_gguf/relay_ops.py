@@ -48,10 +48,10 @@ class RelayLinkCollector:
 def check_relay(settings: NodeSettings) -> list[Finding]:
     """Can this node attach at its relay with its key? Probes with a work connection, so a running
     node's tunnel is left alone (a control connection would replace it)."""
-    if not settings.relay:
+    if not settings.relay_url:
         return [Finding("relay", "skip", "no relay configured: the tracker reaches this node at its own address")]
     try:
-        endpoint = RelayEndpoint.parse(settings.relay)
+        endpoint = RelayEndpoint.parse(settings.relay_url)
     except ValueError as exc:
         return [Finding("relay", "fail", str(exc), "", "set --relay / MESHNET_RELAY_URL to http://host:port")]
     identity = NodeIdentity.load_or_create(Path(settings.state_dir))

@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
                 gguf=gguf, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
                 n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
                 state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
-                tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay=relay,
+                tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay,
                 drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
             )  # fmt: skip
         except ValidationError as exc:
