@@ -151,6 +151,7 @@ async def part_ttft(direct_url: str, relay_url: str, state_dir: Path, pairs: int
 
 async def part_decode(direct_url: str, relay_url: str, state_dir: Path, rounds: int, max_tokens: int) -> dict[str, Any]:
     rates: dict[str, list[float]] = {"direct": [], "relay": []}
+    ratios: list[float] = []
     direct = httpx.AsyncClient(trust_env=False, timeout=120)
     relayed, node_url = relay_client(relay_url, state_dir)
     try:
@@ -160,11 +161,14 @@ async def part_decode(direct_url: str, relay_url: str, state_dir: Path, rounds: 
                 _, span, tokens = await one_stream(client, base, max_tokens)
                 if i >= 1 and span > 0:
                     rates[path].append((tokens - 1) / span)
+            if i >= 1:  # each round's relay rate against the direct rate measured next to it
+                ratios.append(rates["relay"][-1] / rates["direct"][-1])
     finally:
         await direct.aclose()
         await relayed.aclose()
     d, r = statistics.median(rates["direct"]), statistics.median(rates["relay"])
-    return {"rounds": rounds, "max_tokens": max_tokens, "direct_tok_s": d, "relay_tok_s": r, "ratio": r / d}
+    return {"rounds": rounds, "max_tokens": max_tokens, "direct_tok_s": d, "relay_tok_s": r, "ratio": r / d,
+            "paired_ratio_median": statistics.median(ratios), "paired_ratio_q1": pct(ratios, 0.25), "paired_ratio_q3": pct(ratios, 0.75)}  # fmt: skip
 
 
 def run_part1(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -355,7 +359,8 @@ def report(results: dict[str, Any], command: str) -> str:
         f"## Relay: through the relay vs direct ({dt.date.today().isoformat()})",
         "",
         f"`{command}` on {platform.node() and 'this machine'}: {os.cpu_count()} CPUs "
-        f"({platform.processor() or platform.machine()}), Python {platform.python_version()}, everything on loopback. "
+        f"({platform.processor() or platform.machine()}), Python {platform.python_version()}, everything on loopback; "
+        f"load average {results['load_before']:.1f} before and {results['load_after']:.1f} after the run (a shared machine). "
         "Raw figures in `bench/.cache/relay-results.json`.",
         "",
     ]
@@ -383,7 +388,9 @@ def report(results: dict[str, Any], command: str) -> str:
         lines += [
             "",
             f"Streamed tokens/s, {d['max_tokens']} tokens per stream, median of {d['rounds']} per path: direct "
-            f"{d['direct_tok_s']:.0f} tok/s, relay {d['relay_tok_s']:.0f} tok/s: **{d['ratio'] * 100:.1f} %** of direct.",
+            f"{d['direct_tok_s']:.0f} tok/s, relay {d['relay_tok_s']:.0f} tok/s: {d['ratio'] * 100:.1f} % of direct; "
+            f"round by round (relay over the direct run beside it) the median is **{d['paired_ratio_median'] * 100:.1f} %** "
+            f"(quartiles {d['paired_ratio_q1'] * 100:.1f}–{d['paired_ratio_q3'] * 100:.1f} %).",
             "",
         ]
     p2 = results.get("part2")
@@ -423,7 +430,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="append the results section to this Markdown file")
     parser.add_argument("--ttft-pairs", type=int, default=200)
-    parser.add_argument("--decode-rounds", type=int, default=10)
+    parser.add_argument("--decode-rounds", type=int, default=20)
     parser.add_argument("--decode-tokens", type=int, default=1000)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--events", type=int, default=300)
@@ -433,12 +440,13 @@ def main() -> None:
     args = parser.parse_args()
     cache = HERE / ".cache" / "relay-run"
     cache.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"load_before": os.getloadavg()[0]}
     if not args.skip_real:
         results["part1"] = run_part1(args, cache)
         print(json.dumps(results["part1"], indent=1))
     results["part2"] = run_part2(args, cache)
     print(json.dumps(results["part2"], indent=1))
+    results["load_after"] = os.getloadavg()[0]
     (HERE / ".cache" / "relay-results.json").write_text(json.dumps(results, indent=1))
     text = report(results, "python bench/bench_relay.py " + " ".join(sys.argv[1:]))
     print(text)

@@ -269,7 +269,7 @@ async def test_a_reading_relay_sees_only_ciphertext(tmp_path: Path, monkeypatch:
     seen = bytearray()
     original = relay_module._splice
 
-    async def tapping_splice(a, b):  # type: ignore[no-untyped-def]
+    async def tapping_splice(a, b, **kwargs):  # type: ignore[no-untyped-def]
         class Tap:
             def __init__(self, inner):  # type: ignore[no-untyped-def]
                 self.inner = inner
@@ -285,7 +285,7 @@ async def test_a_reading_relay_sees_only_ciphertext(tmp_path: Path, monkeypatch:
             async def aclose(self) -> None:
                 await self.inner.aclose()
 
-        await original(Tap(a), Tap(b))
+        await original(Tap(a), Tap(b), **kwargs)
 
     monkeypatch.setattr(relay_module, "_splice", tapping_splice)
     async with mesh(tmp_path) as m, m.client() as client:
@@ -300,7 +300,7 @@ async def test_a_reading_relay_sees_only_ciphertext(tmp_path: Path, monkeypatch:
 async def test_a_tampering_relay_gets_the_request_refused_not_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     original = relay_module._splice
 
-    async def flipping_splice(a, b):  # type: ignore[no-untyped-def]
+    async def flipping_splice(a, b, **kwargs):  # type: ignore[no-untyped-def]
         class Flip:
             """Flips one bit in the tracker's first application-data record (after the handshake)."""
 
@@ -320,7 +320,7 @@ async def test_a_tampering_relay_gets_the_request_refused_not_changed(tmp_path: 
             async def aclose(self) -> None:
                 await self.inner.aclose()
 
-        await original(Flip(a), b)
+        await original(Flip(a), b, **kwargs)
 
     monkeypatch.setattr(relay_module, "_splice", flipping_splice)
     async with mesh(tmp_path) as m, m.client() as client:
@@ -388,3 +388,18 @@ def test_the_relay_url_comes_from_flag_env_or_config_file(tmp_path: Path, monkey
     config.write_text('relay_url = "http://file:3"\n')
     monkeypatch.setenv("MESHNET_CONFIG", str(config))
     assert NodeSettings().relay_url == "http://file:3"
+
+
+async def test_a_connect_that_never_starts_tls_releases_the_nodes_connection(tmp_path: Path) -> None:
+    async with mesh(tmp_path, relay_config=RelayConfig(port=0, handshake_timeout_s=0.5)) as m, m.client() as client:
+        host, port = m.relay_url.removeprefix("http://").split(":")
+        async with await anyio.connect_tcp(host, int(port)) as silent:
+            await silent.send(f"CONNECT {m.identity.node_id}:443 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert (await silent.receive()).startswith(b"HTTP/1.1 200")
+            with anyio.fail_after(3):  # the relay gives up on the silent client and closes it
+                with pytest.raises(anyio.EndOfStream):
+                    await silent.receive()
+        with anyio.fail_after(1):
+            while m.relay.stats()["streams_active"]:
+                await anyio.sleep(0.01)
+        assert (await client.get(m.node_url + "/health")).status_code == 200

@@ -370,26 +370,34 @@ class Relay:
         if work.peer is None:
             return
         try:
-            await _splice(work.peer, stream)
+            # A tracker starts its TLS handshake at once; one that says nothing only holds the node's connection.
+            await _splice(work.peer, stream, first_byte_timeout_s=self.config.handshake_timeout_s)
         finally:
             work.done.set()
 
 
-async def _splice(a: ByteStream, b: ByteStream) -> None:
-    """Copy both ways as bytes arrive, until either side ends; then close both."""
+async def _splice(a: ByteStream, b: ByteStream, *, first_byte_timeout_s: float | None = None) -> None:
+    """Copy both ways as bytes arrive, until either side ends; then close both.
+
+    With `first_byte_timeout_s`, `a` must send its first bytes within that time or the splice ends.
+    """
     async with anyio.create_task_group() as tg:
 
-        async def pump(source: ByteStream, sink: ByteStream) -> None:
+        async def pump(source: ByteStream, sink: ByteStream, first_timeout: float | None) -> None:
             try:
+                if first_timeout is not None:
+                    with anyio.fail_after(first_timeout):
+                        chunk = await source.receive(SPLICE_CHUNK_BYTES)
+                    await sink.send(chunk)
                 while True:
                     chunk = await source.receive(SPLICE_CHUNK_BYTES)
                     await sink.send(chunk)
-            except Exception:  # noqa: BLE001 - EOF, reset or a closed peer: the splice is over
+            except Exception:  # noqa: BLE001 - EOF, reset, a closed peer or a silent start: the splice is over
                 pass
             tg.cancel_scope.cancel()
 
-        tg.start_soon(pump, a, b)
-        tg.start_soon(pump, b, a)
+        tg.start_soon(pump, a, b, first_byte_timeout_s)
+        tg.start_soon(pump, b, a, None)
     with anyio.CancelScope(shield=True):
         for side in (a, b):
             try:
