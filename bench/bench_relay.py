@@ -31,6 +31,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -103,21 +104,30 @@ def pct(values: Sequence[float], q: float) -> float:
 # --- part 1: TTFT and tokens/s ------------------------------------------------------------------------
 
 
+LAST_SERVER_RATE: list[float] = []  # llama-server's own decode rate of the latest stream (its `timings`)
+SERVER_RATE = re.compile(rb'"predicted_per_second":([0-9.]+)')
+
+
 async def one_stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[float, float, int]:
     """(ttft_s, decode_s from first to last content delta, content deltas) for one streamed chat request."""
-    body = {"messages": MESSAGES, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    body = {"messages": MESSAGES, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # the usage chunk carries llama-server's timings
     sent = time.perf_counter()
     first = last = 0.0
     tokens = 0
+    tail = b""
     async with client.stream("POST", url + CHAT, json=body) as response:
         response.raise_for_status()
         async for chunk in response.aiter_raw():
+            tail = (tail + chunk)[-4096:]
             n = chunk.count(CONTENT)
             if n:
                 last = time.perf_counter()
                 if not tokens:
                     first = last
                 tokens += n
+    rate = SERVER_RATE.search(tail)
+    LAST_SERVER_RATE[:] = [float(rate.group(1))] if rate else []
     return first - sent, last - first, tokens
 
 
@@ -151,6 +161,7 @@ async def part_ttft(direct_url: str, relay_url: str, state_dir: Path, pairs: int
 
 async def part_decode(direct_url: str, relay_url: str, state_dir: Path, rounds: int, max_tokens: int) -> dict[str, Any]:
     rates: dict[str, list[float]] = {"direct": [], "relay": []}
+    server_rates: dict[str, list[float]] = {"direct": [], "relay": []}
     ratios: list[float] = []
     direct = httpx.AsyncClient(trust_env=False, timeout=120)
     relayed, node_url = relay_client(relay_url, state_dir)
@@ -161,6 +172,7 @@ async def part_decode(direct_url: str, relay_url: str, state_dir: Path, rounds: 
                 _, span, tokens = await one_stream(client, base, max_tokens)
                 if i >= 1 and span > 0:
                     rates[path].append((tokens - 1) / span)
+                    server_rates[path].extend(LAST_SERVER_RATE)
             if i >= 1:  # each round's relay rate against the direct rate measured next to it
                 ratios.append(rates["relay"][-1] / rates["direct"][-1])
     finally:
@@ -168,6 +180,8 @@ async def part_decode(direct_url: str, relay_url: str, state_dir: Path, rounds: 
         await relayed.aclose()
     d, r = statistics.median(rates["direct"]), statistics.median(rates["relay"])
     return {"rounds": rounds, "max_tokens": max_tokens, "direct_tok_s": d, "relay_tok_s": r, "ratio": r / d,
+            "server_direct_tok_s": statistics.median(server_rates["direct"]) if server_rates["direct"] else None,
+            "server_relay_tok_s": statistics.median(server_rates["relay"]) if server_rates["relay"] else None,
             "paired_ratio_median": statistics.median(ratios), "paired_ratio_q1": pct(ratios, 0.25), "paired_ratio_q3": pct(ratios, 0.75)}  # fmt: skip
 
 
@@ -390,7 +404,9 @@ def report(results: dict[str, Any], command: str) -> str:
             f"Streamed tokens/s, {d['max_tokens']} tokens per stream, median of {d['rounds']} per path: direct "
             f"{d['direct_tok_s']:.0f} tok/s, relay {d['relay_tok_s']:.0f} tok/s: {d['ratio'] * 100:.1f} % of direct; "
             f"round by round (relay over the direct run beside it) the median is **{d['paired_ratio_median'] * 100:.1f} %** "
-            f"(quartiles {d['paired_ratio_q1'] * 100:.1f}–{d['paired_ratio_q3'] * 100:.1f} %).",
+            f"(quartiles {d['paired_ratio_q1'] * 100:.1f}–{d['paired_ratio_q3'] * 100:.1f} %). "
+            f"llama-server's own decode rate (its `timings`) meanwhile: {d['server_direct_tok_s'] or 0:.0f} tok/s on direct "
+            f"requests, {d['server_relay_tok_s'] or 0:.0f} tok/s on relayed ones.",
             "",
         ]
     p2 = results.get("part2")
