@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sqlite3
 import subprocess
@@ -40,15 +41,16 @@ class ServiceProcess:
     """`python -m meshnet_gguf <args>` in its own session, with its log in `workdir`."""
 
     def __init__(self, name: str, args: Sequence[str], workdir: Path, *, port: int, host: str = "127.0.0.1",
-                 prefix: Sequence[str] = ()) -> None:  # fmt: skip
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.name, self.args, self.workdir, self.port, self.host, self.prefix = name, list(args), workdir, port, host, list(prefix)
+        self.env = {**os.environ, **(env or {})}
         self.url = f"http://{host}:{port}"
         self.log_path = workdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServiceProcess:
         argv = [*self.prefix, sys.executable, "-m", "meshnet_gguf", *self.args]
-        self.proc = subprocess.Popen(argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         wait_for(self._up, f"{self.name} on {self.url}", [self.log_path])
         return self
 
@@ -73,12 +75,20 @@ class ServiceProcess:
                 self.proc.wait()
 
 
-def tracker_process(workdir: Path, host: str = "127.0.0.1") -> ServiceProcess:
+def tracker_process(workdir: Path, host: str = "127.0.0.1", *, allow_private: bool = False) -> ServiceProcess:
+    """The reference tracker; nodes enrol with `node_env(tracker)`."""
     port = free_local_port()
+    secret = secrets.token_urlsafe(16)
     return ServiceProcess("tracker", [
         "dev", "tracker", "--host", host, "--port", str(port), "--state-dir", str(workdir / "tracker"),
         "--heartbeat-interval", str(HEARTBEAT_S), "--health-poll-interval", str(HEALTH_POLL_S),
-    ], workdir, port=port, host=host)  # fmt: skip
+        *(["--allow-private"] if allow_private else []),
+    ], workdir, port=port, host=host, env={"MESHNET_TRACKER_ENROLMENT_SECRET": secret})  # fmt: skip
+
+
+def node_env(tracker: ServiceProcess) -> dict[str, str]:
+    """What a node needs to enrol at `tracker` (in the environment: argv is visible to other users)."""
+    return {"MESHNET_ENROLMENT_SECRET": tracker.env["MESHNET_TRACKER_ENROLMENT_SECRET"]}
 
 
 def relay_process(workdir: Path, host: str = "127.0.0.1", port: int | None = None) -> ServiceProcess:

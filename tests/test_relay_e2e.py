@@ -20,6 +20,7 @@ from node_process import NodeProcess  # noqa: E402
 from relay_processes import (  # noqa: E402
     ServiceProcess,
     models,
+    node_env,
     node_ledger,
     process_memory_contains,
     relay_process,
@@ -67,7 +68,7 @@ def relayed(real_llama, tiny_gguf, start_node, tmp_path) -> Iterator[RelayedMesh
     relay = relay_process(tmp_path).start()
     node = start_node(
         "--gguf", str(tiny_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
-        "--relay", relay.url, "--parallel", "2", "--ctx-size", "2048", "--drain-grace", "2",
+        "--relay", relay.url, "--parallel", "2", "--ctx-size", "2048", "--drain-grace", "2", env=node_env(tracker),
     )  # fmt: skip
     mesh = RelayedMesh(tracker, relay, node, tiny_gguf.stem)
     try:

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from relay_processes import models, relay_process, tracker_key, tracker_process, wait_for  # noqa: E402
+from relay_processes import models, node_env, relay_process, tracker_key, tracker_process, wait_for  # noqa: E402
 
 from meshnet_gguf.ports import free_local_port
 
@@ -64,7 +64,8 @@ def namespace() -> Iterator[tuple[str, str, str]]:
 
 def test_a_node_nothing_can_dial_serves_the_openai_sdk_through_the_relay(real_llama, tiny_gguf, namespace, tmp_path) -> None:  # type: ignore[no-untyped-def]
     name, host_ip, ns_ip = namespace
-    tracker = tracker_process(tmp_path, host=host_ip).start()
+    # The relay's address is private (10.x): the tracker must be told to accept it.
+    tracker = tracker_process(tmp_path, host=host_ip, allow_private=True).start()
     relay = relay_process(tmp_path, host=host_ip).start()
     node_port = free_local_port()
     node_log = tmp_path / "node.log"
@@ -74,7 +75,8 @@ def test_a_node_nothing_can_dial_serves_the_openai_sdk_through_the_relay(real_ll
         "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker), "--relay", relay.url,
         "--parallel", "2", "--ctx-size", "2048", "--drain-grace", "2",
     ]  # fmt: skip
-    node = subprocess.Popen(argv, stdout=node_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    node = subprocess.Popen(argv, stdout=node_log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **node_env(tracker)},
+                            start_new_session=True)  # fmt: skip
     try:
         wait_for(lambda: models(tracker) == [tiny_gguf.stem], "the namespaced node to be routable",
                  [tracker.log_path, relay.log_path, node_log], timeout=NODE_READY_S)  # fmt: skip

@@ -9,6 +9,8 @@ relay and the tracker in that order, by PID, and exits 0.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -37,6 +39,7 @@ NODE_DRAIN_GRACE_S = 5.0
 NODE_STOP_TIMEOUT_S = NODE_DRAIN_GRACE_S + 15.0
 SERVICE_STOP_TIMEOUT_S = 5.0
 POLL_S = 0.2
+ENROLMENT_SECRET_BYTES = 24
 LOG_TAIL_CHARS = 3000
 
 
@@ -70,12 +73,13 @@ class _MeshFailed(Exception):
     pass
 
 
-def _start(name: str, args: Sequence[str], logs: Path) -> _Child:
+def _start(name: str, args: Sequence[str], logs: Path, env: dict[str, str]) -> _Child:
     log_path = logs / f"{name}.log"
     with log_path.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "meshnet_gguf", *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            [sys.executable, "-m", "meshnet_gguf", *args], stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, **env}, start_new_session=True,
+        )  # fmt: skip
     return _Child(name, proc, log_path)
 
 
@@ -136,11 +140,13 @@ def run_mesh(
     code = 0
     try:
         echo(f"logs and keys in {root}")
+        # The node enrols with a secret made for this mesh, handed over in the environment (not argv).
+        secret = secrets.token_urlsafe(ENROLMENT_SECRET_BYTES)
         children.append(_start("tracker", [
             "dev", "tracker", "--port", str(tracker_port), "--state-dir", str(root / "tracker"),
             "--heartbeat-interval", str(MESH_HEARTBEAT_S), "--health-poll-interval", str(MESH_HEALTH_POLL_S),
-        ], root))  # fmt: skip
-        children.append(_start("relay", ["dev", "relay", "--port", str(relay_port)], root))
+        ], root, {"MESHNET_TRACKER_ENROLMENT_SECRET": secret}))  # fmt: skip
+        children.append(_start("relay", ["dev", "relay", "--port", str(relay_port)], root, {}))
         _wait_for(lambda: _get(tracker_url + "/health").status_code == 200, "the tracker", SERVICE_START_TIMEOUT_S, children, stop)
         _wait_for(lambda: _get(relay_url + "/health").status_code == 200, "the relay", SERVICE_START_TIMEOUT_S, children, stop)
         if stop.is_set():
@@ -153,7 +159,7 @@ def run_mesh(
         ]  # fmt: skip
         if download_dir is not None:
             node_args += ["--download-dir", str(download_dir)]
-        children.append(_start("node", node_args, root))
+        children.append(_start("node", node_args, root, {"MESHNET_ENROLMENT_SECRET": secret}))
         echo("waiting for the node (the first --demo run downloads and prepares the model)...")
 
         def served_model() -> str | None:
