@@ -403,3 +403,45 @@ async def test_a_connect_that_never_starts_tls_releases_the_nodes_connection(tmp
             while m.relay.stats()["streams_active"]:
                 await anyio.sleep(0.01)
         assert (await client.get(m.node_url + "/health")).status_code == 200
+
+
+# --- the tracker's side: its transport reaches a relayed node only with the registered certificate ----
+
+from meshnet_gguf.errors import ApiError  # noqa: E402
+from meshnet_gguf.node_tls import certificate_text  # noqa: E402
+from meshnet_gguf.protocol import NodeAnnouncement, RelayAttachment  # noqa: E402
+from meshnet_gguf.reference.node_address import AddressPolicy  # noqa: E402
+from meshnet_gguf.reference.relay_dialer import NodeDialer  # noqa: E402
+
+
+def _announcement(identity: NodeIdentity, relay: RelayAttachment) -> NodeAnnouncement:
+    return NodeAnnouncement(
+        node_id=identity.node_id, public_key=identity.public_key_text, advertised_url=relay.url, model_id="m",
+        first_layer=0, last_layer=0, total_layers=1, slots=1, node_version="test", relay=relay,
+    )  # fmt: skip
+
+
+async def test_the_tracker_transport_reaches_a_relayed_node_and_refuses_a_foreign_certificate(tmp_path: Path) -> None:
+    async with mesh(tmp_path) as m:
+        dialer = NodeDialer(httpx.Limits())
+        async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=10) as http:
+            policy = AddressPolicy(allow_loopback=True)
+            target = await dialer.through_relay(_announcement(m.identity, m.link.attachment()), policy)
+            response = await http.send(target.request(http, "GET", "/health"))
+            assert response.json() == {"status": "ok"}
+            assert target.endpoint != (await dialer.through_relay(
+                _announcement(stranger := NodeIdentity.from_private_key(Ed25519PrivateKey.generate()),
+                              RelayAttachment(url=m.relay_url, tls_certificate=certificate_text(node_certificate(stranger.private_key)))),
+                policy,
+            )).endpoint  # two nodes on one relay are two endpoints  # fmt: skip
+
+            # A registration whose certificate carries another key is refused, and nothing is dialled.
+            impostor = Ed25519PrivateKey.generate()
+            forged = RelayAttachment(url=m.relay_url, tls_certificate=certificate_text(node_certificate(impostor)))
+            with pytest.raises(ApiError) as refused:
+                await dialer.through_relay(_announcement(m.identity, forged), policy)
+            assert refused.value.code == "bad_relay_certificate"
+            # A relay at an address the tracker's policy forbids is refused like a node's URL would be.
+            with pytest.raises(ApiError) as unsafe:
+                await dialer.through_relay(_announcement(m.identity, m.link.attachment()), AddressPolicy(allow_loopback=False))
+            assert unsafe.value.code == "unsafe_relay_url"
