@@ -11,7 +11,7 @@ FLOORS: dict[str, int] = {
     # 1: shared vocabulary, no I/O
     **dict.fromkeys(
         ["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part", "admission", "atomic_file",
-         "request_validation"],
+         "request_validation", "node_tls"],
         1,
     ),
     # 2: one outside thing each (a file, a process, a socket, the hub, the database)
@@ -27,7 +27,7 @@ FLOORS: dict[str, int] = {
     **dict.fromkeys(
         [
             "memory_model", "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
-            "billing", "meshnet_link", "doctor", "service",
+            "billing", "meshnet_link", "doctor", "service", "relay_link", "relay_ops",
         ],
         3,
     ),  # fmt: skip
@@ -36,7 +36,7 @@ FLOORS: dict[str, int] = {
     "node": 4,
     "node_ops": 4,
 }
-REFERENCE_MAY_IMPORT = {"protocol", "sse", "errors", "retry", "signing"}
+REFERENCE_MAY_IMPORT = {"protocol", "sse", "errors", "retry", "signing", "node_tls"}
 
 
 def _module_name(path: Path) -> str:

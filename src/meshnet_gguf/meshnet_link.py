@@ -53,6 +53,7 @@ from meshnet_gguf.protocol import (
     NodeControlProof,
     NodeLoad,
     RegistrationAck,
+    RelayAttachment,
     ShardDigest,
 )
 from meshnet_gguf.proxy import QueryRoute, RouteGrant
@@ -204,6 +205,8 @@ class MeshnetLink(BasePart):
         self.control_route: tuple[str, QueryRoute] = (NODE_CONTROL_PATH, self.answer_control_challenge)
         self._shards: list[ShardDigest] | None = None
         self._hardware: HardwareSummary | None = None
+        # Set by the node when it serves through a relay: the tracker then reaches it there.
+        self.relay_attachment: RelayAttachment | None = None
         log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
 
     # --- what the node wires in ---------------------------------------------
@@ -286,7 +289,8 @@ class MeshnetLink(BasePart):
         return NodeAnnouncement(
             node_id=self.identity.node_id,
             public_key=self.identity.public_key_text,
-            advertised_url=self.advertised_url,
+            advertised_url=self.relay_attachment.url if self.relay_attachment else self.advertised_url,
+            relay=self.relay_attachment,
             model_id=model.model_id,
             quant=model.quant,
             shards=self._shards or [],
