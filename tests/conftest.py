@@ -19,6 +19,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from node_process import NodeProcess  # noqa: E402
 
 FAKE_LLAMA = Path(__file__).parent / "fake_llama_server.py"
+NEWER_CPU_LLAMA = Path(__file__).parent / "newer_cpu_llama_server.py"
+
+
+def _python_wrapper(directory: Path, script: Path) -> Path:
+    """An executable `llama-server` in `directory` that runs `script` with this interpreter."""
+    wrapper = directory / "llama-server"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return wrapper
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +52,13 @@ def real_llama() -> BinaryInfo:
 @pytest.fixture(scope="session")
 def fake_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An executable that runs the fake llama-server with this interpreter."""
-    wrapper = tmp_path_factory.mktemp("fake-bin") / "llama-server"
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_LLAMA}" "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return wrapper
+    return _python_wrapper(tmp_path_factory.mktemp("fake-bin"), FAKE_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def newer_cpu_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A llama-server too new for the CPU: serves float models, dies with SIGILL on quantized ones."""
+    return _python_wrapper(tmp_path_factory.mktemp("newer-cpu-bin"), NEWER_CPU_LLAMA)
 
 
 @pytest.fixture(scope="session")
@@ -65,12 +77,18 @@ def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gemma_runnable_gguf(gemma_gguf: Path, real_llama: BinaryInfo, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def gemma_f16_gguf(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An F16 copy of the demo model (about half a minute to write: made once a session)."""
+    return dequantize_to_f16(gemma_gguf, tmp_path_factory.mktemp("gemma-f16") / "gemma-3-270m-f16.gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma_runnable_gguf(gemma_gguf: Path, real_llama: BinaryInfo, request: pytest.FixtureRequest) -> Path:
     """gemma as the real llama-server can run it here: Q4_K_M, or an F16 copy on CPUs whose
     instruction set the bundled build's quantized kernels exceed (they die with SIGILL)."""
     if quantized_kernels_work(real_llama):
         return gemma_gguf
-    return dequantize_to_f16(gemma_gguf, tmp_path_factory.mktemp("gemma-f16") / "gemma-3-270m-f16.gguf")
+    return request.getfixturevalue("gemma_f16_gguf")
 
 
 @pytest.fixture
