@@ -61,6 +61,16 @@ async def test_a_body_over_the_limit_without_a_content_length_is_refused_while_i
     assert proxy.upstream.requests == []
 
 
+async def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_read() -> None:
+    proxy = build_proxy()
+    # Only the head has arrived: a client about to send more than the node takes is told at once.
+    declared = {"content-length": str(MAX_BODY_BYTES + 1)}
+    async with proxy.exchange("POST", CHAT_PATH, body=b"{", headers=declared) as exchange:
+        await exchange.read_to_end()
+    assert exchange.status == 413 and b"body_too_large" in exchange.body
+    assert str(MAX_BODY_BYTES + 1).encode() in exchange.body
+
+
 async def test_the_api_key_guards_every_inference_route_and_models() -> None:
     proxy = build_proxy(api_key="sesame")
     async with proxy.client() as client:
