@@ -22,6 +22,7 @@ from fake_upstream import ALIAS, FakeLlamaUpstream
 from meshnet_gguf.admission import Admission
 from meshnet_gguf.protocol import HealthReport, NodeState, UsageRecord
 from meshnet_gguf.proxy import ProxyApp, ProxyLimits, RouteCheck, UpstreamTarget
+from meshnet_gguf.upstream_http import UpstreamClient
 
 BASE_URL = "http://node.test"
 UPSTREAM_URL = "http://127.0.0.1:1"
@@ -65,9 +66,13 @@ def build_proxy(
     api_key: str | None = None,
     route_check: RouteCheck | None = None,
     upstream: FakeLlamaUpstream | None = None,
+    real_client: UpstreamClient | None = None,
+    upstream_url: str = UPSTREAM_URL,
     extra_sinks: tuple[Any, ...] = (),
     extra_get_routes: dict[str, Any] | None = None,
 ) -> ProxyUnderTest:
+    """The proxy as the node builds it. It talks to `upstream` (the in-process fake) unless
+    given a `real_client`, which it sends to `upstream_url` with the internal key."""
     fake = upstream or FakeLlamaUpstream()
     admission = Admission(slots=slots)
     sink = RecordingSink()
@@ -81,11 +86,11 @@ def build_proxy(
         return HealthReport(state=state(), model=ALIAS, slots_total=admission.slots, slots_busy=admission.in_flight)
 
     def target() -> UpstreamTarget | None:
-        return UpstreamTarget(UPSTREAM_URL, INTERNAL_KEY) if holder["proxy"].state == "ready" else None
+        return UpstreamTarget(upstream_url, INTERNAL_KEY) if holder["proxy"].state == "ready" else None
 
     app = ProxyApp(
         upstream=target,
-        client=fake,
+        client=real_client or fake,
         admission=admission,
         limits=ProxyLimits(max_body_bytes=MAX_BODY_BYTES, retry_after_s=RETRY_AFTER_S),
         model_name=ALIAS,
