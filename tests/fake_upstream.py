@@ -7,7 +7,9 @@ too (`answers`), and a test can script an answer: its status, the chunks as a
 socket would deliver them, a pause before a chunk (`hold_before`, released with
 `release()`), or a connection that breaks after some chunks (`break_after`).
 The answers mimic llama-server's: an opening role delta, one event per token,
-a closing chunk with `finish_reason`, then the usage chunk when asked, `[DONE]`.
+a closing chunk with `finish_reason`, then the usage chunk when asked, `[DONE]`;
+`/apply-template` and `/tokenize` answer as llama-server's do, and the prompt
+counts in usage come from that same tokenizer (one token per character).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import anyio
 from meshnet_gguf.upstream_http import UpstreamError
 
 ALIAS = "tiny"
+INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 # Tokens per answer unless the request's max_tokens asks for fewer (as the fake process does).
 DEFAULT_TOKENS = 8
-PROMPT_TOKENS = 7
 CACHED_TOKENS = 2
 DECODE_TOKENS_PER_S = 1000.0
 # Longest a held answer waits to be released: a test that forgets to release fails, not hangs.
@@ -107,7 +109,7 @@ class FakeLlamaUpstream:
 
     def __init__(self, respond: Responder | None = None) -> None:
         self.respond: Responder = respond or llama_answer
-        self.requests: list[SentRequest] = []
+        self.requests: list[SentRequest] = []  # everything llama-server was asked
         self.answers: list[FakeAnswer] = []
         self.unreachable = False
         self.closed = False
@@ -124,8 +126,12 @@ class FakeLlamaUpstream:
     async def aclose(self) -> None:
         self.closed = True
 
-    def inference_requests(self) -> list[SentRequest]:
-        return [r for r in self.requests if r.method == "POST"]
+    def forwarded(self) -> list[SentRequest]:
+        """The requests forwarded to an inference route (not the proxy's own questions)."""
+        return [r for r in self.requests if r.path in INFERENCE_PATHS]
+
+    def forwarded_answers(self) -> list[FakeAnswer]:
+        return [a for r, a in zip(self.requests, self.answers) if r.path in INFERENCE_PATHS]
 
 
 # --- llama-server-like answers ------------------------------------------------------
@@ -134,21 +140,29 @@ def llama_answer(request: SentRequest, **stream_options: Any) -> FakeAnswer:
     path = request.path
     if path == "/v1/models":
         return json_answer({"object": "list", "data": [{"id": ALIAS, "object": "model", "owned_by": "llamacpp"}]})
+    if path not in INFERENCE_PATHS | {"/apply-template", "/tokenize"} or request.method != "POST":
+        return json_answer({"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}, 404)
     payload = request.json()
+    if path == "/apply-template":
+        return json_answer({"prompt": render_chat(payload.get("messages") or [])})
+    if path == "/tokenize":
+        return json_answer({"tokens": tokenize(payload.get("content"))})
+    prompt_tokens = prompt_tokens_of(path, payload)
     if path == "/v1/embeddings":
         return json_answer(
             {
                 "object": "list",
                 "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
                 "model": ALIAS,
-                "usage": {"prompt_tokens": 3, "total_tokens": 3},
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
             }
         )
     n = min(DEFAULT_TOKENS, int(payload.get("max_tokens") or DEFAULT_TOKENS))
     chat = path == "/v1/chat/completions"
     if payload.get("stream"):
         usage = bool((payload.get("stream_options") or {}).get("include_usage"))
-        return FakeAnswer(200, stream_events(n, chat=chat, usage=usage), content_type="text/event-stream", **stream_options)
+        events = stream_events(n, chat=chat, usage=usage, prompt_tokens=prompt_tokens)
+        return FakeAnswer(200, events, content_type="text/event-stream", **stream_options)
     text = "x" * n
     choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
     choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -159,7 +173,7 @@ def llama_answer(request: SentRequest, **stream_options: Any) -> FakeAnswer:
             "created": 0,
             "model": ALIAS,
             "choices": [choice],
-            "usage": _usage(n),
+            "usage": _usage(prompt_tokens, n),
             "timings": {"predicted_per_second": DECODE_TOKENS_PER_S},
         }
     )
@@ -170,7 +184,7 @@ def json_answer(payload: object, status: int = 200) -> FakeAnswer:
 
 
 def stream_events(
-    n: int, *, chat: bool = True, usage: bool = True, done: bool = True, ping_every: int = 0
+    n: int, *, chat: bool = True, usage: bool = True, done: bool = True, ping_every: int = 0, prompt_tokens: int = 0
 ) -> list[bytes]:
     """The SSE events of a streamed answer of `n` tokens, one event per list item."""
     head = b'data: {"id":"fake-1","object":"chat.completion.chunk","model":"' + ALIAS.encode() + b'","choices":[{"index":0,'
@@ -181,7 +195,7 @@ def stream_events(
             events.append(b": ping\n\n")
     events.append(head + (b'"delta":{},"finish_reason":"length"}]}\n\n' if chat else b'"text":"","finish_reason":"length"}]}\n\n'))
     if usage:
-        chunk = {"id": "fake-1", "object": "chat.completion.chunk", "choices": [], "usage": _usage(n),
+        chunk = {"id": "fake-1", "object": "chat.completion.chunk", "choices": [], "usage": _usage(prompt_tokens, n),
                  "timings": {"predicted_per_second": DECODE_TOKENS_PER_S}}  # fmt: skip
         events.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
     if done:
@@ -189,11 +203,28 @@ def stream_events(
     return events
 
 
-def _usage(n: int) -> dict[str, Any]:
+def render_chat(messages: list[Any]) -> str:
+    """The chat as the fake's template renders it."""
+    return "".join(f"<{m.get('role')}>{m.get('content')}" for m in messages if isinstance(m, dict))
+
+
+def tokenize(content: Any) -> list[int]:
+    """The fake's tokenizer: one token per character; a list of token ids is already tokens."""
+    return content if isinstance(content, list) else [ord(c) for c in str(content)]
+
+
+def prompt_tokens_of(path: str, payload: dict[str, Any]) -> int:
+    """How many prompt tokens llama-server (this fake) reports for a request."""
+    if path == "/v1/chat/completions":
+        return len(tokenize(render_chat(payload.get("messages") or [])))
+    return len(tokenize(payload.get("prompt" if path == "/v1/completions" else "input")))
+
+
+def _usage(prompt_tokens: int, n: int) -> dict[str, Any]:
     return {
-        "prompt_tokens": PROMPT_TOKENS,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": n,
-        "total_tokens": PROMPT_TOKENS + n,
+        "total_tokens": prompt_tokens + n,
         "prompt_tokens_details": {"cached_tokens": CACHED_TOKENS},
     }
 
@@ -205,4 +236,4 @@ class Scripted:
     queue: list[FakeAnswer] = field(default_factory=list)
 
     def __call__(self, request: SentRequest) -> FakeAnswer:
-        return self.queue.pop(0) if self.queue and request.method == "POST" else llama_answer(request)
+        return self.queue.pop(0) if self.queue and request.path in INFERENCE_PATHS else llama_answer(request)

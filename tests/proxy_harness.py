@@ -1,10 +1,14 @@
 """The proxy under test, in process: a `ProxyApp` built as the node builds it, over `FakeLlamaUpstream`.
 
 Two ways in, both through the public ASGI interface:
-- `ProxyUnderTest.client()`: an `httpx.AsyncClient` on `httpx.ASGITransport`, for whole
-  answers (it hands back a response only once the app has finished it);
-- `Exchange`: one request driven by hand, for what a transport cannot show: reading an
-  answer while it is still being produced, and hanging up part way through.
+- `ProxyUnderTest.client()`: an `httpx.AsyncClient` whose transport runs each request as an
+  `Exchange` and hands back the whole answer (the official SDK takes it as `http_client`);
+- `Exchange`: one request driven by hand, for what a whole answer cannot show: reading it
+  while it is still being produced, and hanging up part way through.
+
+Unlike `httpx.ASGITransport`, which reports the client gone the moment an answer is
+complete, a client here stays connected until it hangs up, as with uvicorn and a
+keep-alive client: a proxy that watches for disconnects sees what it would in production.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from meshnet_gguf.protocol import HealthReport, NodeState, UsageRecord
 from meshnet_gguf.proxy import ProxyApp, ProxyLimits, RouteCheck, UpstreamTarget
 from meshnet_gguf.upstream_http import UpstreamClient
 
-BASE_URL = "http://node.test"
+# Where clients reach the node: on loopback, as a local client would (and the Host it sends).
+NODE_HOST = "127.0.0.1:8080"
+BASE_URL = f"http://{NODE_HOST}"
 UPSTREAM_URL = "http://127.0.0.1:1"
 INTERNAL_KEY = "internal-key-of-llama-server"
 MAX_BODY_BYTES = 64 * 1024
@@ -32,6 +38,8 @@ RETRY_AFTER_S = 2
 # How long a hand-driven exchange may take to reach the point a test waits for.
 EXCHANGE_TIMEOUT_S = 5.0
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+# What the fake llama-server counts for CHAT's prompt: its template renders "<user>hi", one token a character.
+CHAT_PROMPT_TOKENS = 8
 
 
 class RecordingSink:
@@ -54,7 +62,7 @@ class ProxyUnderTest:
     state: NodeState = "ready"
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url=BASE_URL, **kwargs)
+        return httpx.AsyncClient(transport=ExchangeTransport(self.app), base_url=BASE_URL, **kwargs)
 
     def exchange(self, method: str, path: str, **kwargs: Any) -> Exchange:
         return Exchange(self.app, method, path, **kwargs)
@@ -120,11 +128,16 @@ class Exchange:
         *,
         json_body: object | None = None,
         body: bytes = b"",
+        body_chunks: list[bytes] | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         self._app = app
-        self._body = json.dumps(json_body).encode() if json_body is not None else body
-        raw_headers = {"content-type": "application/json", "content-length": str(len(self._body)), **(headers or {})}
+        # The request body as it arrives: one message, or one per chunk (no content-length then).
+        self._body_chunks = body_chunks if body_chunks is not None else [json.dumps(json_body).encode() if json_body is not None else body]
+        raw_headers = {"host": NODE_HOST, "content-type": "application/json"}
+        if body_chunks is None:
+            raw_headers["content-length"] = str(len(self._body_chunks[0]))
+        raw_headers.update(headers or {})
         self._scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -144,7 +157,7 @@ class Exchange:
         self.body = b""
         self.complete = False  # the app sent its last body message
         self.app_done = anyio.Event()
-        self._request_sent = False
+        self._request_messages_sent = 0
         self._hung_up = anyio.Event()
         self._changed = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -158,9 +171,11 @@ class Exchange:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
-        self.hang_up()
+        if not self.complete:
+            self.hang_up()  # leaving before the answer ended is hanging up; after, the app just finishes
         with anyio.fail_after(EXCHANGE_TIMEOUT_S):
             await self.app_done.wait()
+        self.hang_up()
         assert self._tg is not None
         return await self._tg.__aexit__(exc_type, exc, tb)
 
@@ -172,9 +187,10 @@ class Exchange:
             self._notify()
 
     async def _receive(self) -> dict[str, Any]:
-        if not self._request_sent:
-            self._request_sent = True
-            return {"type": "http.request", "body": self._body, "more_body": False}
+        if self._request_messages_sent < len(self._body_chunks):
+            self._request_messages_sent += 1
+            more = self._request_messages_sent < len(self._body_chunks)
+            return {"type": "http.request", "body": self._body_chunks[self._request_messages_sent - 1], "more_body": more}
         await self._hung_up.wait()
         return {"type": "http.disconnect"}
 
@@ -206,3 +222,28 @@ class Exchange:
     async def read_to_end(self, timeout: float = EXCHANGE_TIMEOUT_S) -> bytes:
         await self.wait_until(lambda: self.complete, timeout)
         return self.body
+
+
+class ExchangeTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that runs each request as an `Exchange` with the app and returns the whole answer."""
+
+    def __init__(self, app: Callable[..., Any]) -> None:
+        self._app = app
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        chunks = [chunk async for chunk in request.stream]  # type: ignore[union-attr]
+        declared = "content-length" in request.headers
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers.raw}
+        exchange = Exchange(
+            self._app,
+            request.method,
+            request.url.path,
+            body=b"".join(chunks),
+            body_chunks=None if declared else chunks,
+            headers=headers,
+        )
+        async with exchange:
+            await exchange.read_to_end()
+        assert exchange.status is not None
+        # A ByteStream, not `content=`: httpx would add a content-length the app never sent.
+        return httpx.Response(exchange.status, headers=list(exchange.headers.items()), stream=httpx.ByteStream(exchange.body))

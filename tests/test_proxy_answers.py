@@ -7,9 +7,9 @@ import httpx
 import openai
 import pytest
 
-from fake_upstream import ALIAS, CACHED_TOKENS, PROMPT_TOKENS, FakeAnswer, FakeLlamaUpstream, Scripted
+from fake_upstream import ALIAS, CACHED_TOKENS, FakeAnswer, FakeLlamaUpstream, Scripted
 from meshnet_gguf.protocol import UsageRecord
-from proxy_harness import BASE_URL, CHAT, INTERNAL_KEY, MAX_BODY_BYTES, UPSTREAM_URL, build_proxy
+from proxy_harness import BASE_URL, CHAT, CHAT_PROMPT_TOKENS, INTERNAL_KEY, MAX_BODY_BYTES, UPSTREAM_URL, build_proxy
 
 pytestmark = pytest.mark.anyio
 
@@ -21,20 +21,20 @@ async def test_whole_answers_carry_usage_headers_and_pass_the_body_unchanged() -
     async with proxy.client() as client:
         response = await client.post(CHAT_PATH, json={**CHAT, "max_tokens": 3}, headers={"x-request-id": "mine-1"})
     assert response.status_code == 200
-    assert response.content == b"".join(proxy.upstream.answers[0].chunks)
-    assert response.headers["x-meshnet-usage-prompt-tokens"] == str(PROMPT_TOKENS)
+    assert response.content == b"".join(proxy.upstream.forwarded_answers()[0].chunks)
+    assert response.headers["x-meshnet-usage-prompt-tokens"] == str(CHAT_PROMPT_TOKENS)
     assert response.headers["x-meshnet-usage-completion-tokens"] == "3"
     assert response.headers["x-meshnet-request-id"] == "mine-1"
     assert response.headers["content-length"] == str(len(response.content))
     # llama-server's hop headers describe its connection, not ours.
     for hop in ("server", "keep-alive", "access-control-allow-origin"):
         assert hop not in response.headers, hop
-    (sent,) = proxy.upstream.requests
+    (sent,) = proxy.upstream.forwarded()
     assert sent.url == UPSTREAM_URL + CHAT_PATH and sent.headers["authorization"] == f"Bearer {INTERNAL_KEY}"
     assert sent.json() == {**CHAT, "max_tokens": 3}  # a whole answer's body goes as the client sent it
     (record,) = proxy.sink.records
     assert (record.request_id, record.route, record.model, record.status, record.stream) == ("mine-1", CHAT_PATH, ALIAS, 200, False)
-    assert (record.prompt_tokens, record.cached_tokens, record.completion_tokens) == (PROMPT_TOKENS, CACHED_TOKENS, 3)
+    assert (record.prompt_tokens, record.cached_tokens, record.completion_tokens) == (CHAT_PROMPT_TOKENS, CACHED_TOKENS, 3)
     assert record.finish_reason == "length" and record.decode_tokens_per_s == 1000.0
 
 
@@ -45,7 +45,7 @@ async def test_request_ids_are_the_clients_when_sane_and_fresh_otherwise() -> No
         spaced = await client.post(CHAT_PATH, json=CHAT, headers={"x-request-id": "has spaces\tand tabs"})
         long = await client.post(CHAT_PATH, json=CHAT, headers={"x-request-id": "a" * 129})
         none = await client.post(CHAT_PATH, json=CHAT)
-        refused = await client.post(CHAT_PATH, content=b"{nope", headers={"x-request-id": "bad-body-1"})
+        refused = await client.post(CHAT_PATH, content=b"{nope", headers={"x-request-id": "bad-body-1", "content-type": "application/json"})
     assert given.headers["x-meshnet-request-id"] == "trace:abc/1=2"
     fresh = [r.headers["x-meshnet-request-id"] for r in (spaced, long, none)]
     assert all(rid.startswith("req-") for rid in fresh) and len(set(fresh)) == 3
@@ -55,8 +55,7 @@ async def test_request_ids_are_the_clients_when_sane_and_fresh_otherwise() -> No
 
 async def test_the_openai_sdk_works_unmodified_on_every_route() -> None:
     proxy = build_proxy()
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy.app))
-    async with openai.AsyncOpenAI(base_url=BASE_URL + "/v1", api_key="unused", http_client=http) as client:
+    async with openai.AsyncOpenAI(base_url=BASE_URL + "/v1", api_key="unused", http_client=proxy.client()) as client:
         raw = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT["messages"], max_tokens=3)
         assert raw.headers["x-meshnet-usage-completion-tokens"] == "3"
         answer = raw.parse()
@@ -71,7 +70,7 @@ async def test_the_openai_sdk_works_unmodified_on_every_route() -> None:
     assert [(r.route, r.completion_tokens) for r in proxy.sink.records] == [
         (CHAT_PATH, 3), ("/v1/completions", 2), ("/v1/embeddings", 0)
     ]  # fmt: skip
-    assert proxy.sink.records[-1].prompt_tokens == 3 and proxy.sink.records[-1].finish_reason == "stop"
+    assert proxy.sink.records[-1].prompt_tokens == len("hi") and proxy.sink.records[-1].finish_reason == "stop"
 
 
 async def test_a_broken_answer_from_llama_server_is_a_502_and_counts_as_an_error() -> None:
