@@ -98,7 +98,7 @@ class NodeSettings(BaseSettings):
     # folder laid out like tests/fixtures/hardware/<box>: `root/` with the sysfs and
     # proc files, `commands/<name>.txt` with what llama-server --list-devices,
     # nvidia-smi and rocminfo printed there) instead of probing this one. Lets an
-    # operator reproduce another box's plan with `serve --dry-run` (issue 4).
+    # operator reproduce another box's plan with `serve --dry-run`, and tests plan for recorded boxes.
     hardware_fixture: Path | None = Field(
         None, description="Testing/diagnosis aid: probe a recorded machine (root/ + commands/) instead of this one"
     )
