@@ -167,7 +167,13 @@ class MeshnetLink(BasePart):
 
     name = "mesh link"
 
-    def __init__(self, settings: NodeSettings, model: ServedModel, health: Callable[[], HealthReport]) -> None:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        model: ServedModel,
+        health: Callable[[], HealthReport],
+        relay_attachment: RelayAttachment | None = None,
+    ) -> None:
         if not settings.tracker:
             raise MeshSetupError("the mesh link needs a tracker URL (--tracker or MESHNET_TRACKER)")
         self.settings = settings
@@ -206,7 +212,8 @@ class MeshnetLink(BasePart):
         self._shards: list[ShardDigest] | None = None
         self._hardware: HardwareSummary | None = None
         # Set by the node when it serves through a relay: the tracker then reaches it there.
-        self.relay_attachment: RelayAttachment | None = None
+        # Behind a relay, the tracker reaches this node through it rather than at advertised_url.
+        self.relay_attachment = relay_attachment
         log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
 
     # --- what the node wires in ---------------------------------------------

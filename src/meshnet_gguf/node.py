@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from meshnet_gguf.config import NodeSettings
     from meshnet_gguf.meshnet_link import MeshnetLink
+    from meshnet_gguf.protocol import RelayAttachment
     from meshnet_gguf.relay_link import RelayLink
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,8 @@ def build_node(launch: PreparedLaunch) -> Node:
         return UpstreamTarget(base_url=supervisor.base_url, api_key=supervisor.api_key)
 
     upstream_client = make_upstream_client(settings.upstream_client, settings.parallel)
-    mesh = _mesh_link(launch, health) if settings.tracker else None
     relay = _relay_link(settings) if settings.relay_url else None
-    if mesh is not None and relay is not None:
-        mesh.relay_attachment = relay.attachment()  # the tracker then reaches this node through the relay
+    mesh = _mesh_link(launch, health, relay.attachment() if relay else None) if settings.tracker else None
 
     async def llama_metrics() -> str:
         target = upstream()
@@ -148,7 +147,7 @@ def build_node(launch: PreparedLaunch) -> Node:
     node = Node(
         launch=launch,
         # The order parts are closed in: llama-server first (streams still open end with an
-        # error event), then the listener, then the mesh link's last receipts, then systemd.
+        # error event), then the listener, the mesh link's last receipts, the relay tunnel, systemd.
         parts=[supervisor, http, *([mesh] if mesh else []), *([relay] if relay else []), operations],
         supervisor=supervisor,
         admission=admission,
@@ -159,7 +158,9 @@ def build_node(launch: PreparedLaunch) -> Node:
     return node
 
 
-def _mesh_link(launch: PreparedLaunch, health: Callable[[], HealthReport]) -> MeshnetLink:
+def _mesh_link(
+    launch: PreparedLaunch, health: Callable[[], HealthReport], relay_attachment: RelayAttachment | None
+) -> MeshnetLink:
     """With a tracker: signed routes in front of the proxy, receipts behind it, presence beside it."""
     from meshnet_gguf.meshnet_link import MeshnetLink, MeshSetupError, ServedModel
 
@@ -176,7 +177,7 @@ def _mesh_link(launch: PreparedLaunch, health: Callable[[], HealthReport]) -> Me
         binary=launch.binary,
     )
     try:
-        return MeshnetLink(settings, served, health)
+        return MeshnetLink(settings, served, health, relay_attachment)
     except MeshSetupError as exc:
         raise NodeSetupError(str(exc)) from exc
 
