@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
         advertised_url: Annotated[Optional[str], typer.Option(help="URL the tracker should use to reach this node")] = None,
         enrolment_secret: Annotated[Optional[str], typer.Option(help="Secret the tracker requires to register (prefer MESHNET_ENROLMENT_SECRET: argv is visible to other users)")] = None,
         drain_grace_s: Annotated[Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown [default: 30]")] = None,
-        upstream_client: Annotated[Optional[str], typer.Option(help="aiohttp or httpx for the llama-server hop")] = None,
+        upstream_client: Annotated[Optional[str], typer.Option(help="raw (default), aiohttp or httpx for the llama-server hop")] = None,
         log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
     ) -> None:
