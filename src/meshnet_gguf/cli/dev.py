@@ -8,8 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from meshnet_gguf.config import default_state_dir
-from meshnet_gguf.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, WELL_KNOWN_PATH
 
 dev_app = typer.Typer(help="Reference Meshnet services for local use and tests.", no_args_is_help=True)
 
@@ -22,12 +20,14 @@ def tracker(
     enrolment_secret: Annotated[
         Optional[str], typer.Option(envvar="MESHNET_TRACKER_ENROLMENT_SECRET", help="Nodes must present this to register")
     ] = None,
-    heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = DEFAULT_HEARTBEAT_INTERVAL_S,
+    heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = 10.0,  # protocol.DEFAULT_HEARTBEAT_INTERVAL_S; a literal so --help need not import pydantic (tests/test_cli_startup.py checks they match)
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
     """Run the reference tracker: registers nodes, signs single-hop routes, relays and bills."""
     import uvicorn
 
+    from meshnet_gguf.config import default_state_dir
+    from meshnet_gguf.protocol import WELL_KNOWN_PATH
     from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

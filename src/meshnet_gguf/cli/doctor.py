@@ -8,8 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from meshnet_gguf.config import NodeSettings
-
 # Exit codes: 0 nothing blocks serving (warnings may remain), 1 something does.
 EXIT_BLOCKED = 1
 
@@ -29,6 +27,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
     ) -> None:
         """Check binary, GPUs, memory, disk, clock and port; explain each problem and how to fix it."""
+        from meshnet_gguf.config import NodeSettings
         from meshnet_gguf.doctor import DoctorEnvironment, run_doctor
 
         given = dict(
