@@ -86,8 +86,10 @@ class WarmupPolicy:
 # On a GPU each prompt size picks other kernels (vector kernels for a few tokens; small,
 # medium and large matrix tiles above, each aligned or not): one prompt per size class.
 # Measured on an H200 (Vulkan): ~10 s the first time on a machine, while the driver builds
-# its pipelines; ~0.2 s once its on-disk pipeline cache holds them.
-GPU_WARMUP = WarmupPolicy(prompt_words=(2, 12, 40, 150, 600), max_tokens=8)
+# its pipelines; ~0.2 s once its on-disk pipeline cache holds them. Largest first: the slot
+# keeps the last prompt, and llama-server copies a slot's old prompt out to its RAM cache
+# before reusing the slot, so a large last prompt cost the first user request ~40 ms.
+GPU_WARMUP = WarmupPolicy(prompt_words=(600, 150, 40, 12, 2), max_tokens=8)
 CPU_WARMUP = WarmupPolicy()
 
 
