@@ -188,6 +188,7 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=450.0, help="skip configurations that would start after this")
     p.add_argument("--sweep", default="all", help="'all', 'none' or comma-separated sweep point names")
     p.add_argument("--cpu", action="store_true", help="also cpu / cpu-no-warmup (TTFT only)")
+    p.add_argument("--ttft-only", action="store_true", help="first-request TTFT only, no decode/prefill figures")
     p.add_argument("--steady", type=int, default=5)
     p.add_argument("--decode-requests", type=int, default=8)
     p.add_argument("--prefill-requests", type=int, default=6)
@@ -221,7 +222,7 @@ def main() -> int:
             continue
         run = NodeRun(name, args.model, args.port + i, args.work, serve_args, env)
         try:
-            result = measure(run, rng, args, ttft_only)
+            result = measure(run, rng, args, ttft_only or args.ttft_only)
         except Exception as exc:  # one broken configuration must not lose the others' figures
             result = {"name": name, "error": repr(exc)}
         finally:

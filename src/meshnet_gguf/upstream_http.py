@@ -115,6 +115,10 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
+        # One silence timer per connection, re-armed only when it fires: arming a timer per
+        # wait (per streamed token) cost more than the rest of the token's handling.
+        self._last_io = loop.time()
+        self._silence_timer: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -135,6 +139,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self._last_io = self._loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -146,6 +151,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._silence_timer is not None:
+            self._silence_timer.cancel()
         if not self.complete and self.error is None:
             if self.headers_done and self._reads_until_close():
                 self.complete = True
@@ -175,6 +182,7 @@ class _Connection(asyncio.Protocol):
     # --- used by the client -----------------------------------------------------------
     def start(self, request: bytes) -> None:
         self._reset()
+        self._last_io = self._loop.time()
         assert self.transport is not None
         self.transport.write(request)
 
@@ -193,25 +201,35 @@ class _Connection(asyncio.Protocol):
     def has_data(self) -> bool:
         return bool(self._chunks)
 
-    async def wait(self, timeout_s: float) -> None:
-        """Until bytes arrive, the answer ends or the connection breaks; UpstreamError on silence."""
+    async def wait(self) -> None:
+        """Until bytes arrive, the answer ends or the connection breaks; UpstreamError after
+        READ_IDLE_TIMEOUT_S of silence."""
         waiter = self._loop.create_future()
         self._waiter = waiter
-        timer = self._loop.call_later(timeout_s, self._time_out, waiter)
+        if self._silence_timer is None:
+            self._silence_timer = self._loop.call_at(self._last_io + READ_IDLE_TIMEOUT_S, self._check_silence)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
 
     def close(self) -> None:
         self.closed = True
+        if self._silence_timer is not None:
+            self._silence_timer.cancel()
+            self._silence_timer = None
         if self.transport is not None:
             self.transport.close()
 
-    def _time_out(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
+    def _check_silence(self) -> None:
+        self._silence_timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait() arms a new timer
+        if self._loop.time() - self._last_io >= READ_IDLE_TIMEOUT_S:
             waiter.set_exception(UpstreamError(f"llama-server sent nothing for {READ_IDLE_TIMEOUT_S:.0f} s"))
+        else:
+            self._silence_timer = self._loop.call_at(self._last_io + READ_IDLE_TIMEOUT_S, self._check_silence)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -254,7 +272,7 @@ class _RawResponse:
             elif connection.error is not None:
                 raise connection.error
             else:
-                await connection.wait(READ_IDLE_TIMEOUT_S)
+                await connection.wait()
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.iter_chunks()])
@@ -286,7 +304,7 @@ class RawUpstream:
                 while not connection.headers_done:
                     if connection.error is not None:
                         raise connection.error
-                    await connection.wait(READ_IDLE_TIMEOUT_S)
+                    await connection.wait()
             except UpstreamError as exc:
                 connection.close()
                 if reused and not connection.got_bytes and attempt < STALE_CONNECTION_RETRIES:
