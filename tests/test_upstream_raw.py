@@ -148,3 +148,30 @@ async def test_nothing_listening_is_an_upstream_error(tmp_path: Path) -> None:
 async def test_a_header_cannot_smuggle_a_second_request(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="line break"):
         await RawUpstream(1).send("GET", "http://127.0.0.1:9/x", {"authorization": "Bearer k\r\nGET /slots"}, None)
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True}), "asyncio"])
+async def test_a_burst_beyond_the_sockets_accept_queue_is_served_not_refused(tmp_path: Path, anyio_backend) -> None:  # type: ignore[no-untyped-def]
+    # llama-server's accept queue is short; a UNIX socket refuses the overflow at once (EAGAIN)
+    # where TCP would queue it. 64 simultaneous requests against a queue of 1 must all succeed.
+    path = tmp_path / "busy.sock"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await ok_json(b"", b"", writer)
+        writer.close()
+
+    server = await asyncio.start_unix_server(serve, str(path), backlog=1)
+    client = RawUpstream(64)
+
+    async def one() -> int:
+        response = await client.send("GET", unix_socket_url(str(path)) + "/health", {}, None)
+        await response.read()
+        await response.aclose()
+        return response.status
+
+    try:
+        assert await asyncio.gather(*(one() for _ in range(64))) == [200] * 64
+    finally:
+        server.close()
+        await client.aclose()

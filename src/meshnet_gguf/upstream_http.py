@@ -18,6 +18,8 @@ over loopback TCP (`http://127.0.0.1:PORT`).
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
@@ -32,6 +34,12 @@ if TYPE_CHECKING:
 UNIX_SCHEME = "http+unix://"
 # Connecting to 127.0.0.1 is instant unless the child is wedged.
 CONNECT_TIMEOUT_S = 5.0
+# A UNIX socket whose accept queue is full refuses a connect at once (EAGAIN) where TCP would
+# queue the SYN: llama-server's queue is short, and a burst of requests overflows it. Such a
+# connect is tried again after a pause this long, doubling up to the cap, within CONNECT_TIMEOUT_S.
+BUSY_SOCKET_FIRST_PAUSE_S = 0.0005
+BUSY_SOCKET_MAX_PAUSE_S = 0.02
+_BUSY_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})
 # Longest silence tolerated between two bytes of an upstream answer: a long
 # prompt's prefill on a big model sends nothing for minutes, so this is generous;
 # a dead child closes its sockets and is noticed at once regardless.
@@ -338,11 +346,12 @@ class RawUpstream:
         connection = _Connection(loop)
         try:
             if address.unix_path is not None:
-                connecting = loop.create_unix_connection(lambda: connection, address.unix_path)
+                sock = await _connect_unix(address.unix_path, loop.time() + CONNECT_TIMEOUT_S)
+                await loop.create_unix_connection(lambda: connection, sock=sock)
             else:
                 connecting = loop.create_connection(lambda: connection, address.host, address.port)
-            await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
-        except (OSError, TimeoutError) as exc:
+                await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
+        except OSError as exc:
             where = address.unix_path or f"{address.host}:{address.port}"
             raise UpstreamError(f"llama-server unreachable at {where}: {exc!r}") from exc
         return connection, False
@@ -351,6 +360,26 @@ class RawUpstream:
         for idle in self._idle.values():
             while idle:
                 idle.pop().close()
+
+
+async def _connect_unix(path: str, deadline: float) -> socket.socket:
+    """A connected UNIX socket. Connected here rather than by the event loop: a full accept
+    queue makes a non-blocking connect fail with EAGAIN, which uvloop reports as an error and
+    asyncio's own loop mistakes for a connect in progress (it then waits forever)."""
+    loop = asyncio.get_running_loop()
+    pause = BUSY_SOCKET_FIRST_PAUSE_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(path)
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno not in _BUSY_ERRNOS or loop.time() + pause > deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, BUSY_SOCKET_MAX_PAUSE_S)
 
 
 def _request_bytes(method: str, target: str, address: _Address, headers: dict[str, str], body: bytes | None) -> bytes:
@@ -428,20 +457,30 @@ class AiohttpUpstream:
         address, target = _split_url(url)
         if address.unix_path is not None:
             url = "http://localhost" + target
-        for attempt in range(STALE_CONNECTION_RETRIES + 1):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONNECT_TIMEOUT_S
+        pause = BUSY_SOCKET_FIRST_PAUSE_S
+        attempt = 0
+        while True:
             try:
                 response = await self._client(address.unix_path).request(
                     method, url, headers=headers, data=body, allow_redirects=False
                 )
                 return _AiohttpResponse(response)
+            except aiohttp.ClientConnectorError as exc:
+                if exc.os_error.errno in _BUSY_ERRNOS and loop.time() + pause < deadline:
+                    await asyncio.sleep(pause)  # the socket's accept queue was full: nothing was sent
+                    pause = min(pause * 2, BUSY_SOCKET_MAX_PAUSE_S)
+                    continue
+                raise UpstreamError(f"llama-server unreachable: {exc!r}") from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt == STALE_CONNECTION_RETRIES:
                     raise UpstreamError(f"llama-server unreachable: {exc!r}") from exc
+                attempt += 1
                 # A pooled connection llama-server had already closed: no answer came, so the
                 # request never ran; a fresh connection is safe to try.
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 raise UpstreamError(f"llama-server unreachable: {exc!r}") from exc
-        raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
         for session in self._sessions.values():
