@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from meshnet_gguf.protocol import DEFAULT_HEARTBEAT_INTERVAL_S
+from meshnet_gguf.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, RELAY_PING_INTERVAL_S
 
 # Each costs tens of milliseconds to import; none is needed to print help.
 HEAVY_MODULES = ("pydantic", "pydantic_settings", "anyio", "aiohttp", "httpx", "rich", "numpy", "gguf", "meshnet_gguf.config")
@@ -33,10 +33,13 @@ def test_help_imports_no_heavy_library() -> None:
         assert not loaded & heavy, (argv, sorted(loaded & heavy))
 
 
-def test_tracker_heartbeat_default_is_the_protocol_one() -> None:
+def test_dev_defaults_written_as_literals_are_the_protocol_ones() -> None:
     from typer.testing import CliRunner
 
     from meshnet_gguf.cli import app
 
-    result = CliRunner().invoke(app, ["dev", "tracker", "--help"])
-    assert f"default: {DEFAULT_HEARTBEAT_INTERVAL_S}" in result.output
+    def help_text(*argv: str) -> str:
+        return " ".join(CliRunner().invoke(app, [*argv, "--help"], terminal_width=200).output.split())
+
+    assert f"node heartbeats [default: {DEFAULT_HEARTBEAT_INTERVAL_S}]" in help_text("dev", "tracker")
+    assert f"(at most 20) [default: {RELAY_PING_INTERVAL_S};" in help_text("dev", "relay")

@@ -23,6 +23,15 @@ from meshnet_gguf.supervisor import (
 
 pytestmark = pytest.mark.anyio
 OTHER_UID = 65534  # nobody
+POLICY = SupervisorPolicy(
+    load_stall_timeout_s=10.0,
+    health_poll_interval_s=0.05,
+    restart_backoff_initial_s=0.2,
+    restart_backoff_max_s=0.8,
+    restart_stable_after_s=30.0,
+    max_quick_crashes=2,
+    stop_timeout_s=3.0,
+)
 
 
 def _listening_inet(pid: int) -> list[psutil._common.pconn]:
@@ -60,7 +69,7 @@ async def test_a_socket_folder_planted_by_someone_else_is_refused(fake_llama, tm
     else:
         (tmp_path / "elsewhere").mkdir()
         folder.symlink_to(tmp_path / "elsewhere")
-    supervisor = Supervisor(ChildSpec(fake_llama, ["--model", "m.gguf"]), SupervisorPolicy(), state_dir=tmp_path)
+    supervisor = Supervisor(ChildSpec(fake_llama, ["--model", "m.gguf"]), POLICY, state_dir=tmp_path)
     with pytest.raises(ChildFailed, match="not a folder owned by this user"):
         with anyio.fail_after(10):
             await supervisor.run()
@@ -72,7 +81,7 @@ async def test_a_loose_socket_folder_is_tightened_and_a_stale_socket_removed(fak
     folder.mkdir(mode=0o755)
     os.chmod(folder, 0o755)
     (folder / SOCKET_NAME).write_text("left by a killed run")
-    supervisor = Supervisor(ChildSpec(fake_llama, ["--model", "m.gguf"]), SupervisorPolicy(), state_dir=tmp_path)
+    supervisor = Supervisor(ChildSpec(fake_llama, ["--model", "m.gguf"]), POLICY, state_dir=tmp_path)
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run)
         with anyio.fail_after(20):

@@ -11,7 +11,7 @@ from meshnet_gguf.sse import SSESplitter
 
 def _meter() -> RequestMeter:
     return RequestMeter(
-        request_id="r", path="/v1/chat/completions", stream=True, client_wants_usage=False, started_at=0.0, started=0.0
+        request_id="r", path="/v1/chat/completions", stream=True, started_at=0.0, started=0.0
     )
 
 

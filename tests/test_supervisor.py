@@ -167,7 +167,7 @@ async def test_sigterm_ignored_then_sigkill(tmp_path: Path) -> None:
 
     proc = await asyncio.create_subprocess_exec(sys.executable, str(script), start_new_session=True)
     await anyio.sleep(0.3)
-    policy = SupervisorPolicy(stop_timeout_s=0.5)
+    policy = SupervisorPolicy(**{**FAST.__dict__, "stop_timeout_s": 0.5})
     supervisor = Supervisor(ChildSpec.__new__(ChildSpec), policy)
     started = time.monotonic()
     await supervisor._terminate(proc)  # the stop path on a child that ignores SIGTERM

@@ -3,6 +3,7 @@ proxy) before it says ready, so the first user request is not the one that pays 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -13,6 +14,15 @@ import pytest
 from meshnet_gguf.supervisor import ChildSpec, Supervisor, SupervisorPolicy, WarmupPolicy
 
 pytestmark = pytest.mark.anyio
+POLICY = SupervisorPolicy(
+    load_stall_timeout_s=10.0,
+    health_poll_interval_s=0.05,
+    restart_backoff_initial_s=0.2,
+    restart_backoff_max_s=0.8,
+    restart_stable_after_s=30.0,
+    max_quick_crashes=2,
+    stop_timeout_s=3.0,
+)
 
 
 class ReadyClock:
@@ -32,7 +42,7 @@ async def _run_until_ready(fake_llama, tmp_path: Path, warmup: WarmupPolicy | No
     clock = ReadyClock()
     supervisor = Supervisor(
         ChildSpec(fake_llama, ["--model", "m.gguf"], {"FAKE_LLAMA_WARMUP_LOG": str(log)}),
-        SupervisorPolicy(health_poll_interval_s=0.05, warmup=warmup),
+        dataclasses.replace(POLICY, warmup=warmup),
         state_dir=tmp_path,
         listeners=[clock],
     )

@@ -14,6 +14,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 ENV_PREFIX = "MESHNET_"
+# After SIGTERM, llama-server gets this long to exit before SIGKILL (a big model unmaps for seconds).
+LLAMA_STOP_TIMEOUT_S = 10.0
 CONFIG_FILE_ENV = "MESHNET_CONFIG"
 
 
@@ -72,7 +74,7 @@ class NodeSettings(BaseSettings):
     # A child that stayed up this long is "stable": its next crash starts the backoff anew.
     restart_stable_after_s: float = Field(120.0, gt=0)
     max_quick_crashes: int = Field(5, ge=1, description="Crashes before stability before giving up into `failed`")
-    stop_timeout_s: float = Field(10.0, gt=0, description="SIGTERM -> SIGKILL grace for llama-server")
+    stop_timeout_s: float = Field(LLAMA_STOP_TIMEOUT_S, gt=0, description="SIGTERM -> SIGKILL grace for llama-server")
 
     # --- proxy limits ------------------------------------------------------
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)")
@@ -83,6 +85,10 @@ class NodeSettings(BaseSettings):
     tracker: str | None = Field(None, description="Tracker base URL; enables registration, routes and billing")
     tracker_public_key: str | None = Field(None, description="Pinned tracker Ed25519 public key (PEM or base64url raw)")
     enrolment_secret: str | None = Field(None, description="Secret the tracker requires to register a node")
+    # MESHNET_RELAY_URL, `relay_url` in the TOML file, `--relay` on the command line.
+    relay_url: str | None = Field(
+        None, description="Relay URL (http://host:port): serve through an outbound tunnel, no public listener needed"
+    )
     # Batching: a busy node then makes one tracker call per interval rather than one per request.
     usage_report_interval_s: float = Field(
         1.0, ge=0, description="Usage receipts go to the tracker in batches, at most this often"
@@ -93,7 +99,7 @@ class NodeSettings(BaseSettings):
     # folder laid out like tests/fixtures/hardware/<box>: `root/` with the sysfs and
     # proc files, `commands/<name>.txt` with what llama-server --list-devices,
     # nvidia-smi and rocminfo printed there) instead of probing this one. Lets an
-    # operator reproduce another box's plan with `serve --dry-run` (issue 4).
+    # operator reproduce another box's plan with `serve --dry-run`, and tests plan for recorded boxes.
     hardware_fixture: Path | None = Field(
         None, description="Testing/diagnosis aid: probe a recorded machine (root/ + commands/) instead of this one"
     )

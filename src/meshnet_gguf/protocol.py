@@ -43,8 +43,15 @@ NODE_AUTH_LIFETIME_S = 60
 # Keeps one receipts call small (each receipt is ~1 kB) and quick to verify.
 MAX_RECEIPTS_PER_BATCH = 100
 
-NODE_AUTH_AUDIENCE = "meshnet-tracker"
 WELL_KNOWN_PATH = "/.well-known/meshnet-tracker"
+# Served by the node: it signs the tracker's fresh nonce with its key, proving that whatever
+# answers at the advertised URL holds that key (`NodeControlClaims`).
+NODE_CONTROL_PATH = "/.well-known/meshnet-node"
+NODE_CONTROL_NONCE_PARAM = "nonce"
+# A nonce is 32 random bytes, base64url: long enough to be unguessable, short enough for a query string.
+NODE_CONTROL_NONCE_MAX_CHARS = 128
+# More slots than any llama-server runs on one box: a bigger claim only buys an impostor routes.
+MAX_NODE_SLOTS = 256
 
 # Route refusals a node answers (status, code). Kept here so tracker, relay and docs agree.
 ROUTE_ERRORS: dict[str, int] = {
@@ -81,9 +88,9 @@ class UsageRecord(_Wire):
     model: str
     status: int = Field(description="HTTP status the client received")
     stream: bool
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
+    prompt_tokens: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(0, ge=0)
     finish_reason: FinishReason = "unknown"
     started_at: float = Field(description="Unix time the request was admitted")
     duration_s: float = 0.0
@@ -119,6 +126,10 @@ class HealthReport(_Wire):
     usage: UsageTotals = Field(default_factory=UsageTotals)
     node_version: str | None = None
     llama_build: str | None = None
+    mesh_problem: str | None = Field(
+        None, description="Why the node is not online on its tracker (e.g. the tracker key does not match the pin)"
+    )
+    relay: RelayLinkHealth | None = Field(None, description="The tunnel to the relay, when the node serves through one")
 
 
 # --- registration and liveness --------------------------------------------
@@ -160,11 +171,12 @@ class NodeAnnouncement(_Wire):
     last_layer: int = Field(ge=0)
     total_layers: int = Field(gt=0, description="GGUF block count")
     ctx_size: int | None = None
-    slots: int = Field(gt=0)
+    slots: int = Field(gt=0, le=MAX_NODE_SLOTS)
     hardware: HardwareSummary | None = None
     llama_build: str | None = None
     node_version: str
     state: MeshState = "joining"
+    relay: RelayAttachment | None = Field(None, description="Set when the node is reachable only through a relay")
 
     @property
     def full_coverage(self) -> bool:
@@ -243,12 +255,28 @@ class NodeAuthClaims(_Wire):
     """Claims of the bearer token on node -> tracker calls, signed by the node key."""
 
     iss: str = Field(description="Node id")
-    aud: str = NODE_AUTH_AUDIENCE
+    aud: str = Field(description="The tracker's issuer: a token captured on the way to one tracker is useless at another")
     iat: int
     exp: int
     htm: str = Field(description="HTTP method of the call")
     htu: str = Field(description="Path of the call, e.g. /v1/nodes/node-x/heartbeat")
     body_sha256: str
+
+
+class NodeControlClaims(_Wire):
+    """Answer of `GET {advertised_url}/.well-known/meshnet-node?nonce=...`, signed by the node key.
+
+    It proves that whatever answers at the advertised URL holds the key the node registered with.
+    """
+
+    iss: str = Field(description="Node id")
+    aud: str = Field(description="Issuer of the tracker that asked")
+    nonce: str = Field(description="The tracker's fresh nonce, echoed")
+    iat: int
+
+
+class NodeControlProof(_Wire):
+    token: str = Field(description="JWT (EdDSA, node key) whose claims are NodeControlClaims")
 
 
 class ReceiptClaims(_Wire):
@@ -277,12 +305,13 @@ class ReceiptBatch(_Wire):
 
 class ReceiptRejection(_Wire):
     request_id: str
-    code: str = Field(description="bad_signature, wrong_node, unknown_request, malformed")
+    code: str = Field(description="bad_signature, wrong_node, unknown_request, malformed, implausible, from_the_future")
     message: str
 
 
 class ReceiptAck(_Wire):
-    """`accepted` (new or already stored) is final; `rejected` is final too: never resend those."""
+    """`accepted` (new or already stored) is final; `rejected` is final too: never resend those.
+    A receipt in neither list (e.g. signed a little in the future) is to be sent again later."""
 
     accepted: list[str] = Field(default_factory=list)
     rejected: list[ReceiptRejection] = Field(default_factory=list)
@@ -309,6 +338,115 @@ class TrackerUsage(_Wire):
     node: UsageCounts | None = None
     node_finish_reason: FinishReason | None = None
     agreement: UsageAgreement
+    billed: UsageCounts | None = Field(
+        None, description="What the tracker bills: the smaller of its own count and the receipt, per field"
+    )
+    flagged: bool = Field(False, description="Tracker count and receipt differ beyond the tolerance")
+
+
+# --- relay (docs/protocol.md, "Relay") ----------------------------------------
+# A node dials the relay and upgrades one HTTP/1.1 connection per role to this protocol.
+RELAY_TUNNEL_PATH = "/v1/relay/tunnel"
+RELAY_UPGRADE_PROTOCOL = "meshnet-relay/1"
+RELAY_ATTACH_AUDIENCE = "meshnet-relay"
+# Trackers ask the relay for `CONNECT <node_id>:443`; the port is nominal, the node id picks the tunnel.
+RELAY_CONNECT_PORT = 443
+# The most a node may wait between pings; a tunnel silent for ping interval + timeout is dead.
+RELAY_PING_INTERVAL_S = 10.0
+RELAY_PING_TIMEOUT_S = 10.0
+# One control or handshake message (a JSON line); an attach proof is ~400 bytes.
+MAX_RELAY_MESSAGE_BYTES = 16 * 1024
+# Request heads on the relay's port (CONNECT or the tunnel upgrade); real ones are ~200 bytes.
+MAX_RELAY_HEAD_BYTES = 8 * 1024
+# An attach proof only has to outlive one handshake.
+RELAY_PROOF_LIFETIME_S = 60
+RelayRole = Literal["control", "work"]
+
+
+class RelayChallenge(_Wire):
+    """relay -> node, first line after the upgrade: sign this nonce."""
+
+    type: Literal["challenge"] = "challenge"
+    nonce: str = Field(description="base64url of 32 random bytes, fresh per connection")
+
+
+class RelayAttachClaims(_Wire):
+    """Claims of the attach proof (EdDSA JWT signed with the node key)."""
+
+    iss: str = Field(description="Node id")
+    aud: str = RELAY_ATTACH_AUDIENCE
+    nonce: str = Field(description="The relay's challenge on this very connection")
+    role: RelayRole
+    iat: int
+    exp: int
+
+
+class RelayAttach(_Wire):
+    """node -> relay: who I am, proved by signing the challenge."""
+
+    type: Literal["attach"] = "attach"
+    role: RelayRole
+    node_id: str
+    public_key: str = Field(description="Ed25519 public key, base64url raw; node_id must be derived from it")
+    proof: str = Field(description="JWT whose claims are RelayAttachClaims")
+
+
+class RelayAttached(_Wire):
+    """relay -> node: the connection is accepted in its role."""
+
+    type: Literal["attached"] = "attached"
+    node_id: str
+    role: RelayRole
+    ping_interval_s: float = Field(RELAY_PING_INTERVAL_S, gt=0, le=RELAY_PING_INTERVAL_S * 2)
+    ping_timeout_s: float = Field(RELAY_PING_TIMEOUT_S, gt=0)
+    max_idle_work: int = Field(gt=0, description="Idle work connections the relay keeps for this node")
+
+
+class RelayReady(_Wire):
+    """node -> relay, on a work connection after `attached`: the node listens for TLS now; park me."""
+
+    type: Literal["ready"] = "ready"
+
+
+class RelayRefused(_Wire):
+    """relay -> node, then the relay closes the connection."""
+
+    type: Literal["refused"] = "refused"
+    code: str = Field(description="bad_message, message_too_large, node_id_mismatch, bad_public_key, bad_proof, "
+                      "no_control_channel, work_pool_full, too_many_tunnels")
+    message: str
+
+
+class RelayPing(_Wire):
+    """Either side, on the control connection only. A ping is answered with a pong."""
+
+    type: Literal["ping", "pong"]
+
+
+class RelayAttachment(_Wire):
+    """In a node's announcement: reach me through this relay, over TLS with this certificate."""
+
+    url: str = Field(description="The relay's base URL; the tracker uses it as an HTTP CONNECT proxy")
+    tls_certificate: str = Field(
+        description="base64url DER of the node's self-signed X.509 certificate: Ed25519, the node's own key, "
+        "subjectAltName DNS = node id"
+    )
+
+
+RelayLinkState = Literal["connecting", "attached", "disconnected", "refused", "draining"]
+
+
+class RelayLinkHealth(_Wire):
+    """What `/health` says about the node's tunnel."""
+
+    url: str
+    state: RelayLinkState
+    attached_for_s: float | None = None
+    connects: int = Field(0, description="Control connections attached since start")
+    idle_work: int = 0
+    streams_active: int = 0
+    streams_total: int = 0
+    last_error: str | None = None
 
 
 # --- errors -----------------------------------------------------------------
@@ -326,3 +464,7 @@ class ErrorBody(_Wire):
 
     error: ErrorDetail
 
+
+
+HealthReport.model_rebuild()
+NodeAnnouncement.model_rebuild()

@@ -28,6 +28,7 @@ import anyio
 import psutil
 
 from meshnet_gguf.binary import BinaryInfo
+from meshnet_gguf.config import LLAMA_STOP_TIMEOUT_S
 from meshnet_gguf.logs import LLAMA_LOGGER, llama_log_level
 from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.ports import free_local_port
@@ -38,8 +39,14 @@ log = logging.getLogger(__name__)
 child_log = logging.getLogger(LLAMA_LOGGER)
 
 API_KEY_ENV = "LLAMA_API_KEY"  # llama-server reads its key from here: never on argv, never in logs
+# The node's own settings (the enrolment secret, the API key among them) are not llama-server's business.
+NODE_ENV_PREFIX = "MESHNET_"
 LOG_RING_LINES = 400
 FAILURE_TAIL_LINES = 25
+# Of that tail, a failure message quotes at most this many lines (its error lines first).
+FAILURE_QUOTED_LINES = 10
+# After SIGTERM, llama-server gets this long to exit before SIGKILL: the node's setting's default.
+STOP_TIMEOUT_S = LLAMA_STOP_TIMEOUT_S
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 # After ready: a /health probe this often; this many failures in a row means wedged.
 LIVENESS_INTERVAL_S = 5.0
@@ -106,13 +113,14 @@ class ChildSpec:
 
 @dataclass(frozen=True)
 class SupervisorPolicy:
-    load_stall_timeout_s: float = 300.0
-    health_poll_interval_s: float = 0.25
-    restart_backoff_initial_s: float = 1.0
-    restart_backoff_max_s: float = 60.0
-    restart_stable_after_s: float = 120.0
-    max_quick_crashes: int = 5
-    stop_timeout_s: float = 10.0
+    # No defaults here: the node's settings (`config.NodeSettings`) hold them, with their reasons.
+    load_stall_timeout_s: float
+    health_poll_interval_s: float
+    restart_backoff_initial_s: float
+    restart_backoff_max_s: float
+    restart_stable_after_s: float
+    max_quick_crashes: int
+    stop_timeout_s: float
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
     warmup: WarmupPolicy | None = CPU_WARMUP
@@ -201,7 +209,7 @@ class Supervisor(BasePart):
             self._stopped.set()
 
     async def _run(self) -> None:
-        reap_stale_child(self._pidfile)
+        reap_stale_child(self._pidfile, self.policy.stop_timeout_s)
         backoff = self.policy.restart_backoff_initial_s
         quick_crashes = 0
         ever_ready = False
@@ -257,8 +265,7 @@ class Supervisor(BasePart):
             self.port = free_local_port()
             listen = ["--host", "127.0.0.1", "--port", str(self.port)]
         argv = [str(self.spec.binary.path), *self.spec.args, *listen]
-        env = self.spec.binary.environment()
-        env.update(self.spec.env)
+        env = child_environment(self.spec.binary.environment(), self.spec.env)
         env[API_KEY_ENV] = self.api_key
         self._set_state("starting" if self.restarts == 0 else "restarting", "launching llama-server")
         log.info("launching %s", " ".join(argv))
@@ -460,7 +467,7 @@ class Supervisor(BasePart):
     def _failure_message(self, reason: str) -> str:
         tail = self.tail()
         errors = [line for line in tail if any(m in line.lower() for m in _ERROR_MARKERS)]
-        shown = errors[-10:] or tail[-10:]
+        shown = errors[-FAILURE_QUOTED_LINES:] or tail[-FAILURE_QUOTED_LINES:]
         return reason + ("; its last log lines:\n  " + "\n  ".join(shown) if shown else "; it printed nothing")
 
     def _write_pidfile(self, pid: int) -> None:
@@ -508,7 +515,14 @@ def _prepare_socket_dir(socket_path: Path) -> None:
     socket_path.unlink(missing_ok=True)
 
 
-def reap_stale_child(pidfile: Path | None, timeout_s: float = 10.0) -> bool:
+def child_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """llama-server's environment: the node's, without the node's own `MESHNET_*` settings, plus `extra`."""
+    env = {k: v for k, v in inherited.items() if not k.upper().startswith(NODE_ENV_PREFIX)}
+    env.update(extra)
+    return env
+
+
+def reap_stale_child(pidfile: Path | None, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     """End the llama-server an earlier, killed run left behind; True when one was ended.
 
     Identified by pid AND start time from our pidfile, so a recycled pid that now
