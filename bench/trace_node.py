@@ -80,6 +80,7 @@ def _wrap(cls: type) -> None:
     cls.send = send
 
 
+_wrap(upstream_http.RawUpstream)
 _wrap(upstream_http.AiohttpUpstream)
 _wrap(upstream_http.HttpxUpstream)
 

@@ -19,6 +19,7 @@ bottleneck it is used to measure.
     FAKE_LLAMA_HANG_AFTER_S    /health stops answering this long after start (a wedged server)
     FAKE_LLAMA_EVENTS_PER_WRITE events coalesced per socket write when streaming (default 1)
     FAKE_LLAMA_REQUEST_LOG     append one JSON line per inference request (path + body)
+    FAKE_LLAMA_WARMUP_LOG      the same for the node's warm-up requests (header x-meshnet-warmup)
     FAKE_LLAMA_ENV_DUMP        write the environment it was started with to this file (JSON)
 """
 
@@ -38,7 +39,8 @@ HELP = """usage: llama-server [options]
 -ngl,  --n-gpu-layers N                 layers on GPU
 -lm,   --load-mode MODE                 model loading mode
 --mmap, --no-mmap                       memory-map the model
---host HOST                             ip address to listen
+--host HOST                             ip address to listen, or bind to an UNIX socket if the address ends
+                                        with .sock (default: 127.0.0.1)
 --port PORT                             port to listen
 --metrics                               enable metrics
 --list-devices                          print list of available devices and exit
@@ -69,6 +71,7 @@ class FakeLlama:
         self.die_after = env_int("FAKE_LLAMA_DIE_AFTER", 0)
         self.per_write = max(1, env_int("FAKE_LLAMA_EVENTS_PER_WRITE", 1))
         self.request_log = os.environ.get("FAKE_LLAMA_REQUEST_LOG")
+        self.warmup_log = os.environ.get("FAKE_LLAMA_WARMUP_LOG")
         self.task_id = 0
 
     def loading(self) -> bool:
@@ -114,9 +117,11 @@ class FakeLlama:
             return await respond(writer, 200, {"object": "list", "data": [{"id": self.alias, "object": "model", "owned_by": "llamacpp"}]})
         if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings") and method == "POST":
             payload = json.loads(body)
-            if self.request_log:
-                with open(self.request_log, "a") as fh:
-                    fh.write(json.dumps({"path": path, "body": payload}) + "\n")
+            # The node's own warm-up (before ready) is logged apart from client requests.
+            log_to = self.warmup_log if headers.get("x-meshnet-warmup") else self.request_log
+            if log_to:
+                with open(log_to, "a") as fh:
+                    fh.write(json.dumps({"path": path, "body": payload, "at": time.time()}) + "\n")
             if path == "/v1/embeddings":
                 return await respond(writer, 200, {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}], "model": self.alias, "usage": {"prompt_tokens": 3, "total_tokens": 3}})
             slot = next(i for i in range(self.slots) if i not in self.busy) if len(self.busy) < self.slots else -1
@@ -124,7 +129,7 @@ class FakeLlama:
             try:
                 n = min(self.tokens, int(payload.get("max_tokens") or self.tokens))
                 if payload.get("stream"):
-                    return await self.stream(writer, path, payload, n)
+                    return await self.stream(writer, path, payload, n, warmup=bool(headers.get("x-meshnet-warmup")))
                 return await respond(writer, 200, self.whole_answer(path, n))
             finally:
                 self.busy.discard(slot)
@@ -140,7 +145,8 @@ class FakeLlama:
             "timings": {"predicted_per_second": 1000.0},
         }  # fmt: skip
 
-    async def stream(self, writer: asyncio.StreamWriter, path: str, payload: dict, n: int) -> bool:
+    async def stream(self, writer: asyncio.StreamWriter, path: str, payload: dict, n: int, warmup: bool = False) -> bool:
+        # The node's warm-up is answered at once: deaths and delays asked for are for client requests.
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         chat = path.endswith("chat/completions")
         head = b'data: {"id":"fake-1","object":"chat.completion.chunk","model":"' + self.alias.encode() + b'","choices":[{"index":0,'
@@ -153,6 +159,8 @@ class FakeLlama:
             if len(batch) >= self.per_write:
                 await write_chunk(writer, b"".join(batch))
                 batch.clear()
+            if warmup:
+                continue
             if self.die_after and i + 1 >= self.die_after:
                 os._exit(1)
             if self.token_delay:
@@ -243,8 +251,13 @@ async def main(argv: list[str]) -> int:
         print("llama_model_load: error loading model: fake failure requested", flush=True)
         print("main: exiting due to model loading error", flush=True)
         return int(exit_code)
-    server = await asyncio.start_server(fake.handle, fake.args.get("--host", "127.0.0.1"), int(fake.args["--port"]))
-    print(f"main: server is listening on http://127.0.0.1:{fake.args['--port']}", flush=True)
+    host = fake.args.get("--host", "127.0.0.1")
+    if host.endswith(".sock"):  # as llama-server does
+        server = await asyncio.start_unix_server(fake.handle, host)
+        print(f"main: server is listening on unix://{host}", flush=True)
+    else:
+        server = await asyncio.start_server(fake.handle, host, int(fake.args["--port"]))
+        print(f"main: server is listening on http://127.0.0.1:{fake.args['--port']}", flush=True)
     if fake.load_s and os.environ.get("FAKE_LLAMA_SILENT_LOAD") != "1":
         while fake.loading():
             print("load_tensors: loading ...", flush=True)

@@ -88,7 +88,9 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     node = start_node(
         "--gguf", str(tiny_gguf), "--ctx-size", "4096", "--parallel", "2", "--llama-arg=--metrics",
         "--log-format", "json",
-        env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "600000"},
+        # No warm-up: its tokens are llama-server's (in its counters) but no one's bill, and this
+        # test compares the two counts (tests/test_warmup.py covers the warm-up).
+        env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "600000", "MESHNET_WARMUP": "false"},
     )  # fmt: skip
 
     # READY only once llama-server answers; STATUS lines came before it.

@@ -22,12 +22,16 @@ from meshnet_gguf.launch import DEMO_F16_FILE
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
-def llama_endpoint(pid: int) -> tuple[str, str]:
-    """llama-server's private URL and internal key, read the way an operator with root could."""
+def llama_client(pid: int) -> httpx.Client:
+    """A client of llama-server itself (its UNIX socket, or its loopback port) with its internal
+    key, both read the way an operator with root could."""
     proc = psutil.Process(pid)
     argv = proc.cmdline()
-    port = argv[argv.index("--port") + 1]
-    return f"http://127.0.0.1:{port}", proc.environ()["LLAMA_API_KEY"]
+    host = argv[argv.index("--host") + 1]
+    headers = {"authorization": f"Bearer {proc.environ()['LLAMA_API_KEY']}"}
+    if host.endswith(".sock"):
+        return httpx.Client(transport=httpx.HTTPTransport(uds=host), base_url="http://localhost", headers=headers)
+    return httpx.Client(base_url=f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", headers=headers)
 
 
 def gone(pid: int) -> bool:
@@ -118,18 +122,17 @@ def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, sta
 def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
     node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "4096", "--parallel", "1")
     node.wait_ready()
-    url, key = llama_endpoint(node.llama_pid())
-    slots_url, auth = url + "/slots", {"authorization": f"Bearer {key}"}
-    with httpx.Client(timeout=60) as client:
+    llama = llama_client(node.llama_pid())  # type: ignore[arg-type]
+    with httpx.Client(timeout=60) as client, llama:
         body = {"messages": MESSAGES, "max_tokens": 1000, "stream": True, "ignore_eos": True}
         with client.stream("POST", node.url + "/v1/chat/completions", json=body) as response:
             chunks = response.iter_bytes()
             for _ in range(3):
                 next(chunks)
-            assert any(s["is_processing"] for s in httpx.get(slots_url, headers=auth).json())
+            assert any(s["is_processing"] for s in llama.get("/slots").json())
         # Leaving the block closed the connection mid-stream.
         closed_at = time.monotonic()
-        while any(s["is_processing"] for s in httpx.get(slots_url, headers=auth).json()):
+        while any(s["is_processing"] for s in llama.get("/slots").json()):
             assert time.monotonic() - closed_at < 2.0, "llama-server kept generating for a gone client"
             time.sleep(0.02)
     usage = node.health().json()["usage"]

@@ -59,9 +59,10 @@ class NodeSettings(BaseSettings):
     parallel: int = Field(4, ge=1, le=256, description="llama-server slots = max requests in flight")
     n_gpu_layers: str | None = Field(None, description="'all', 'auto' or a count; default: planned from hardware")
     llama_args: list[str] = Field(default_factory=list, description="Extra arguments passed to llama-server verbatim")
-    upstream_client: Literal["aiohttp", "httpx"] = Field(
-        "aiohttp", description="HTTP client for the proxy -> llama-server hop (chosen by bench/RESULTS.md)"
+    upstream_client: Literal["raw", "aiohttp", "httpx"] = Field(
+        "raw", description="HTTP client for the proxy -> llama-server hop (chosen by bench/RESULTS.md)"
     )
+    warmup: bool = Field(True, description="One short generation after load, before reporting ready")
 
     # --- supervisor policy -------------------------------------------------
     # A 100 GB model can take many minutes to load; the deadline is a stall timer

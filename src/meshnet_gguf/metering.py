@@ -1,9 +1,14 @@
 """Metering: what one request used, read from a copy of llama-server's answer as it passes.
 
 The proxy forwards bytes unchanged; these functions look at the same bytes and
-fill a `RequestMeter`, which becomes the request's one `UsageRecord`. The hot
-path (`meter_events`, one call per upstream read) builds nothing unless an
-event must be added or dropped, and reads the clock once per call.
+fill a `RequestMeter`, which becomes the request's one `UsageRecord`.
+
+A streamed answer goes through `StreamRelay.feed`, one call per upstream read.
+Nearly every read holds only content deltas; for those it does a few byte scans
+of the whole read (C speed, no per-event Python work) and forwards the complete
+events as they came. Only a read that may hold something the meter must act on
+(usage, a finish reason, an error, [DONE], tool calls) is split into events and
+goes through `meter_events`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshnet_gguf.protocol import USAGE_COMMENT_PREFIX, FinishReason, UsageRecord
-from meshnet_gguf.sse import comment_event
+from meshnet_gguf.sse import SSESplitter, comment_event
 
 _FINISH_RE = re.compile(rb'"finish_reason":"([a-z_]+)"')
 
@@ -151,6 +156,65 @@ def meter_events(meter: RequestMeter, events: list[bytes]) -> tuple[list[bytes] 
     return out, done
 
 
+# Any of these in a read sends it down the per-event path (usage or timings are what the
+# meter reads its counts from). A finish reason counts only
+# as a string (`"finish_reason":null` rides on every delta); "error" catches both an
+# `error` event and a `{"error"...}` data event.
+_SLOW_PATH_MARKERS = (b'"usage"', b'"timings"', b'"finish_reason":"', b"[DONE]", b"error", b'"tool_calls"', b"\r")
+
+
+class StreamRelay:
+    """Meters a streamed answer read by read and says what to forward; keeps an event split
+    across reads until its end arrives, so only whole events go out."""
+
+    __slots__ = ("meter", "_pending", "_splitter")
+
+    def __init__(self, meter: RequestMeter) -> None:
+        self.meter = meter
+        self._pending = b""
+        self._splitter = SSESplitter()
+
+    def feed(self, chunk: bytes) -> tuple[bytes, bool]:
+        """(bytes to forward now, whether [DONE] passed)."""
+        data = self._pending + chunk if self._pending else chunk
+        if any(marker in data for marker in _SLOW_PATH_MARKERS):
+            return self._feed_events(data)
+        end = data.rfind(b"\n\n") + 2
+        if end < 2:
+            self._pending = data
+            return b"", False
+        complete = data if end == len(data) else data[:end]
+        self._pending = data[end:]
+        tokens = (
+            complete.count(b'"content":"')
+            - complete.count(b'"content":""')
+            + complete.count(b'"text":"')
+            - complete.count(b'"text":""')
+        )
+        if tokens > 0:
+            meter = self.meter
+            meter.content_events += tokens
+            if meter.first_token_at is None:
+                meter.first_token_at = time.perf_counter()
+        return complete, False
+
+    def _feed_events(self, data: bytes) -> tuple[bytes, bool]:
+        events = self._splitter.feed(data)
+        self._pending = b""
+        pending = self._splitter.pending
+        if pending:
+            # The splitter keeps the tail; hand it back to the fast path's buffer instead.
+            self._splitter = SSESplitter()
+            self._pending = pending
+        if not events:
+            return b"", False
+        replaced, done = meter_events(self.meter, events)
+        if replaced is None:
+            # Without a tail, the events are `data` itself: forward it as it came.
+            return (b"".join(events) if pending else data), done
+        return b"".join(replaced), done
+
+
 def _carries_a_token(event: bytes) -> bool:
     """A generated piece: non-empty content or text, or a tool call. The opening
     `{"role":"assistant","content":null}` delta and the empty closing chunk are not tokens."""
@@ -193,4 +257,4 @@ def _finish_reason(value: str) -> FinishReason:
     return value if value in ("stop", "length", "tool_calls") else "unknown"  # type: ignore[return-value]
 
 
-__all__ = ["RequestMeter", "meter_events", "meter_whole_body"]
+__all__ = ["RequestMeter", "StreamRelay", "meter_events", "meter_whole_body"]

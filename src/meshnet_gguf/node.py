@@ -31,7 +31,7 @@ from meshnet_gguf.node_part import NodePart
 from meshnet_gguf.protocol import HealthReport
 from meshnet_gguf.proxy import ProxyApp, ProxyLimits, UpstreamTarget
 from meshnet_gguf.sd_notify import SystemdNotifier, watchdog_interval
-from meshnet_gguf.supervisor import Supervisor, SupervisorPolicy
+from meshnet_gguf.supervisor import CPU_WARMUP, GPU_WARMUP, Supervisor, SupervisorPolicy, WarmupPolicy
 from meshnet_gguf.upstream_http import make_upstream_client
 from meshnet_gguf.usage_stats import UsageLog, UsageStats
 
@@ -85,6 +85,7 @@ def build_node(launch: PreparedLaunch) -> Node:
             restart_stable_after_s=settings.restart_stable_after_s,
             max_quick_crashes=settings.max_quick_crashes,
             stop_timeout_s=settings.stop_timeout_s,
+            warmup=_warmup_policy(launch) if settings.warmup else None,
         ),
         state_dir=settings.state_dir,
         listeners=[operations],
@@ -156,6 +157,11 @@ def build_node(launch: PreparedLaunch) -> Node:
         on_close=upstream_client.aclose,
     )
     return node
+
+
+def _warmup_policy(launch: PreparedLaunch) -> WarmupPolicy:
+    """A GPU builds kernels per shape on first use: warm each size class there; a CPU only pages in."""
+    return GPU_WARMUP if launch.plan is not None and not launch.plan.cpu_only else CPU_WARMUP
 
 
 def _mesh_link(

@@ -30,7 +30,7 @@ import anyio
 from meshnet_gguf.admission import Admission
 from meshnet_gguf.errors import ApiError, openai_error_body
 from meshnet_gguf.logs import request_id_var
-from meshnet_gguf.metering import RequestMeter, meter_events, meter_whole_body
+from meshnet_gguf.metering import RequestMeter, StreamRelay, meter_whole_body
 from meshnet_gguf.protocol import (
     REQUEST_ID_HEADER,
     USAGE_COMPLETION_TOKENS_HEADER,
@@ -39,7 +39,7 @@ from meshnet_gguf.protocol import (
     UsageRecord,
 )
 from meshnet_gguf.request_validation import parse_json_object, rewrite_top_level, single_prompt, validate_request
-from meshnet_gguf.sse import DONE_DATA, SSESplitter, data_event
+from meshnet_gguf.sse import DONE_DATA, data_event
 from meshnet_gguf.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -453,20 +453,12 @@ class ProxyApp:
                 "headers": [*_STREAM_HEADERS, (_REQUEST_ID_KEY, meter.request_id.encode())],
             }
         )
-        splitter = SSESplitter()
+        relay = StreamRelay(meter)
         done_sent = False
         try:
             async for chunk in response.iter_chunks():
-                events = splitter.feed(chunk)
-                if not events:
-                    continue
-                replaced, done_sent = meter_events(meter, events)
-                if replaced is None:
-                    # Whole events arriving as one chunk (the usual case) go out as that very chunk.
-                    whole = not splitter.pending and len(chunk) == sum(map(len, events))
-                    body = chunk if whole else b"".join(events)
-                else:
-                    body = b"".join(replaced)
+                body, done = relay.feed(chunk)
+                done_sent = done_sent or done
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
         except UpstreamError as exc:

@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import signal
+import stat
 import sys
 import time
 from collections import deque
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
-import httpx
 import psutil
 
 from meshnet_gguf.binary import BinaryInfo
@@ -33,6 +33,7 @@ from meshnet_gguf.logs import LLAMA_LOGGER, llama_log_level
 from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.ports import free_local_port
 from meshnet_gguf.protocol import NodeState
+from meshnet_gguf.upstream_http import RawUpstream, UpstreamError, unix_socket_url
 
 log = logging.getLogger(__name__)
 child_log = logging.getLogger(LLAMA_LOGGER)
@@ -52,6 +53,20 @@ LIVENESS_INTERVAL_S = 5.0
 LIVENESS_FAILURES = 3
 OUTPUT_READ_SIZE = 16 * 1024
 PIDFILE_NAME = "llama-server.pid"
+# llama-server listens on a UNIX socket in this private folder of the state dir, so only
+# this user can reach it (a loopback port can be raced for, and reached, by any local user).
+SOCKET_DIR_NAME = "run"
+SOCKET_NAME = "llama-server.sock"
+SOCKET_DIR_MODE = 0o700
+# sun_path holds 108 bytes with its terminating NUL; a longer path falls back to loopback TCP.
+MAX_SOCKET_PATH_BYTES = 107
+# A build that can listen on a UNIX socket says so in its --host help line.
+_UNIX_SOCKET_HELP_MARK = "unix socket"
+# The warm-up's prompt is this word repeated: about one token per word with a subword
+# vocabulary (a byte-level toy vocabulary makes it a few tokens per word).
+WARMUP_WORD = " the"
+# Marks the warm-up's requests, so llama-server's log (and a test's fake) can tell them from clients'.
+WARMUP_HEADER = "x-meshnet-warmup"
 # create_time from /proc has 10 ms resolution; anything closer is the same process.
 _CREATE_TIME_TOLERANCE_S = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -61,6 +76,28 @@ ILLEGAL_INSTRUCTION_HINT = (
     "--llama-server PATH; offloading every layer to a GPU also avoids the CPU kernels"
 )
 _ERROR_MARKERS = ("error", "failed", "fatal", "abort", "exception", "what():", "cannot", "unable")
+
+
+@dataclass(frozen=True)
+class WarmupPolicy:
+    """Generations run after load and before `ready`, so the first real request does not pay
+    for first-use work: GPU kernels built per shape on first use, the chat template's first
+    rendering, model pages read in from the mmap. One streamed chat completion per prompt
+    length, each `max_tokens` long."""
+
+    prompt_words: tuple[int, ...] = (16,)
+    max_tokens: int = 4
+    timeout_s: float = 180.0
+
+
+# On a GPU each prompt size picks other kernels (vector kernels for a few tokens; small,
+# medium and large matrix tiles above, each aligned or not): one prompt per size class.
+# Measured on an H200 (Vulkan): ~10 s the first time on a machine, while the driver builds
+# its pipelines; ~0.2 s once its on-disk pipeline cache holds them. Largest first: the slot
+# keeps the last prompt, and llama-server copies a slot's old prompt out to its RAM cache
+# before reusing the slot, so a large last prompt cost the first user request ~40 ms.
+GPU_WARMUP = WarmupPolicy(prompt_words=(600, 150, 40, 12, 2), max_tokens=8)
+CPU_WARMUP = WarmupPolicy()
 
 
 class ChildFailed(RuntimeError):
@@ -86,6 +123,7 @@ class SupervisorPolicy:
     stop_timeout_s: float
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
+    warmup: WarmupPolicy | None = CPU_WARMUP
 
 
 class ChildListener(Protocol):
@@ -115,6 +153,8 @@ class Supervisor(BasePart):
         self.detail: str | None = None
         self.restarts = 0
         self.port: int | None = None
+        self.socket_path: Path | None = _socket_path(spec.binary, state_dir) if state_dir is not None else None
+        self.warmup_s: float | None = None
         self.pid: int | None = None
         self.api_key = secrets.token_urlsafe(32)
         self.log_ring: deque[str] = deque(maxlen=LOG_RING_LINES)
@@ -129,7 +169,13 @@ class Supervisor(BasePart):
     # --- what others may read -------------------------------------------
     @property
     def base_url(self) -> str | None:
+        if self.socket_path is not None:
+            return unix_socket_url(str(self.socket_path)) if self._proc is not None else None
         return f"http://127.0.0.1:{self.port}" if self.port else None
+
+    @property
+    def listen_address(self) -> str:
+        return str(self.socket_path) if self.socket_path is not None else f"127.0.0.1:{self.port}"
 
     def is_ready(self) -> bool:
         return self.state == "ready"
@@ -167,18 +213,21 @@ class Supervisor(BasePart):
         backoff = self.policy.restart_backoff_initial_s
         quick_crashes = 0
         ever_ready = False
-        async with httpx.AsyncClient(timeout=HEALTH_REQUEST_TIMEOUT_S) as http:
+        http = RawUpstream(max_connections=1)
+        try:
             while not self._stop_requested.is_set():
                 proc = await self._spawn()
                 async with anyio.create_task_group() as readers:
                     readers.start_soon(self._pump_output, proc)
                     outcome = await self._wait_ready(proc, http)
+                    if outcome == "ready" and self.policy.warmup is not None:
+                        outcome = await self._warm_up(proc, http, self.policy.warmup)
                     up_for = 0.0
                     if outcome == "ready":
                         ever_ready = True
                         self.ready_since = time.monotonic()
                         self._set_state("ready")
-                        log.info("llama-server ready on 127.0.0.1:%s (pid %s)", self.port, proc.pid)
+                        log.info("llama-server ready on %s (pid %s)", self.listen_address, proc.pid)
                         outcome = await self._watch(proc, http)
                         up_for = time.monotonic() - self.ready_since
                         self.ready_since = None
@@ -204,11 +253,18 @@ class Supervisor(BasePart):
                     await self._stop_requested.wait()
                 backoff = min(backoff * 2, self.policy.restart_backoff_max_s)
                 self.restarts += 1
+        finally:
+            await http.aclose()
 
     # --- one child's life -------------------------------------------------
     async def _spawn(self) -> asyncio.subprocess.Process:
-        self.port = free_local_port()
-        argv = [str(self.spec.binary.path), *self.spec.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.socket_path is not None:
+            _prepare_socket_dir(self.socket_path)
+            listen = ["--host", str(self.socket_path)]
+        else:
+            self.port = free_local_port()
+            listen = ["--host", "127.0.0.1", "--port", str(self.port)]
+        argv = [str(self.spec.binary.path), *self.spec.args, *listen]
         env = child_environment(self.spec.binary.environment(), self.spec.env)
         env[API_KEY_ENV] = self.api_key
         self._set_state("starting" if self.restarts == 0 else "restarting", "launching llama-server")
@@ -250,8 +306,88 @@ class Supervisor(BasePart):
         for listener in self._listeners:
             listener.child_line(line)
 
-    async def _wait_ready(self, proc: asyncio.subprocess.Process, http: httpx.AsyncClient) -> str:
-        health_url = f"{self.base_url}/health"
+    async def _probe_health(self, http: RawUpstream) -> bool:
+        """One GET /health; True on 200. Never raises for a child that is not (yet) answering."""
+        with anyio.move_on_after(HEALTH_REQUEST_TIMEOUT_S):
+            try:
+                response = await http.send("GET", f"{self.base_url}/health", {}, None)
+                try:
+                    await response.read()
+                finally:
+                    await response.aclose()
+                return response.status == 200
+            except UpstreamError:
+                return False
+        return False
+
+    async def _warm_up(self, proc: asyncio.subprocess.Process, http: RawUpstream, policy: WarmupPolicy) -> str:
+        """Run the warm-up generations; "ready" when done (or when they cannot run), else why not."""
+        self.detail = "warming up"
+        started = time.monotonic()
+        outcome = "ready"
+        async with anyio.create_task_group() as tg:
+
+            async def stop_or_exit() -> None:
+                nonlocal outcome
+                async with anyio.create_task_group() as inner:
+
+                    async def exited() -> None:
+                        nonlocal outcome
+                        await proc.wait()
+                        outcome = "exited"
+                        inner.cancel_scope.cancel()
+
+                    async def stop() -> None:
+                        nonlocal outcome
+                        await self._stop_requested.wait()
+                        outcome = "stopping"
+                        inner.cancel_scope.cancel()
+
+                    inner.start_soon(exited)
+                    inner.start_soon(stop)
+                tg.cancel_scope.cancel()
+
+            async def generate() -> None:
+                with anyio.move_on_after(policy.timeout_s) as deadline:
+                    for words in policy.prompt_words:
+                        await self._warmup_request(http, words, policy.max_tokens)
+                if deadline.cancelled_caught:
+                    log.warning("llama-server warm-up took over %.0f s; reporting ready without it", policy.timeout_s)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stop_or_exit)
+            tg.start_soon(generate)
+        self.warmup_s = time.monotonic() - started
+        if outcome == "ready":
+            log.info("llama-server warmed up in %.2f s", self.warmup_s)
+        return outcome
+
+    async def _warmup_request(self, http: RawUpstream, words: int, max_tokens: int) -> None:
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": WARMUP_WORD * words}],
+                "max_tokens": max_tokens,
+                "stream": True,
+                "temperature": 0,
+                # The warm-up must not leave its prompt behind as a cache hit for a real request.
+                "cache_prompt": False,
+            }
+        ).encode()
+        headers = {"authorization": f"Bearer {self.api_key}", "content-type": "application/json", WARMUP_HEADER: "1"}
+        try:
+            response = await http.send("POST", f"{self.base_url}/v1/chat/completions", headers, body)
+            try:
+                answer = await response.read()
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            log.info("llama-server warm-up request failed (%s); going on", exc)
+            return
+        if response.status != 200:
+            # An embedding-only model, say: nothing to warm through this route.
+            log.info("llama-server warm-up answered %s (%s); going on", response.status, answer[:200])
+
+    async def _wait_ready(self, proc: asyncio.subprocess.Process, http: RawUpstream) -> str:
         while True:
             if self._stop_requested.is_set():
                 return "stopping"
@@ -260,16 +396,12 @@ class Supervisor(BasePart):
             silent_for = time.monotonic() - self._last_activity
             if silent_for > self.policy.load_stall_timeout_s:
                 return "stalled"
-            try:
-                response = await http.get(health_url)
-                if response.status_code == 200:
-                    return "ready"
-            except httpx.HTTPError:
-                pass  # not listening yet
+            if await self._probe_health(http):
+                return "ready"
             with anyio.move_on_after(self.policy.health_poll_interval_s):
                 await self._stop_requested.wait()
 
-    async def _watch(self, proc: asyncio.subprocess.Process, http: httpx.AsyncClient) -> str:
+    async def _watch(self, proc: asyncio.subprocess.Process, http: RawUpstream) -> str:
         """Wait until the child exits, stops answering /health, or we are told to stop."""
         outcome = "stopping"
         async with anyio.create_task_group() as tg:
@@ -285,10 +417,7 @@ class Supervisor(BasePart):
                 failures = 0
                 while True:
                     await anyio.sleep(self.policy.liveness_interval_s)
-                    try:
-                        ok = (await http.get(f"{self.base_url}/health")).status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
+                    ok = await self._probe_health(http)
                     failures = 0 if ok else failures + 1
                     if failures >= self.policy.liveness_failures:
                         outcome = "unresponsive"
@@ -354,6 +483,36 @@ class Supervisor(BasePart):
     def _remove_pidfile(self) -> None:
         if self._pidfile is not None:
             self._pidfile.unlink(missing_ok=True)
+
+
+def supports_unix_socket(binary: BinaryInfo) -> bool:
+    """Whether this llama-server build can listen on a UNIX socket (`--host PATH.sock`)."""
+    return _UNIX_SOCKET_HELP_MARK in binary.help_text.lower()
+
+
+def _socket_path(binary: BinaryInfo, state_dir: Path | None) -> Path | None:
+    """Where llama-server should listen, or None for loopback TCP (no state dir, an older
+    build, or a path too long for a socket address)."""
+    if state_dir is None or not supports_unix_socket(binary):
+        return None
+    path = Path(state_dir).absolute() / SOCKET_DIR_NAME / SOCKET_NAME
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        log.info("state dir path too long for a UNIX socket; llama-server listens on loopback TCP")
+        return None
+    return path
+
+
+def _prepare_socket_dir(socket_path: Path) -> None:
+    """Make the socket's folder ours alone, and remove a socket a killed run left behind
+    (llama-server cannot bind over it). Refuses a folder someone else could have planted."""
+    folder = socket_path.parent
+    folder.mkdir(mode=SOCKET_DIR_MODE, parents=True, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise ChildFailed(f"{folder} is not a folder owned by this user; refusing to put llama-server's socket there")
+    if info.st_mode & 0o077:
+        os.chmod(folder, SOCKET_DIR_MODE)
+    socket_path.unlink(missing_ok=True)
 
 
 def child_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:

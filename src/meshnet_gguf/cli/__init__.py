@@ -13,6 +13,8 @@ app = typer.Typer(
     help="Serve GGUF models through llama-server as a whole-model Meshnet node.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain click help: rendering it with rich would import rich for every --help (~0.2 s).
+    rich_markup_mode=None,
 )
 
 

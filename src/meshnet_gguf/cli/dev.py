@@ -9,8 +9,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from meshnet_gguf.config import default_state_dir
-from meshnet_gguf.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, RELAY_PING_INTERVAL_S, WELL_KNOWN_PATH
 
 dev_app = typer.Typer(help="Reference Meshnet services for local use and tests.", no_args_is_help=True)
 
@@ -41,13 +39,15 @@ def tracker(
         bool, typer.Option(help="Accept nodes advertising loopback URLs (a mesh on this one machine)")
     ] = True,
     allow_private: Annotated[bool, typer.Option(help="Accept nodes advertising private (LAN) addresses")] = False,
-    heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = DEFAULT_HEARTBEAT_INTERVAL_S,
+    heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = 10.0,  # protocol.DEFAULT_HEARTBEAT_INTERVAL_S; a literal so --help need not import pydantic (tests/test_cli_startup.py checks they match)
     health_poll_interval: Annotated[Optional[float], typer.Option(help="Seconds between health polls of each node [default: 5]")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
     """Run the reference tracker: registers nodes, signs single-hop routes, relays and bills."""
     import uvicorn
 
+    from meshnet_gguf.config import default_state_dir
+    from meshnet_gguf.protocol import WELL_KNOWN_PATH
     from meshnet_gguf.reference.node_address import AddressPolicy
     from meshnet_gguf.reference.tracker import (
         MAX_REQUEST_HEADER_BYTES,
@@ -95,7 +95,7 @@ def tracker(
 def relay(
     host: Annotated[str, typer.Option(help="Address to listen on (nodes and trackers both dial it)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on")] = DEFAULT_RELAY_PORT,
-    ping_interval: Annotated[float, typer.Option(help="Seconds between a node's pings (at most 20)", max=20)] = RELAY_PING_INTERVAL_S,
+    ping_interval: Annotated[float, typer.Option(help="Seconds between a node's pings (at most 20)", max=20)] = 10.0,  # protocol.RELAY_PING_INTERVAL_S, a literal for the same reason (checked by the same test)
     max_idle_work: Annotated[Optional[int], typer.Option(help="Idle work connections kept per node [default: 16]", min=1)] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:

@@ -8,8 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from meshnet_gguf.config import NodeSettings
-
 # Exit codes: 0 nothing blocks serving (warnings may remain), 1 something does.
 EXIT_BLOCKED = 1
 
@@ -31,6 +29,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
     ) -> None:
         """Check binary, GPUs, memory, disk, clock and port; explain each problem and how to fix it."""
+        from meshnet_gguf.config import NodeSettings
         from meshnet_gguf.doctor import DoctorEnvironment, DoctorReport, run_doctor
         from meshnet_gguf.launch import doctor_model_size
         from meshnet_gguf.relay_ops import check_relay

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from meshnet_gguf.config import NodeSettings
+if TYPE_CHECKING:
+    from meshnet_gguf.config import NodeSettings
 
 DOWNLOAD_DIR_HELP = "Where GGUF files go, under owner/name/ with their original names (env MESHNET_DOWNLOAD_DIR; default ~/.local/share/meshnet/models)"
 # Exit code for an operator-fixable problem (unknown model, no space, gated...), as `serve` uses.
@@ -16,6 +17,8 @@ EXIT_SETUP_ERROR = 2
 
 def _settings(**flags: Any) -> NodeSettings:
     """Flags the operator gave win; the rest comes from `MESHNET_*` env and the config file."""
+    from meshnet_gguf.config import NodeSettings
+
     return NodeSettings(**{k: v for k, v in flags.items() if v is not None and v is not False})
 
 

@@ -5,17 +5,20 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
-import anyio
 import typer
-from pydantic import ValidationError
 
-from meshnet_gguf.config import NodeSettings
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from meshnet_gguf.config import NodeSettings
 
 
 def settings_from_flags(**flags: Any) -> NodeSettings:
     """Flags the operator actually gave win; the rest comes from `MESHNET_*` env and the config file."""
+    from meshnet_gguf.config import NodeSettings
+
     given = {k: v for k, v in flags.items() if v is not None and v != [] and v is not False}
     return NodeSettings(**given)
 
@@ -44,11 +47,14 @@ def register(app: typer.Typer) -> None:
         relay_url: Annotated[Optional[str], typer.Option("--relay", help="Relay URL: serve through an outbound tunnel (no public listener needed)")] = None,
         enrolment_secret: Annotated[Optional[str], typer.Option(help="Secret the tracker requires to register (prefer MESHNET_ENROLMENT_SECRET: argv is visible to other users)")] = None,
         drain_grace_s: Annotated[Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown [default: 30]")] = None,
-        upstream_client: Annotated[Optional[str], typer.Option(help="aiohttp or httpx for the llama-server hop")] = None,
+        upstream_client: Annotated[Optional[str], typer.Option(help="raw (default), aiohttp or httpx for the llama-server hop")] = None,
         log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
     ) -> None:
         """Serve a GGUF model through llama-server on an OpenAI-compatible port."""
+        import anyio
+        from pydantic import ValidationError
+
         from meshnet_gguf.launch import NodeSetupError, prepare_launch
         from meshnet_gguf.node import build_node
         from meshnet_gguf.sd_notify import SystemdNotifier

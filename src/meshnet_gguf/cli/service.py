@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from meshnet_gguf.config import NodeSettings
+if TYPE_CHECKING:
+    from meshnet_gguf.config import NodeSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,6 +33,8 @@ class ServeArgsError(ValueError):
 
 def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSettings:
     """Parse `args` exactly as `meshnet-gguf serve` would, into the settings it would run with."""
+    from meshnet_gguf.config import NodeSettings
+
     root = ctx.find_root().command
     get_command = getattr(root, "get_command", None)
     serve = get_command(ctx, "serve") if get_command is not None else None
@@ -145,6 +146,8 @@ def register(app: typer.Typer) -> None:
 
 def _installed_address(config_path: Path) -> tuple[str, int]:
     """Host and port from the installed config (readable to root and the service user), else defaults."""
+    from meshnet_gguf.config import NodeSettings
+
     defaults = NodeSettings.model_fields
     host, port = str(defaults["host"].default), int(defaults["port"].default)
     try:
@@ -156,6 +159,9 @@ def _installed_address(config_path: Path) -> tuple[str, int]:
 
 def _node_health(host: str, port: int) -> dict[str, Any] | None:
     """The node's /health body (any status), or None when nothing answers."""
+    import urllib.error
+    import urllib.request
+
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     url = f"http://{host}:{port}/health"

@@ -9,9 +9,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from meshnet_gguf.config import default_state_dir
-from meshnet_gguf.ledger import LEDGER_FILE, UsageLedger
-
 
 def register(app: typer.Typer) -> None:
     @app.command()
@@ -22,6 +19,9 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
     ) -> None:
         """List recent requests from the usage ledger (reported to the tracker or not) and the totals."""
+        from meshnet_gguf.config import default_state_dir
+        from meshnet_gguf.ledger import LEDGER_FILE, UsageLedger
+
         path = (state_dir or default_state_dir()) / LEDGER_FILE
         if not path.exists():
             # Not an error: a node that has not served with a tracker yet simply has no ledger.

@@ -32,7 +32,8 @@ class TinyModelSpec:
     seed: int = 0
     name: str = "tiny-llama"
     # "Q8_0" stores the matrices quantized, so llama.cpp runs its integer dot-product
-    # kernels (the ones a binary built for another CPU can die on); "F32" avoids them.
+    # kernels (the ones a binary built for another CPU can die on); "F32" avoids them;
+    # "F16" halves the size of a benchmark-sized model (the usual unquantized GGUF).
     weight_type: str = "F32"
 
 
@@ -90,7 +91,8 @@ def write_tiny_model(
     writer.add_head_count_kv(spec.n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if spec.weight_type == "Q8_0" else gguf.LlamaFileType.ALL_F32)
+    file_types = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "F16": gguf.LlamaFileType.MOSTLY_F16}
+    writer.add_file_type(file_types.get(spec.weight_type, gguf.LlamaFileType.ALL_F32))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -101,8 +103,8 @@ def write_tiny_model(
     writer.add_add_bos_token(False)
 
     quantized = spec.weight_type == "Q8_0"
-    if spec.weight_type not in ("F32", "Q8_0"):
-        raise ValueError(f"weight_type must be F32 or Q8_0, not {spec.weight_type}")
+    if spec.weight_type not in ("F32", "F16", "Q8_0"):
+        raise ValueError(f"weight_type must be F32, F16 or Q8_0, not {spec.weight_type}")
 
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
@@ -111,6 +113,8 @@ def write_tiny_model(
         if quantized:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
+        elif spec.weight_type == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
         else:
             writer.add_tensor(name, data)
 
