@@ -75,6 +75,18 @@ class CatalogEntry:
     context_length: int | None = None
     notes: str = ""
     shape: ModelShape | None = None
+    chat_template: str | None = None  # a Jinja file shipped in this package
+    stop: tuple[str, ...] = ()
+
+    def llama_args(self, supports: Callable[[str], bool]) -> list[str]:
+        """llama-server flags this entry needs (its chat template, its stop strings), as far as the build `supports`."""
+        args: list[str] = []
+        if self.chat_template and supports("--chat-template-file"):
+            args += ["--chat-template-file", str(packaged_file(self.chat_template))]
+        if supports("--reverse-prompt"):
+            for word in self.stop:
+                args += ["--reverse-prompt", word]
+        return args
 
     def quant(self, name: str) -> CatalogQuant | None:
         """Case-insensitive lookup; `UD-` optional when that leaves one candidate (as in `select_quant`)."""
@@ -170,12 +182,27 @@ def parse_catalog(text: str) -> Catalog:
                 context_length=raw.get("context_length"),
                 notes=str(raw.get("notes", "")),
                 shape=shape,
+                chat_template=_packaged_name(raw.get("chat_template"), entry_id),
+                stop=tuple(str(word) for word in raw.get("stop", [])),
             )
         )
     ids = [e.id for e in entries]
     if len(set(ids)) != len(ids):
         raise CatalogError(f"catalog: duplicate ids in {ids}")
     return Catalog(tuple(entries))
+
+
+def packaged_file(name: str) -> Path:
+    """A data file shipped inside this package, as a path llama-server can open."""
+    return Path(str(files("meshnet_gguf").joinpath(name)))
+
+
+def _packaged_name(name: Any, entry_id: str) -> str | None:
+    if name is None:
+        return None
+    if not packaged_file(str(name)).is_file():
+        raise CatalogError(f"catalog entry {entry_id}: chat_template {name!r} is not shipped in the package")
+    return str(name)
 
 
 def load_catalog(path: Path | None = None) -> Catalog:

@@ -123,7 +123,9 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False) -> Prepared
     operator_alias = _operator_value(settings.llama_args, ("-a", "--alias"))
     if operator_alias:
         model_name = operator_alias  # llama-server answers to the operator's alias; so must the proxy
-    args = [*plan.argv] if operator_alias else [*plan.argv, "--alias", model_name]
+    # The catalog's chat flags go first: the operator's --llama-arg, later in argv, wins.
+    catalog_args = _catalog_llama_args(resolved, spec, catalog, binary)
+    args = [*catalog_args, *plan.argv] if operator_alias else [*catalog_args, *plan.argv, "--alias", model_name]
     return PreparedLaunch(
         settings=settings,
         binary=binary,
@@ -137,6 +139,13 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False) -> Prepared
         advice=advice,
         resolved=resolved,
     )
+
+
+def _catalog_llama_args(resolved: ResolvedModel | None, spec: ModelSpec | None, catalog: Catalog, binary: BinaryInfo) -> list[str]:
+    """What a catalog entry asks of llama-server (the demo's chat template and stop string)."""
+    entry_id = resolved.catalog_id if resolved is not None else (spec.entry.id if spec is not None and spec.entry else None)
+    entry = catalog.get(entry_id) if entry_id else None
+    return entry.llama_args(binary.supports) if entry is not None else []
 
 
 def _runnable_on_this_cpu(resolved: ResolvedModel, binary: BinaryInfo, settings: NodeSettings) -> ResolvedModel:

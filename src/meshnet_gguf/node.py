@@ -18,10 +18,12 @@ import anyio
 import uvicorn
 
 from meshnet_gguf import __version__
+from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.launch import NodeSetupError, PreparedLaunch
 from meshnet_gguf.node_ops import NodeOperations
 from meshnet_gguf.protocol import HealthReport
 from meshnet_gguf.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.supervisor import ChildFailed, Supervisor, SupervisorPolicy
 from meshnet_gguf.upstream_http import make_upstream_client
 from meshnet_gguf.usage_stats import UsageLog, UsageStats
@@ -47,6 +49,8 @@ class Node:
         self.launch = launch
         s = launch.settings
         self.settings = s
+        # First: the identity, ledger and llama-server pidfile in the state dir are this node's alone.
+        self.state_lock = hold_state_dir(s)
         self.started = time.monotonic()
         self.supervisor = Supervisor(
             launch.child,
@@ -191,6 +195,7 @@ class Node:
                     except Exception:
                         log.exception("shutdown hook %r failed", hook)
             sock.close()
+            self.state_lock.close()
         log.info("node stopped (exit code %d)", self.exit_code)
         return self.exit_code
 
@@ -238,6 +243,14 @@ class Node:
         else:
             log.warning("%s again: stopping now", signal.Signals(sig).name)
             self.request_shutdown(force=True)
+
+
+def hold_state_dir(settings: NodeSettings) -> StateDirLock:
+    """Lock the state dir for this node's life, or refuse naming the node that holds it."""
+    try:
+        return StateDirLock(settings.state_dir, host=settings.host, port=settings.port)
+    except StateDirInUse as exc:
+        raise NodeSetupError(str(exc)) from exc
 
 
 def _bind(host: str, port: int) -> socket.socket:
