@@ -109,10 +109,10 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
 
     # Real requests through the node, then /metrics.
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    answer = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=8)
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
     chunks = list(
         client.chat.completions.create(
-            model="any", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}
+            model="tiny", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}
         )
     )
     streamed_usage = chunks[-1].usage

@@ -98,11 +98,11 @@ def test_usage_is_always_asked_of_llama_but_only_shown_when_the_client_asked(fak
     assert b": meshnet-usage " in plain and plain.endswith(b"data: [DONE]\n\n")
     # The official SDK streams it without noticing the comment.
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    chunks = list(client.chat.completions.create(model="m", messages=CHAT["messages"], max_tokens=5, stream=True))
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=5, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "xxxxx"
     with_usage = list(
         client.chat.completions.create(
-            model="m", messages=CHAT["messages"], max_tokens=4, stream=True, stream_options={"include_usage": True}
+            model="tiny", messages=CHAT["messages"], max_tokens=4, stream=True, stream_options={"include_usage": True}
         )
     )
     assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 4
@@ -112,13 +112,13 @@ def test_non_streamed_answers_carry_usage_headers(fake_node) -> None:  # type: i
     node, _ = fake_node()
     node.wait_ready()
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    raw = client.chat.completions.with_raw_response.create(model="m", messages=CHAT["messages"], max_tokens=3)
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=CHAT["messages"], max_tokens=3)
     assert raw.headers["x-meshnet-usage-prompt-tokens"] == "7"
     assert raw.headers["x-meshnet-usage-completion-tokens"] == "3"
     assert raw.headers["x-meshnet-request-id"].startswith("req-")
     assert raw.parse().choices[0].message.content == "xxx"
-    assert client.completions.create(model="m", prompt="hi", max_tokens=2).choices[0].text == "xx"
-    assert client.embeddings.create(model="m", input="hi").data[0].embedding == [0.1, 0.2]
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text == "xx"
+    assert client.embeddings.create(model="tiny", input="hi").data[0].embedding == [0.1, 0.2]
     assert [m.id for m in client.models.list()] == [httpx.get(node.url + "/health").json()["model"]]
     health = httpx.get(node.url + "/health").json()
     assert health["usage"]["requests"] == 3 and health["usage"]["completion_tokens"] == 5
@@ -197,7 +197,7 @@ def test_api_key_guards_a_standalone_node(fake_node) -> None:  # type: ignore[no
     assert httpx.post(node.url + "/v1/chat/completions", json=CHAT).status_code == 401
     assert forwarded(request_log) == []
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="sesame")
-    assert client.chat.completions.create(model="m", messages=CHAT["messages"], max_tokens=2).choices[0].message.content == "xx"
+    assert client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=2).choices[0].message.content == "xx"
 
 
 def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_exits_0(fake_node) -> None:  # type: ignore[no-untyped-def]

@@ -119,6 +119,38 @@ class Catalog:
         return next((e for e in self.entries if e.repo is not None and e.repo.lower() == wanted), None)
 
 
+def model_aliases(
+    model_id: str,
+    catalog: Catalog,
+    *,
+    catalog_id: str | None = None,
+    repo_id: str | None = None,
+    quant: str | None = None,
+    file_name: str | None = None,
+) -> tuple[str, ...]:
+    """The other names a served model answers to (besides `model_id`), for `protocol.model_answers_to`.
+
+    - the id without its quant: the catalog id (`demo`) or the repo (`owner/name`);
+    - a curated repo by both names, with and without `:QUANT`
+      (`deepseek-v4-flash:UD-IQ3_XXS` = `unsloth/DeepSeek-V4-Flash-GGUF:UD-IQ3_XXS`);
+    - the GGUF file name of shard 1, with and without `.gguf`.
+    """
+    entry = catalog.get(catalog_id) if catalog_id else (catalog.by_repo(repo_id) if repo_id else None)
+    bases = [catalog_id, repo_id, entry.id if entry else None, entry.repo if entry else None]
+    names: list[str] = []
+    for base in filter(None, bases):
+        names += [base, f"{base}:{quant}"] if quant else [base]
+    if file_name:
+        names += [file_name, file_name.removesuffix(".gguf")]
+    seen = {model_id.lower()}
+    unique = []
+    for name in names:
+        if name.lower() not in seen:
+            seen.add(name.lower())
+            unique.append(name)
+    return tuple(unique)
+
+
 # What a quant needs in memory to run: the quant advisor's weights + KV cache + compute buffers.
 NeedBytes = Callable[[CatalogQuant], int]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server
-from meshnet_gguf.catalog import DEMO_ID, Catalog, load_catalog
+from meshnet_gguf.catalog import DEMO_ID, Catalog, load_catalog, model_aliases
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.cpu_compat import quantized_kernels_work
 from meshnet_gguf.gguf_convert import dequantize_to_f16
@@ -70,6 +70,8 @@ class PreparedLaunch:
     # The verified model on disk; in a dry run the unverified files found on disk, or None
     # when nothing is downloaded yet and the plan came from the catalog's figures.
     resolved: ResolvedModel | None = None
+    # Other names the node answers to (`protocol.model_answers_to`): `demo` for `demo:Q4_K_M`, the file name.
+    model_aliases: tuple[str, ...] = ()
 
     def describe(self) -> str:
         lines = []
@@ -126,7 +128,14 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False) -> Prepared
     # The catalog's chat flags go first: the operator's --llama-arg, later in argv, wins.
     catalog_args = _catalog_llama_args(resolved, spec, catalog, binary)
     args = [*catalog_args, *plan.argv] if operator_alias else [*catalog_args, *plan.argv, "--alias", model_name]
+    aliases = model_aliases(
+        model_name, catalog,
+        catalog_id=resolved.catalog_id if resolved is not None else (spec.entry.id if spec is not None and spec.entry else None),
+        repo_id=resolved.repo_id if resolved is not None else (spec.repo_id if spec is not None else None),
+        quant=quant, file_name=facts.path.name if facts.path is not None else None,
+    )  # fmt: skip
     return PreparedLaunch(
+        model_aliases=aliases,
         settings=settings,
         binary=binary,
         model_path=facts.path if facts.path is not None else Path(model_name),

@@ -70,8 +70,12 @@ class Node:
         self.proxy = ProxyApp(
             upstream=self._upstream_target,
             client=self.upstream_client,
-            limits=ProxyLimits(slots=s.parallel, max_body_bytes=s.max_body_bytes, retry_after_s=s.retry_after_s),
+            limits=ProxyLimits(
+                slots=s.parallel, max_body_bytes=s.max_body_bytes, retry_after_s=s.retry_after_s,
+                max_tokens_cap=s.max_tokens_cap,
+            ),  # fmt: skip
             model_name=launch.model_name,
+            model_aliases=launch.model_aliases,
             health=self.health_report,
             usage_sinks=[self.usage_stats, UsageLog()],
             api_key=s.api_key,
@@ -99,6 +103,8 @@ class Node:
         resolved = launch.resolved
         served = ServedModel(
             model_id=launch.model_name,
+            model_aliases=launch.model_aliases,
+            max_tokens_cap=s.max_tokens_cap,
             shards=list(resolved.shards) if resolved else [launch.model_path],
             quant=launch.quant,
             sha256s=list(resolved.sha256s) if resolved else (),
@@ -141,6 +147,7 @@ class Node:
             usage=self.usage_stats.totals,
             node_version=__version__,
             llama_build=self.launch.binary.build,
+            max_tokens_cap=self.settings.max_tokens_cap,
         )
         for extra in self.health_extras:
             report = extra(report)

@@ -34,6 +34,7 @@ from meshnet_gguf.protocol import (
     FinishReason,
     HealthReport,
     UsageRecord,
+    model_answers_to,
 )
 from meshnet_gguf.sse import DONE_DATA, SSESplitter, comment_event, data_event
 from meshnet_gguf.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
@@ -106,6 +107,8 @@ class ProxyLimits:
     slots: int
     max_body_bytes: int
     retry_after_s: int
+    # The operator's ceiling on completion tokens per request; a route's cap can only lower it.
+    max_tokens_cap: int | None = None
 
 
 @dataclass
@@ -169,6 +172,7 @@ class ProxyApp:
         limits: ProxyLimits,
         model_name: str,
         health: Callable[[], HealthReport],
+        model_aliases: Sequence[str] = (),
         usage_sinks: Sequence[UsageSink] = (),
         route_verifier: RouteVerifier | None = None,
         api_key: str | None = None,
@@ -178,6 +182,7 @@ class ProxyApp:
         self._client = client
         self.limits = limits
         self.model_name = model_name
+        self.model_aliases = tuple(model_aliases)
         self._health = health
         self.usage_sinks = list(usage_sinks)
         self.route_verifier = route_verifier
@@ -225,11 +230,12 @@ class ProxyApp:
 
     async def _serve_models(self, scope: Scope, send: Send) -> None:
         headers = _headers(scope)
+        request_id = _client_request_id(headers)
         try:
             self._check_api_key(headers)
             target = self._ready_target()
         except ApiError as exc:
-            await _send_error(send, exc)
+            await _send_error(send, exc, request_id)
             return
         try:
             response = await self._client.send("GET", target.base_url + "/v1/models", _upstream_headers(target), None)
@@ -238,9 +244,11 @@ class ProxyApp:
             finally:
                 await response.aclose()
         except UpstreamError as exc:
-            await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"))
+            await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"), request_id)
             return
-        await _respond(send, response.status, body, [(b"content-type", b"application/json")])
+        await _respond(
+            send, response.status, body, [(b"content-type", b"application/json"), (_REQUEST_ID_KEY, request_id.encode())]
+        )
 
     # --- inference --------------------------------------------------------
     async def _serve_inference(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -261,6 +269,7 @@ class ProxyApp:
             required = INFERENCE_ROUTES[path]
             if required not in payload:
                 raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
+            self._check_model(payload.get("model"))
             target = self._ready_target()
             if self.in_flight >= self.limits.slots:
                 raise self._unavailable(f"All {self.limits.slots} slots of this node are busy; retry shortly")
@@ -280,7 +289,7 @@ class ProxyApp:
             started_at=time.time(),
             started=time.perf_counter(),
         )
-        upstream_body = _prepare_upstream_body(payload, body, stream, grant.max_tokens)
+        upstream_body = _prepare_upstream_body(payload, body, stream, self._token_cap(path, grant))
         self.in_flight += 1
         released = False
 
@@ -433,6 +442,31 @@ class ProxyApp:
             return
         if headers.get("authorization", "") != f"Bearer {self._api_key}":
             raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
+
+    def _check_model(self, requested: object) -> None:
+        """A request naming a model this node does not serve gets OpenAI's 404, not another model's answer."""
+        if requested is None or requested == "":
+            return  # llama-server serves its one model; naming it is optional
+        if not isinstance(requested, str):
+            raise ApiError(400, "invalid_model", "'model' must be a string")
+        if not model_answers_to(requested, self.model_name, self.model_aliases):
+            also = f" (also answers to {', '.join(repr(a) for a in self.model_aliases)})" if self.model_aliases else ""
+            raise ApiError(
+                404,
+                "model_not_found",
+                f"The model {requested!r} is not served here. This node serves {self.model_name!r}{also}; "
+                "GET /v1/models lists it.",
+                error_type="invalid_request_error",
+            )
+
+    def _token_cap(self, path: str, grant: RouteGrant) -> int | None:
+        """The most completion tokens this request may produce: the smallest of the route's and the operator's caps
+        (the client's own `max_tokens` is kept when smaller)."""
+        caps = [grant.max_tokens]
+        if path in STREAMING_ROUTES:
+            caps.append(self.limits.max_tokens_cap)
+        given = [cap for cap in caps if cap is not None]
+        return min(given) if given else None
 
     def _ready_target(self) -> UpstreamTarget:
         target = self._upstream()
