@@ -26,7 +26,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,7 @@ BASE_CMAKE_FLAGS: tuple[str, ...] = (
 )
 VULKAN_HEADER = Path("/usr/include/vulkan/vulkan.h")
 VULKAN_DEBIAN_PACKAGES = "libvulkan-dev glslc"
+FAILURE_TAIL_LINES = 20
 _VERSION_RE = re.compile(r"^(?P<build>\d+)(?:\.\d+)*$")
 
 Progress = Callable[[str], None]
@@ -236,18 +239,34 @@ def _build_number(folder: Path) -> int | None:
 
 
 def _run(argv: Sequence[str], step: str, timeout_s: float, progress: Progress) -> None:
+    """Run one step, passing its output lines on as progress; on failure the error carries its last lines."""
     progress("$ " + " ".join(argv))
+    tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
     try:
-        done = subprocess.run(
-            list(argv), capture_output=True, text=True, errors="replace", timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise BuildError(f"{step} did not finish within {timeout_s:.0f} s: {' '.join(argv)}") from exc
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     except OSError as exc:
         raise BuildError(f"{step}: cannot run {argv[0]}: {exc}") from exc
-    if done.returncode != 0:
-        tail = "\n  ".join((done.stdout + done.stderr).strip().splitlines()[-20:])
-        raise BuildError(f"{step} failed (exit {done.returncode}): {' '.join(argv)}\n  {tail}")
+    timed_out = threading.Event()
+
+    def give_up() -> None:
+        timed_out.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            progress("  " + line.rstrip())
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    if timed_out.is_set():
+        raise BuildError(f"{step} did not finish within {timeout_s:.0f} s: {' '.join(argv)}")
+    if code != 0:
+        lines = "\n  ".join(tail)
+        raise BuildError(f"{step} failed (exit {code}): {' '.join(argv)}\n  {lines}")
 
 
 def _find_output(build_dir: Path, target: str) -> Path:
