@@ -77,7 +77,8 @@ class BinaryInfo:
         return env
 
     def describe(self) -> str:
-        return f"{self.path} ({self.source}; version {self.version}{f', {self.build}' if self.build else ''})"
+        build = f", llama.cpp {self.build}" if self.build else ""
+        return f"{self.path} ({self.source}; version {self.version}{build})"
 
 
 @lru_cache(maxsize=8)

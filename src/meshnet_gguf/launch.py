@@ -210,9 +210,11 @@ def _model_name(resolved: ResolvedModel) -> str:
 
 def _find_binary(settings: NodeSettings) -> BinaryInfo:
     try:
-        return find_llama_server(settings.llama_server)
+        binary = find_llama_server(settings.llama_server)
     except BinaryNotFound as exc:
         raise NodeSetupError(str(exc)) from exc
+    log.info("llama-server: %s", binary.describe())
+    return binary
 
 
 def _operator_value(args: list[str], spellings: tuple[str, ...]) -> str | None:
