@@ -206,7 +206,11 @@ def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, track
 def test_requests_that_did_not_come_through_the_tracker_never_reach_llama_server(  # type: ignore[no-untyped-def]
     real_llama, tracker, tiny_gguf, start_node, tmp_path
 ) -> None:
-    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node", MESHNET_TRACKER_PUBLIC_KEY=tracker.public_key())
+    # DEBUG: llama-server's routine lines (one `launch_slot_` per task) are what this test counts.
+    node = start_meshed_node(
+        start_node, tracker, tiny_gguf, tmp_path / "node", MESHNET_TRACKER_PUBLIC_KEY=tracker.public_key(),
+        MESHNET_LOG_LEVEL="DEBUG",
+    )  # fmt: skip
     node_id = httpx.get(tracker.url + "/v1/nodes").json()[0]["node_id"]
     # The test plays the tracker with its own key file, so it can mint every kind of bad route.
     tracker_key = load_or_create_private_key(tracker.state_dir / TRACKER_KEY_FILE)

@@ -88,7 +88,8 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     node = start_node(
         "--gguf", str(tiny_gguf), "--ctx-size", "4096", "--parallel", "2", "--llama-arg=--metrics",
         "--log-format", "json",
-        env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "600000"},
+        # DEBUG: llama-server's routine lines are logged there, and this test checks they are tagged.
+        env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "600000", "MESHNET_LOG_LEVEL": "DEBUG"},
     )  # fmt: skip
 
     # READY only once llama-server answers; STATUS lines came before it.

@@ -167,4 +167,4 @@ def test_a_build_too_new_for_this_cpu_is_explained_not_just_reported(real_llama,
         return
     assert node.wait_exit() == 1
     log = node.log_text()
-    assert "illegal instruction (SIGILL)" in log and "fetch_llama_server.sh cpu" in log
+    assert "illegal instruction (SIGILL)" in log and "meshnet-gguf build-llama-server" in log
