@@ -23,7 +23,7 @@ from meshnet_gguf.tracker_client import TrackerClient
 async def main(state_dir: Path, tracker_url: str, first: int, count: int) -> None:
     identity = NodeIdentity.load_or_create(state_dir)
     ledger = UsageLedger.in_state_dir(state_dir)
-    client = TrackerClient(tracker_url, identity)
+    client = TrackerClient(tracker_url, identity, audience="tracker-test")
     reporter = OutboxReporter(ledger, client, batch_size=10, backoff=Backoff(0.05, 0.2))
     sink = LedgerUsageSink(ledger, identity, reporter)
     async with anyio.create_task_group() as tg:

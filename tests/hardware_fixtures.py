@@ -14,7 +14,8 @@ import pytest
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.catalog import load_catalog
 from meshnet_gguf.hardware import HardwareReport, RecordedCommands, probe_hardware
-from meshnet_gguf.launch_plan import ModelFacts
+from meshnet_gguf.launch_plan import OperatorChoices
+from meshnet_gguf.memory_model import ModelFacts
 from meshnet_gguf.quant_advisor import QuantOption
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
@@ -78,3 +79,8 @@ def dense_facts(name: str, total_bytes: int, layers: int, kv_heads: int, head_di
         context_length=context,
         path=Path("models") / f"{name}.gguf",
     )
+
+
+def choices(*, parallel: int = 4, ctx_size: int | None = None, n_gpu_layers: str | None = None, llama_args: tuple[str, ...] = ()) -> OperatorChoices:
+    """The operator's choices as `serve` reads them from its flags (defaults: `serve`'s own)."""
+    return OperatorChoices.read(parallel=parallel, ctx_size=ctx_size, n_gpu_layers=n_gpu_layers, llama_args=llama_args)

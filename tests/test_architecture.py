@@ -9,13 +9,16 @@ PACKAGE = Path(__file__).parent.parent / "src" / "meshnet_gguf"
 
 FLOORS: dict[str, int] = {
     # 1: shared vocabulary, no I/O
-    **dict.fromkeys(["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part"], 1),
+    **dict.fromkeys(
+        ["protocol", "sse", "errors", "retry", "signing", "gguf_names", "catalog", "ports", "node_part", "admission", "atomic_file"],
+        1,
+    ),
     # 2: one outside thing each (a file, a process, a socket, the hub, the database)
     **dict.fromkeys(
         [
             "config", "binary", "gguf_info", "gguf_convert", "hardware_sources", "hardware", "download",
             "ledger", "identity", "route_auth", "logs", "sd_notify", "load_progress", "usage_stats",
-            "upstream_http", "cpu_compat", "metrics", "devtools.tiny_model", "devtools.hf_server",
+            "upstream_http", "cpu_compat", "metrics", "metering", "http_server", "devtools.tiny_model", "devtools.hf_server",
             "state_lock", "source_build",
         ],
         2,
@@ -23,7 +26,7 @@ FLOORS: dict[str, int] = {
     # 3: the working rooms
     **dict.fromkeys(
         [
-            "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
+            "memory_model", "launch_plan", "quant_advisor", "model_source", "supervisor", "proxy", "tracker_client",
             "billing", "meshnet_link", "doctor", "service",
         ],
         3,

@@ -97,7 +97,7 @@ def node(tmp_path: Path):
 async def test_tracker_down_then_up_delivers_everything_exactly_once(node) -> None:
     identity, ledger = node
     port = free_port()
-    client = TrackerClient(f"http://127.0.0.1:{port}", identity)
+    client = TrackerClient(f"http://127.0.0.1:{port}", identity, audience="tracker-test")
     reporter = OutboxReporter(ledger, client, batch_size=40, backoff=Backoff(0.05, 0.2))
     sink = LedgerUsageSink(ledger, identity, reporter)
     collector = Collector(lambda: identity)
@@ -128,7 +128,7 @@ async def test_lost_acknowledgement_causes_a_resend_not_a_double_count(node) -> 
     for i in range(30):
         await sink.record(record(i))
     async with serve_asgi(collector.app(), port):
-        client = TrackerClient(f"http://127.0.0.1:{port}", identity)
+        client = TrackerClient(f"http://127.0.0.1:{port}", identity, audience="tracker-test")
         reporter = OutboxReporter(ledger, client, batch_size=10, backoff=FAST_RETRY)
         async with anyio.create_task_group() as tg:
             tg.start_soon(reporter.run)
@@ -149,7 +149,7 @@ async def test_refused_receipts_leave_the_outbox_and_are_not_retried(node) -> No
     for i in range(3):
         await sink.record(record(i))
     async with serve_asgi(collector.app(), port):
-        client = TrackerClient(f"http://127.0.0.1:{port}", identity)
+        client = TrackerClient(f"http://127.0.0.1:{port}", identity, audience="tracker-test")
         assert await OutboxReporter(ledger, client, backoff=FAST_RETRY).flush() == 3
         assert await OutboxReporter(ledger, client, backoff=FAST_RETRY).flush() == 0
         await client.aclose()

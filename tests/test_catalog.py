@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -102,3 +103,29 @@ def test_models_command_features_deepseek_only_where_it_can_load(
     # FITS agrees with the quant advisor (and so with `serve`): UD-IQ3_XXS fits the 128 GB Strix Halo only.
     assert iq3[-1] == ("yes" if box == "strix-halo-128" else "no")
     assert next(r for r in rows if r and r[0] == "IQ4_XS")[-1] == "no"
+
+
+def test_models_lists_a_curated_repo_offline_from_the_catalog(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Never listed from the hub and offline: the catalog knows the repo, so its figures answer, as the catalog id's do."""
+    from hardware_fixtures import FIXTURES, fixture_binary
+
+    from meshnet_gguf.cli import app
+
+    monkeypatch.setenv("MESHNET_HARDWARE_FIXTURE", str(FIXTURES / "strix-halo-128"))
+    monkeypatch.setattr(model_source, "local_llama_server", lambda explicit=None: fixture_binary())
+    download_dir = ["--download-dir", str(tmp_path)]
+    by_repo = CliRunner().invoke(app, ["models", "unsloth/DeepSeek-V4-Flash-GGUF", "--offline", *download_dir])
+    by_id = CliRunner().invoke(app, ["models", "deepseek-v4-flash", "--offline", *download_dir])
+    assert by_repo.exit_code == 0, by_repo.output
+    assert by_repo.output == by_id.output and "(catalog)" in by_repo.output
+    # 104,200,000,000 weights + 88,064 B x 16,384 tokens of KV + 2 GiB compute = 107,790,324,224 B
+    row = next(line.split() for line in by_repo.output.splitlines() if line.startswith("UD-IQ3_XXS"))
+    assert row[1:7] == ["104.2", "GB", "4", "107.8", "GB", "yes"]
+
+
+def test_usage_without_a_ledger_says_so_and_succeeds(tmp_path: Path) -> None:
+    from meshnet_gguf.cli import app
+
+    result = CliRunner().invoke(app, ["usage", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "no usage ledger" in result.output

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from meshnet_gguf.atomic_file import TEMP_SUFFIX
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.cpu_compat import quantized_kernels_work
 from meshnet_gguf.gguf_convert import dequantize_to_f16
@@ -35,7 +36,7 @@ def test_dequantized_copy_keeps_the_model_and_runs_on_float_kernels(real_llama: 
     before, after = read_gguf_info(source), read_gguf_info(copy)
     assert (after.block_count, after.head_count_kv, after.tensor_count) == (before.block_count, before.head_count_kv, before.tensor_count)
     assert after.file_type == 1  # MOSTLY_F16
-    assert not (tmp_path / "f16.gguf.part").exists()
+    assert not list(tmp_path.glob(f"*{TEMP_SUFFIX}"))  # the temporary file was renamed into place
 
 
 def _sigill_binary(tmp_path: Path) -> Path:

@@ -28,10 +28,10 @@ from meshnet_gguf.doctor import (
     ModelSize,
     check_clock,
     check_port,
-    model_size,
     run_doctor,
 )
 from meshnet_gguf.hardware import HardwareReport
+from meshnet_gguf.launch import doctor_model_size
 from meshnet_gguf.ports import free_local_port
 from meshnet_gguf.protocol import WELL_KNOWN_PATH
 
@@ -55,7 +55,7 @@ def _environment(
         find_binary=lambda s: fixture_binary(),
         quantized_kernels_work=lambda binary: True,
         hardware=lambda binary: report,
-        model_size=lambda s: size,
+        model_size=lambda binary, hardware: size,
         free_bytes=lambda directory: free,
         access=access,
     )
@@ -185,16 +185,38 @@ def test_disk_need_not_hold_a_model_already_there() -> None:
 
 def test_model_size_of_a_real_local_split_model(tmp_path: Path) -> None:
     third = write_tiny_model(tmp_path / "tiny.gguf", split_max_tensors=5).with_name("tiny-00003-of-00005.gguf")
-    size = model_size(NodeSettings(gguf=str(third)))
-    assert size is not None and size.local
+    settings = NodeSettings(gguf=str(third), download_dir=tmp_path / "models")
+    size = doctor_model_size(settings, fixture_binary(), load_box("cpu-only"))
+    assert size is not None and size.local and size.label == "tiny"
     assert size.total_bytes == sum(p.stat().st_size for p in tmp_path.glob("tiny-0000*-of-00005.gguf"))
     assert size.need_bytes > size.total_bytes  # KV cache and compute buffers on top
+    assert size.fits and size.placement == "cpu"
 
 
-def test_model_size_of_the_catalog_demo_without_the_network() -> None:
-    size = model_size(NodeSettings(demo=True, offline=True))
+def test_model_size_of_the_catalog_demo_without_the_network(tmp_path: Path) -> None:
+    size = doctor_model_size(NodeSettings(demo=True, offline=True, download_dir=tmp_path), fixture_binary(), load_box("cpu-only"))
     assert size is not None and not size.local
     assert 100_000_000 < size.total_bytes < 1_000_000_000
+
+
+def test_a_model_on_disk_is_not_to_download_and_doctor_prints_the_plans_figures(tmp_path: Path) -> None:
+    """The demo on disk: doctor says so, and its memory figure is the dry run's, byte for byte."""
+    from meshnet_gguf.launch import plan_model, read_request
+
+    models = tmp_path / "models"
+    write_tiny_model(models / "demo" / "gemma-3-270m-q4_k_m.gguf")  # where the demo is assembled
+    settings = NodeSettings(demo=True, offline=True, download_dir=models)
+    box = load_box("cpu-only")
+    size = doctor_model_size(settings, fixture_binary(), box)
+    assert size is not None and size.local
+
+    doctor = run_doctor(_environment(box, root=FIXTURES / "cpu-only" / "root", size=size, demo=True, gguf=None))
+    assert "on disk" in _only(doctor, "model")[0].summary and "to download" not in doctor.format_text()
+
+    dry_run = plan_model(read_request(settings), settings, fixture_binary(), box, dry_run=True)
+    assert dry_run.plan is not None
+    assert size.need_bytes == dry_run.plan.memory.need_bytes and size.ctx_size == dry_run.plan.ctx_size
+    assert size.prompt_cache_bytes == dry_run.plan.memory.prompt_cache
 
 
 def test_missing_binary_blocks_serving() -> None:

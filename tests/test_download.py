@@ -250,14 +250,21 @@ def test_access_follows_the_environment_at_call_time(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9/")
     monkeypatch.setenv("HF_TOKEN", "hf_from_env")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: pin what it read so that only this test's
+    # environment decides (a shell with HF_HUB_OFFLINE=1 would otherwise make every check below pass).
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     access = HubAccess.from_environment()
     assert access.endpoint == "http://127.0.0.1:9"
     assert access.token == "hf_from_env"
     assert access.headers()["authorization"] == "Bearer hf_from_env"
-    assert not access.offline or hf_constants.HF_HUB_OFFLINE
+    assert access.offline is False
+    assert HubAccess.from_environment(offline=True).offline is True
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert HubAccess.from_environment().offline
-    assert HubAccess.from_environment(offline=True).offline
+    assert HubAccess.from_environment().offline is True
+    # Offline as huggingface_hub saw it at import counts too.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    assert HubAccess.from_environment().offline is True
 
 
 def test_verified_state_lives_beside_the_files(hub: LocalHub, access: HubAccess, tmp_path: Path) -> None:

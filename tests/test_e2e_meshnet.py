@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -84,6 +86,19 @@ class TrackerProcess:
     def public_key(self) -> str:
         return httpx.get(self.url + WELL_KNOWN_PATH).json()["public_key"]
 
+    def serve_line(self) -> dict[str, str]:
+        """The `serve` line the tracker's banner prints, as the environment it sets and its arguments."""
+        lines = [line for line in self.log_path.read_text().splitlines() if " meshnet-gguf serve " in line]
+        words = shlex.split(lines[-1])
+        env = dict(w.split("=", 1) for w in words if re.fullmatch(r"MESHNET_[A-Z_]+=.*", w))
+        argv = words[words.index("serve") + 1 :]
+        assert argv[argv.index("--tracker") + 1] == self.url
+        return env
+
+    def enrolment(self) -> dict[str, str]:
+        """Only what a node needs to enrol, without the pinned key: the node learns that on first contact."""
+        return {"MESHNET_ENROLMENT_SECRET": self.serve_line()["MESHNET_ENROLMENT_SECRET"]}
+
     def usage(self) -> list[dict[str, Any]]:
         return httpx.get(self.url + "/v1/usage?limit=10000").json()
 
@@ -147,9 +162,10 @@ def sdk(tracker: TrackerProcess) -> openai.OpenAI:
 
 
 def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, tracker, tiny_gguf, start_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # No key configured: the node learns and pins the tracker's key on first contact.
-    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node")
+    # No key configured: the node learns and pins the tracker's key on first contact (loopback).
+    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node", **tracker.enrolment())
     assert (node.state_dir / TRACKER_KEY_PIN_FILE).read_text().strip() == tracker.public_key()
+    assert tracker.serve_line()["MESHNET_TRACKER_PUBLIC_KEY"] == tracker.public_key()
     [announced] = [n["announcement"] for n in httpx.get(tracker.url + "/v1/nodes").json()]
     assert announced["shards"] == [{"name": tiny_gguf.name, "sha256": hashlib.sha256(tiny_gguf.read_bytes()).hexdigest(), "size": tiny_gguf.stat().st_size}]
     assert (announced["first_layer"], announced["last_layer"], announced["total_layers"]) == (0, 1, 2)
@@ -207,10 +223,7 @@ def test_requests_that_did_not_come_through_the_tracker_never_reach_llama_server
     real_llama, tracker, tiny_gguf, start_node, tmp_path
 ) -> None:
     # DEBUG: llama-server's routine lines (one `launch_slot_` per task) are what this test counts.
-    node = start_meshed_node(
-        start_node, tracker, tiny_gguf, tmp_path / "node", MESHNET_TRACKER_PUBLIC_KEY=tracker.public_key(),
-        MESHNET_LOG_LEVEL="DEBUG",
-    )  # fmt: skip
+    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node", **tracker.serve_line(), MESHNET_LOG_LEVEL="DEBUG")
     node_id = httpx.get(tracker.url + "/v1/nodes").json()[0]["node_id"]
     # The test plays the tracker with its own key file, so it can mint every kind of bad route.
     tracker_key = load_or_create_private_key(tracker.state_dir / TRACKER_KEY_FILE)
@@ -264,9 +277,9 @@ def test_kill_9_with_unreported_usage_then_restart_reports_every_record_once(  #
     real_llama, tracker, tiny_gguf, start_node, tmp_path
 ) -> None:
     workdir = tmp_path / "node"
-    key = tracker.public_key()
+    serve_env = tracker.serve_line()
     # Receipts batch for ten minutes: they are certainly still unreported when the node dies.
-    node = start_meshed_node(start_node, tracker, tiny_gguf, workdir, MESHNET_TRACKER_PUBLIC_KEY=key, MESHNET_USAGE_REPORT_INTERVAL_S="600")
+    node = start_meshed_node(start_node, tracker, tiny_gguf, workdir, **serve_env, MESHNET_USAGE_REPORT_INTERVAL_S="600")
     client = sdk(tracker)
     for i in range(3):
         client.chat.completions.create(model=tiny_gguf.stem, messages=MESSAGES, max_tokens=3 + i, stream=bool(i % 2))
@@ -276,7 +289,7 @@ def test_kill_9_with_unreported_usage_then_restart_reports_every_record_once(  #
     node.wait_exit()
     assert tracker.receipt_rows() == []
 
-    restarted = start_meshed_node(start_node, tracker, tiny_gguf, workdir, MESHNET_TRACKER_PUBLIC_KEY=key)
+    restarted = start_meshed_node(start_node, tracker, tiny_gguf, workdir, **serve_env)
     wait_for(lambda: all(r["reported"] for r in node_ledger(restarted.state_dir).values()), "the backlog reported", restarted.log_path)
     ledger = node_ledger(restarted.state_dir)
     receipts = tracker.receipt_rows()
@@ -287,7 +300,7 @@ def test_kill_9_with_unreported_usage_then_restart_reports_every_record_once(  #
 def test_tracker_stopped_during_traffic_then_started_loses_and_doubles_nothing(  # type: ignore[no-untyped-def]
     real_llama, tracker, tiny_gguf, start_node, tmp_path
 ) -> None:
-    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node", MESHNET_TRACKER_PUBLIC_KEY=tracker.public_key())
+    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node", **tracker.serve_line())
     client = sdk(tracker)
     stop = threading.Event()
     outcomes: list[str] = []

@@ -11,9 +11,7 @@ from typer.testing import CliRunner
 
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.hardware import (
-    DISCRETE_GPU_RESERVE_BYTES,
     LIST_DEVICES_TIMEOUT_S,
-    SYSTEM_RESERVE_BYTES,
     GiB,
     MiB,
     RecordedCommands,
@@ -21,7 +19,6 @@ from meshnet_gguf.hardware import (
 )
 from meshnet_gguf.hardware_sources import parse_list_devices, parse_nvidia_smi
 
-KiB = 1024
 
 
 def test_strix_halo_128_is_a_unified_vulkan_and_rocm_gpu_with_an_honest_budget() -> None:
@@ -34,10 +31,11 @@ def test_strix_halo_128_is_a_unified_vulkan_and_rocm_gpu_with_an_honest_budget()
     assert gpu.pci_id == "1002:1586" and gpu.gfx_target == "gfx1151"
     assert set(gpu.backends) >= {"vulkan", "rocm"}
     assert [d.name for d in gpu.llama_devices] == ["Vulkan0"]
-    # carve-out still free + the GTT that RAM can back (RAM, not the 124 GiB GTT, is the tighter limit here)
-    carve_out_free = 512 * MiB - 160 * MiB
-    available = 129_874_512 * KiB
-    assert gpu.budget_bytes == carve_out_free + available - SYSTEM_RESERVE_BYTES
+    # carve-out still free + the GTT that RAM can back (RAM, not the 124 GiB GTT, is the tighter limit here):
+    # mem_info_vram_total 536,870,912 - mem_info_vram_used 167,772,160 = 369,098,752 B free carve-out;
+    # MemAvailable 129,874,512 kB x 1024 = 132,991,500,288 B, less the 4 GiB (4,294,967,296 B) reserve
+    # = 128,696,532,992; together 129,065,631,744 B.
+    assert gpu.budget_bytes == 129_065_631_744
     assert gpu.budget_bytes < gpu.memory_total_bytes  # never what Vulkan says
     assert report.primary_gpu() is gpu
     assert report.capacity().gpu_bytes == gpu.budget_bytes
@@ -55,10 +53,10 @@ def test_large_carve_out_does_not_believe_the_vulkan_sum() -> None:
     gpu = report.gpus[0]
 
     assert gpu.memory_total_bytes == 178176 * MiB  # the false sum, kept for the record
-    carve_out_free = 64 * GiB - 180 * MiB
-    ram_share = 63_488_000 * KiB - SYSTEM_RESERVE_BYTES
-    assert gpu.budget_bytes == carve_out_free + ram_share
-    assert gpu.budget_bytes < 128 * GiB - SYSTEM_RESERVE_BYTES
+    # carve-out 68,719,476,736 - 188,743,680 used = 68,530,733,056 B; RAM: MemAvailable 63,488,000 kB
+    # = 65,011,712,000 B - 4 GiB reserve = 60,716,744,704 B; together 129,247,477,760 B.
+    assert gpu.budget_bytes == 129_247_477_760
+    assert gpu.budget_bytes < 128 * GiB - 4 * GiB  # never more than the box, less its reserve
     assert any("174.0 GiB" in note and "honest budget" in note for note in report.notes)
 
 
@@ -67,8 +65,9 @@ def test_80_gb_strix_halo_at_the_default_gtt_limit_says_how_to_raise_it() -> Non
     gpu = report.gpus[0]
 
     assert "Strix Halo" in gpu.labels and gpu.unified
-    gtt = 40_632_320 * KiB
-    assert gpu.budget_bytes == 512 * MiB - 150 * MiB + gtt  # the GTT limit, not RAM, binds here
+    # the GTT limit, not RAM, binds here: carve-out 536,870,912 - 157,286,400 used = 379,584,512 B
+    # + mem_info_gtt_total 41,607,495,680 B = 41,987,080,192 B.
+    assert gpu.budget_bytes == 41_987_080_192
     capacity = report.capacity()
     assert capacity.gpu_bytes == gpu.budget_bytes < capacity.total_bytes  # the rest can stay on the CPU side
     assert any("ttm.pages_limit=" in note for note in report.notes)
@@ -82,7 +81,8 @@ def test_discrete_nvidia_is_preferred_over_the_desktop_igpu() -> None:
     assert (nvidia.kind, nvidia.unified) == ("discrete", False)
     assert nvidia.name == "NVIDIA GeForce RTX 4090"
     assert set(nvidia.backends) == {"cuda", "vulkan"}
-    assert nvidia.budget_bytes == 23871 * MiB - DISCRETE_GPU_RESERVE_BYTES  # nvidia-smi's free memory
+    # nvidia-smi's free memory, 23,871 MiB = 25,030,557,696 B, less 1 GiB kept for the driver and display
+    assert nvidia.budget_bytes == 23_956_815_872
     assert [d.name for d in nvidia.llama_devices] == ["Vulkan0"]
     assert (igpu.kind, igpu.unified, [d.name for d in igpu.llama_devices]) == ("integrated", True, ["Vulkan1"])
     assert igpu.budget_bytes > nvidia.budget_bytes  # larger, and still not the one to use
@@ -105,7 +105,8 @@ def test_cpu_box_ignores_the_bmc_console_and_says_cpu_only() -> None:
     assert report.gpus == ()  # the ASPEED card under /sys/class/drm is no compute device
     assert report.llama_devices == ()
     assert report.capacity().gpu_bytes == 0
-    assert report.capacity().total_bytes == 63_112_400 * KiB - SYSTEM_RESERVE_BYTES
+    # MemAvailable 63,112,400 kB = 64,627,097,600 B, less the 4 GiB (4,294,967,296 B) reserve
+    assert report.capacity().total_bytes == 60_332_130_304
     assert "CPU only" in report.summary()
     assert (report.cpu.physical_cores, report.cpu.logical_cores) == (32, 64)
 

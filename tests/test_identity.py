@@ -80,7 +80,10 @@ def test_receipts_verify_with_the_public_key_only(tmp_path: Path) -> None:
 
 def test_request_auth_binds_method_path_and_body(tmp_path: Path) -> None:
     ident = NodeIdentity.load_or_create(tmp_path)
-    token = ident.request_auth("post", "/v1/nodes/x/heartbeat", b"{}")
-    claims = decode_token(token, ident.public_key, required=["exp"], audience="meshnet-tracker")
+    token = ident.request_auth("post", "/v1/nodes/x/heartbeat", b"{}", audience="tracker-a")
+    claims = decode_token(token, ident.public_key, required=["exp"], audience="tracker-a")
+    # Bound to one tracker: another tracker (another issuer) refuses the same token.
+    with pytest.raises(jwt.InvalidAudienceError):
+        decode_token(token, ident.public_key, required=["exp"], audience="tracker-b")
     assert claims["htm"] == "POST" and claims["htu"] == "/v1/nodes/x/heartbeat" and claims["iss"] == ident.node_id
     assert claims["exp"] - claims["iat"] <= 60

@@ -24,7 +24,7 @@ from local_hub_fixtures import (  # noqa: F401
 
 from meshnet_gguf import download
 from meshnet_gguf.binary import BinaryInfo
-from meshnet_gguf.catalog import parse_catalog
+from meshnet_gguf.catalog import load_catalog, parse_catalog
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.devtools.hf_server import LocalHub
 from meshnet_gguf.download import DISK_FREE_MARGIN_BYTES, HubAccess, NotEnoughDiskSpace
@@ -154,7 +154,7 @@ def test_offline_mode(hub: LocalHub, access: HubAccess, tmp_path: Path) -> None:
     assert again.shards == online.shards and again.verified
     assert hub.requests() == []
     # The saved listing also answers `models REPO` offline.
-    offered = offered_quants(ROOT_SPLIT, _settings(tmp_path, None, offline=True), access=offline)
+    offered = offered_quants(ROOT_SPLIT, tmp_path / "models", access=offline, catalog=load_catalog())
     assert offered.source == "saved listing" and {q.name for q in offered.quants} == {"Q8_0", "Q4_K_M"}
 
     with pytest.raises(ModelResolutionError, match="offline"):
@@ -308,3 +308,11 @@ def test_downloaded_three_shard_model_loads_in_llama_server(
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+
+
+def test_bytes_fetched_from_the_hub_are_counted_once(hub: LocalHub, access: HubAccess, tmp_path: Path) -> None:
+    """What the node exports as meshnet_download_bytes: the bytes received, and none when the files are already there."""
+    first = resolve_model(_settings(tmp_path, ROOT_SPLIT, "Q8_0"), progress=False, access=access)
+    assert first.fetched_bytes == first.total_bytes == hub.bytes_served(ROOT_SPLIT) > 0
+    again = resolve_model(_settings(tmp_path, ROOT_SPLIT, "Q8_0"), progress=False, access=access)
+    assert again.fetched_bytes == 0

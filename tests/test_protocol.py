@@ -70,10 +70,11 @@ def test_route_claims_carry_every_field_the_node_checks() -> None:
 
 
 def test_receipt_batches_are_bounded() -> None:
+    # docs/protocol.md: `ReceiptBatch` (<= 100)
     receipt = UsageReceipt(request_id="r", token="t")
-    ReceiptBatch(node_id="n", receipts=[receipt] * MAX_RECEIPTS_PER_BATCH)
+    ReceiptBatch(node_id="n", receipts=[receipt] * 100)
     with pytest.raises(ValidationError):
-        ReceiptBatch(node_id="n", receipts=[receipt] * (MAX_RECEIPTS_PER_BATCH + 1))
+        ReceiptBatch(node_id="n", receipts=[receipt] * 101)
 
 
 def test_usage_record_keeps_its_existing_shape() -> None:
@@ -88,7 +89,10 @@ def test_refusals_parse_as_the_protocol_error_body() -> None:
     assert (body.error.code, body.error.type, body.error.message) == ("route_replayed", "permission_error", "already used")
 
 
-def test_contract_numbers_hold_together() -> None:
-    assert MAX_ROUTE_LIFETIME_S <= 60
-    assert NODE_TTL_HEARTBEATS == 3
-    assert {status for status in ROUTE_ERRORS.values()} <= {401, 403, 503}
+def test_contract_numbers_are_the_documents() -> None:
+    # docs/protocol.md: route lifetime <= 60 s, node TTL = 3 heartbeat periods, receipts in batches of <= 100
+    assert (MAX_ROUTE_LIFETIME_S, NODE_TTL_HEARTBEATS, MAX_RECEIPTS_PER_BATCH) == (60, 3, 100)
+    # docs/protocol.md §2.1's table of refusals, status by status
+    assert ROUTE_ERRORS["route_expired"] == 401 and ROUTE_ERRORS["route_replayed"] == 403
+    assert ROUTE_ERRORS["route_key_unavailable"] == 503 and ROUTE_ERRORS["route_replay_cache_full"] == 503
+    assert {status for status in ROUTE_ERRORS.values()} == {401, 403, 503}

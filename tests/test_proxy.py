@@ -241,7 +241,7 @@ def test_cli_reports_setup_errors_clearly(tmp_path) -> None:  # type: ignore[no-
 def test_a_cut_short_stream_counts_only_real_tokens() -> None:
     # Without llama-server's usage chunk (client gone, child died) the node counts content
     # events; the opening role delta and the empty closing chunk are not tokens.
-    from meshnet_gguf.proxy import _carries_a_token
+    from meshnet_gguf.metering import _carries_a_token
 
     role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
     token = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'

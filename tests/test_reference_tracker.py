@@ -1,171 +1,62 @@
-"""The reference tracker over real loopback HTTP, with node-side pieces that are the real ones
-(identity, registration, route verification, ledger, outbox) around a canned answerer standing
-in for llama-server. The real llama-server end to end is in test_e2e_meshnet.py."""
+"""The reference tracker over real loopback HTTP in front of nodes built from the real node parts
+(proxy, route gate, signed ledger, outbox, presence, control proof) and the fake llama-server.
+The real llama-server end to end is in test_e2e_meshnet.py; the attacks on the tracker's trust
+rules (docs/protocol.md, "What a tracker must check") are in test_tracker_trust.py."""
 
 from __future__ import annotations
 
-import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
-from meshnet_gguf.billing import LedgerUsageSink, OutboxReporter
 from meshnet_gguf.identity import NodeIdentity
-from meshnet_gguf.ledger import UsageLedger
+from meshnet_gguf.protocol import WELL_KNOWN_PATH, NodeAnnouncement, NodeLoad, UsageRecord
+from meshnet_gguf.reference.node_address import NodeTarget
 from meshnet_gguf.reference.registry import NodeRegistry
 from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
-from meshnet_gguf.protocol import (
-    WELL_KNOWN_PATH,
-    HealthReport,
-    NodeAnnouncement,
-    NodeLoad,
-    UsageReceipt,
-    UsageRecord,
-)
-from meshnet_gguf.retry import Backoff
-from meshnet_gguf.route_auth import RouteRejected, RouteVerifier
 from meshnet_gguf.signing import parse_public_key
-from meshnet_gguf.tracker_client import NodePresence, NodeUnknown, TrackerClient, TrackerRefused
+from meshnet_gguf.tracker_client import NodeUnknown, TrackerClient, TrackerRefused
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import serve_asgi  # noqa: E402
-from node_process import free_port  # noqa: E402
+from mesh_node import MODEL, FakeLlama, MeshNode  # noqa: E402
+from mesh_tracker import HEARTBEAT_S, SECRET, models, start_tracker, wait_until  # noqa: E402
+
+from meshnet_gguf.ports import free_local_port as free_port  # noqa: E402
 
 pytestmark = pytest.mark.anyio
-MODEL = "tiny"
-SECRET = "enrol-me"
-HEARTBEAT_S = 0.3
 
 
-class FakeNode:
-    """A node whose answers are canned but whose mesh side is the real code."""
-
-    def __init__(self, state_dir: Path, tracker_url: str, tracker_key: str, *, slots: int = 2, lie_by: int = 0) -> None:
-        self.identity = NodeIdentity.load_or_create(state_dir)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.verifier = RouteVerifier(parse_public_key(tracker_key), node_id=self.identity.node_id, model_id=MODEL, total_layers=2)
-        self.ledger = UsageLedger.in_state_dir(state_dir)
-        self.client = TrackerClient(tracker_url, self.identity, enrolment_secret=SECRET)
-        self.reporter = OutboxReporter(self.ledger, self.client, backoff=Backoff(0.05, 0.2))
-        self.sink = LedgerUsageSink(self.ledger, self.identity, self.reporter)
-        self.presence = NodePresence(self.client, self.announcement, lambda: (self.state, NodeLoad(slots_total=slots, slots_busy=self.busy)))
-        self.slots = slots
-        self.state = "online"
-        self.busy = 0
-        self.served: list[str] = []
-        self.cancelled: list[str] = []
-        self.gate: anyio.Event | None = None  # when set, streams pause after their first token until it fires
-        self.lie_by = lie_by  # added to the completion tokens in the signed receipt
-
-    def announcement(self) -> NodeAnnouncement:
-        return NodeAnnouncement(
-            node_id=self.identity.node_id, public_key=self.identity.public_key_text, advertised_url=self.url,
-            model_id=MODEL, quant="F32", first_layer=0, last_layer=1, total_layers=2, slots=self.slots, node_version="test",
-        )  # fmt: skip
-
-    def app(self) -> Starlette:
-        return Starlette(
-            routes=[
-                Route("/health", self.health, methods=["GET"]),
-                Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            ]
-        )
-
-    async def health(self, request: Request) -> Response:
-        report = HealthReport(state="ready", model=MODEL, slots_total=self.slots)
-        return Response(report.model_dump_json(), media_type="application/json")
-
-    async def chat(self, request: Request) -> Response:
-        body = await request.body()
-        try:
-            claims = self.verifier.verify(request.headers, body, "/v1/chat/completions")
-        except RouteRejected as exc:
-            return JSONResponse({"error": {"message": exc.message, "code": exc.code}}, exc.status)
-        rid = claims.jti
-        self.served.append(rid)
-        payload = json.loads(body)
-        n = min(payload.get("max_tokens") or 4, claims.max_tokens or 4)
-        prompt = len(json.dumps(payload["messages"]))
-        if not payload.get("stream"):
-            await self.record(rid, prompt, n, stream=False)
-            answer = {"choices": [{"message": {"content": "x" * n}, "finish_reason": "length"}], "usage": {"prompt_tokens": prompt, "completion_tokens": n}}
-            return JSONResponse(answer, headers={"x-meshnet-request-id": rid})
-        return StreamingResponse(self.stream(rid, prompt, n), media_type="text/event-stream")
-
-    async def stream(self, rid: str, prompt: int, n: int) -> AsyncIterator[bytes]:
-        sent = 0
-        try:
-            for i in range(n):
-                yield b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
-                sent += 1
-                if i == 0 and self.gate is not None:
-                    await self.gate.wait()
-                await anyio.sleep(0.01)
-            usage = {"prompt_tokens": prompt, "completion_tokens": n}
-            yield b': meshnet-usage ' + json.dumps(usage).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        except BaseException:
-            self.cancelled.append(rid)
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.record(rid, prompt, sent, stream=True)
-
-    async def record(self, rid: str, prompt: int, completion: int, stream: bool) -> None:
-        await self.sink.record(
-            UsageRecord(
-                request_id=rid, route="/v1/chat/completions", model=MODEL, status=200, stream=stream,
-                prompt_tokens=prompt, completion_tokens=completion + self.lie_by, finish_reason="stop", started_at=0.0,
-            )  # fmt: skip
-        )
-
-    async def run(self, tg: anyio.abc.TaskGroup) -> None:
-        tg.start_soon(self.presence.run)
-        tg.start_soon(self.reporter.run)
-
-
-async def wait_until(condition, timeout: float = 10.0) -> None:
-    with anyio.fail_after(timeout):
-        while not await condition():
-            await anyio.sleep(0.03)
+@pytest.fixture
+def llama(tmp_path: Path) -> Iterator[FakeLlama]:
+    fake = FakeLlama(tmp_path, FAKE_LLAMA_TOKENS="8")
+    yield fake
+    fake.close()
 
 
 @pytest.fixture
 async def tracker(tmp_path: Path) -> AsyncIterator[tuple[Tracker, str]]:
-    config = TrackerConfig(state_dir=tmp_path / "tracker", enrolment_secret=SECRET, heartbeat_interval_s=HEARTBEAT_S, health_poll_interval_s=0.2)
-    service = Tracker(config)
-    port = free_port()
-    async with serve_asgi(service.app(), port, lifespan="on"):
-        yield service, f"http://127.0.0.1:{port}"
+    async with start_tracker(tmp_path) as running:
+        yield running
 
 
-async def start_node(tg: anyio.abc.TaskGroup, tmp_path: Path, name: str, tracker_url: str, key: str, **kw: Any) -> FakeNode:
-    node = FakeNode(tmp_path / name, tracker_url, key, **kw)
-    server_ready = anyio.Event()
-
-    async def serve() -> None:
-        async with serve_asgi(node.app(), node.port):
-            server_ready.set()
-            await anyio.sleep_forever()
-
-    tg.start_soon(serve)
-    await server_ready.wait()
-    await node.run(tg)
-    return node
+def node(tmp_path: Path, tiny_gguf: Path, llama: FakeLlama, tracker: tuple[Tracker, str], name: str = "n", **kw: Any) -> MeshNode:
+    service, url = tracker
+    return MeshNode(
+        tmp_path / name, tiny_gguf, llama, tracker_url=url, tracker_key=kw.pop("tracker_key", service.public_key_text),
+        enrolment_secret=kw.pop("enrolment_secret", SECRET), **kw,
+    )  # fmt: skip
 
 
-async def models(http: httpx.AsyncClient, url: str) -> list[str]:
-    return [m["id"] for m in (await http.get(url + "/v1/models")).json()["data"]]
+def target(url: str = "http://127.0.0.1:1") -> NodeTarget:
+    import ipaddress
+
+    return NodeTarget(url=url, scheme="http", host="127.0.0.1", port=int(url.rsplit(":", 1)[1]), base_path="", address=ipaddress.ip_address("127.0.0.1"))
 
 
 def test_registry_ttl_selection_and_re_registration() -> None:
@@ -179,13 +70,15 @@ def test_registry_ttl_selection_and_re_registration() -> None:
         )  # fmt: skip
         return NodeAnnouncement(**{**fields, **over})
 
-    a, b = registry.register(announce("a")), registry.register(announce("b"))
+    a, _ = registry.register(announce("a", advertised_url="http://127.0.0.1:1"), target("http://127.0.0.1:1"))
+    b, _ = registry.register(announce("b", advertised_url="http://127.0.0.1:2"), target("http://127.0.0.1:2"))
     assert registry.pick(MODEL) is None  # not health-checked yet
     a.healthy = b.healthy = True
     a.in_flight = 1
     assert registry.pick(MODEL) is b  # least busy
     # A node restarting re-registers: relays still running keep counting on the same entry.
-    assert registry.register(announce("a", advertised_url="http://127.0.0.1:2")) is a and a.in_flight == 1
+    again, displaced = registry.register(announce("a", advertised_url="http://127.0.0.1:3"), target("http://127.0.0.1:3"))
+    assert again is a and a.in_flight == 1 and displaced == []
     assert not a.healthy  # the new announcement is polled before it gets routes
     now[0] = 2.0
     registry.heartbeat("b", "online", NodeLoad(slots_total=2))
@@ -195,8 +88,8 @@ def test_registry_ttl_selection_and_re_registration() -> None:
 
 
 async def test_well_known_key_is_persisted_and_pinnable(tmp_path: Path) -> None:
-    first = Tracker(TrackerConfig(state_dir=tmp_path))
-    again = Tracker(TrackerConfig(state_dir=tmp_path))
+    first = Tracker(TrackerConfig(state_dir=tmp_path, open_enrolment=True))
+    again = Tracker(TrackerConfig(state_dir=tmp_path, open_enrolment=True))
     assert first.public_key_text == again.public_key_text and first.issuer == again.issuer
     port = free_port()
     async with serve_asgi(first.app(), port, lifespan="on"), httpx.AsyncClient() as http:
@@ -205,190 +98,198 @@ async def test_well_known_key_is_persisted_and_pinnable(tmp_path: Path) -> None:
     parse_public_key(info["public_key"])
 
 
-async def test_registration_is_authenticated(tracker, tmp_path: Path) -> None:
+async def test_registration_is_authenticated(tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
     service, url = tracker
-    node = FakeNode(tmp_path / "n", url, service.public_key_text)
-    async with httpx.AsyncClient() as http:
-        wrong_secret = TrackerClient(url, node.identity, enrolment_secret="guess", http=http)
+    mesh = node(tmp_path, tiny_gguf, llama, tracker)
+    announcement = mesh.link._announcement()
+    async with mesh.running(), httpx.AsyncClient() as http:
+        await wait_until(lambda: _true(service.registry.get(mesh.node_id) is not None))
+        wrong_secret = TrackerClient(url, mesh.link.identity, enrolment_secret="guess", audience=service.issuer, http=http)
         with pytest.raises(TrackerRefused) as info:
-            await wrong_secret.register(node.announcement())
+            await wrong_secret.register(announcement)
         assert (info.value.status, info.value.code) == (401, "bad_enrolment_secret")
 
         # Someone else's key claiming this node's id: the id must derive from the key it signs with.
         impostor = NodeIdentity.load_or_create(tmp_path / "impostor")
-        forged = TrackerClient(url, impostor, enrolment_secret=SECRET, http=http)
+        forged = TrackerClient(url, impostor, enrolment_secret=SECRET, audience=service.issuer, http=http)
         with pytest.raises(TrackerRefused) as info:
-            await forged.register(node.announcement())
+            await forged.register(announcement)
         assert info.value.code == "bad_node_auth"
         with pytest.raises(TrackerRefused) as info:
-            await forged.register(node.announcement().model_copy(update={"public_key": impostor.public_key_text}))
+            await forged.register(announcement.model_copy(update={"public_key": impostor.public_key_text}))
         assert info.value.code == "node_id_mismatch"
 
-        partial = node.announcement().model_copy(update={"last_layer": 0})
+        partial = announcement.model_copy(update={"last_layer": 0})
         with pytest.raises(TrackerRefused) as info:
-            await node.client.register(partial)
+            await mesh.link.client.register(partial)
         assert info.value.code == "partial_coverage_unsupported"
 
-        ack = await node.client.register(node.announcement())
-        assert ack.node_id == node.identity.node_id and ack.issuer == service.issuer
+        ack = await mesh.link.client.register(announcement)
+        assert ack.node_id == mesh.node_id and ack.issuer == service.issuer
         assert ack.ttl_s == pytest.approx(3 * HEARTBEAT_S)
 
         # Heartbeats are signed too: another key cannot speak for this node.
-        stranger = TrackerClient(url, impostor, http=http)
-        stranger.identity = NodeIdentity(impostor.private_key, node.identity.node_id, impostor.public_key_text)
+        stranger = TrackerClient(url, impostor, audience=service.issuer, http=http)
+        stranger.identity = NodeIdentity(impostor.private_key, mesh.node_id, impostor.public_key_text)
         with pytest.raises(TrackerRefused) as info:
             await stranger.heartbeat("online", NodeLoad(slots_total=1))
         assert info.value.code == "bad_node_auth"
-    await node.client.aclose()
-    node.ledger.close()
 
 
-async def test_routable_only_when_online_and_healthy_and_dropped_after_ttl(tracker, tmp_path: Path) -> None:
+async def test_routable_only_when_online_and_healthy_and_dropped_after_ttl(tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
     service, url = tracker
-    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
-        node = await start_node(tg, tmp_path, "n", url, service.public_key_text)
-        node.state = "joining"
-        await wait_until(lambda: _true(service.registry.get(node.identity.node_id) is not None))
+    mesh = node(tmp_path, tiny_gguf, llama, tracker)
+    mesh.state = "loading"
+    async with mesh.running(), httpx.AsyncClient() as http:
+        await wait_until(lambda: _true(service.registry.get(mesh.node_id) is not None))
         await anyio.sleep(0.5)
         assert await models(http, url) == []  # registered while loading: not routable
-        node.state = "online"
+        mesh.state = "ready"
         await wait_until(lambda: _eq(models(http, url), [MODEL]))
-        node.state = "draining"
+        mesh.state = "draining"
         await wait_until(lambda: _eq(models(http, url), []))
-        node.state = "online"
+        mesh.state = "ready"
         await wait_until(lambda: _eq(models(http, url), [MODEL]))
         # The node goes silent (heartbeats stop): dropped after ~3 periods.
-        node.presence._client = TrackerClient("http://127.0.0.1:9", node.identity)  # port 9: nothing listens
-        await wait_until(lambda: _true(service.registry.get(node.identity.node_id) is None), timeout=5)
-        tg.cancel_scope.cancel()
+        mesh.link.presence._client = TrackerClient("http://127.0.0.1:9", mesh.link.identity)  # port 9: nothing listens
+        await wait_until(lambda: _true(service.registry.get(mesh.node_id) is None), timeout=5)
 
 
-async def test_node_re_registers_after_the_tracker_forgets_it(tracker, tmp_path: Path) -> None:
+async def test_node_re_registers_after_the_tracker_forgets_it(tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
     service, url = tracker
-    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
-        node = await start_node(tg, tmp_path, "n", url, service.public_key_text)
+    mesh = node(tmp_path, tiny_gguf, llama, tracker)
+    async with mesh.running(), httpx.AsyncClient() as http:
         await wait_until(lambda: _eq(models(http, url), [MODEL]))
-        service.registry.remove(node.identity.node_id)  # as after a tracker restart
+        service.registry.remove(mesh.node_id)  # as after a tracker restart
         with pytest.raises(NodeUnknown):
-            await node.client.heartbeat("online", NodeLoad(slots_total=1))
+            await mesh.link.client.heartbeat("online", NodeLoad(slots_total=1))
         await wait_until(lambda: _eq(models(http, url), [MODEL]))
-        tg.cancel_scope.cancel()
 
 
-async def test_relay_signs_routes_streams_unbuffered_and_both_ledgers_agree(tracker, tmp_path: Path) -> None:
+async def test_relay_streams_unbuffered_through_the_real_proxy_and_both_ledgers_agree(tracker, tmp_path: Path, tiny_gguf: Path) -> None:
     service, url = tracker
-    async with httpx.AsyncClient(timeout=10) as http, anyio.create_task_group() as tg:
-        node = await start_node(tg, tmp_path, "n", url, service.public_key_text)
-        await wait_until(lambda: _eq(models(http, url), [MODEL]))
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    slow = FakeLlama(tmp_path, FAKE_LLAMA_TOKENS="5", FAKE_LLAMA_TOKEN_DELAY_S="0.3")
+    mesh = node(tmp_path, tiny_gguf, slow, tracker)
+    try:
+        async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
+            await wait_until(lambda: _eq(models(http, url), [MODEL]))
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+            async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                started = anyio.current_time()
+                chunks = response.aiter_raw()
+                first = await chunks.__anext__()
+                first_at = anyio.current_time() - started
+                rest = b"".join([c async for c in chunks])
+                total = anyio.current_time() - started
+            # The first token reached the client while the fake llama-server was still generating.
+            assert b'"content":"x"' in first and first_at < total - 0.6, (first_at, total)
+            assert rest.endswith(b"data: [DONE]\n\n") and b": meshnet-usage " in rest
+            rid = response.headers["x-meshnet-request-id"]
+            plain = await http.post(url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})
+            assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 3
 
-        node.gate = anyio.Event()
-        async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            chunks = response.aiter_raw()
-            first = await chunks.__anext__()
-            # The first token reached us while the node is still holding the rest: nothing buffered.
-            assert b'"content":"x"' in first and not node.gate.is_set()
-            node.gate.set()
-            rest = b"".join([c async for c in chunks])
-        assert rest.endswith(b"data: [DONE]\n\n") and b"meshnet-usage" in rest
-        [rid] = node.served
-        plain = await http.post(url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})
-        assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 3
-
-        for request_id in node.served:
-            await wait_until(lambda: _agreement(http, url, request_id, "agree"))
-        usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
-        assert usage["tracker"] == usage["node"] and usage["tracker"]["completion_tokens"] == 5
-        assert usage["outcome"] == "complete" and usage["node_id"] == node.identity.node_id
-        assert (await http.get(f"{url}/v1/usage/req-nope")).status_code == 404
-        tg.cancel_scope.cancel()
+            for request_id in (rid, plain.headers["x-meshnet-request-id"]):
+                await wait_until(lambda: _agreement(http, url, request_id, "agree"))
+            usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
+            assert usage["tracker"] == usage["node"] == usage["billed"] == {"prompt_tokens": 7, "completion_tokens": 5}
+            assert usage["outcome"] == "complete" and usage["node_id"] == mesh.node_id and not usage["flagged"]
+            assert (await http.get(f"{url}/v1/usage/req-nope")).status_code == 404
+    finally:
+        slow.close()
 
 
-async def test_route_max_tokens_caps_what_the_node_may_generate(tracker, tmp_path: Path) -> None:
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "n_predict"])
+async def test_the_node_proxy_caps_each_token_limit_to_the_route(field: str, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
+    # The tracker's cap (3) is below what the client asks (50), so only the node's own cap on the
+    # body it forwards keeps llama-server to the route's limit.
+    async with start_tracker(tmp_path, max_tokens_cap=3) as tracker:
+        service, url = tracker
+        mesh = node(tmp_path, tiny_gguf, llama, tracker)
+        async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
+            await wait_until(lambda: _eq(models(http, url), [MODEL]))
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: 50}
+            answer = await http.post(url + "/v1/chat/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            [forwarded] = llama.forwarded()
+            assert forwarded[field] == 3 and forwarded["max_tokens"] == 3
+            assert answer.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_receipts_must_match_a_route_this_tracker_issued_to_that_node(tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
     service, url = tracker
-    async with httpx.AsyncClient(timeout=10) as http, anyio.create_task_group() as tg:
-        node = await start_node(tg, tmp_path, "n", url, service.public_key_text)
-        await wait_until(lambda: _eq(models(http, url), [MODEL]))
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2}
-        answer = await http.post(url + "/v1/chat/completions", json=body)
-        # The fake node generates min(body max_tokens (absent: 4), route max_tokens): the route said 2.
-        assert answer.json()["usage"]["completion_tokens"] == 2
-        tg.cancel_scope.cancel()
-
-
-async def test_lying_receipt_is_flagged(tracker, tmp_path: Path) -> None:
-    service, url = tracker
-    async with httpx.AsyncClient(timeout=10) as http, anyio.create_task_group() as tg:
-        node = await start_node(tg, tmp_path, "n", url, service.public_key_text, lie_by=7)
-        await wait_until(lambda: _eq(models(http, url), [MODEL]))
-        await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [], "max_tokens": 2})
-        [rid] = node.served
-        await wait_until(lambda: _agreement(http, url, rid, "mismatch"))
-        usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
-        assert usage["node"]["completion_tokens"] == usage["tracker"]["completion_tokens"] + 7
-        tg.cancel_scope.cancel()
-
-
-async def test_receipts_must_match_a_route_this_tracker_issued_to_that_node(tracker, tmp_path: Path) -> None:
-    service, url = tracker
-    async with httpx.AsyncClient(timeout=10) as http, anyio.create_task_group() as tg:
-        a = await start_node(tg, tmp_path, "a", url, service.public_key_text)
-        b = await start_node(tg, tmp_path, "b", url, service.public_key_text)
+    a, b = node(tmp_path, tiny_gguf, llama, tracker, "a"), node(tmp_path, tiny_gguf, llama, tracker, "b")
+    async with a.running(), b.running(), httpx.AsyncClient(timeout=10) as http:
         await wait_until(lambda: _true(len(service.registry.routable(MODEL)) == 2))
-        await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [], "max_tokens": 1})
-        served_by, other = (a, b) if a.served else (b, a)
-        [rid] = served_by.served
+        answer = await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [], "max_tokens": 1})
+        rid = answer.headers["x-meshnet-request-id"]
+        served_by, other = (a, b) if service.registry.get(a.node_id).routed else (b, a)
 
-        def receipt(node: FakeNode, request_id: str) -> UsageReceipt:
+        def receipt(mesh: MeshNode, request_id: str):  # type: ignore[no-untyped-def]
             rec = UsageRecord(request_id=request_id, route="/v1/chat/completions", model=MODEL, status=200, stream=False, started_at=0)
-            return node.identity.sign_receipt(rec)
+            return mesh.link.identity.sign_receipt(rec)
 
-        ack = await other.client.send_receipts([receipt(other, rid), receipt(other, "req-invented")])
+        ack = await other.link.client.send_receipts([receipt(other, rid), receipt(other, "req-invented")])
         assert {r.request_id: r.code for r in ack.rejected} == {rid: "wrong_node", "req-invented": "unknown_request"}
         forged = receipt(other, rid).model_copy(update={"token": receipt(other, rid).token[:-4] + "AAAA"})
-        ack = await served_by.client.send_receipts([forged])
+        ack = await served_by.link.client.send_receipts([forged])
         assert [r.code for r in ack.rejected] == ["bad_signature"]
-        tg.cancel_scope.cancel()
 
 
-async def test_least_busy_node_gets_the_next_request(tracker, tmp_path: Path) -> None:
+async def test_least_busy_node_gets_the_next_request(tracker, tmp_path: Path, tiny_gguf: Path) -> None:
     service, url = tracker
-    async with httpx.AsyncClient(timeout=10) as http, anyio.create_task_group() as tg:
-        a = await start_node(tg, tmp_path, "a", url, service.public_key_text)
-        b = await start_node(tg, tmp_path, "b", url, service.public_key_text)
-        await wait_until(lambda: _true(len(service.registry.routable(MODEL)) == 2))
-        a.gate = b.gate = anyio.Event()
-        body = {"model": MODEL, "messages": [], "max_tokens": 3, "stream": True}
-        async with http.stream("POST", url + "/v1/chat/completions", json=body) as held:
-            held_chunks = held.aiter_raw()  # keep a reference: a dropped iterator closes the stream
-            await held_chunks.__anext__()
-            busy, idle = (a, b) if a.served else (b, a)
-            for _ in range(2):
-                gate_free = await http.post(url + "/v1/chat/completions", json={**body, "stream": False})
-                assert gate_free.status_code == 200
-            assert len(idle.served) == 2 and len(busy.served) == 1
-            a.gate.set()
-        tg.cancel_scope.cancel()
+    slow = FakeLlama(tmp_path, FAKE_LLAMA_TOKENS="8", FAKE_LLAMA_TOKEN_DELAY_S="0.25")
+    a, b = node(tmp_path, tiny_gguf, slow, tracker, "a"), node(tmp_path, tiny_gguf, slow, tracker, "b")
+    try:
+        async with a.running(), b.running(), httpx.AsyncClient(timeout=10) as http:
+            await wait_until(lambda: _true(len(service.registry.routable(MODEL)) == 2))
+            body = {"model": MODEL, "messages": [], "max_tokens": 8, "stream": True}
+            async with http.stream("POST", url + "/v1/chat/completions", json=body) as held:
+                held_chunks = held.aiter_raw()  # keep a reference: a dropped iterator closes the stream
+                await held_chunks.__anext__()
+                busy = a if a.admission.in_flight else b
+                idle = b if busy is a else a
+                for _ in range(2):
+                    answer = await http.post(url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})
+                    assert answer.status_code == 200
+                assert service.registry.get(idle.node_id).routed == 2 and service.registry.get(busy.node_id).routed == 1
+    finally:
+        slow.close()
 
 
-async def test_client_disconnect_closes_the_node_stream(tracker, tmp_path: Path) -> None:
+async def test_client_disconnect_closes_the_node_stream(tracker, tmp_path: Path, tiny_gguf: Path) -> None:
     service, url = tracker
-    async with httpx.AsyncClient(timeout=10) as http, anyio.create_task_group() as tg:
-        node = await start_node(tg, tmp_path, "n", url, service.public_key_text)
-        await wait_until(lambda: _eq(models(http, url), [MODEL]))
-        node.gate = anyio.Event()
-        body = {"model": MODEL, "messages": [], "max_tokens": 50, "stream": True}
-        async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            await response.aiter_raw().__anext__()
-        [rid] = node.served
-        node.gate.set()  # the node tries to go on; its client (the tracker) is gone
-        await wait_until(lambda: _true(rid in node.cancelled), timeout=5)
-        await wait_until(lambda: _outcome(http, url, rid, "cancelled"))
-        tg.cancel_scope.cancel()
+    slow = FakeLlama(tmp_path, FAKE_LLAMA_TOKENS="50", FAKE_LLAMA_TOKEN_DELAY_S="0.1")
+    mesh = node(tmp_path, tiny_gguf, slow, tracker)
+    try:
+        async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
+            await wait_until(lambda: _eq(models(http, url), [MODEL]))
+            body = {"model": MODEL, "messages": [], "max_tokens": 50, "stream": True}
+            async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+                await response.aiter_raw().__anext__()
+                rid = response.headers["x-meshnet-request-id"]
+            await wait_until(lambda: _outcome(http, url, rid, "cancelled"))
+            # The node saw its client (the tracker) go: its own record says cancelled, well short of 50.
+            await wait_until(lambda: _true(mesh.admission.in_flight == 0), timeout=5)
+            await wait_until(lambda: _has_receipt(http, url, rid))
+            usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
+            assert usage["node_finish_reason"] == "cancelled" and usage["node"]["completion_tokens"] < 50
+    finally:
+        slow.close()
 
 
-async def test_no_node_or_unknown_model_or_bad_body_are_refused_plainly(tracker) -> None:
+async def test_no_ready_node_gets_503_with_retry_after(tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
+    service, url = tracker
+    mesh = node(tmp_path, tiny_gguf, llama, tracker)
+    mesh.state = "loading"  # registered and known, but not routable
+    async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
+        await wait_until(lambda: _true(service.registry.get(mesh.node_id) is not None))
+        answer = await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_node_available"
+        assert answer.headers["retry-after"] == str(max(1, int(HEARTBEAT_S)))
+
+
+async def test_unknown_model_or_bad_body_are_refused_plainly(tracker) -> None:
     service, url = tracker
     async with httpx.AsyncClient(timeout=10) as http:
         missing = await http.post(url + "/v1/chat/completions", json={"model": "nope", "messages": []})
@@ -399,11 +300,22 @@ async def test_no_node_or_unknown_model_or_bad_body_are_refused_plainly(tracker)
         assert nomodel.status_code == 400
 
 
+async def test_node_without_its_trackers_key_refuses_with_503_route_key_unavailable(tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
+    # No key pinned and the tracker (a loopback port nothing listens on) cannot be asked for it.
+    dead = f"http://127.0.0.1:{free_port()}"
+    mesh = MeshNode(tmp_path / "n", tiny_gguf, llama, tracker_url=dead, tracker_key=None, enrolment_secret=None)
+    async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
+        answer = await http.post(mesh.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "route_key_unavailable"
+        assert int(answer.headers["retry-after"]) >= 1
+        assert llama.forwarded() == []
+
+
 async def _true(value: bool) -> bool:
     return value
 
 
-async def _eq(awaitable, expected) -> bool:
+async def _eq(awaitable, expected) -> bool:  # type: ignore[no-untyped-def]
     return await awaitable == expected
 
 
@@ -415,3 +327,8 @@ async def _agreement(http: httpx.AsyncClient, url: str, rid: str, expected: str)
 async def _outcome(http: httpx.AsyncClient, url: str, rid: str, expected: str) -> bool:
     response = await http.get(f"{url}/v1/usage/{rid}")
     return response.status_code == 200 and response.json()["outcome"] == expected
+
+
+async def _has_receipt(http: httpx.AsyncClient, url: str, rid: str) -> bool:
+    response = await http.get(f"{url}/v1/usage/{rid}")
+    return response.status_code == 200 and response.json()["node"] is not None

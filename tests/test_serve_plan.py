@@ -79,8 +79,12 @@ def test_strix_halo_plans_ud_iq3_xxs_all_on_vulkan_without_mmap_before_any_downl
     assert "DeepSeek-V4-Flash-UD-IQ3_XXS-00001-of-00004.gguf" in command
     assert "planned from the catalog's figures" in out
     assert "CPU mode" not in out + done.stderr and "CPU only" not in out
-    # The same summary and plan are logged at start, and nothing was downloaded.
-    assert "hardware: CPU AMD RYZEN AI MAX+ 395" in done.stderr and "launch plan for deepseek-v4-flash:UD-IQ3_XXS" in done.stderr
+    # The plan is printed once: not logged beside the printout, and its argv only on the command line.
+    assert out.count("hardware:  CPU AMD RYZEN AI MAX+ 395") == 1 and out.count("plan: ") == 1
+    assert out.count("--n-gpu-layers 44") == 1
+    assert "launch plan" not in done.stderr and "hardware:" not in done.stderr
+    # The prompt cache is bounded by the plan and counted in its memory line.
+    assert "--cache-ram " in command and "prompt cache" in out
     assert downloaded(tmp_path) == []
 
 
@@ -101,7 +105,7 @@ def test_force_plans_iq4_xs_anyway_and_says_it_does_not_fit(tmp_path: Path, reco
     plan = next(line for line in done.stdout.splitlines() if line.startswith("plan:"))
     assert plan.startswith("plan: vulkan on Vulkan0,") and "/44 layers" in plan
     assert "DOES NOT FIT" in done.stdout
-    assert "--force" in done.stderr  # logged: trying anyway
+    assert "--force: trying anyway although IQ4_XS needs" in done.stdout
     assert downloaded(tmp_path) == []
 
 
@@ -140,6 +144,7 @@ def test_llama_arg_parallel_sets_the_proxy_slots_too(tmp_path: Path, recorded_ll
     launch: PreparedLaunch = prepare_launch(settings, dry_run=True)
 
     assert launch.settings.parallel == 2 and launch.plan is not None and launch.plan.parallel == 2
+    # the one parse of --llama-arg: the plan leaves --parallel to the operator's own spelling
     assert launch.child.args.count("--parallel") == 1 and launch.child.args[launch.child.args.index("--parallel") + 1] == "2"
 
 
@@ -185,3 +190,21 @@ def test_a_hardware_fixture_that_is_not_a_recorded_machine_is_a_clear_error(tmp_
     assert done.returncode == 2
     assert "MESHNET_HARDWARE_FIXTURE" in done.stderr and "not a recorded machine" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_repo_form_gets_the_same_advice_and_figures_as_the_catalog_form(tmp_path: Path, recorded_llama: Path) -> None:
+    """DeepSeek-V4-Flash by catalog id and by repo id: one memory model, so one set of figures."""
+    by_id = dry_run(tmp_path, "strix-halo-128", "--gguf", "deepseek-v4-flash:UD-IQ3_XXS", llama=recorded_llama)
+    by_repo = dry_run(tmp_path, "strix-halo-128", "--gguf", "unsloth/DeepSeek-V4-Flash-GGUF:UD-IQ3_XXS", llama=recorded_llama)
+    assert by_id.returncode == 0 and by_repo.returncode == 0, by_id.stderr + by_repo.stderr
+
+    def figures(out: str) -> list[str]:
+        lines = out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("quants:"))
+        advice = lines[start : start + 5]
+        memory = [line for line in lines if line.startswith(("memory:", "  = weights"))]
+        return advice + memory
+
+    assert "<- best" in by_repo.stdout  # the repo form gives quant advice (the hub is closed: the catalog's quants)
+    assert figures(by_repo.stdout) == figures(by_id.stdout)
+    assert "107.8 GB needed: fits on the GPU <- best" in by_repo.stdout

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from meshnet_gguf.atomic_file import TEMP_SUFFIX
 from meshnet_gguf.cli import app
 from meshnet_gguf.config import CONFIG_FILE_ENV, NodeSettings
 from meshnet_gguf.service import (
@@ -225,7 +226,7 @@ def test_user_install_and_uninstall_write_and_remove_real_files(tmp_path: Path) 
         ["systemctl", "--user", "daemon-reload"],
         ["systemctl", "--user", "enable", UNIT_NAME],
     ]
-    assert not list(tmp_path.rglob("*.partial"))
+    assert not list(tmp_path.rglob(f"*{TEMP_SUFFIX}"))
 
     runner = RecordingRunner()
     apply_plan(plan_uninstall(user_mode=True, environ=env), runner)

@@ -41,8 +41,30 @@ FAST = SupervisorPolicy(
 )
 
 
-def make(binary: BinaryInfo, tmp_path: Path, policy: SupervisorPolicy = FAST, **env: str) -> Supervisor:
-    return Supervisor(ChildSpec(binary, ["--model", "m.gguf", "--alias", "m"], env), policy, state_dir=tmp_path)
+class StateLog:
+    """A child listener that keeps what the supervisor told it."""
+
+    def __init__(self) -> None:
+        self.states: list[str] = []
+        self.pids: list[int | None] = []
+
+    def child_line(self, line: str) -> None:
+        pass
+
+    def child_state(self, state: str, detail: str | None, pid: int | None) -> None:
+        self.states.append(state)
+        self.pids.append(pid)
+
+
+def make(
+    binary: BinaryInfo, tmp_path: Path, policy: SupervisorPolicy = FAST, listener: StateLog | None = None, **env: str
+) -> Supervisor:
+    return Supervisor(
+        ChildSpec(binary, ["--model", "m.gguf", "--alias", "m"], env),
+        policy,
+        state_dir=tmp_path,
+        listeners=[listener] if listener else [],
+    )
 
 
 async def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -52,9 +74,8 @@ async def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no
 
 
 async def test_becomes_ready_after_loading_and_stops_cleanly(fake_llama: BinaryInfo, tmp_path: Path) -> None:
-    sup = make(fake_llama, tmp_path, FAKE_LLAMA_LOAD_S="0.6")
-    states: list[str] = []
-    sup.state_listeners.append(states.append)
+    listener = StateLog()
+    sup = make(fake_llama, tmp_path, listener=listener, FAKE_LLAMA_LOAD_S="0.6")
     async with anyio.create_task_group() as tg:
         tg.start_soon(sup.run)
         await wait_for(lambda: sup.state == "loading")
@@ -72,7 +93,9 @@ async def test_becomes_ready_after_loading_and_stops_cleanly(fake_llama: BinaryI
     assert sup.state == "stopped"
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not (tmp_path / PIDFILE_NAME).exists()
-    assert states[:3] == ["loading", "ready", "draining"] or "ready" in states
+    # The initial state is "starting", so the first change a listener hears is "loading".
+    assert listener.states == ["loading", "ready", "draining", "stopped"]
+    assert listener.pids[0] == pid
 
 
 async def test_exit_before_ready_fails_with_the_child_error_lines(fake_llama: BinaryInfo, tmp_path: Path) -> None:
@@ -144,7 +167,7 @@ async def test_sigterm_ignored_then_sigkill(tmp_path: Path) -> None:
 
     proc = await asyncio.create_subprocess_exec(sys.executable, str(script), start_new_session=True)
     await anyio.sleep(0.3)
-    policy = SupervisorPolicy(stop_timeout_s=0.5)
+    policy = SupervisorPolicy(**{**FAST.__dict__, "stop_timeout_s": 0.5})
     supervisor = Supervisor(ChildSpec.__new__(ChildSpec), policy)
     started = time.monotonic()
     await supervisor._terminate(proc)  # the stop path on a child that ignores SIGTERM

@@ -14,6 +14,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 ENV_PREFIX = "MESHNET_"
+# After SIGTERM, llama-server gets this long to exit before SIGKILL (a big model unmaps for seconds).
+LLAMA_STOP_TIMEOUT_S = 10.0
 CONFIG_FILE_ENV = "MESHNET_CONFIG"
 
 
@@ -71,7 +73,7 @@ class NodeSettings(BaseSettings):
     # A child that stayed up this long is "stable": its next crash starts the backoff anew.
     restart_stable_after_s: float = Field(120.0, gt=0)
     max_quick_crashes: int = Field(5, ge=1, description="Crashes before stability before giving up into `failed`")
-    stop_timeout_s: float = Field(10.0, gt=0, description="SIGTERM -> SIGKILL grace for llama-server")
+    stop_timeout_s: float = Field(LLAMA_STOP_TIMEOUT_S, gt=0, description="SIGTERM -> SIGKILL grace for llama-server")
 
     # --- proxy limits ------------------------------------------------------
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)")

@@ -30,6 +30,8 @@ from meshnet_gguf.gguf_names import format_bytes
 from meshnet_gguf.hardware import GLVND_PACKAGES, GpuInfo, HardwareReport, probe_hardware
 from meshnet_gguf.hardware_sources import TTM_PAGE_BYTES, CommandRunner, run_command
 from meshnet_gguf.protocol import CLOCK_SKEW_S, WELL_KNOWN_PATH
+from meshnet_gguf.signing import KeyFormatError, parse_public_key, public_key_text
+from meshnet_gguf.tracker_client import TRACKER_KEY_PIN_FILE, first_contact_problem
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -88,10 +90,17 @@ class DoctorReport:
 
 @dataclass
 class ModelSize:
+    """The configured model as the launch plan sees it (`launch.doctor_model_size`): the figures `serve` prints."""
+
     label: str
-    total_bytes: int
+    total_bytes: int  # the weights: what is on disk, or what a download fetches
     local: bool  # already on disk (nothing to download)
-    need_bytes: int  # weights + KV for the planned context + compute buffers
+    need_bytes: int  # what must fit: weights + KV cache for `ctx_size` + compute buffers (`memory_model`)
+    ctx_size: int | None = None  # the planned context the figure holds
+    prompt_cache_bytes: int = 0  # the plan's `--cache-ram`, on top of `need_bytes` (only RAM left free)
+    # The plan's verdict when there is a plan: does it fit, and where do the layers go.
+    fits: bool | None = None
+    placement: Literal["gpu", "split", "cpu"] | None = None
 
 
 @dataclass
@@ -105,7 +114,9 @@ class DoctorEnvironment:
     # Runs a tiny quantized model once (about a second): the SIGILL check of cpu_compat.
     quantized_kernels_work: Callable[[BinaryInfo], bool] | None = None
     hardware: Callable[[BinaryInfo | None], HardwareReport] | None = None
-    model_size: Callable[[NodeSettings], ModelSize | None] | None = None
+    # The model's planned size for a binary (None: not found) and the probed hardware; the CLI
+    # passes `launch.doctor_model_size`, which runs serve's own pipeline up to the plan.
+    model_size: Callable[[BinaryInfo | None, HardwareReport], ModelSize | None] | None = None
     free_bytes: FreeBytes = default_free_bytes
     access: Callable[[Path, int], bool] = os.access
     clock: Callable[[], float] = time.time
@@ -123,11 +134,12 @@ def run_doctor(env: DoctorEnvironment) -> DoctorReport:
     findings += found
     report = env.probe(binary)
     findings += check_gpus(report, env)
-    size, found = _model_size(env)
+    size, found = _model_size(env, binary, report)
     findings += found
     findings += check_memory(report, size)
     findings += check_disk(env, size)
     findings += check_clock(env)
+    findings += check_tracker_key(env)
     findings += check_port(env)
     return DoctorReport(tuple(findings))
 
@@ -279,12 +291,14 @@ def _amd_device_access(env: DoctorEnvironment) -> list[Finding]:
 # --- memory ----------------------------------------------------------------------------
 
 
-def _model_size(env: DoctorEnvironment) -> tuple[ModelSize | None, list[Finding]]:
+def _model_size(env: DoctorEnvironment, binary: BinaryInfo | None, report: HardwareReport) -> tuple[ModelSize | None, list[Finding]]:
     settings = env.settings
     if not settings.demo and not settings.gguf:
         return None, [Finding("model", "skip", "no model configured (--gguf or --demo): memory and disk not checked")]
+    if env.model_size is None:
+        return None, [Finding("model", "skip", "model sizes are not checked here")]
     try:
-        size = (env.model_size or model_size)(settings)
+        size = env.model_size(binary, report)
     except Exception as exc:  # resolution errors carry their own advice
         return None, [Finding("model", "fail", f"the configured model cannot be resolved: {exc}")]
     if size is None:
@@ -293,70 +307,20 @@ def _model_size(env: DoctorEnvironment) -> tuple[ModelSize | None, list[Finding]
     return size, [Finding("model", "ok", f"{size.label}: {format_bytes(size.total_bytes)} {where}")]
 
 
-def model_size(settings: NodeSettings) -> ModelSize | None:
-    """The configured model's size without downloading it: local header, catalog or saved/hub listing."""
-    from meshnet_gguf.catalog import DEMO_ID
-    from meshnet_gguf.gguf_info import read_gguf_info
-    from meshnet_gguf.gguf_info import total_bytes as gguf_total_bytes
-    from meshnet_gguf.gguf_names import normalize_quant
-    from meshnet_gguf.launch_plan import COMPUTE_OVERHEAD_BYTES, ModelFacts, ctx_floor, memory_need_bytes
-    from meshnet_gguf.model_source import CATALOG_SPEC_RE, REPO_ID_RE, offered_quants, resolve_model
-
-    spec = DEMO_ID if settings.demo else str(settings.gguf)
-    path = Path(spec).expanduser()
-    if path.exists():
-        shards = _local_shards(path) if path.is_file() else list(resolve_model(settings, progress=False).shards)
-        total = gguf_total_bytes(shards)
-        # One header read: on a model with a large vocabulary it takes seconds.
-        facts = ModelFacts.from_gguf(read_gguf_info(shards[0]), total)
-        ctx = settings.ctx_size or ctx_floor(facts, settings.parallel)
-        return ModelSize(str(path), total, True, memory_need_bytes(total, facts.kv_bytes_per_token(), ctx))
-
-    repo, catalog_spec = REPO_ID_RE.match(spec), CATALOG_SPEC_RE.match(spec)
-    if repo is not None:
-        base, spec_quant = repo["repo"], repo["quant"]
-    elif catalog_spec is not None:
-        base, spec_quant = catalog_spec["id"], catalog_spec["quant"]
-    else:
-        base, spec_quant = spec, None
-    wanted = settings.quant or spec_quant
-    offered = offered_quants(base, settings)
-    quants = offered.quants
-    if wanted:
-        quants = tuple(q for q in quants if normalize_quant(q.name) == normalize_quant(wanted))
-    if len(quants) != 1:
-        return None
-    chosen = quants[0]
-    # No header yet, so no KV size: weights + compute buffers is the floor of what it needs.
-    return ModelSize(f"{base}:{chosen.name}", chosen.total_bytes, False, chosen.total_bytes + COMPUTE_OVERHEAD_BYTES)
-
-
-def _local_shards(path: Path) -> list[Path]:
-    """Every shard of the split model `path` belongs to (just `path` when it is not split)."""
-    from meshnet_gguf.gguf_names import shard_file_name, shard_position, split_base
-
-    position = shard_position(path.name)
-    if position is None:
-        return [path]
-    base = split_base(path.name)
-    shards = [path.with_name(shard_file_name(base, k, position.count)) for k in range(1, position.count + 1)]
-    missing = [p.name for p in shards if not p.is_file()]
-    if missing:
-        raise ValueError(f"{path} is one of {position.count} shards, but {', '.join(missing)} are missing next to it")
-    return shards
-
-
 def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding]:
     if size is None:
         return []
     capacity = report.capacity()
     need = size.need_bytes
-    if need > capacity.total_bytes:
+    context = f" with {size.ctx_size} tokens of context" if size.ctx_size else ""
+    if size.prompt_cache_bytes:
+        context += f" (and {format_bytes(size.prompt_cache_bytes)} of free RAM for the prompt cache)"
+    if (size.fits is False) or (size.fits is None and need > capacity.total_bytes):
         return [
             Finding(
                 "memory",
                 "fail",
-                f"{size.label} needs {format_bytes(need)}; {capacity.describe()}",
+                f"{size.label} needs {format_bytes(need)}{context}; {capacity.describe()}",
                 "weights, KV cache for the planned context and compute buffers must all fit, or the load fails "
                 "(or swaps the machine to a halt)",
                 "choose a smaller quant (meshnet-gguf models REPO lists them with sizes), a smaller --ctx-size, "
@@ -364,9 +328,10 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
             )
         ]
     gpu = report.primary_gpu()
-    if gpu is None or need <= capacity.gpu_bytes:
-        where = f"on {gpu.name}" if gpu else "in RAM"
-        return [Finding("memory", "ok", f"{size.label} needs {format_bytes(need)}: fits {where}")]
+    whole = size.placement in ("gpu", "cpu") if size.placement is not None else gpu is None or need <= capacity.gpu_bytes
+    if whole or gpu is None:
+        where = f"on {gpu.name}" if gpu is not None and size.placement != "cpu" else "in RAM"
+        return [Finding("memory", "ok", f"{size.label} needs {format_bytes(need)}{context}: fits {where}")]
     gtt_limited = gpu.unified and gpu.vendor == "amd" and ("GTT" in gpu.budget_basis or "ttm" in gpu.budget_basis)
     if gtt_limited:
         pages = report.host_budget_bytes // TTM_PAGE_BYTES
@@ -465,6 +430,45 @@ def check_clock(env: DoctorEnvironment) -> list[Finding]:
     if off > CLOCK_WARN_S:
         return [Finding("clock", "warn", summary, f"within the {tolerance} s route tolerance, but drifting", fix)]
     return [Finding("clock", "ok", summary)]
+
+
+# --- tracker key -----------------------------------------------------------------------
+
+
+def check_tracker_key(env: DoctorEnvironment) -> list[Finding]:
+    """The key the node pinned is the one the tracker publishes, or can be learnt safely."""
+    tracker = env.settings.tracker
+    if not tracker:
+        return [Finding("tracker key", "skip", "no tracker configured")]
+    pin = Path(env.settings.state_dir) / TRACKER_KEY_PIN_FILE
+    pinned_text = env.settings.tracker_public_key or (pin.read_text().strip() if pin.exists() else None)
+    fix = "set MESHNET_TRACKER_PUBLIC_KEY to the key the tracker prints at start (its `serve` line)"
+    if not pinned_text:
+        problem = first_contact_problem(tracker)
+        if problem:
+            return [Finding("tracker key", "fail", "no tracker key pinned", problem, fix)]
+        return [Finding("tracker key", "warn", "no tracker key pinned: the node will trust the key the tracker shows first", "", fix)]
+    client = env.tracker_client or httpx.Client(timeout=TRACKER_TIMEOUT_S)
+    try:
+        pinned = parse_public_key(pinned_text)
+        published = parse_public_key(client.get(tracker.rstrip("/") + WELL_KNOWN_PATH).json()["public_key"])
+    except KeyFormatError as exc:
+        return [Finding("tracker key", "fail", f"the pinned tracker key is not a key: {exc}", "", fix)]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        return [Finding("tracker key", "skip", f"could not read the tracker's key: {exc}")]
+    finally:
+        if env.tracker_client is None:
+            client.close()
+    if public_key_text(published) != public_key_text(pinned):
+        return [
+            Finding(
+                "tracker key", "fail",
+                f"tracker key mismatch: {tracker} publishes {public_key_text(published)}, this node pinned {public_key_text(pinned)}",
+                "every route the tracker signs would be refused, so the node reports itself not online",
+                f"{fix}, or delete {pin} to learn it again",
+            )  # fmt: skip
+        ]
+    return [Finding("tracker key", "ok", f"the pinned key is the tracker's ({public_key_text(pinned)[:12]}…)")]
 
 
 # --- port ------------------------------------------------------------------------------

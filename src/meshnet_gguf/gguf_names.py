@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Generic, Protocol, TypeVar
 
 GGUF_SUFFIX = ".gguf"
@@ -73,6 +73,21 @@ def split_base(filename: str) -> str:
     if stripped != name:
         return stripped
     return name[: -len(GGUF_SUFFIX)] if name.lower().endswith(GGUF_SUFFIX) else name
+
+
+def sibling_shards(path: Path, count: int | None = None) -> list[Path]:
+    """Every shard of the split model `path` belongs to, shard 1 first, as llama.cpp names them;
+    `[path]` for an unsplit file. The one place that lists a split's files from one of them.
+
+    `count` is the split count when the caller knows it from the header (`split.count`)
+    rather than from the name. Names only: whether the files exist is the caller's check.
+    """
+    position = shard_position(path.name)
+    total = count if count is not None else position.count if position is not None else 1
+    if total <= 1:
+        return [path]
+    base = split_base(path.name)
+    return [path.with_name(shard_file_name(base, k, total)) for k in range(1, total + 1)]
 
 
 def is_gguf(path: str) -> bool:

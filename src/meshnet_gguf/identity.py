@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from meshnet_gguf.protocol import NODE_AUTH_AUDIENCE, NODE_AUTH_LIFETIME_S, ReceiptClaims, UsageReceipt, UsageRecord
+from meshnet_gguf.protocol import NODE_AUTH_LIFETIME_S, NodeControlClaims, ReceiptClaims, UsageReceipt, UsageRecord
 from meshnet_gguf.signing import (
     body_sha256,
     encode_token,
@@ -53,12 +53,12 @@ class NodeIdentity:
         )
         return UsageReceipt(request_id=record.request_id, token=encode_token(claims.model_dump(), self.private_key))
 
-    def request_auth(self, method: str, path: str, body: bytes, now: float | None = None) -> str:
-        """Bearer token for one node -> tracker call (binds method, path and body)."""
+    def request_auth(self, method: str, path: str, body: bytes, audience: str, now: float | None = None) -> str:
+        """Bearer token for one node -> tracker call (binds method, path, body and the tracker's issuer)."""
         issued = int(time.time() if now is None else now)
         claims = {
             "iss": self.node_id,
-            "aud": NODE_AUTH_AUDIENCE,
+            "aud": audience,
             "iat": issued,
             "exp": issued + NODE_AUTH_LIFETIME_S,
             "htm": method.upper(),
@@ -66,3 +66,8 @@ class NodeIdentity:
             "body_sha256": body_sha256(body),
         }
         return encode_token(claims, self.private_key)
+
+    def sign_control_proof(self, nonce: str, audience: str, now: float | None = None) -> str:
+        """Answer a tracker's reachability challenge: its nonce, signed by this node's key."""
+        claims = NodeControlClaims(iss=self.node_id, aud=audience, nonce=nonce, iat=int(time.time() if now is None else now))
+        return encode_token(claims.model_dump(), self.private_key)

@@ -156,6 +156,14 @@ class UsageLedger:
             )
             return cursor.rowcount == 1
 
+    def outbox_depth_sync(self) -> int:
+        """Receipts recorded but not yet acknowledged or rejected by the tracker."""
+        with self._lock:
+            (count,) = self._db.execute(
+                "SELECT COUNT(*) FROM usage WHERE reported_at IS NULL AND rejected IS NULL"
+            ).fetchone()
+        return int(count)
+
     def pending_sync(self, limit: int) -> list[UsageReceipt]:
         with self._lock:
             rows = self._db.execute(

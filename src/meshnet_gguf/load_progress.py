@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from meshnet_gguf.gguf_names import shard_file_name, shard_position, split_base
+from meshnet_gguf.gguf_names import sibling_shards
 
 # Share of the whole load given to each phase, so one number can rise
 # steadily: reading tensors dominates any big load; the rest is short.
@@ -92,13 +92,8 @@ def format_bytes(count: float) -> str:
 
 def model_file_bytes(first_shard: Path) -> int | None:
     """Bytes llama-server will read for this model: every shard of a split, or the one file."""
-    position = shard_position(first_shard.name)
-    shards = [first_shard]
-    if position is not None:
-        base = split_base(first_shard.name)
-        shards = [first_shard.with_name(shard_file_name(base, k, position.count)) for k in range(1, position.count + 1)]
     try:
-        return sum(shard.stat().st_size for shard in shards)
+        return sum(shard.stat().st_size for shard in sibling_shards(first_shard))
     except OSError:
         return None
 

@@ -1,10 +1,16 @@
 """The node's link to the mesh, built from settings when a tracker is configured.
 
 One object the node starts in its task group. It gives the proxy a
-`route_verifier` (only tracker-routed requests get through) and a `usage_sink`
-(every request's usage becomes a signed receipt in the ledger), and runs the
-registration/heartbeat and outbox tasks. `drain()` tells the tracker to stop
-routing here; `close()` makes a last delivery attempt and deregisters.
+`route_gate` (only tracker-routed requests get through), a `usage_sink`
+(every request's usage becomes a signed receipt in the ledger) and one GET
+route, `control_route` (the tracker's reachability challenge, signed with the
+node key), and runs the registration/heartbeat and outbox tasks. `drain()`
+tells the tracker to stop routing here; `close()` makes a last delivery
+attempt and deregisters.
+
+Key trust: the tracker's key is pinned (configured, or learnt on first contact
+only over https or loopback). When the tracker turns out to hold another key,
+the node tells it nothing but "not online" and says why in `/health`.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,43 +27,51 @@ import anyio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from meshnet_gguf import __version__
+from meshnet_gguf.atomic_file import write_atomically
 from meshnet_gguf.billing import LedgerUsageSink, OutboxReporter
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.download import sha256_of
 from meshnet_gguf.errors import ApiError
 from meshnet_gguf.gguf_info import read_gguf_info
-from meshnet_gguf.gguf_names import shard_file_name, split_base
+from meshnet_gguf.gguf_names import sibling_shards
 from meshnet_gguf.hardware import HardwareReport, probe_hardware
 from meshnet_gguf.identity import NodeIdentity
 from meshnet_gguf.ledger import UsageLedger
+from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.protocol import (
     CLOCK_SKEW_S,
     MAX_ROUTE_LIFETIME_S,
+    NODE_CONTROL_NONCE_MAX_CHARS,
+    NODE_CONTROL_NONCE_PARAM,
+    NODE_CONTROL_PATH,
     HardwareSummary,
     HealthReport,
     MeshState,
     NodeAnnouncement,
+    NodeControlProof,
     NodeLoad,
+    RegistrationAck,
     ShardDigest,
 )
-from meshnet_gguf.proxy import RouteGrant
+from meshnet_gguf.proxy import QueryRoute, RouteGrant
 from meshnet_gguf.retry import Backoff
 from meshnet_gguf.route_auth import ReplayCache, RouteRejected, RouteVerifier
-from meshnet_gguf.signing import KeyFormatError, parse_public_key
+from meshnet_gguf.signing import KeyFormatError, parse_public_key, public_key_text, tracker_issuer_for
 from meshnet_gguf.tracker_client import (
     DEREGISTER_TIMEOUT_S,
     RETRY_INITIAL_S,
     RETRY_MAX_S,
     NodePresence,
     TrackerClient,
+    TrackerRefused,
+    TRACKER_KEY_PIN_FILE,
     TrackerUnavailable,
+    first_contact_problem,
 )
 
 log = logging.getLogger(__name__)
 
-# Trust-on-first-use pin of the tracker key, when none was configured.
-TRACKER_KEY_PIN_FILE = "tracker_public_key"
 # sha256 of each shard, remembered by size and mtime so a restart does not re-hash 100 GB.
 SHARD_DIGESTS_FILE = "shard_digests.json"
 # On the way out, one bounded try to deliver the last receipts; what is left goes next start.
@@ -67,6 +80,8 @@ FINAL_FLUSH_TIMEOUT_S = 5.0
 KEY_UNKNOWN_RETRY_AFTER_S = 5
 # Routes admitted this recently before a restart could still be replayed; their ids come from the ledger.
 REPLAY_SEED_WINDOW_S = MAX_ROUTE_LIFETIME_S + 2 * CLOCK_SKEW_S
+# A tracker's nonce is base64url; anything else is not a tracker asking.
+_NONCE_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
 class MeshSetupError(RuntimeError):
@@ -131,7 +146,11 @@ class RouteGate:
         return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens)
 
 
-class MeshnetLink:
+class MeshnetLink(BasePart):
+    """A node part: registration and heartbeats, the receipt outbox, the route gate and the control proof."""
+
+    name = "mesh link"
+
     def __init__(self, settings: NodeSettings, model: ServedModel, health: Callable[[], HealthReport]) -> None:
         if not settings.tracker:
             raise MeshSetupError("the mesh link needs a tracker URL (--tracker or MESHNET_TRACKER)")
@@ -139,6 +158,7 @@ class MeshnetLink:
         self.model = model
         self._health = health
         self._draining = False
+        self._tasks: anyio.CancelScope | None = None
         state_dir = Path(settings.state_dir)
         self.advertised_url = settings.advertised_url or _default_advertised_url(settings)
         info = read_gguf_info(model.shards[0])
@@ -147,38 +167,64 @@ class MeshnetLink:
         self.total_layers = info.block_count
         if len(model.shards) == 1 and info.split_count > 1:
             # Given only shard 1 (what llama-server loads): the others sit beside it, named by the split.
-            base = split_base(model.shards[0].name)
-            shards = [model.shards[0].with_name(shard_file_name(base, k, info.split_count)) for k in range(1, info.split_count + 1)]
+            shards = sibling_shards(model.shards[0], info.split_count)
             self.model = model = dataclasses.replace(model, shards=shards)
 
+        pinned = self._configured_key(state_dir)
+        if pinned is None and (problem := first_contact_problem(settings.tracker)):
+            raise MeshSetupError(problem)
         self.identity = NodeIdentity.load_or_create(state_dir)
         self.ledger = UsageLedger.in_state_dir(state_dir)
         self.client = TrackerClient(settings.tracker, self.identity, enrolment_secret=settings.enrolment_secret)
         self.reporter = OutboxReporter(self.ledger, self.client, linger_s=settings.usage_report_interval_s)
         self.usage_sink = LedgerUsageSink(self.ledger, self.identity, self.reporter)
-        self.route_verifier = RouteGate(self.identity.node_id, model.model_id, self.total_layers, self._configured_key(state_dir))
+        self.route_gate = RouteGate(self.identity.node_id, model.model_id, self.total_layers, None)
+        if pinned is not None:
+            self._trust(pinned)
         self._seed_replay_cache()
-        self.presence = NodePresence(self.client, self._announcement, self._status)
+        self.presence = NodePresence(
+            self.client, self._announcement, self._status, check_ack=self._check_ack, explain_refusal=self._explain_refusal
+        )
+        self.control_route: tuple[str, QueryRoute] = (NODE_CONTROL_PATH, self.answer_control_challenge)
         self._shards: list[ShardDigest] | None = None
         self._hardware: HardwareSummary | None = None
         log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
 
     # --- what the node wires in ---------------------------------------------
-    def health_extra(self, report: HealthReport) -> HealthReport:
-        return report.model_copy(update={"first_layer": 0, "last_layer": self.total_layers - 1})
+    def health(self, report: HealthReport) -> HealthReport:
+        return report.model_copy(
+            update={"first_layer": 0, "last_layer": self.total_layers - 1, "mesh_problem": self.presence.problem}
+        )
+
+    def outbox_depth(self) -> int:
+        return self.ledger.outbox_depth_sync()
+
+    async def answer_control_challenge(self, query: Mapping[str, str]) -> tuple[int, bytes, str]:
+        """`GET /.well-known/meshnet-node?nonce=...`: the tracker's nonce, signed with this node's key
+        for the pinned tracker only, so the tracker knows the node it registers answers at this URL."""
+        nonce = query.get(NODE_CONTROL_NONCE_PARAM, "")
+        if not nonce or len(nonce) > NODE_CONTROL_NONCE_MAX_CHARS or not set(nonce) <= _NONCE_ALPHABET:
+            error = ApiError(400, "bad_nonce", f"{NODE_CONTROL_NONCE_PARAM} must be base64url, at most {NODE_CONTROL_NONCE_MAX_CHARS} characters")
+            return error.status, error.body(), "application/json"
+        audience = self.route_gate.issuer
+        if audience is None:
+            error = ApiError(503, "route_key_unavailable", "this node has not learnt its tracker's key yet")
+            return error.status, error.body(), "application/json"
+        proof = NodeControlProof(token=self.identity.sign_control_proof(nonce, audience))
+        return 200, proof.model_dump_json().encode(), "application/json"
 
     async def run(self) -> None:
         """Background task for the node's lifetime: outbox, key pinning, shard digests, presence."""
         async with anyio.create_task_group() as tg:
+            self._tasks = tg.cancel_scope
             # Receipts left by a previous run go out first; they need no registration.
             tg.start_soon(self.reporter.run)
-            if self.route_verifier.issuer is None:
+            if self.route_gate.issuer is None:
                 await self._learn_tracker_key()
             self._shards = await anyio.to_thread.run_sync(self._shard_digests)
             report = self.model.hardware or await anyio.to_thread.run_sync(probe_hardware, self.model.binary)
             self._hardware = hardware_summary(report)
             tg.start_soon(self.presence.run)
-            tg.start_soon(self._check_issuer)
 
     async def drain(self) -> None:
         """Say `draining` now, so the tracker stops routing here while in-flight requests finish."""
@@ -194,6 +240,8 @@ class MeshnetLink:
 
     async def close(self) -> None:
         """After the last request: deliver what can be delivered, deregister, release the ledger."""
+        if self._tasks is not None:
+            self._tasks.cancel()  # the reporter and heartbeats stop before the final flush
         with anyio.move_on_after(FINAL_FLUSH_TIMEOUT_S):
             try:
                 await self.reporter.flush()
@@ -209,7 +257,7 @@ class MeshnetLink:
         if self._draining or report.state in ("draining", "stopped"):
             state: MeshState = "draining"
         else:
-            state = "online" if report.state == "ready" else "joining"
+            state = "online" if report.state == "ready" and self.presence.problem is None else "joining"
         load = NodeLoad(
             slots_total=report.slots_total,
             slots_busy=report.slots_busy,
@@ -251,8 +299,38 @@ class MeshnetLink:
         except KeyFormatError as exc:
             raise MeshSetupError(f"{source}: {exc}") from exc
 
+    def _trust(self, key: Ed25519PublicKey) -> None:
+        self.route_gate.set_tracker_key(key)
+        self.client.audience = self.route_gate.issuer
+
+    def _check_ack(self, ack: RegistrationAck) -> str | None:
+        """A tracker signing as another issuer than the pinned key's would have every route refused."""
+        expected = self.route_gate.issuer
+        if ack.issuer == expected:
+            return None
+        return (
+            f"the tracker signs routes as {ack.issuer} but the pinned key belongs to {expected}: every routed request "
+            f"would be refused; fix tracker_public_key (or delete {TRACKER_KEY_PIN_FILE} in the state dir to re-learn it)"
+        )
+
+    async def _explain_refusal(self, refusal: TrackerRefused) -> str:
+        """Say plainly when a refusal comes from a tracker key that does not match the pin."""
+        if refusal.code not in ("bad_node_auth", "control_unproven"):
+            return str(refusal)
+        try:
+            published = parse_public_key((await self.client.info()).public_key)
+        except (TrackerUnavailable, KeyFormatError):
+            return str(refusal)
+        if tracker_issuer_for(published) != self.route_gate.issuer:
+            return (
+                f"tracker key mismatch: {self.settings.tracker} publishes {public_key_text(published)} but this node pinned "
+                f"the key of {self.route_gate.issuer}; fix tracker_public_key (or delete {TRACKER_KEY_PIN_FILE} "
+                "in the state dir to re-learn it)"
+            )
+        return str(refusal)
+
     async def _learn_tracker_key(self) -> None:
-        """Trust on first use: fetch the key the tracker publishes and pin it in the state dir."""
+        """Trust on first use (https or loopback only): fetch the key the tracker publishes and pin it."""
         backoff = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
         while True:
             try:
@@ -264,30 +342,18 @@ class MeshnetLink:
                 log.warning("cannot fetch the tracker key yet (%s); requests get 503 until then; retrying in %.0f s", exc, delay)
                 await anyio.sleep(delay)
         pin = Path(self.settings.state_dir) / TRACKER_KEY_PIN_FILE
-        _write_atomically(pin, info.public_key + "\n")
-        self.route_verifier.set_tracker_key(key)
+        write_atomically(pin, info.public_key + "\n")
+        self._trust(key)
         log.warning(
             "pinned tracker key %s on first contact (trust on first use) in %s; "
             "set MESHNET_TRACKER_PUBLIC_KEY to pin it explicitly",
             info.public_key, pin,
         )
 
-    async def _check_issuer(self) -> None:
-        """A pinned key that is not the tracker's would refuse every route: say so loudly, once."""
-        while self.presence.last_ack is None:
-            await anyio.sleep(1.0)
-        expected = self.route_verifier.issuer
-        if self.presence.last_ack.issuer != expected:
-            log.error(
-                "the tracker signs routes as %s but the pinned key belongs to %s: every routed request will be "
-                "refused; fix tracker_public_key (or delete %s to re-learn it)",
-                self.presence.last_ack.issuer, expected, TRACKER_KEY_PIN_FILE,
-            )
-
     def _seed_replay_cache(self) -> None:
         now = time.time()
         for request_id, started_at in self.ledger.request_ids_since_sync(now - REPLAY_SEED_WINDOW_S):
-            self.route_verifier.replay_cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
+            self.route_gate.replay_cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
 
     def _shard_digests(self) -> list[ShardDigest]:
         cache_path = Path(self.settings.state_dir) / SHARD_DIGESTS_FILE
@@ -308,7 +374,7 @@ class MeshnetLink:
                 sha = sha256_of(path).hexdigest()
             cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
             digests.append(ShardDigest(name=path.name, sha256=sha, size=st.st_size))
-        _write_atomically(cache_path, json.dumps(cache, indent=1))
+        write_atomically(cache_path, json.dumps(cache, indent=1))
         return digests
 
 
@@ -322,13 +388,6 @@ def hardware_summary(report: HardwareReport) -> HardwareSummary:
         memory_bytes=report.ram_total_bytes,
         gpu_memory_bytes=gpu.budget_bytes if gpu else None,
     )
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """A reader (or a crash) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _default_advertised_url(settings: NodeSettings) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal
 from meshnet_gguf.catalog import DEMO_ID, Catalog, CatalogEntry, CatalogQuant, load_catalog, quant_fits
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.download import (
+    ByteCount,
     DISK_FREE_MARGIN_BYTES,
     DownloadError,
     FreeBytes,
@@ -53,10 +54,10 @@ from meshnet_gguf.gguf_names import (
     is_gguf,
     normalize_quant,
     quant_of,
-    shard_file_name,
-    shard_position,
-    split_base,
     select_quant,
+    shard_file_name,
+    sibling_shards,
+    split_base,
 )
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class ResolvedModel:
     catalog_id: str | None = None
     commit: str | None = None
     context_length: int | None = None  # the catalog's figure, when the model came from the catalog
+    fetched_bytes: int = 0  # received from the hub while resolving (0 when everything was on disk)
     notes: tuple[str, ...] = field(default=())
     # Shard 1's parsed header, filled by the pre-launch check (parsing costs seconds on big vocabularies: reuse it).
     header: GGUFInfo | None = field(default=None, repr=False)
@@ -154,7 +156,12 @@ def _selection_message(exc: QuantSelectionError, where: str, budget_bytes: int |
     return f"{where}: {exc}. Offered:\n{offered}"
 
 
-# ---- entry point --------------------------------------------------------------------------
+# ---- entry points ---------------------------------------------------------------------------
+# Called to say which quants fit: `budget()` gives the box's capacity in bytes. Only asked when
+# a message lists the quants on offer, so a caller that knows its hardware never probes again.
+Budget = Callable[[], int]
+
+
 def resolve_model(
     settings: NodeSettings,
     *,
@@ -163,26 +170,42 @@ def resolve_model(
     free_bytes: FreeBytes = default_free_bytes,
     catalog: Catalog | None = None,
 ) -> ResolvedModel:
-    """Resolve, download if needed, verify and header-check what the settings ask to serve.
+    """`parse_model_spec` then `fetch_model` for what the settings ask to serve (`meshnet-gguf download`)."""
+    catalog = catalog or load_catalog()
+    spec = parse_model_spec(settings.gguf, quant=settings.quant, demo=settings.demo, catalog=catalog)
+    access = access or HubAccess.from_environment(offline=settings.offline)
+    return fetch_model(spec, settings.download_dir, access=access, progress=progress, free_bytes=free_bytes)
+
+
+def fetch_model(
+    spec: ModelSpec,
+    download_dir: Path,
+    *,
+    access: HubAccess,
+    progress: bool = True,
+    free_bytes: FreeBytes = default_free_bytes,
+    budget: Budget | None = None,
+) -> ResolvedModel:
+    """Download if needed, verify and header-check the model `spec` names.
 
     Raises `ModelResolutionError` (with the underlying error as `__cause__`) on anything
-    an operator must act on: unknown source, ambiguous or missing quant, gated repo,
-    no disk space, checksum mismatch, offline with files missing, a broken GGUF.
+    an operator must act on: ambiguous or missing quant, gated repo, no disk space,
+    checksum mismatch, offline with files missing, a broken GGUF.
     """
-    catalog = catalog or load_catalog()
-    access = access or HubAccess.from_environment(offline=settings.offline)
+    budget = budget or machine_budget_bytes
     try:
-        if settings.demo:
-            entry = catalog.get(DEMO_ID)
-            assert entry is not None, "the packaged catalog always has the demo entry"
-            resolved = _resolve_catalog(entry, settings.quant, settings, access, progress, free_bytes)
-        elif not settings.gguf:
-            raise ModelResolutionError(
-                "nothing to serve: pass --gguf with a .gguf file, a directory, a repo id (owner/name[:QUANT]) "
-                f"or a catalog id ({', '.join(catalog.ids)}), or --demo"
-            )
+        if spec.kind == "file":
+            assert spec.path is not None
+            resolved = _resolve_local_file(spec.path)
+        elif spec.kind == "directory":
+            assert spec.path is not None
+            resolved = _resolve_local_dir(spec.path, spec.quant, progress)
+        elif spec.kind == "catalog":
+            assert spec.entry is not None
+            resolved = _resolve_catalog(spec.entry, spec.quant, download_dir, access, progress, free_bytes, budget)
         else:
-            resolved = _resolve_spec(settings.gguf, settings, access, progress, free_bytes, catalog)
+            assert spec.repo_id is not None
+            resolved = _resolve_repo(spec.repo_id, spec.quant, download_dir, access, progress, free_bytes, budget)
     except DownloadError as exc:
         raise ModelResolutionError(str(exc)) from exc
     resolved = replace(resolved, header=_check_headers(resolved))
@@ -190,7 +213,7 @@ def resolve_model(
         "model %s: %s in %d file(s)%s, first shard %s",
         resolved.label, format_bytes(resolved.total_bytes), len(resolved.shards),
         ", sha256 verified" if resolved.verified else "", resolved.first_shard,
-    )
+    )  # fmt: skip
     return resolved
 
 
@@ -200,48 +223,19 @@ def _merge_quant(spec_quant: str | None, flag_quant: str | None, spec: str) -> s
     return spec_quant or flag_quant
 
 
-def _resolve_spec(
-    spec: str, settings: NodeSettings, access: HubAccess, progress: bool, free_bytes: FreeBytes, catalog: Catalog
-) -> ResolvedModel:
-    path = Path(spec).expanduser().absolute()
-    if path.is_file():
-        return _resolve_local_file(path)
-    if path.is_dir():
-        return _resolve_local_dir(path, settings.quant, access, progress)
-    catalog_match = CATALOG_SPEC_RE.match(spec)
-    if catalog_match and catalog.get(catalog_match["id"]) is not None:
-        entry = catalog.get(catalog_match["id"])
-        assert entry is not None
-        quant = _merge_quant(catalog_match["quant"], settings.quant, spec)
-        return _resolve_catalog(entry, quant, settings, access, progress, free_bytes)
-    repo_match = REPO_ID_RE.match(spec)
-    if repo_match and not spec.lower().endswith(GGUF_SUFFIX):
-        quant = _merge_quant(repo_match["quant"], settings.quant, spec)
-        return _resolve_repo(repo_match["repo"], quant, settings, access, progress, free_bytes)
-    raise ModelResolutionError(
-        f"--gguf {spec}: no such file or directory, and not a catalog id ({', '.join(catalog.ids)}) "
-        "or a Hugging Face repo id (owner/name[:QUANT])"
-    )
-
-
 # ---- local -----------------------------------------------------------------------------------
 def _resolve_local_file(path: Path) -> ResolvedModel:
     if not is_gguf(path.name):
         raise ModelResolutionError(f"--gguf {path}: not a .gguf file")
-    position = shard_position(path.name)
-    if position is None:
-        shards = [path]
-    else:
-        base = split_base(path.name)
-        shards = [path.with_name(shard_file_name(base, k, position.count)) for k in range(1, position.count + 1)]
-        missing = [p.name for p in shards if not p.is_file()]
-        if missing:
-            raise ModelResolutionError(
-                f"--gguf {path}: a split model of {position.count} shards, but {', '.join(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} missing next to it"
-            )
-        if position.index != 1:
-            log.info("%s is shard %d; llama-server loads splits from shard 1: %s", path.name, position.index, shards[0].name)
+    shards = sibling_shards(path)
+    missing = [p.name for p in shards if not p.is_file()]
+    if missing:
+        raise ModelResolutionError(
+            f"--gguf {path}: a split model of {len(shards)} shards, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing next to it"
+        )
+    if shards[0] != path:
+        log.info("%s is one shard of %d; llama-server loads splits from shard 1: %s", path.name, len(shards), shards[0].name)
     return _unverified(shards, "file", quant=None)
 
 
@@ -268,7 +262,7 @@ def _scan_dir(directory: Path) -> list[_LocalFile]:
     return files
 
 
-def _resolve_local_dir(directory: Path, quant: str | None, access: HubAccess, progress: bool) -> ResolvedModel:
+def _resolve_local_dir(directory: Path, quant: str | None, progress: bool) -> ResolvedModel:
     groups = group_quants(_scan_dir(directory))
     try:
         group = select_quant(groups, quant)
@@ -306,10 +300,16 @@ def _require_complete(group: QuantGroup, where: str) -> None:  # type: ignore[ty
 
 # ---- catalog -------------------------------------------------------------------------------
 def _resolve_catalog(
-    entry: CatalogEntry, quant: str | None, settings: NodeSettings, access: HubAccess, progress: bool, free_bytes: FreeBytes
+    entry: CatalogEntry,
+    quant: str | None,
+    download_dir: Path,
+    access: HubAccess,
+    progress: bool,
+    free_bytes: FreeBytes,
+    budget_of: Budget,
 ) -> ResolvedModel:
     if quant is None and len(entry.quants) > 1:
-        budget = machine_budget_bytes()
+        budget = budget_of()
         rows = "\n".join(
             f"  {q.name:<14} {format_bytes(q.total_bytes):>10}  {q.shards} shard{'s' if q.shards != 1 else ''}"
             f"  {'fits this machine' if quant_fits(q, budget) else 'too big for this machine'}"
@@ -323,7 +323,7 @@ def _resolve_catalog(
 
     if entry.package is not None:
         packaged = materialize_package_model(
-            entry.package, Path(settings.download_dir).expanduser() / entry.id, progress=progress, free_bytes=free_bytes
+            entry.package, Path(download_dir).expanduser() / entry.id, progress=progress, free_bytes=free_bytes
         )
         return ResolvedModel(
             first_shard=packaged.path, shards=(packaged.path,), total_bytes=packaged.size, source="package",
@@ -331,17 +331,17 @@ def _resolve_catalog(
             context_length=entry.context_length,
         )  # fmt: skip
     assert entry.repo is not None
-    resolved = _resolve_repo(entry.repo, chosen.name, settings, access, progress, free_bytes, files_glob=chosen.files)
+    resolved = _resolve_repo(entry.repo, chosen.name, download_dir, access, progress, free_bytes, budget_of, files_glob=chosen.files)
     return replace(resolved, catalog_id=entry.id, context_length=entry.context_length)
 
 
 # ---- hub -----------------------------------------------------------------------------------
-def _listing(repo_id: str, settings: NodeSettings, access: HubAccess) -> RepoListing | None:
+def _listing(repo_id: str, download_dir: Path, access: HubAccess) -> RepoListing | None:
     """The hub's listing (saved for --offline), or offline the saved one (None if never listed)."""
     if access.offline:
-        return load_manifest(repo_local_dir(settings.download_dir, repo_id))
+        return load_manifest(repo_local_dir(download_dir, repo_id))
     listing = list_repo(repo_id, access)
-    save_manifest(settings.download_dir, listing)
+    save_manifest(download_dir, listing)
     return listing
 
 
@@ -364,31 +364,33 @@ def _pick_group(
 def _resolve_repo(
     repo_id: str,
     quant: str | None,
-    settings: NodeSettings,
+    download_dir: Path,
     access: HubAccess,
     progress: bool,
     free_bytes: FreeBytes,
+    budget_of: Budget,
     *,
     files_glob: str | None = None,
 ) -> ResolvedModel:
-    listing = _listing(repo_id, settings, access)
+    listing = _listing(repo_id, download_dir, access)
     if listing is None:
-        local = repo_local_dir(settings.download_dir, repo_id)
+        local = repo_local_dir(download_dir, repo_id)
         if local.is_dir() and _scan_dir(local):
             log.warning("offline and %s was never listed from the hub: its files in %s cannot be sha256-verified", repo_id, local)
-            return _resolve_local_dir(local, quant, access, progress)
+            return _resolve_local_dir(local, quant, progress)
         raise ModelResolutionError(
-            f"offline, and {repo_id} has never been downloaded into {settings.download_dir}. Run "
+            f"offline, and {repo_id} has never been downloaded into {download_dir}. Run "
             f"`meshnet-gguf download {repo_id}{' --quant ' + quant if quant else ''}` while online, or drop --offline."
         )
     groups = group_quants(listing.files)
-    budget = None if quant else machine_budget_bytes()
+    budget = None if quant else budget_of()
     group = _pick_group(groups, quant, files_glob, repo_id, budget)
     _require_complete(group, repo_id)
+    count = ByteCount()
     try:
         paths = fetch_files(
-            listing, group.files, settings.download_dir, access, progress=progress, free_bytes=free_bytes,
-            what=f"{repo_id}:{group.label}",
+            listing, group.files, download_dir, access, progress=progress, free_bytes=free_bytes,
+            what=f"{repo_id}:{group.label}", count=count,
         )  # fmt: skip
     except NotEnoughDiskSpace as exc:
         smaller = [g for g in groups if g.complete and g.total_bytes + DISK_FREE_MARGIN_BYTES <= exc.free_bytes]
@@ -397,7 +399,7 @@ def _resolve_repo(
     return ResolvedModel(
         first_shard=paths[0], shards=tuple(paths), total_bytes=group.total_bytes, source="hub",
         sha256s=tuple(f.sha256 for f in group.files), verified=all(f.sha256 for f in group.files),
-        repo_id=repo_id, quant=group.quant, commit=listing.commit,
+        repo_id=repo_id, quant=group.quant, commit=listing.commit, fetched_bytes=count.received,
     )  # fmt: skip
 
 
@@ -409,16 +411,24 @@ def _check_headers(model: ResolvedModel) -> GGUFInfo:
         raise ModelResolutionError(f"{model.label} is not a loadable GGUF: {exc}") from exc
 
 
-# ---- what is asked for, before any download (the quant check, `serve --dry-run`) ---------------
+# ---- what is asked for, before any download -------------------------------------------------
 @dataclass(frozen=True)
 class ModelSpec:
-    """What `--gguf`/`--quant`/`--demo` ask for, read with no I/O but `stat`, in `resolve_model`'s order."""
+    """What `--gguf`/`--quant`/`--demo` ask for, read once with no I/O but `stat`."""
 
-    kind: Literal["local", "catalog", "repo"]
+    kind: Literal["file", "directory", "catalog", "repo"]
     text: str  # as the operator wrote it, for messages
     quant: str | None  # as asked for (spec suffix or --quant); None: not chosen
     entry: CatalogEntry | None = None  # the catalog entry (kind "catalog")
     repo_id: str | None = None  # the hub repo (kind "repo", or a catalog entry's repo)
+    path: Path | None = None  # the local file or directory (kinds "file", "directory")
+    # The catalog entry that curates this model, also when it is asked for by repo id: its
+    # model shape sizes the KV cache, and its quants stand in when the hub cannot be asked.
+    curated: CatalogEntry | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.kind in ("file", "directory")
 
     def quant_or_only(self) -> str | None:
         """The asked-for quant, or a catalog entry's only one."""
@@ -427,30 +437,40 @@ class ModelSpec:
         return self.quant
 
 
-def parse_model_spec(settings: NodeSettings, catalog: Catalog | None = None) -> ModelSpec | None:
-    """Classify `--gguf` without fetching anything; None when nothing or nothing recognisable is asked
-    for (`resolve_model` then says why). Raises ModelResolutionError for conflicting quants."""
-    catalog = catalog or load_catalog()
-    if settings.demo:
+def parse_model_spec(gguf: str | None, *, quant: str | None, demo: bool, catalog: Catalog) -> ModelSpec:
+    """Classify `--gguf` in this order: an existing path, a catalog id, a repo id. Fetches nothing.
+
+    Raises ModelResolutionError when nothing or nothing recognisable is asked for,
+    or when the spec's quant and `--quant` disagree.
+    """
+    if demo:
         entry = catalog.get(DEMO_ID)
         assert entry is not None, "the packaged catalog always has the demo entry"
-        return ModelSpec("catalog", DEMO_ID, settings.quant, entry=entry, repo_id=entry.repo)
-    spec = settings.gguf
-    if not spec:
-        return None
-    path = Path(spec).expanduser().absolute()
-    if path.is_file() or path.is_dir():
-        return ModelSpec("local", spec, settings.quant)
-    catalog_match = CATALOG_SPEC_RE.match(spec)
+        return ModelSpec("catalog", DEMO_ID, quant, entry=entry, repo_id=entry.repo, curated=entry)
+    if not gguf:
+        raise ModelResolutionError(
+            "nothing to serve: pass --gguf with a .gguf file, a directory, a repo id (owner/name[:QUANT]) "
+            f"or a catalog id ({', '.join(catalog.ids)}), or --demo"
+        )
+    path = Path(gguf).expanduser().absolute()
+    if path.is_file():
+        return ModelSpec("file", gguf, quant, path=path)
+    if path.is_dir():
+        return ModelSpec("directory", gguf, quant, path=path)
+    catalog_match = CATALOG_SPEC_RE.match(gguf)
     entry = catalog.get(catalog_match["id"]) if catalog_match else None
     if catalog_match and entry is not None:
-        quant = _merge_quant(catalog_match["quant"], settings.quant, spec)
-        return ModelSpec("catalog", entry.id, quant, entry=entry, repo_id=entry.repo)
-    repo_match = REPO_ID_RE.match(spec)
-    if repo_match and not spec.lower().endswith(GGUF_SUFFIX):
-        quant = _merge_quant(repo_match["quant"], settings.quant, spec)
-        return ModelSpec("repo", repo_match["repo"], quant, repo_id=repo_match["repo"])
-    return None
+        chosen = _merge_quant(catalog_match["quant"], quant, gguf)
+        return ModelSpec("catalog", entry.id, chosen, entry=entry, repo_id=entry.repo, curated=entry)
+    repo_match = REPO_ID_RE.match(gguf)
+    if repo_match and not gguf.lower().endswith(GGUF_SUFFIX):
+        chosen = _merge_quant(repo_match["quant"], quant, gguf)
+        repo_id = repo_match["repo"]
+        return ModelSpec("repo", repo_id, chosen, repo_id=repo_id, curated=catalog.by_repo(repo_id))
+    raise ModelResolutionError(
+        f"--gguf {gguf}: no such file or directory, and not a catalog id ({', '.join(catalog.ids)}) "
+        "or a Hugging Face repo id (owner/name[:QUANT])"
+    )
 
 
 def expected_first_shard(entry: CatalogEntry, quant: CatalogQuant, download_dir: Path) -> Path:
@@ -462,26 +482,57 @@ def expected_first_shard(entry: CatalogEntry, quant: CatalogQuant, download_dir:
     return repo_local_dir(base, entry.repo) / quant.first_file
 
 
-def shards_on_disk(spec: ModelSpec, settings: NodeSettings) -> tuple[Path, ...] | None:
-    """The asked-for catalog or hub model's shards when all are already in the download dir, else None.
+def find_on_disk(spec: ModelSpec, download_dir: Path) -> ResolvedModel | None:
+    """The asked-for model as the files already on disk have it, header-checked but not sha256-verified.
 
-    No network, no hashing, no writes: for `serve --dry-run`, which plans from the
-    header on disk and leaves verification to the real start.
+    No network, no hashing, no writes: for `serve --dry-run` and `doctor`, which plan
+    from the header on disk and leave verification to the real start. None when a
+    catalog or hub model is not (completely) downloaded yet. Raises ModelResolutionError
+    for a local spec that cannot be used, or files on disk that are not a loadable GGUF.
     """
+    if spec.local:
+        assert spec.path is not None
+        resolved = _resolve_local_file(spec.path) if spec.kind == "file" else _local_dir_unverified(spec.path, spec.quant)
+        return replace(resolved, header=_check_headers(resolved))
+    shards = _shards_on_disk(spec, download_dir)
+    if not shards:
+        return None
+    entry = spec.entry
+    resolved = ResolvedModel(
+        first_shard=shards[0], shards=shards, total_bytes=sum(p.stat().st_size for p in shards),
+        source="package" if entry is not None and entry.package else "hub", sha256s=tuple(None for _ in shards),
+        verified=False, repo_id=spec.repo_id, quant=quant_of(shards[0].name) or spec.quant_or_only(),
+        catalog_id=entry.id if entry is not None else None,
+        context_length=entry.context_length if entry is not None else None,
+    )  # fmt: skip
+    return replace(resolved, header=_check_headers(resolved))
+
+
+def _local_dir_unverified(directory: Path, quant: str | None) -> ResolvedModel:
+    groups = group_quants(_scan_dir(directory))
+    try:
+        group = select_quant(groups, quant)
+    except QuantSelectionError as exc:
+        raise ModelResolutionError(_selection_message(exc, str(directory), None)) from exc
+    _require_complete(group, str(directory))
+    return _unverified([directory / f.path for f in group.files], "directory", group.quant)
+
+
+def _shards_on_disk(spec: ModelSpec, download_dir: Path) -> tuple[Path, ...] | None:
     quant = spec.quant_or_only()
     entry = spec.entry
     if entry is not None and entry.package is not None:
         chosen = entry.quant(quant) if quant else None
-        path = expected_first_shard(entry, chosen, settings.download_dir) if chosen else None
+        path = expected_first_shard(entry, chosen, download_dir) if chosen else None
         return (path,) if path is not None and path.is_file() else None
     if spec.repo_id is None or quant is None:
         return None
-    directory = repo_local_dir(settings.download_dir, spec.repo_id)
+    directory = repo_local_dir(download_dir, spec.repo_id)
     if not directory.is_dir():
         return None
-    chosen_glob = entry.quant(quant).files if entry is not None and entry.quant(quant) is not None else None  # type: ignore[union-attr]
+    curated = spec.curated.quant(quant) if spec.curated is not None else None
     try:
-        group = _pick_group(group_quants(_scan_dir(directory)), quant, chosen_glob, spec.repo_id, None)
+        group = _pick_group(group_quants(_scan_dir(directory)), quant, curated.files if curated else None, spec.repo_id, None)
     except ModelResolutionError:
         return None
     if not group.complete:
@@ -506,28 +557,37 @@ class Offered:
     source: str  # "catalog", "hub", "saved listing" or "directory"
 
 
-def offered_quants(spec: str, settings: NodeSettings, *, access: HubAccess | None = None, catalog: Catalog | None = None) -> Offered:
-    """What `spec` (catalog id, repo id or directory) offers, with sizes; fetches no model bytes."""
-    catalog = catalog or load_catalog()
-    access = access or HubAccess.from_environment(offline=settings.offline)
+def offered_quants(spec: str, download_dir: Path, *, access: HubAccess, catalog: Catalog) -> Offered:
+    """What `spec` (catalog id, repo id or directory) offers, with sizes; fetches no model bytes.
+
+    A repo the catalog curates is listed from the hub when it can be; offline and
+    never listed, the catalog's own figures for it answer.
+    """
     path = Path(spec).expanduser().absolute()
     if path.is_dir():
         return Offered(str(path), _offered(group_quants(_scan_dir(path))), "directory")
     entry = catalog.get(spec)
     if entry is not None:
-        rows = tuple(OfferedQuant(q.name, q.total_bytes, q.shards, q.files) for q in entry.quants)
-        return Offered(f"{entry.id}: {entry.title} ({entry.repo or entry.package})", rows, "catalog")
+        return _offered_by_catalog(entry)
     match = REPO_ID_RE.match(spec)
     if match is None:
         raise ModelResolutionError(f"{spec}: not a directory, catalog id ({', '.join(catalog.ids)}) or repo id (owner/name)")
     repo_id = match["repo"]
     try:
-        listing = _listing(repo_id, settings, access)
+        listing = _listing(repo_id, download_dir, access)
     except DownloadError as exc:
         raise ModelResolutionError(str(exc)) from exc
     if listing is None:
+        curated = catalog.by_repo(repo_id)
+        if curated is not None:
+            return _offered_by_catalog(curated)
         raise ModelResolutionError(f"offline, and {repo_id} has never been listed; drop --offline")
     return Offered(f"{repo_id} @ {listing.commit[:12]}", _offered(group_quants(listing.files)), "saved listing" if access.offline else "hub")
+
+
+def _offered_by_catalog(entry: CatalogEntry) -> Offered:
+    rows = tuple(OfferedQuant(q.name, q.total_bytes, q.shards, q.files) for q in entry.quants)
+    return Offered(f"{entry.id}: {entry.title} ({entry.repo or entry.package})", rows, "catalog")
 
 
 def _offered(groups: Sequence[QuantGroup]) -> tuple[OfferedQuant, ...]:  # type: ignore[type-arg]

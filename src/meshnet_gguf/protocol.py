@@ -44,8 +44,15 @@ NODE_AUTH_LIFETIME_S = 60
 # Keeps one receipts call small (each receipt is ~1 kB) and quick to verify.
 MAX_RECEIPTS_PER_BATCH = 100
 
-NODE_AUTH_AUDIENCE = "meshnet-tracker"
 WELL_KNOWN_PATH = "/.well-known/meshnet-tracker"
+# Served by the node: it signs the tracker's fresh nonce with its key, proving that whatever
+# answers at the advertised URL holds that key (`NodeControlClaims`).
+NODE_CONTROL_PATH = "/.well-known/meshnet-node"
+NODE_CONTROL_NONCE_PARAM = "nonce"
+# A nonce is 32 random bytes, base64url: long enough to be unguessable, short enough for a query string.
+NODE_CONTROL_NONCE_MAX_CHARS = 128
+# More slots than any llama-server runs on one box: a bigger claim only buys an impostor routes.
+MAX_NODE_SLOTS = 256
 
 # Route refusals a node answers (status, code). Kept here so tracker, relay and docs agree.
 ROUTE_ERRORS: dict[str, int] = {
@@ -82,9 +89,9 @@ class UsageRecord(_Wire):
     model: str
     status: int = Field(description="HTTP status the client received")
     stream: bool
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
+    prompt_tokens: int = Field(0, ge=0)
+    cached_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(0, ge=0)
     finish_reason: FinishReason = "unknown"
     started_at: float = Field(description="Unix time the request was admitted")
     duration_s: float = 0.0
@@ -121,6 +128,9 @@ class HealthReport(_Wire):
     node_version: str | None = None
     llama_build: str | None = None
     max_tokens_cap: int | None = Field(None, description="Most completion tokens one request may produce here")
+    mesh_problem: str | None = Field(
+        None, description="Why the node is not online on its tracker (e.g. the tracker key does not match the pin)"
+    )
 
 
 # --- registration and liveness --------------------------------------------
@@ -165,7 +175,7 @@ class NodeAnnouncement(_Wire):
     last_layer: int = Field(ge=0)
     total_layers: int = Field(gt=0, description="GGUF block count")
     ctx_size: int | None = None
-    slots: int = Field(gt=0)
+    slots: int = Field(gt=0, le=MAX_NODE_SLOTS)
     hardware: HardwareSummary | None = None
     llama_build: str | None = None
     max_tokens_cap: int | None = Field(None, ge=1, description="Most completion tokens one request may produce here")
@@ -252,12 +262,28 @@ class NodeAuthClaims(_Wire):
     """Claims of the bearer token on node -> tracker calls, signed by the node key."""
 
     iss: str = Field(description="Node id")
-    aud: str = NODE_AUTH_AUDIENCE
+    aud: str = Field(description="The tracker's issuer: a token captured on the way to one tracker is useless at another")
     iat: int
     exp: int
     htm: str = Field(description="HTTP method of the call")
     htu: str = Field(description="Path of the call, e.g. /v1/nodes/node-x/heartbeat")
     body_sha256: str
+
+
+class NodeControlClaims(_Wire):
+    """Answer of `GET {advertised_url}/.well-known/meshnet-node?nonce=...`, signed by the node key.
+
+    It proves that whatever answers at the advertised URL holds the key the node registered with.
+    """
+
+    iss: str = Field(description="Node id")
+    aud: str = Field(description="Issuer of the tracker that asked")
+    nonce: str = Field(description="The tracker's fresh nonce, echoed")
+    iat: int
+
+
+class NodeControlProof(_Wire):
+    token: str = Field(description="JWT (EdDSA, node key) whose claims are NodeControlClaims")
 
 
 class ReceiptClaims(_Wire):
@@ -286,12 +312,13 @@ class ReceiptBatch(_Wire):
 
 class ReceiptRejection(_Wire):
     request_id: str
-    code: str = Field(description="bad_signature, wrong_node, unknown_request, malformed")
+    code: str = Field(description="bad_signature, wrong_node, unknown_request, malformed, implausible, from_the_future")
     message: str
 
 
 class ReceiptAck(_Wire):
-    """`accepted` (new or already stored) is final; `rejected` is final too: never resend those."""
+    """`accepted` (new or already stored) is final; `rejected` is final too: never resend those.
+    A receipt in neither list (e.g. signed a little in the future) is to be sent again later."""
 
     accepted: list[str] = Field(default_factory=list)
     rejected: list[ReceiptRejection] = Field(default_factory=list)
@@ -318,6 +345,10 @@ class TrackerUsage(_Wire):
     node: UsageCounts | None = None
     node_finish_reason: FinishReason | None = None
     agreement: UsageAgreement
+    billed: UsageCounts | None = Field(
+        None, description="What the tracker bills: the smaller of its own count and the receipt, per field"
+    )
+    flagged: bool = Field(False, description="Tracker count and receipt differ beyond the tolerance")
 
 
 # --- errors -----------------------------------------------------------------

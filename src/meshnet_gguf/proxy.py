@@ -20,23 +20,24 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from urllib.parse import parse_qsl
 from typing import Any, Protocol
 
 import anyio
 
+from meshnet_gguf.admission import Admission
 from meshnet_gguf.errors import ApiError, openai_error_body
 from meshnet_gguf.logs import request_id_var
+from meshnet_gguf.metering import RequestMeter, meter_events, meter_whole_body
 from meshnet_gguf.protocol import (
     REQUEST_ID_HEADER,
-    USAGE_COMMENT_PREFIX,
     USAGE_COMPLETION_TOKENS_HEADER,
     USAGE_PROMPT_TOKENS_HEADER,
-    FinishReason,
     HealthReport,
     UsageRecord,
     model_answers_to,
 )
-from meshnet_gguf.sse import DONE_DATA, SSESplitter, comment_event, data_event
+from meshnet_gguf.sse import DONE_DATA, SSESplitter, data_event
 from meshnet_gguf.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,6 @@ _PROMPT_TOKENS_KEY = USAGE_PROMPT_TOKENS_HEADER.lower().encode()
 _COMPLETION_TOKENS_KEY = USAGE_COMPLETION_TOKENS_HEADER.lower().encode()
 # A client-chosen request id is echoed back and logged: keep it short and printable.
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-_FINISH_RE = re.compile(rb'"finish_reason":"([a-z_]+)"')
 
 # Which JSON field each inference route must carry (the minimum llama-server needs).
 INFERENCE_ROUTES: dict[str, str] = {
@@ -89,7 +89,9 @@ class RouteGrant:
     max_tokens: int | None = None
 
 
-class RouteVerifier(Protocol):
+class RouteCheck(Protocol):
+    """Decides whether a request may pass (the mesh link's signed-route check implements it)."""
+
     def verify(self, headers: Mapping[str, str], body: bytes, path: str) -> RouteGrant:
         """Raise `ApiError` (401/403) to refuse; return what the route allows."""
         ...
@@ -100,99 +102,53 @@ class UsageSink(Protocol):
 
 
 ExtraRoute = Callable[[], Awaitable[tuple[int, bytes, str]]]
+# A GET route that reads its query string (the mesh link's control challenge).
+QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProxyLimits:
-    slots: int
     max_body_bytes: int
     retry_after_s: int
     # The operator's ceiling on completion tokens per request; a route's cap can only lower it.
     max_tokens_cap: int | None = None
 
 
-@dataclass
-class _Exchange:
-    """Per-request metering state."""
-
-    request_id: str
-    path: str
-    stream: bool
-    client_wants_usage: bool
-    started_at: float
-    started: float  # perf_counter at admission
-    status: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    content_events: int = 0
-    finish_reason: FinishReason = "unknown"
-    first_token_at: float | None = None
-    decode_tokens_per_s: float | None = None
-    usage_seen: bool = False
-    # Gives the admission slot back; called just before the answer's last bytes so a
-    # client that sends its next request the moment this one ends is not refused.
-    release: Callable[[], None] = lambda: None
-
-    def note_usage(self, usage: Mapping[str, Any], timings: Mapping[str, Any] | None) -> None:
-        self.usage_seen = True
-        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        self.completion_tokens = int(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        self.cached_tokens = int(details.get("cached_tokens") or 0)
-        if timings and timings.get("predicted_per_second"):
-            self.decode_tokens_per_s = float(timings["predicted_per_second"])
-
-    def usage_comment(self) -> bytes:
-        return comment_event(
-            USAGE_COMMENT_PREFIX
-            + json.dumps(
-                {
-                    "request_id": self.request_id,
-                    "prompt_tokens": self.prompt_tokens,
-                    "cached_tokens": self.cached_tokens,
-                    "completion_tokens": self.tokens_out(),
-                    "finish_reason": self.finish_reason,
-                },
-                separators=(",", ":"),
-            )
-        )
-
-    def tokens_out(self) -> int:
-        # Without llama-server's usage chunk (cut short), each content event is one token.
-        return self.completion_tokens if self.usage_seen else self.content_events
-
-
 class ProxyApp:
+    """The ASGI app. Everything a request goes through is given here, once, at construction."""
+
     def __init__(
         self,
         *,
         upstream: Callable[[], UpstreamTarget | None],
         client: UpstreamClient,
+        admission: Admission,
         limits: ProxyLimits,
         model_name: str,
         health: Callable[[], HealthReport],
         model_aliases: Sequence[str] = (),
         usage_sinks: Sequence[UsageSink] = (),
-        route_verifier: RouteVerifier | None = None,
+        route_check: RouteCheck | None = None,
         api_key: str | None = None,
         extra_get_routes: Mapping[str, ExtraRoute] | None = None,
+        query_get_routes: Mapping[str, QueryRoute] | None = None,
+        on_rejected: Callable[[str, int], None] | None = None,
     ) -> None:
         self._upstream = upstream
         self._client = client
+        self.admission = admission
         self.limits = limits
         self.model_name = model_name
         self.model_aliases = tuple(model_aliases)
         self._health = health
-        self.usage_sinks = list(usage_sinks)
-        self.route_verifier = route_verifier
+        self._usage_sinks = tuple(usage_sinks)
+        self._route_check = route_check
         self._api_key = api_key
-        self.extra_get_routes = dict(extra_get_routes or {})
-        self.in_flight = 0
-        self.draining = False
-        # Called with (path, status) for requests refused before reaching llama-server
-        # (they yield no usage record: nothing was used, and nothing is billed).
-        self.rejection_observers: list[Callable[[str, int], None]] = []
+        self._extra_get_routes = dict(extra_get_routes or {})
+        self._query_get_routes = dict(query_get_routes or {})
+        # Told (path, status) of each request refused before reaching llama-server: such
+        # requests yield no usage record (nothing was used, and nothing is billed).
+        self._on_rejected = on_rejected
 
     # --- ASGI entry -------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -209,8 +165,12 @@ class ProxyApp:
             await self._serve_inference(scope, receive, send)
         elif path == "/v1/models" and method == "GET":
             await self._serve_models(scope, send)
-        elif path in self.extra_get_routes and method == "GET":
-            status, body, content_type = await self.extra_get_routes[path]()
+        elif path in self._extra_get_routes and method == "GET":
+            status, body, content_type = await self._extra_get_routes[path]()
+            await _respond(send, status, body, [(b"content-type", content_type.encode())])
+        elif path in self._query_get_routes and method == "GET":
+            query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+            status, body, content_type = await self._query_get_routes[path](query)
             await _respond(send, status, body, [(b"content-type", content_type.encode())])
         elif path in INFERENCE_ROUTES or path == "/v1/models" or path == "/health":
             await _send_error(send, ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}"))
@@ -220,8 +180,6 @@ class ProxyApp:
     # --- health & models --------------------------------------------------
     async def _serve_health(self, send: Send) -> None:
         report = self._health()
-        if self.draining:
-            report = report.model_copy(update={"state": "draining"})
         ready = report.state == "ready"
         headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-cache")]
         if not ready:
@@ -258,11 +216,11 @@ class ProxyApp:
         # Each request runs in its own task, so the id stays with this request's log lines.
         request_id_var.set(request_id)
         try:
-            if self.draining:
+            if self.admission.draining:
                 raise self._unavailable("This node is draining for shutdown; retry on another node")
             body = await self._read_body(headers, receive)
             self._check_api_key(headers)
-            grant = self.route_verifier.verify(headers, body, path) if self.route_verifier else RouteGrant()
+            grant = self._route_check.verify(headers, body, path) if self._route_check else RouteGrant()
             request_id = grant.request_id or request_id
             request_id_var.set(request_id)
             payload = _parse_json_object(body)
@@ -271,17 +229,18 @@ class ProxyApp:
                 raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
             self._check_model(payload.get("model"))
             target = self._ready_target()
-            if self.in_flight >= self.limits.slots:
-                raise self._unavailable(f"All {self.limits.slots} slots of this node are busy; retry shortly")
+            release = self.admission.try_acquire()
+            if release is None:
+                raise self._unavailable(f"All {self.admission.slots} slots of this node are busy; retry shortly")
         except ApiError as exc:
-            for observe in self.rejection_observers:
-                observe(path, exc.status)
+            if self._on_rejected is not None:
+                self._on_rejected(path, exc.status)
             await _send_error(send, exc, request_id)
             return
 
         stream = path in STREAMING_ROUTES and payload.get("stream") is True
         options = payload.get("stream_options") or {}
-        exchange = _Exchange(
+        meter = RequestMeter(
             request_id=request_id,
             path=path,
             stream=stream,
@@ -289,25 +248,16 @@ class ProxyApp:
             started_at=time.time(),
             started=time.perf_counter(),
         )
-        upstream_body = _prepare_upstream_body(payload, body, stream, self._token_cap(path, grant))
-        self.in_flight += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.in_flight -= 1
-
-        exchange.release = release
+        meter.release = release
         try:
-            await self._forward(exchange, target, upstream_body, receive, send)
+            upstream_body = _prepare_upstream_body(payload, body, stream, self._token_cap(path, grant))
+            await self._forward(meter, target, upstream_body, receive, send)
         finally:
             release()
-            await self._record(exchange)
+            await self._record(meter)
 
     async def _forward(
-        self, exchange: _Exchange, target: UpstreamTarget, body: bytes, receive: Receive, send: Send
+        self, meter: RequestMeter, target: UpstreamTarget, body: bytes, receive: Receive, send: Send
     ) -> None:
         disconnected = False
         async with anyio.create_task_group() as tg:
@@ -321,64 +271,64 @@ class ProxyApp:
 
             tg.start_soon(watch_disconnect)
             try:
-                await self._exchange(exchange, target, body, send)
+                await self._exchange(meter, target, body, send)
             finally:
                 tg.cancel_scope.cancel()
-        if disconnected and exchange.finish_reason in ("unknown",):
-            exchange.finish_reason = "cancelled"
+        if disconnected and meter.finish_reason in ("unknown",):
+            meter.finish_reason = "cancelled"
 
-    async def _exchange(self, exchange: _Exchange, target: UpstreamTarget, body: bytes, send: Send) -> None:
-        url = target.base_url + exchange.path
+    async def _exchange(self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send) -> None:
+        url = target.base_url + meter.path
         try:
-            response = await self._client.send("POST", url, _upstream_headers(target, stream=exchange.stream), body)
+            response = await self._client.send("POST", url, _upstream_headers(target, stream=meter.stream), body)
         except UpstreamError as exc:
-            exchange.finish_reason = "error"
-            exchange.status = 503
-            await _send_error(send, self._unavailable(f"llama-server is not answering: {exc}"), exchange.request_id)
+            meter.finish_reason = "error"
+            meter.status = 503
+            await _send_error(send, self._unavailable(f"llama-server is not answering: {exc}"), meter.request_id)
             return
         try:
-            if exchange.stream and response.status == 200:
-                await self._relay_stream(exchange, response, send)
+            if meter.stream and response.status == 200:
+                await self._relay_stream(meter, response, send)
             else:
-                await self._relay_whole(exchange, response, send)
+                await self._relay_whole(meter, response, send)
         finally:
             # Shielded: on client disconnect this runs inside a cancelled scope, and
             # closing is what tells llama-server to free the slot.
             with anyio.CancelScope(shield=True):
                 await response.aclose()
 
-    async def _relay_whole(self, exchange: _Exchange, response: UpstreamResponse, send: Send) -> None:
+    async def _relay_whole(self, meter: RequestMeter, response: UpstreamResponse, send: Send) -> None:
         try:
             body = await response.read()
         except UpstreamError as exc:
-            exchange.finish_reason = "error"
-            exchange.status = 502
-            await _send_error(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), exchange.request_id)
+            meter.finish_reason = "error"
+            meter.status = 502
+            await _send_error(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), meter.request_id)
             return
-        exchange.status = response.status
-        exchange.first_token_at = time.perf_counter()
+        meter.status = response.status
+        meter.first_token_at = time.perf_counter()
         if response.status == 200:
-            _meter_whole_body(exchange, body)
+            meter_whole_body(meter, body)
         else:
-            exchange.finish_reason = "error"
+            meter.finish_reason = "error"
         headers = [
             (k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS
         ]
         headers += [
-            (_REQUEST_ID_KEY, exchange.request_id.encode()),
-            (_PROMPT_TOKENS_KEY, str(exchange.prompt_tokens).encode()),
-            (_COMPLETION_TOKENS_KEY, str(exchange.completion_tokens).encode()),
+            (_REQUEST_ID_KEY, meter.request_id.encode()),
+            (_PROMPT_TOKENS_KEY, str(meter.prompt_tokens).encode()),
+            (_COMPLETION_TOKENS_KEY, str(meter.completion_tokens).encode()),
         ]
-        exchange.release()
+        meter.release()
         await _respond(send, response.status, body, headers)
 
-    async def _relay_stream(self, exchange: _Exchange, response: UpstreamResponse, send: Send) -> None:
-        exchange.status = 200
+    async def _relay_stream(self, meter: RequestMeter, response: UpstreamResponse, send: Send) -> None:
+        meter.status = 200
         await send(
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [*_STREAM_HEADERS, (_REQUEST_ID_KEY, exchange.request_id.encode())],
+                "headers": [*_STREAM_HEADERS, (_REQUEST_ID_KEY, meter.request_id.encode())],
             }
         )
         splitter = SSESplitter()
@@ -388,7 +338,7 @@ class ProxyApp:
                 events = splitter.feed(chunk)
                 if not events:
                     continue
-                replaced, done_sent = _meter_events(exchange, events)
+                replaced, done_sent = meter_events(meter, events)
                 if replaced is None:
                     # Whole events arriving as one chunk (the usual case) go out as that very chunk.
                     whole = not splitter.pending and len(chunk) == sum(map(len, events))
@@ -398,23 +348,23 @@ class ProxyApp:
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
         except UpstreamError as exc:
-            log.warning("request %s: llama-server stream broke: %s", exchange.request_id, exc)
-            exchange.finish_reason = "error"
+            log.warning("request %s: llama-server stream broke: %s", meter.request_id, exc)
+            meter.finish_reason = "error"
         if not done_sent:
-            if exchange.finish_reason != "error":
+            if meter.finish_reason != "error":
                 # The stream ended without [DONE]: llama-server went away between events.
-                exchange.finish_reason = "error"
+                meter.finish_reason = "error"
             error = json.dumps(
                 {"error": {"message": "llama-server stopped mid-answer", "type": "server_error", "code": 502}}
             ).encode()
             await send(
                 {
                     "type": "http.response.body",
-                    "body": data_event(error) + exchange.usage_comment() + data_event(DONE_DATA),
+                    "body": data_event(error) + meter.usage_comment() + data_event(DONE_DATA),
                     "more_body": True,
                 }
             )
-        exchange.release()
+        meter.release()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # --- admission helpers --------------------------------------------------
@@ -478,109 +428,13 @@ class ProxyApp:
     def _unavailable(self, message: str) -> ApiError:
         return ApiError(503, "unavailable", message, headers={"retry-after": str(self.limits.retry_after_s)})
 
-    async def _record(self, exchange: _Exchange) -> None:
-        now = time.perf_counter()
-        record = UsageRecord(
-            request_id=exchange.request_id,
-            route=exchange.path,
-            model=self.model_name,
-            status=exchange.status,
-            stream=exchange.stream,
-            prompt_tokens=exchange.prompt_tokens,
-            cached_tokens=exchange.cached_tokens,
-            completion_tokens=exchange.tokens_out(),
-            finish_reason=exchange.finish_reason,
-            started_at=exchange.started_at,
-            duration_s=now - exchange.started,
-            ttft_s=(exchange.first_token_at - exchange.started) if exchange.first_token_at else None,
-            decode_tokens_per_s=exchange.decode_tokens_per_s,
-        )
-        for sink in self.usage_sinks:
+    async def _record(self, meter: RequestMeter) -> None:
+        record = meter.usage_record(self.model_name)
+        for sink in self._usage_sinks:
             try:
                 await sink.record(record)
             except Exception:  # one broken sink must not take the others (or the request) down
-                log.exception("usage sink %r failed for request %s", sink, exchange.request_id)
-
-
-# --- metering ---------------------------------------------------------------
-def _meter_events(exchange: _Exchange, events: list[bytes]) -> tuple[list[bytes] | None, bool]:
-    """Meter complete SSE events; return (what to forward instead of them, or None when they go
-    out unchanged; whether [DONE] passed).
-
-    Hot path (one call per upstream read): the replacement list is only built once an event
-    is added or dropped, and the clock is read once per call (the events arrived together).
-    """
-    out: list[bytes] | None = None
-    done = False
-    now = 0.0
-    for i, event in enumerate(events):
-        keep = True
-        extra = None
-        if event.startswith(b":"):
-            pass  # llama-server keep-alive pings pass through
-        elif event.startswith(b"data: [DONE]"):
-            extra = exchange.usage_comment()
-            done = True
-        elif b'"choices":[]' in event and b'"usage"' in event:
-            _meter_usage_event(exchange, event)
-            keep = exchange.client_wants_usage
-        elif event.startswith(b"error") or event.startswith(b'data: {"error"'):
-            exchange.finish_reason = "error"
-        else:
-            if _carries_a_token(event):
-                if not now:
-                    now = time.perf_counter()
-                exchange.content_events += 1
-                if exchange.first_token_at is None:
-                    exchange.first_token_at = now
-            finish = _FINISH_RE.search(event)
-            if finish:
-                exchange.finish_reason = _finish_reason(finish.group(1).decode())
-        if out is None and (extra is not None or not keep):
-            out = events[:i]
-        if out is not None:
-            if extra is not None:
-                out.append(extra)
-            if keep:
-                out.append(event)
-    return out, done
-
-
-def _carries_a_token(event: bytes) -> bool:
-    """A generated piece: non-empty content or text, or a tool call. The opening
-    `{"role":"assistant","content":null}` delta and the empty closing chunk are not tokens."""
-    if b'"content":"' in event:
-        return b'"content":""' not in event
-    if b'"text":"' in event:
-        return b'"text":""' not in event
-    return b'"tool_calls"' in event
-
-
-def _meter_usage_event(exchange: _Exchange, event: bytes) -> None:
-    try:
-        chunk = json.loads(event[event.index(b"{") :])
-    except ValueError:
-        return
-    exchange.note_usage(chunk.get("usage") or {}, chunk.get("timings"))
-
-
-def _meter_whole_body(exchange: _Exchange, body: bytes) -> None:
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        return
-    if not isinstance(answer, dict):
-        return
-    exchange.note_usage(answer.get("usage") or {}, answer.get("timings"))
-    choices = answer.get("choices") or []
-    if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
-        exchange.finish_reason = _finish_reason(str(choices[0]["finish_reason"]))
-    elif exchange.path == "/v1/embeddings":
-        exchange.finish_reason = "stop"
-
-
-def _finish_reason(value: str) -> FinishReason:
-    return value if value in ("stop", "length", "tool_calls") else "unknown"  # type: ignore[return-value]
+                log.exception("usage sink %r failed for request %s", sink, meter.request_id)
 
 
 # --- request shaping --------------------------------------------------------
@@ -661,7 +515,7 @@ __all__ = [
     "ProxyApp",
     "ProxyLimits",
     "RouteGrant",
-    "RouteVerifier",
+    "RouteCheck",
     "UpstreamTarget",
     "UsageSink",
     "openai_error_body",

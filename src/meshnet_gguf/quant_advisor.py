@@ -1,7 +1,8 @@
 """Which quant of a model fits this box: said before a 100 GB download, not after a crashed load.
 
 A quant fits when its weights, the KV cache for the target context and the
-compute buffers fit the box's capacity (`HardwareReport.capacity()`, which
+compute buffers (`memory_model.memory_need_bytes`, the figures the launch plan
+uses too) fit the box's capacity (`HardwareReport.capacity()`, which
 already keeps the system reserve back). The advice names the largest quant
 that fits; asking for one that does not raises `QuantDoesNotFit` with a
 message that names the one that does.
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from meshnet_gguf.gguf_names import format_bytes
 from meshnet_gguf.hardware import MemoryCapacity
-from meshnet_gguf.launch_plan import COMPUTE_OVERHEAD_BYTES, ModelFacts, ctx_floor, memory_need_bytes
+from meshnet_gguf.memory_model import COMPUTE_OVERHEAD_BYTES, ModelFacts, ctx_floor, memory_need_bytes
 
 if TYPE_CHECKING:
     from meshnet_gguf.catalog import CatalogEntry, CatalogQuant
@@ -70,6 +71,33 @@ class QuantAdvice:
         fit = self.find(quant.name)
         return fit.need_bytes if fit is not None else memory_need_bytes(quant.total_bytes, 0.0, 0)
 
+    def check(self, quant: str) -> QuantFit:
+        """The chosen quant's fit, or `QuantDoesNotFit` naming the quant that fits (ValueError: not offered).
+
+        `serve --force` skips this check rather than passing a flag here.
+        """
+        chosen = self.find(quant)
+        if chosen is None:
+            names = ", ".join(o.quant.name for o in self.options)
+            raise ValueError(f"quant {quant!r} is not one of: {names}")
+        if chosen.fits:
+            return chosen
+        best = self.best
+        if best is not None:
+            where = "" if best.fits_gpu or self.capacity.gpu_bytes == 0 else ", partly on the CPU,"
+            tail = (
+                f"{best.quant.name} fits{where} (needs {format_bytes(best.need_bytes)}). "
+                f"Choose --quant {best.quant.name}, or pass --force to try anyway."
+            )
+        else:
+            smallest = self.options[-1]
+            tail = (
+                f"no quant of this model fits here; the smallest, {smallest.quant.name}, needs "
+                f"{format_bytes(smallest.need_bytes)}. Pass --force to try anyway."
+            )
+        message = f"{chosen.describe(self.target_ctx)}; {self.capacity.describe()}; {tail}"
+        raise QuantDoesNotFit(message, quant=chosen.quant.name, suggestion=best.quant.name if best else None)
+
     def describe(self) -> str:
         context = f"target context {self.target_ctx} tokens" if self.target_ctx else "KV cache not counted (model shape unknown)"
         lines = [f"{self.capacity.describe()}; {context}"]
@@ -113,7 +141,7 @@ def advise_quant(
 
 def target_context(model: ModelFacts | None, *, parallel: int, ctx_size: int | None) -> int:
     """The context a quant must leave room for: `--ctx-size` when given (0: the model's own),
-    else every slot's minimum (`launch_plan.ctx_floor`), the least the plan would launch with."""
+    else every slot's minimum (`memory_model.ctx_floor`), the least the plan would launch with."""
     if model is None:
         return ctx_size or 0
     if ctx_size is not None:
@@ -140,29 +168,5 @@ def check_quant(
     model: ModelFacts | None,
     target_ctx: int,
 ) -> QuantFit:
-    """Return the chosen quant's fit, or raise `QuantDoesNotFit` naming the quant that fits.
-
-    `serve --force` skips this check rather than passing a flag here.
-    """
-    advice = advise_quant(quants, capacity, model=model, target_ctx=target_ctx)
-    chosen = advice.find(quant)
-    if chosen is None:
-        names = ", ".join(o.quant.name for o in advice.options)
-        raise ValueError(f"quant {quant!r} is not one of: {names}")
-    if chosen.fits:
-        return chosen
-    best = advice.best
-    if best is not None:
-        where = "" if best.fits_gpu or capacity.gpu_bytes == 0 else ", partly on the CPU,"
-        tail = (
-            f"{best.quant.name} fits{where} (needs {format_bytes(best.need_bytes)}). "
-            f"Choose --quant {best.quant.name}, or pass --force to try anyway."
-        )
-    else:
-        smallest = advice.options[-1]
-        tail = (
-            f"no quant of this model fits here; the smallest, {smallest.quant.name}, needs "
-            f"{format_bytes(smallest.need_bytes)}. Pass --force to try anyway."
-        )
-    message = f"{chosen.describe(target_ctx)}; {capacity.describe()}; {tail}"
-    raise QuantDoesNotFit(message, quant=chosen.quant.name, suggestion=best.quant.name if best else None)
+    """Rate `quants` and check the chosen one in one call (`QuantAdvice.check`)."""
+    return advise_quant(quants, capacity, model=model, target_ctx=target_ctx).check(quant)

@@ -35,6 +35,7 @@ from typing import Any
 
 import tomli_w
 
+from meshnet_gguf.atomic_file import write_atomically
 from meshnet_gguf.config import CONFIG_FILE_ENV, NodeSettings
 
 SERVICE_NAME = "meshnet-gguf"
@@ -453,14 +454,8 @@ def apply_plan(plan: ServicePlan, runner: Runner = run_command) -> None:
     """Write files, run the prepare commands (user creation), make directories, fix
     ownership, remove what goes, then run the systemctl commands."""
     for planned in plan.files:
-        target = plan.on_disk(planned.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
         # Written aside and renamed, with its mode set before any content is visible.
-        partial = target.with_name(target.name + ".partial")
-        partial.touch(mode=0o600)
-        partial.write_text(planned.content)
-        os.chmod(partial, planned.mode)
-        os.replace(partial, target)
+        write_atomically(plan.on_disk(planned.path), planned.content, mode=planned.mode)
     for command in plan.prepare_commands:
         _run_checked(runner, command)
     for directory in plan.directories:

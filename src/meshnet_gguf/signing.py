@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
 import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from meshnet_gguf.atomic_file import write_atomically
 
 ALGORITHM = "EdDSA"
 # 26 base32 characters = 130 bits of the key's sha256: collision-free for any mesh size.
@@ -85,19 +86,8 @@ def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
         pem = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, KEY_FILE_MODE)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(pem)
-                fh.flush()
-                os.fsync(fh.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass  # another process won the race; use its key
-        finally:
-            tmp.unlink(missing_ok=True)
+        # Linked into place, not renamed: when another process won the race, its key is kept and used.
+        write_atomically(path, pem, mode=KEY_FILE_MODE, exclusive=True)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
         raise PermissionError(

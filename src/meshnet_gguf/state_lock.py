@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet_gguf.node_part import BasePart
+
 LOCK_FILE_NAME = "node.lock"
 
 
@@ -36,8 +38,13 @@ class LockHolder:
         return f"pid {self.pid}{where}" if self.pid is not None else "a process that did not say who it is"
 
 
-class StateDirLock:
-    """Held from construction to `close()`; construction raises `StateDirInUse` when another node holds it."""
+class StateDirLock(BasePart):
+    """A node part held from construction to `close()`; construction raises `StateDirInUse` when another node holds it.
+
+    Built first and closed last, so the identity, ledger and pidfile are never another node's for a moment.
+    """
+
+    name = "state dir lock"
 
     def __init__(self, state_dir: Path, *, host: str, port: int) -> None:
         self.path = state_dir / LOCK_FILE_NAME
@@ -58,18 +65,15 @@ class StateDirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
 
-    def close(self) -> None:
+    def release(self) -> None:
         """Give the state directory up (the file stays; only the lock says whether it is held)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.ftruncate(fd, 0)
             os.close(fd)  # closing the descriptor drops the flock
 
-    def __enter__(self) -> StateDirLock:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
+    async def close(self) -> None:
+        self.release()
 
 
 def read_holder(path: Path) -> LockHolder:

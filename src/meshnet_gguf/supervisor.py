@@ -21,13 +21,16 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 import httpx
 import psutil
 
 from meshnet_gguf.binary import BinaryInfo
+from meshnet_gguf.config import LLAMA_STOP_TIMEOUT_S
 from meshnet_gguf.logs import LLAMA_LOGGER, llama_log_level
+from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.ports import free_local_port
 from meshnet_gguf.protocol import NodeState
 
@@ -37,6 +40,10 @@ child_log = logging.getLogger(LLAMA_LOGGER)
 API_KEY_ENV = "LLAMA_API_KEY"  # llama-server reads its key from here: never on argv, never in logs
 LOG_RING_LINES = 400
 FAILURE_TAIL_LINES = 25
+# Of that tail, a failure message quotes at most this many lines (its error lines first).
+FAILURE_QUOTED_LINES = 10
+# After SIGTERM, llama-server gets this long to exit before SIGKILL: the node's setting's default.
+STOP_TIMEOUT_S = LLAMA_STOP_TIMEOUT_S
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 # After ready: a /health probe this often; this many failures in a row means wedged.
 LIVENESS_INTERVAL_S = 5.0
@@ -68,19 +75,39 @@ class ChildSpec:
 
 @dataclass(frozen=True)
 class SupervisorPolicy:
-    load_stall_timeout_s: float = 300.0
-    health_poll_interval_s: float = 0.25
-    restart_backoff_initial_s: float = 1.0
-    restart_backoff_max_s: float = 60.0
-    restart_stable_after_s: float = 120.0
-    max_quick_crashes: int = 5
-    stop_timeout_s: float = 10.0
+    # No defaults here: the node's settings (`config.NodeSettings`) hold them, with their reasons.
+    load_stall_timeout_s: float
+    health_poll_interval_s: float
+    restart_backoff_initial_s: float
+    restart_backoff_max_s: float
+    restart_stable_after_s: float
+    max_quick_crashes: int
+    stop_timeout_s: float
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
 
 
-class Supervisor:
-    def __init__(self, spec: ChildSpec, policy: SupervisorPolicy, *, state_dir: Path | None = None) -> None:
+class ChildListener(Protocol):
+    """Told, from the supervisor's task, of every line llama-server prints and every state change."""
+
+    def child_line(self, line: str) -> None: ...
+
+    def child_state(self, state: NodeState, detail: str | None, pid: int | None) -> None: ...
+
+
+class Supervisor(BasePart):
+    """A node part: `run()` owns the child; `close()` stops it (SIGTERM to its group, then SIGKILL)."""
+
+    name = "llama-server"
+
+    def __init__(
+        self,
+        spec: ChildSpec,
+        policy: SupervisorPolicy,
+        *,
+        state_dir: Path | None = None,
+        listeners: Sequence[ChildListener] = (),
+    ) -> None:
         self.spec = spec
         self.policy = policy
         self.state: NodeState = "starting"
@@ -90,8 +117,7 @@ class Supervisor:
         self.pid: int | None = None
         self.api_key = secrets.token_urlsafe(32)
         self.log_ring: deque[str] = deque(maxlen=LOG_RING_LINES)
-        self.line_listeners: list[Callable[[str], None]] = []
-        self.state_listeners: list[Callable[[NodeState], None]] = []
+        self._listeners = tuple(listeners)
         self.ready_since: float | None = None
         self._pidfile = state_dir / PIDFILE_NAME if state_dir else None
         self._stop_requested = anyio.Event()
@@ -119,6 +145,9 @@ class Supervisor:
         self._stop_requested.set()
         await self._stopped.wait()
 
+    async def close(self) -> None:
+        await self.stop()
+
     async def run(self) -> None:
         """Own the child until stop() or give-up. Raises ChildFailed when it cannot serve."""
         try:
@@ -133,7 +162,7 @@ class Supervisor:
             self._stopped.set()
 
     async def _run(self) -> None:
-        reap_stale_child(self._pidfile)
+        reap_stale_child(self._pidfile, self.policy.stop_timeout_s)
         backoff = self.policy.restart_backoff_initial_s
         quick_crashes = 0
         ever_ready = False
@@ -218,8 +247,8 @@ class Supervisor:
             return
         self.log_ring.append(line)
         child_log.log(llama_log_level(line), "%s", line)
-        for listener in self.line_listeners:
-            listener(line)
+        for listener in self._listeners:
+            listener.child_line(line)
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process, http: httpx.AsyncClient) -> str:
         health_url = f"{self.base_url}/health"
@@ -292,8 +321,8 @@ class Supervisor:
         changed = state != self.state
         self.state, self.detail = state, detail
         if changed:
-            for listener in self.state_listeners:
-                listener(state)
+            for listener in self._listeners:
+                listener.child_state(state, detail, self.pid)
 
     def _describe_end(self, outcome: str, proc: asyncio.subprocess.Process) -> str:
         if outcome == "stalled":
@@ -309,7 +338,7 @@ class Supervisor:
     def _failure_message(self, reason: str) -> str:
         tail = self.tail()
         errors = [line for line in tail if any(m in line.lower() for m in _ERROR_MARKERS)]
-        shown = errors[-10:] or tail[-10:]
+        shown = errors[-FAILURE_QUOTED_LINES:] or tail[-FAILURE_QUOTED_LINES:]
         return reason + ("; its last log lines:\n  " + "\n  ".join(shown) if shown else "; it printed nothing")
 
     def _write_pidfile(self, pid: int) -> None:
@@ -335,7 +364,7 @@ class Supervisor:
             self._pidfile.unlink(missing_ok=True)
 
 
-def reap_stale_child(pidfile: Path | None, timeout_s: float = 10.0) -> bool:
+def reap_stale_child(pidfile: Path | None, timeout_s: float = STOP_TIMEOUT_S) -> bool:
     """End the llama-server an earlier, killed run left behind; True when one was ended.
 
     Identified by pid AND start time from our pidfile, so a recycled pid that now

@@ -10,10 +10,12 @@ waits on any of this: routes verify against the pinned key alone.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import anyio
 import httpx
@@ -52,6 +54,8 @@ RETRY_MAX_S = 60.0
 STATE_CHECK_INTERVAL_S = 1.0
 # Deregistering is a courtesy on the way out; shutdown must not hang on a dead tracker.
 DEREGISTER_TIMEOUT_S = 3.0
+# The tracker key learnt on first contact, pinned in the state dir (delete it to learn again).
+TRACKER_KEY_PIN_FILE = "tracker_public_key"
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -80,10 +84,14 @@ class TrackerClient:
         identity: NodeIdentity,
         *,
         enrolment_secret: str | None = None,
+        audience: str | None = None,
         http: httpx.AsyncClient | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.identity = identity
+        # The tracker's issuer (from its pinned key): signed calls name it, so a token
+        # captured on the way to one tracker is refused by any other.
+        self.audience = audience
         self._enrolment_secret = enrolment_secret
         self._own_http = http is None
         self._http = http or httpx.AsyncClient(
@@ -132,7 +140,9 @@ class TrackerClient:
         content = body.model_dump_json().encode() if body is not None else b""
         sent_headers = {"content-type": "application/json", **(headers or {})}
         if signed:
-            sent_headers["authorization"] = "Bearer " + self.identity.request_auth(method, path, content)
+            if self.audience is None:
+                raise TrackerUnavailable(f"{method} {path}: the tracker's key is not known yet")
+            sent_headers["authorization"] = "Bearer " + self.identity.request_auth(method, path, content, self.audience)
         try:
             response = await self._http.request(
                 method,
@@ -157,6 +167,31 @@ class TrackerClient:
             raise TrackerUnavailable(f"{method} {path}: unexpected answer: {exc.errors()[0]['msg']}") from exc
 
 
+def is_loopback_url(url: str) -> bool:
+    """True for http(s) URLs whose host is a loopback address or `localhost`."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def first_contact_problem(tracker_url: str) -> str | None:
+    """Why the node must not learn the tracker's key from the tracker itself at this URL, or None.
+
+    Over plain http to another machine anyone on the path could answer with their own key
+    and then sign routes (and receive the node's receipts); https or loopback is safe enough.
+    """
+    if urlsplit(tracker_url).scheme == "https" or is_loopback_url(tracker_url):
+        return None
+    return (
+        f"the tracker {tracker_url} is plain http on another machine: its key cannot be learnt safely from it. "
+        "Pin it: set MESHNET_TRACKER_PUBLIC_KEY (or tracker_public_key) to the key the tracker prints, or use https"
+    )
+
+
 def _error_of(response: httpx.Response) -> tuple[str | None, str]:
     try:
         error = response.json()["error"]
@@ -179,19 +214,26 @@ class NodePresence:
         announcement: Callable[[], NodeAnnouncement],
         status: Callable[[], tuple[MeshState, NodeLoad]],
         *,
+        check_ack: Callable[[RegistrationAck], str | None] = lambda ack: None,
+        explain_refusal: Callable[[TrackerRefused], Awaitable[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._announcement = announcement
         self._status = status
+        self._check_ack = check_ack
+        self._explain_refusal = explain_refusal
         self._clock = clock
         self.registered = False
         self.last_ack: RegistrationAck | None = None
+        # Why this node is not online on its tracker (a refused registration, a key that does not
+        # match the pin); None when all is well. The node shows it in /health.
+        self.problem: str | None = None
 
     async def run(self) -> None:
         while True:
-            ack = await self._register_until_acked()
-            await self._heartbeat_until_forgotten(ack)
+            ack, announced = await self._register_until_acked()
+            await self._heartbeat_until_forgotten(ack, announced)
 
     async def deregister(self, reason: str = "shutdown") -> bool:
         """One attempt, bounded by DEREGISTER_TIMEOUT_S; the TTL cleans up if it fails."""
@@ -205,7 +247,7 @@ class NodePresence:
         self.registered = False
         return True
 
-    async def _register_until_acked(self) -> RegistrationAck:
+    async def _register_until_acked(self) -> tuple[RegistrationAck, MeshState]:
         backoff = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
         while True:
             announcement = self._announcement().model_copy(update={"state": self._status()[0]})
@@ -213,24 +255,30 @@ class NodePresence:
                 ack = await self._client.register(announcement)
             except TrackerRefused as exc:
                 delay = backoff.next_delay()
+                self.problem = await self._explain_refusal(exc) if self._explain_refusal else str(exc)
                 # Still retried: the operator may fix the tracker's side (enrolment secret, version).
-                log.error("tracker %s refused registration: %s; retrying in %.0f s", self._client.base_url, exc, delay)
+                log.error("tracker %s refused registration: %s; retrying in %.0f s", self._client.base_url, self.problem, delay)
             except TrackerUnavailable as exc:
                 delay = backoff.next_delay()
                 log.warning("tracker %s unreachable (%s); serving on, retrying in %.0f s", self._client.base_url, exc, delay)
             else:
                 self.registered = True
                 self.last_ack = ack
+                self.problem = self._check_ack(ack)
+                if self.problem:
+                    log.error("tracker %s: %s; this node reports itself not online", self._client.base_url, self.problem)
                 log.info(
                     "registered with tracker %s as %s (%s, heartbeat every %.0f s)",
                     self._client.base_url, ack.node_id, announcement.state, ack.heartbeat_interval_s,
                 )
-                return ack
+                return ack, announcement.state
             await anyio.sleep(delay)
 
-    async def _heartbeat_until_forgotten(self, ack: RegistrationAck) -> None:
+    async def _heartbeat_until_forgotten(self, ack: RegistrationAck, announced: MeshState) -> None:
         period = ack.heartbeat_interval_s
-        reported_state = self._status()[0]
+        # What the tracker heard last: a state that changed since (e.g. a problem found in the
+        # acknowledgement) goes out at the next state check.
+        reported_state = announced
         last_beat = self._clock()
         while True:
             await anyio.sleep(min(STATE_CHECK_INTERVAL_S, period))

@@ -30,13 +30,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check binary, GPUs, memory, disk, clock and port; explain each problem and how to fix it."""
         from meshnet_gguf.doctor import DoctorEnvironment, run_doctor
+        from meshnet_gguf.launch import doctor_model_size
 
         given = dict(
             gguf=gguf, quant=quant, demo=demo, host=host, port=port, llama_server=llama_server,
             download_dir=download_dir, tracker=tracker, offline=offline,
         )  # fmt: skip
         settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
-        report = run_doctor(DoctorEnvironment(settings))
+        environment = DoctorEnvironment(settings, model_size=lambda binary, hw: doctor_model_size(settings, binary, hw))
+        report = run_doctor(environment)
         typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
         if report.blocking:
             raise typer.Exit(EXIT_BLOCKED)

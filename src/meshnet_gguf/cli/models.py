@@ -66,9 +66,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show the model catalog, or the quants a repo offers with their sizes."""
         from meshnet_gguf.catalog import featured, load_catalog
+        from meshnet_gguf.download import HubAccess
         from meshnet_gguf.gguf_names import format_bytes
         from meshnet_gguf.hardware import probe_configured
-        from meshnet_gguf.launch_plan import ModelFacts
+        from meshnet_gguf.memory_model import ModelFacts
         from meshnet_gguf.model_source import ModelResolutionError, local_llama_server, offered_quants
         from meshnet_gguf.quant_advisor import QuantOption, advise_catalog_entry, advise_quant, target_context
 
@@ -86,7 +87,8 @@ def register(app: typer.Typer) -> None:
 
         if repo is not None:
             try:
-                offered = offered_quants(repo, settings)
+                access = HubAccess.from_environment(offline=settings.offline)
+                offered = offered_quants(repo, settings.download_dir, access=access, catalog=catalog)
             except ModelResolutionError as exc:
                 typer.echo(f"error: {exc}", err=True)
                 raise typer.Exit(EXIT_SETUP_ERROR) from exc
@@ -108,7 +110,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"{offered.title} ({offered.source})")
             typer.echo(_table(rows, right={1, 2, 3}) if offered.quants else "no GGUF models found")
             kv = "" if facts else " (KV cache unknown until downloaded: not counted)"
-            typer.echo(f"\n{memory_line}{kv}")
+            context = f" with {advice.target_ctx} tokens of context" if facts else ""
+            typer.echo(f"\n{memory_line}{context}{kv}")
             return
 
         rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "NEEDS", "FITS"]]

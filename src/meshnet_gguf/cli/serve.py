@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve a GGUF model through llama-server on an OpenAI-compatible port."""
         from meshnet_gguf.launch import NodeSetupError, prepare_launch
-        from meshnet_gguf.node import Node
+        from meshnet_gguf.node import build_node
         from meshnet_gguf.sd_notify import SystemdNotifier
 
         try:
@@ -77,7 +77,10 @@ def register(app: typer.Typer) -> None:
             typer.echo(launch.describe())
             return
         try:
-            code = anyio.run(Node(launch).run, backend_options={"use_uvloop": _uvloop_available()})
+            async def run_node() -> int:
+                return await build_node(launch).run()
+
+            code = anyio.run(run_node, backend_options={"use_uvloop": _uvloop_available()})
         except NodeSetupError as exc:  # e.g. the port is taken, or the mesh link cannot start
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc

@@ -24,8 +24,9 @@ def register(app: typer.Typer) -> None:
         """List recent requests from the usage ledger (reported to the tracker or not) and the totals."""
         path = (state_dir or default_state_dir()) / LEDGER_FILE
         if not path.exists():
-            typer.echo(f"no usage ledger at {path} yet: the node writes one when it serves with a tracker", err=True)
-            raise typer.Exit(1)
+            # Not an error: a node that has not served with a tracker yet simply has no ledger.
+            typer.echo(f"no usage ledger at {path} yet: the node writes one when it serves with a tracker")
+            return
         ledger = UsageLedger(path)
         try:
             entries = ledger.entries_sync(limit, pending_only=pending)

@@ -11,11 +11,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from meshnet_gguf.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
+from meshnet_gguf.reference.node_address import NodeTarget
 
 
 @dataclass
 class NodeEntry:
     announcement: NodeAnnouncement
+    target: NodeTarget  # the advertised URL as checked and pinned at registration
     state: MeshState
     load: NodeLoad
     last_seen: float
@@ -51,17 +53,29 @@ class NodeRegistry:
     def get(self, node_id: str) -> NodeEntry | None:
         return self._nodes.get(node_id)
 
-    def register(self, announcement: NodeAnnouncement) -> NodeEntry:
+    def register(self, announcement: NodeAnnouncement, target: NodeTarget) -> tuple[NodeEntry, list[str]]:
+        """Add or update a node that proved control of `target`; returns it and the ids of the nodes
+        it displaced. One node per URL: whoever last proved it holds the URL's key owns it (a node
+        restarted with a new identity), and the others lose their routes."""
+        displaced = [
+            other.node_id
+            for other in self._nodes.values()
+            if other.node_id != announcement.node_id
+            and (other.target.url == target.url or other.target.endpoint == target.endpoint)
+        ]
+        for node_id in displaced:
+            del self._nodes[node_id]
         entry = self._nodes.get(announcement.node_id)
         if entry is None:
-            entry = NodeEntry(announcement, announcement.state, NodeLoad(slots_total=announcement.slots), self._clock())
+            entry = NodeEntry(announcement, target, announcement.state, NodeLoad(slots_total=announcement.slots), self._clock())
             self._nodes[announcement.node_id] = entry
-            return entry
+            return entry, displaced
         # Updated in place: relays in progress hold this entry and give their in-flight count back to it.
-        entry.announcement, entry.state, entry.last_seen = announcement, announcement.state, self._clock()
+        entry.announcement, entry.target = announcement, target
+        entry.state, entry.last_seen = announcement.state, self._clock()
         entry.load = NodeLoad(slots_total=announcement.slots)
         entry.healthy, entry.health_misses = False, 0  # a new announcement (new URL?) is polled afresh
-        return entry
+        return entry, displaced
 
     def heartbeat(self, node_id: str, state: MeshState, load: NodeLoad) -> NodeEntry | None:
         entry = self._nodes.get(node_id)

@@ -8,9 +8,12 @@ Run it with `meshnet-gguf dev tracker`.
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import logging
+import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,25 +34,31 @@ from starlette.routing import Route
 
 from meshnet_gguf.errors import ApiError
 from meshnet_gguf.reference.metering import RelayMeter
+from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, TrackerLedger
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, RelayedRequest, TrackerLedger
 from meshnet_gguf.protocol import (
     CLOCK_SKEW_S,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     ENROLMENT_HEADER,
     MAX_ROUTE_LIFETIME_S,
-    NODE_AUTH_AUDIENCE,
     NODE_AUTH_LIFETIME_S,
+    NODE_CONTROL_NONCE_PARAM,
+    NODE_CONTROL_PATH,
     NODE_TTL_HEARTBEATS,
     PROTOCOL_VERSION,
     REQUEST_ID_HEADER,
     ROUTE_HEADER,
+    USAGE_COMPLETION_TOKENS_HEADER,
+    USAGE_PROMPT_TOKENS_HEADER,
     WELL_KNOWN_PATH,
     Deregistration,
     Heartbeat,
     HeartbeatAck,
     HealthReport,
     NodeAnnouncement,
+    NodeControlClaims,
+    NodeControlProof,
     ReceiptAck,
     ReceiptBatch,
     ReceiptClaims,
@@ -70,6 +79,7 @@ from meshnet_gguf.signing import (
     parse_public_key,
     public_key_text,
     tracker_issuer_for,
+    unverified_claims,
 )
 
 log = logging.getLogger(__name__)
@@ -100,25 +110,81 @@ RELAY_READ_TIMEOUT_S = 600.0
 RELAY_KEEPALIVE_EXPIRY_S = 2.0
 # Registration bodies are small; anything bigger is not a node talking.
 MAX_CONTROL_BODY_BYTES = 1024 * 1024
+# Longest any relayed request may take, first byte to last: a stuck node frees the relay.
+# An hour covers a 32k-token answer at 10 tokens/s with room to spare.
+DEFAULT_RELAY_TOTAL_TIMEOUT_S = 3600.0
+# All request headers together (names and values). Clients send well under 8 KiB; a route
+# token and an auth header are under 2 KiB each.
+MAX_REQUEST_HEADER_BYTES = 32 * 1024
+# `GET /v1/usage?limit=N`: N is 1..this.
+MAX_USAGE_LIST_LIMIT = 10_000
+DEFAULT_USAGE_LIST_LIMIT = 100
+# The node's answer to a control challenge: one small JSON object, quickly.
+CONTROL_PROOF_TIMEOUT_S = 5.0
+MAX_CONTROL_PROOF_BYTES = 16 * 1024
+CONTROL_NONCE_BYTES = 32
+# A receipt signed this far in the future (a node clock running ahead) is left for a later resend;
+# further than this it is refused for good.
+FUTURE_RECEIPT_RETRY_WINDOW_S = 300
+# A chat template wraps each prompt in role markers and sometimes a default system prompt; a
+# prompt cannot hold more tokens than its body has bytes plus this.
+PROMPT_TEMPLATE_ALLOWANCE_TOKENS = 2048
+# The only node response headers a client sees: the answer's type and the Meshnet accounting.
+RELAYED_RESPONSE_HEADERS = frozenset(
+    {
+        "content-type",
+        "cache-control",
+        "x-accel-buffering",
+        "retry-after",
+        "x-request-id",
+        REQUEST_ID_HEADER.lower(),
+        USAGE_PROMPT_TOKENS_HEADER.lower(),
+        USAGE_COMPLETION_TOKENS_HEADER.lower(),
+    }
+)
 
 
 @dataclass(frozen=True)
 class TrackerConfig:
+    """`enrolment_secret` is required unless `open_enrolment` says anyone may register a node."""
+
     state_dir: Path
     enrolment_secret: str | None = None
+    open_enrolment: bool = False
+    addresses: AddressPolicy = AddressPolicy()
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     route_lifetime_s: int = DEFAULT_ROUTE_LIFETIME_S
     health_poll_interval_s: float = DEFAULT_HEALTH_POLL_INTERVAL_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    relay_total_timeout_s: float = DEFAULT_RELAY_TOTAL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not 0 < self.route_lifetime_s <= MAX_ROUTE_LIFETIME_S:
             raise ValueError(f"route lifetime must be 1..{MAX_ROUTE_LIFETIME_S} s")
+        if not self.enrolment_secret and not self.open_enrolment:
+            raise ValueError("set an enrolment secret, or open enrolment explicitly (anyone may then register nodes)")
 
     @property
     def ttl_s(self) -> float:
         return self.heartbeat_interval_s * NODE_TTL_HEARTBEATS
+
+
+ENROLMENT_SECRET_FILE = "enrolment_secret"
+ENROLMENT_SECRET_BYTES = 24
+SECRET_FILE_MODE = 0o600
+
+
+def load_or_create_enrolment_secret(state_dir: Path) -> str:
+    """The tracker's enrolment secret, made once (mode 0600) so nodes keep working across restarts."""
+    path = Path(state_dir) / ENROLMENT_SECRET_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path.with_name(f".{path.name}.{os.getpid()}.tmp"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, SECRET_FILE_MODE)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(ENROLMENT_SECRET_BYTES) + "\n")
+        os.replace(path.with_name(f".{path.name}.{os.getpid()}.tmp"), path)
+    return path.read_text().strip()
 
 
 class Tracker:
@@ -156,7 +222,7 @@ class Tracker:
             Route("/v1/usage/{request_id}", self._usage, methods=["GET"]),
             *(Route(path, relay, methods=["POST"]) for path in INFERENCE_PATHS),
         ]
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        return _BoundedHeaders(Starlette(routes=routes, lifespan=self._lifespan))  # type: ignore[return-value]
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -193,10 +259,17 @@ class Tracker:
             with anyio.move_on_after(self.config.health_poll_interval_s):
                 await self._poll_wake.wait()
 
+    def node_request(self, entry: NodeEntry | NodeTarget, method: str, path: str, **kw: Any) -> httpx.Request:
+        """How this tracker reaches a node: the one place, so a node reached another way
+        (through a relay) changes this and nothing else."""
+        target = entry.target if isinstance(entry, NodeEntry) else entry
+        return target.request(self.http, method, path, **kw)
+
     async def _poll_health(self, entry: NodeEntry) -> None:
-        url = entry.announcement.advertised_url.rstrip("/") + "/health"
         try:
-            response = await self.http.get(url, timeout=HEALTH_POLL_TIMEOUT_S)
+            request = self.node_request(entry, "GET", "/health")
+            request.extensions["timeout"] = httpx.Timeout(HEALTH_POLL_TIMEOUT_S).as_dict()
+            response = await self.http.send(request)
             entry.health = HealthReport.model_validate_json(response.content)
             healthy = response.status_code == 200 and entry.health.state == "ready"
             entry.health_misses = 0
@@ -216,6 +289,7 @@ class Tracker:
         return JSONResponse({"status": "ok", "protocol_version": PROTOCOL_VERSION, "nodes": len(self.registry)})
 
     async def _nodes(self, request: Request) -> Response:
+        flags = await self.ledger.flags_by_node()
         return JSONResponse(
             [
                 {
@@ -226,6 +300,7 @@ class Tracker:
                     "in_flight": e.in_flight,
                     "load": e.load.model_dump(),
                     "advertised_url": e.announcement.advertised_url,
+                    "receipt_flags": flags.get(e.node_id, 0),
                     "announcement": e.announcement.model_dump(exclude={"public_key"}),
                 }
                 for e in self.registry.all()
@@ -245,15 +320,24 @@ class Tracker:
                 raise ApiError(400, "bad_public_key", str(exc)) from None
             if node_id_for(key) != announcement.node_id:
                 raise ApiError(400, "node_id_mismatch", "node_id is not derived from public_key")
-            _verify_node_call(request, body, announcement.node_id, key)
+            _verify_node_call(request, body, announcement.node_id, key, self.issuer)
             if not announcement.full_coverage:
                 raise ApiError(
                     422, "partial_coverage_unsupported", "this tracker routes single-hop only; a node must hold every layer"
                 )
+            # Only an enrolled, authenticated node makes this tracker send anything anywhere.
+            try:
+                target = await pin_node_url(announcement.advertised_url, self.config.addresses)
+            except UnsafeNodeURL as exc:
+                raise ApiError(422, "unsafe_advertised_url", str(exc)) from None
+            await self._prove_control(target, announcement.node_id, key)
         except ApiError as refusal:
+            log.warning("registration refused (%s): %s", refusal.code, refusal.message)
             return _error_response(refusal)
         await self.ledger.remember_node(announcement.node_id, announcement.public_key)
-        self.registry.register(announcement)
+        _, displaced = self.registry.register(announcement, target)
+        for node_id in displaced:
+            log.warning("node %s displaced: %s now answers at its URL with its own key", node_id, announcement.node_id)
         self.poll_soon()
         log.info(
             "node %s registered: %s at %s (%s)",
@@ -268,6 +352,41 @@ class Tracker:
             )
         )
 
+    async def _prove_control(self, target: NodeTarget, node_id: str, key: Ed25519PublicKey) -> None:
+        """Whatever answers at the advertised URL must sign our fresh nonce with the node's key.
+
+        Another node's URL, or a server that is not a node, cannot: so nobody routes prompts
+        elsewhere by registering someone else's address.
+        """
+        nonce = base64.urlsafe_b64encode(secrets.token_bytes(CONTROL_NONCE_BYTES)).rstrip(b"=").decode()
+        request = self.node_request(target, "GET", NODE_CONTROL_PATH, params={NODE_CONTROL_NONCE_PARAM: nonce})
+        request.extensions["timeout"] = httpx.Timeout(CONTROL_PROOF_TIMEOUT_S).as_dict()
+        unproven = f"{target.url} did not prove it holds node {node_id}'s key"
+        try:
+            with anyio.fail_after(CONTROL_PROOF_TIMEOUT_S):
+                response = await self.http.send(request, stream=True)
+                try:
+                    raw = bytearray()
+                    async for chunk in response.aiter_raw():
+                        raw += chunk
+                        if len(raw) > MAX_CONTROL_PROOF_BYTES:
+                            raise ApiError(422, "control_unproven", f"{unproven}: its answer is too long")
+                finally:
+                    await response.aclose()
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise ApiError(422, "control_unproven", f"{unproven}: {type(exc).__name__}: {exc}") from None
+        if response.status_code != 200:
+            raise ApiError(422, "control_unproven", f"{unproven}: GET {NODE_CONTROL_PATH} answered {response.status_code}")
+        try:
+            proof = NodeControlProof.model_validate_json(bytes(raw))
+            claims = NodeControlClaims.model_validate(
+                decode_token(proof.token, key, required=["iss", "aud", "nonce", "iat"], leeway=CLOCK_SKEW_S, audience=self.issuer)
+            )
+        except (ValidationError, jwt.InvalidTokenError) as exc:
+            raise ApiError(422, "control_unproven", f"{unproven}: {exc}") from None
+        if claims.iss != node_id or not hmac.compare_digest(claims.nonce, nonce):
+            raise ApiError(422, "control_unproven", f"{unproven}: the answer is for another node or another challenge")
+
     def _check_enrolment(self, request: Request) -> None:
         expected = self.config.enrolment_secret
         if expected is None:
@@ -281,7 +400,7 @@ class Tracker:
         try:
             entry = self._registered(node_id)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key))
+            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer)
             beat = _parse(Heartbeat, body)
         except ApiError as refusal:
             return _error_response(refusal)
@@ -297,7 +416,7 @@ class Tracker:
         try:
             entry = self._registered(node_id)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key))
+            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer)
             reason = _parse(Deregistration, body).reason
         except ApiError as refusal:
             return _error_response(refusal)
@@ -321,7 +440,7 @@ class Tracker:
                 raise ApiError(404, "unknown_node", f"node {node_id} never registered here")
             key = parse_public_key(key_text)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, key)
+            _verify_node_call(request, body, node_id, key, self.issuer)
             batch = _parse(ReceiptBatch, body)
             if batch.node_id != node_id:
                 raise ApiError(400, "wrong_node", "batch node_id differs from the path")
@@ -331,6 +450,9 @@ class Tracker:
         for receipt in batch.receipts:
             try:
                 await self._accept_receipt(node_id, key, receipt)
+            except _NotYet as later:
+                log.warning("receipt %s from %s left for a resend: %s", receipt.request_id, node_id, later)
+                continue
             except ApiError as refusal:
                 log.warning("receipt %s from %s refused: %s", receipt.request_id, node_id, refusal.message)
                 ack.rejected.append(ReceiptRejection(request_id=receipt.request_id, code=refusal.code, message=refusal.message))
@@ -344,6 +466,13 @@ class Tracker:
             claims = ReceiptClaims.model_validate(raw)
         except jwt.InvalidSignatureError:
             raise ApiError(400, "bad_signature", "receipt signature does not match the node key") from None
+        except jwt.ImmatureSignatureError:
+            # The signature checked out; only the node's clock runs ahead. Within the window it is
+            # left unsettled, so the node sends it again once our clock has caught up.
+            ahead = int(unverified_claims(receipt.token).get("iat", 0)) - time.time()
+            if ahead <= FUTURE_RECEIPT_RETRY_WINDOW_S:
+                raise _NotYet(f"signed {ahead:.0f} s in the future; check the node's clock (NTP)") from None
+            raise ApiError(400, "from_the_future", f"receipt signed {ahead:.0f} s in the future") from None
         except (jwt.InvalidTokenError, ValidationError) as exc:
             raise ApiError(400, "malformed", f"receipt is not valid: {exc}") from None
         if claims.iss != node_id:
@@ -355,16 +484,19 @@ class Tracker:
             raise ApiError(400, "unknown_request", "this tracker never routed that request")
         if relayed.node_id != node_id:
             raise ApiError(400, "wrong_node", f"request was routed to {relayed.node_id}")
+        _check_plausible(claims.usage, relayed)
         if await self.ledger.store_receipt(node_id, claims.usage, receipt.token):
             await self.flag_mismatch(receipt.request_id)
 
     async def flag_mismatch(self, request_id: str) -> None:
-        """Log when the node's signed figures differ from what this tracker relayed (both must be in)."""
+        """Flag the node when its signed figures differ from what this tracker relayed beyond the
+        tolerance (both must be in). The bill is the smaller figure either way."""
         usage = await self.ledger.usage(request_id)
-        if usage is not None and usage.agreement == "mismatch":
+        if usage is not None and usage.flagged and await self.ledger.mark_flagged(request_id):
             log.warning(
-                "usage mismatch for %s on %s: tracker counted %s, node signed %s",
+                "receipt disagrees for %s on %s: tracker counted %s, node signed %s; billed %s",
                 request_id, usage.node_id, usage.tracker.model_dump(), usage.node.model_dump() if usage.node else None,
+                usage.billed.model_dump() if usage.billed else None,
             )
 
     async def _models(self, request: Request) -> Response:
@@ -382,8 +514,10 @@ class Tracker:
         return _model_response(usage)
 
     async def _usage_list(self, request: Request) -> Response:
-        limit = int(request.query_params.get("limit", "100"))
-        return JSONResponse([u.model_dump() for u in await self.ledger.usage_list(limit=limit)])
+        given = request.query_params.get("limit", str(DEFAULT_USAGE_LIST_LIMIT))
+        if not given.isdigit() or not 1 <= int(given) <= MAX_USAGE_LIST_LIMIT:
+            return _error_response(ApiError(400, "bad_limit", f"limit must be a whole number from 1 to {MAX_USAGE_LIST_LIMIT}"))
+        return JSONResponse([u.model_dump() for u in await self.ledger.usage_list(limit=int(given))])
 
     # --- routing ------------------------------------------------------------
     def sign_route(self, node: NodeEntry, request_id: str, path: str, model: str, body: bytes, max_tokens: int | None) -> str:
@@ -424,7 +558,13 @@ class _RelayEndpoint:
             model = payload.get("model")
             if not isinstance(model, str) or not model:
                 raise ApiError(400, "missing_model", "'model' is required")
-            upstream, node, request_id = await self._open(scope["path"], model, payload, body)
+            # One deadline for the whole relay, first byte to last: a node that trickles forever
+            # does not hold a relay (and a client) for longer than this.
+            deadline = anyio.current_time() + self.tracker.config.relay_total_timeout_s
+            with anyio.move_on_at(deadline) as opening:
+                upstream, node, request_id = await self._open(scope["path"], model, payload, body)
+            if opening.cancelled_caught:
+                raise ApiError(504, "node_timeout", "no node answered in time")
         except ApiError as refusal:
             await _error_response(refusal)(scope, receive, send)
             return
@@ -434,7 +574,7 @@ class _RelayEndpoint:
             headers = [
                 (k.encode("latin-1"), v.encode("latin-1"))
                 for k, v in upstream.headers.items()
-                if k.lower() not in _HOP_HEADERS
+                if k.lower() in RELAYED_RESPONSE_HEADERS
             ]
             await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
             async with anyio.create_task_group() as tg:
@@ -445,7 +585,12 @@ class _RelayEndpoint:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
-                outcome = await self._pump(upstream, meter, send)
+                with anyio.move_on_at(deadline) as relaying:
+                    outcome = await self._pump(upstream, meter, send)
+                if relaying.cancelled_caught:
+                    outcome = "timed_out"
+                    log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.tracker.config.relay_total_timeout_s)
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
         except OSError:
             outcome = "cancelled"  # the client went away while we were sending
@@ -479,7 +624,10 @@ class _RelayEndpoint:
             tried.add(node.node_id)
             request_id = f"req-{uuid.uuid4().hex}"
             token = tracker.sign_route(node, request_id, path, model, body, max_tokens)
-            await tracker.ledger.open_request(request_id, node.node_id, model, path, stream)
+            await tracker.ledger.open_request(
+                request_id, node.node_id, model, path, stream,
+                max_tokens=max_tokens, choices=_choices(payload), body_bytes=len(body),
+            )  # fmt: skip
             headers = {
                 "content-type": "application/json",
                 "accept-encoding": "identity",  # relay bytes as the node wrote them
@@ -487,11 +635,10 @@ class _RelayEndpoint:
                 REQUEST_ID_HEADER: request_id,
                 "x-request-id": request_id,
             }
-            url = node.announcement.advertised_url.rstrip("/") + path
             node.in_flight += 1
             node.routed += 1
             try:
-                upstream = await tracker.http.send(tracker.http.build_request("POST", url, content=body, headers=headers), stream=True)
+                upstream = await tracker.http.send(tracker.node_request(node, "POST", path, content=body, headers=headers), stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 node.in_flight -= 1
                 node.healthy = False  # until the next health poll says otherwise
@@ -526,8 +673,45 @@ class _RelayEndpoint:
         return "complete"
 
 
-# Headers that describe the node -> tracker hop, not ours (uvicorn frames the body itself).
-_HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
+class _NotYet(Exception):
+    """A receipt that may be accepted later: left out of both lists of the acknowledgement."""
+
+
+class _BoundedHeaders:
+    """Refuse requests whose headers together exceed MAX_REQUEST_HEADER_BYTES (431), whatever server runs us."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_REQUEST_HEADER_BYTES:
+            refusal = ApiError(431, "headers_too_large", f"request headers exceed {MAX_REQUEST_HEADER_BYTES} bytes")
+            await _error_response(refusal)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _choices(payload: dict[str, Any]) -> int:
+    n = payload.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def _check_plausible(usage: Any, relayed: RelayedRequest) -> None:
+    """A signed receipt still cannot claim more than the route allowed or the body could hold."""
+    if usage.route != relayed.path or usage.model != relayed.model:
+        raise ApiError(400, "malformed", "receipt names another path or model than the route")
+    ceiling = (relayed.max_tokens or 0) * relayed.choices
+    if usage.completion_tokens > ceiling:
+        raise ApiError(
+            400, "implausible", f"receipt claims {usage.completion_tokens} completion tokens; the route allowed {ceiling}"
+        )
+    prompt_ceiling = relayed.body_bytes + PROMPT_TEMPLATE_ALLOWANCE_TOKENS
+    if usage.prompt_tokens > prompt_ceiling:
+        raise ApiError(
+            400, "implausible", f"receipt claims {usage.prompt_tokens} prompt tokens; a {relayed.body_bytes}-byte body holds fewer"
+        )
+    if usage.cached_tokens > usage.prompt_tokens:
+        raise ApiError(400, "implausible", "receipt claims more cached tokens than prompt tokens")
 
 
 def _error_response(error: ApiError) -> Response:
@@ -551,6 +735,8 @@ def _json_object(body: bytes) -> dict[str, Any]:
         payload = json.loads(body)
     except ValueError as exc:
         raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "request body is nested too deeply") from None
     if not isinstance(payload, dict):
         raise ApiError(400, "invalid_json", "request body must be a JSON object")
     return payload
@@ -570,8 +756,8 @@ async def _control_body(request: Request) -> bytes:
     return await _limited_body(request, MAX_CONTROL_BODY_BYTES)
 
 
-def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519PublicKey) -> None:
-    """Check the node's bearer token: its key signed this very method, path and body, moments ago."""
+def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519PublicKey, issuer: str) -> None:
+    """Check the node's bearer token: its key signed this very method, path and body, for this tracker, moments ago."""
     auth = request.headers.get("authorization", "")
     if not auth.startswith("Bearer "):
         raise ApiError(401, "missing_node_auth", "node calls need Authorization: Bearer <node token>")
@@ -581,7 +767,7 @@ def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519P
             key,
             required=["iss", "aud", "iat", "exp", "htm", "htu", "body_sha256"],
             leeway=CLOCK_SKEW_S,
-            audience=NODE_AUTH_AUDIENCE,
+            audience=issuer,
         )
     except jwt.InvalidTokenError as exc:
         raise ApiError(401, "bad_node_auth", f"node token is not valid: {exc}") from None

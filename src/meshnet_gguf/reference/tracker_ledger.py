@@ -39,7 +39,11 @@ CREATE TABLE IF NOT EXISTS relayed (
     outcome           TEXT NOT NULL DEFAULT 'in_flight',
     prompt_tokens     INTEGER,
     completion_tokens INTEGER,
-    finished_at       REAL
+    finished_at       REAL,
+    max_tokens        INTEGER,
+    choices           INTEGER NOT NULL DEFAULT 1,
+    body_bytes        INTEGER NOT NULL DEFAULT 0,
+    flagged           INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS receipts (
     request_id        TEXT PRIMARY KEY,
@@ -53,7 +57,20 @@ CREATE TABLE IF NOT EXISTS receipts (
 );
 """
 
-Outcome = Literal["in_flight", "complete", "cancelled", "upstream_error", "refused"]
+# Columns added after the first schema; a ledger from an older run gets them on open.
+_ADDED_COLUMNS = {
+    "max_tokens": "INTEGER",
+    "choices": "INTEGER NOT NULL DEFAULT 1",
+    "body_bytes": "INTEGER NOT NULL DEFAULT 0",
+    "flagged": "INTEGER NOT NULL DEFAULT 0",
+}
+
+# An honest node and the tracker read the same llama-server usage, so they agree exactly on a
+# finished request; a request cut short may differ by the token in flight. Beyond this, flag it.
+RECEIPT_TOLERANCE_TOKENS = 2
+RECEIPT_TOLERANCE_FRACTION = 0.02
+
+Outcome = Literal["in_flight", "complete", "cancelled", "upstream_error", "refused", "timed_out"]
 T = TypeVar("T")
 
 
@@ -61,6 +78,11 @@ T = TypeVar("T")
 class RelayedRequest:
     request_id: str
     node_id: str
+    model: str
+    path: str
+    max_tokens: int | None
+    choices: int
+    body_bytes: int
 
 
 class TrackerLedger:
@@ -73,6 +95,10 @@ class TrackerLedger:
         self._db.execute("PRAGMA synchronous=FULL")
         with self._lock:
             self._db.executescript(_SCHEMA)
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(relayed)")}
+            for column, kind in _ADDED_COLUMNS.items():
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE relayed ADD COLUMN {column} {kind}")
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await anyio.to_thread.run_sync(fn, *args)
@@ -98,12 +124,25 @@ class TrackerLedger:
         return rows[0][0] if rows else None
 
     # --- relayed requests -----------------------------------------------
-    async def open_request(self, request_id: str, node_id: str, model: str, path: str, stream: bool) -> None:
-        """Written before the request is forwarded: any receipt for it is then recognisable."""
+    async def open_request(
+        self,
+        request_id: str,
+        node_id: str,
+        model: str,
+        path: str,
+        stream: bool,
+        *,
+        max_tokens: int | None = None,
+        choices: int = 1,
+        body_bytes: int = 0,
+    ) -> None:
+        """Written before the request is forwarded: any receipt for it is then recognisable, and
+        checkable against what the route allowed (token cap, choices, body size)."""
         await self._run(
             self._write,
-            "INSERT INTO relayed (request_id, node_id, model, path, stream, issued_at) VALUES (?, ?, ?, ?, ?, ?)",
-            (request_id, node_id, model, path, int(stream), time.time()),
+            "INSERT INTO relayed (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (request_id, node_id, model, path, int(stream), time.time(), max_tokens, choices, body_bytes),
         )
 
     async def finish_request(self, request_id: str, status: int | None, outcome: Outcome, counts: UsageCounts | None) -> None:
@@ -116,8 +155,21 @@ class TrackerLedger:
         )
 
     async def relayed(self, request_id: str) -> RelayedRequest | None:
-        rows = await self._run(self._read, "SELECT request_id, node_id FROM relayed WHERE request_id = ?", (request_id,))
+        rows = await self._run(
+            self._read,
+            "SELECT request_id, node_id, model, path, max_tokens, choices, body_bytes FROM relayed WHERE request_id = ?",
+            (request_id,),
+        )
         return RelayedRequest(*rows[0]) if rows else None
+
+    async def mark_flagged(self, request_id: str) -> bool:
+        """True the first time a request is flagged (so a node's flag count counts it once)."""
+        changed = await self._run(self._write, "UPDATE relayed SET flagged = 1 WHERE request_id = ? AND flagged = 0", (request_id,))
+        return changed == 1
+
+    async def flags_by_node(self) -> dict[str, int]:
+        rows = await self._run(self._read, "SELECT node_id, count(*) FROM relayed WHERE flagged = 1 GROUP BY node_id", ())
+        return {node_id: count for node_id, count in rows}
 
     # --- receipts -----------------------------------------------------------
     async def store_receipt(self, node_id: str, record: UsageRecord, token: str) -> bool:
@@ -162,6 +214,8 @@ def _usage_row(row: tuple) -> TrackerUsage:
     tracker = UsageCounts(prompt_tokens=t_prompt, completion_tokens=t_completion)
     node = UsageCounts(prompt_tokens=n_prompt, completion_tokens=n_completion) if has_receipt else None
     return TrackerUsage(
+        billed=billed(outcome, tracker, node),
+        flagged=disagrees(tracker, node),
         request_id=rid,
         node_id=node_id,
         model=model,
@@ -173,6 +227,40 @@ def _usage_row(row: tuple) -> TrackerUsage:
         node_finish_reason=finish if has_receipt else None,
         agreement=agreement(tracker, node),
     )
+
+
+def billed(outcome: str, tracker: UsageCounts, node: UsageCounts | None) -> UsageCounts | None:
+    """What the tracker bills: per field the smaller of its own count and the receipt.
+
+    A figure the tracker could not count (the relay was cut before any count passed) comes from
+    the receipt alone, which was already checked against what the route allowed. A request the
+    node refused (an error status before any answer) bills nothing. None until both sides are in.
+    """
+    if outcome == "refused":
+        return UsageCounts(prompt_tokens=0, completion_tokens=0)
+    if node is None or outcome == "in_flight":
+        return None
+
+    def smaller(ours: int | None, theirs: int | None) -> int:
+        return min(ours, theirs or 0) if ours is not None else (theirs or 0)
+
+    return UsageCounts(
+        prompt_tokens=smaller(tracker.prompt_tokens, node.prompt_tokens),
+        completion_tokens=smaller(tracker.completion_tokens, node.completion_tokens),
+    )
+
+
+def disagrees(tracker: UsageCounts, node: UsageCounts | None) -> bool:
+    """Tracker count and receipt differ by more than the tolerance on either figure."""
+    if node is None:
+        return False
+    for ours, theirs in ((tracker.prompt_tokens, node.prompt_tokens), (tracker.completion_tokens, node.completion_tokens)):
+        if ours is None or theirs is None:
+            continue
+        allowed = max(RECEIPT_TOLERANCE_TOKENS, RECEIPT_TOLERANCE_FRACTION * max(ours, theirs))
+        if abs(ours - theirs) > allowed:
+            return True
+    return False
 
 
 def agreement(tracker: UsageCounts, node: UsageCounts | None) -> UsageAgreement:
