@@ -185,7 +185,7 @@ def build_llama_server(
         flags = cmake_flags(vulkan=use_vulkan, build_number=build_number, amx=amx)
         configure = ["cmake", "-S", str(tree), "-B", str(build_dir), *_generator(), *flags]
         progress(f"configuring llama.cpp{f' b{build_number}' if build_number else ''} for this CPU ({backend}"
-                 f"{'' if amx else '; without AMX, which this CPU lists but the kernel does not grant'})")  # fmt: skip
+                 f"{'' if amx else '; without AMX: this CPU lists it, but an AMX instruction dies here'})")  # fmt: skip
         _run(configure, "configure", CONFIGURE_TIMEOUT_S, progress)
         threads = jobs or os.cpu_count() or 1
         progress(f"building {target} with {threads} job(s); on 2 cores this takes about 6 minutes")
