@@ -84,7 +84,11 @@ def quantized_kernels_work(binary: BinaryInfo) -> bool:
         model = write_tiny_model(Path(tmp) / "probe-q8_0.gguf", TinyModelSpec(weight_type="Q8_0"))
         port = free_local_port()
         argv = [str(binary.path), "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--parallel", "1"]
-        proc = subprocess.Popen(argv, env=binary.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            proc = subprocess.Popen(argv, env=binary.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as exc:  # no binary to probe (doctor planning without one): nothing to conclude
+            log.debug("CPU probe of %s could not start it: %s", binary.path, exc)
+            return True
         try:
             return _probe(proc, f"http://127.0.0.1:{port}")
         finally:

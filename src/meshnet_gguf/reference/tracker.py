@@ -625,7 +625,7 @@ class _RelayEndpoint:
             request_id = f"req-{uuid.uuid4().hex}"
             token = tracker.sign_route(node, request_id, path, model, body, max_tokens)
             await tracker.ledger.open_request(
-                request_id, node.node_id, model, path, stream,
+                request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
                 max_tokens=max_tokens, choices=_choices(payload), body_bytes=len(body),
             )  # fmt: skip
             headers = {
