@@ -19,6 +19,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from node_process import NodeProcess  # noqa: E402
 
 FAKE_LLAMA = Path(__file__).parent / "fake_llama_server.py"
+NEWER_CPU_LLAMA = Path(__file__).parent / "newer_cpu_llama_server.py"
+
+
+def _python_wrapper(directory: Path, script: Path) -> Path:
+    """An executable `llama-server` in `directory` that runs `script` with this interpreter."""
+    wrapper = directory / "llama-server"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return wrapper
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +52,13 @@ def real_llama() -> BinaryInfo:
 @pytest.fixture(scope="session")
 def fake_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An executable that runs the fake llama-server with this interpreter."""
-    wrapper = tmp_path_factory.mktemp("fake-bin") / "llama-server"
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_LLAMA}" "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return wrapper
+    return _python_wrapper(tmp_path_factory.mktemp("fake-bin"), FAKE_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def newer_cpu_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A llama-server too new for the CPU: serves float models, dies with SIGILL on quantized ones."""
+    return _python_wrapper(tmp_path_factory.mktemp("newer-cpu-bin"), NEWER_CPU_LLAMA)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ bottleneck it is used to measure.
     FAKE_LLAMA_HANG_AFTER_S    /health stops answering this long after start (a wedged server)
     FAKE_LLAMA_EVENTS_PER_WRITE events coalesced per socket write when streaming (default 1)
     FAKE_LLAMA_REQUEST_LOG     append one JSON line per inference request (path + body)
+    FAKE_LLAMA_ENV_DUMP        write the environment it was started with to this file (JSON)
 """
 
 from __future__ import annotations
@@ -101,6 +102,14 @@ class FakeLlama:
             return await respond(writer, 503, {"error": {"code": 503, "message": "Loading model"}})
         if path == "/slots":
             return await respond(writer, 200, [{"id": i, "is_processing": i in self.busy} for i in range(self.slots)])
+        if path == "/apply-template" and method == "POST":
+            messages = json.loads(body).get("messages") or []
+            text = "".join(f"<{m.get('role')}>{m.get('content')}" for m in messages if isinstance(m, dict))
+            return await respond(writer, 200, {"prompt": text})
+        if path == "/tokenize" and method == "POST":
+            content = json.loads(body).get("content")
+            tokens = content if isinstance(content, list) else [ord(c) for c in str(content)]
+            return await respond(writer, 200, {"tokens": tokens})
         if path == "/v1/models":
             return await respond(writer, 200, {"object": "list", "data": [{"id": self.alias, "object": "model", "owned_by": "llamacpp"}]})
         if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings") and method == "POST":
@@ -148,13 +157,22 @@ class FakeLlama:
                 os._exit(1)
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
-        end = head + (b'"delta":{},"finish_reason":"length"}]}\n\n' if chat else b'"text":"","finish_reason":"length"}]}\n\n')
+        # As llama-server does: a chat stream's counts come in a `"choices":[]` chunk when
+        # include_usage is asked, else as `timings` in the finish chunk; a completion stream
+        # puts usage and timings in its last content chunk either way.
+        usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n, "prompt_tokens_details": {"cached_tokens": 2}}
+        timings = {"cache_n": 2, "prompt_n": 5, "predicted_n": n, "predicted_per_second": 1000.0}
+        wants_usage = (payload.get("stream_options") or {}).get("include_usage")
+        if chat:
+            tail = {} if wants_usage else {"timings": timings}
+            end = head + b'"delta":{},"finish_reason":"length"}]' + (b"," + json.dumps(tail, separators=(",", ":")).encode()[1:-1] if tail else b"") + b"}\n\n"
+        else:
+            extra = json.dumps({"usage": usage, "timings": timings}, separators=(",", ":")).encode()[1:-1]
+            end = head + b'"text":"","finish_reason":"length"}],' + extra + b"}\n\n"
         batch.append(end)
-        if (payload.get("stream_options") or {}).get("include_usage"):
-            usage = {"id": "fake-1", "object": "chat.completion.chunk", "choices": [],
-                     "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n, "prompt_tokens_details": {"cached_tokens": 2}},
-                     "timings": {"predicted_per_second": 1000.0}}  # fmt: skip
-            batch.append(b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n")
+        if chat and wants_usage:
+            chunk = {"id": "fake-1", "object": "chat.completion.chunk", "choices": [], "usage": usage, "timings": timings}
+            batch.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
         batch.append(b"data: [DONE]\n\n")
         await write_chunk(writer, b"".join(batch))
         writer.write(b"0\r\n\r\n")
@@ -216,6 +234,9 @@ async def main(argv: list[str]) -> int:
         print("Available devices:")
         return 0
     fake = FakeLlama(argv)
+    if os.environ.get("FAKE_LLAMA_ENV_DUMP"):
+        with open(os.environ["FAKE_LLAMA_ENV_DUMP"], "w") as fh:
+            json.dump(dict(os.environ), fh)
     exit_code = os.environ.get("FAKE_LLAMA_EXIT_ON_START")
     print(f"main: loading model '{fake.args.get('--model')}'", flush=True)
     if exit_code:

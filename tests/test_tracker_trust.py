@@ -164,7 +164,7 @@ async def test_registering_another_nodes_url_is_refused_and_its_traffic_stays_pu
             assert info.value.code == "control_unproven"
 
         for _ in range(10):
-            answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [], "max_tokens": 2})
+            answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert answer.status_code == 200, answer.text
         assert service.registry.get(victim.node_id).routed == 10
 
@@ -300,9 +300,9 @@ async def test_the_resolved_address_is_pinned_so_dns_cannot_rebind(tracker, tmp_
     async with node.running(), httpx.AsyncClient(timeout=10) as http:
         await wait_until(lambda: routable(http, url))
         for _ in range(3):
-            assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [], "max_tokens": 3})).status_code == 200
+            assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})).status_code == 200
         await anyio.sleep(0.5)  # health polls too
-        assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [], "max_tokens": 3})).status_code == 200
+        assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})).status_code == 200
     # One lookup, at registration; the control proof, health polls and relays went to the address checked then.
     assert lookups == ["node.rebind.test"]
 
@@ -361,7 +361,7 @@ async def test_a_receipt_from_a_clock_running_ahead_is_retried_not_dropped(track
         await wait_until(lambda: routable(http, url))
         rids = []
         for _ in range(2):
-            await http.post(url + CHAT, json={"model": MODEL, "messages": [], "max_tokens": 4})
+            await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
             rids.append((await http.get(url + "/v1/usage?limit=1")).json()[0]["request_id"])
         ahead, absurd = rids
         ack = await node.client.send_receipts(
@@ -419,7 +419,7 @@ async def test_only_allow_listed_node_headers_reach_the_client(tracker, tmp_path
     node.answer = with_cookies
     async with node.running(), httpx.AsyncClient(timeout=10) as http:
         await wait_until(lambda: routable(http, url))
-        answer = await http.post(url + CHAT, json={"model": MODEL, "messages": []})
+        answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert answer.status_code == 200
         assert "set-cookie" not in answer.headers and "location" not in answer.headers and "x-powered-by" not in answer.headers
         assert answer.headers["x-meshnet-usage-prompt-tokens"] == "7" and answer.headers["content-type"] == "application/json"
@@ -440,7 +440,7 @@ async def test_a_stream_without_line_ends_is_relayed_but_not_buffered_without_bo
     node.answer = one_long_line
     async with node.running(), httpx.AsyncClient(timeout=30) as http:
         await wait_until(lambda: routable(http, url))
-        answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [], "stream": True})
+        answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
         assert len(answer.content) == endless_line  # relayed unchanged
 
     # The meter's own buffer stops at its limit, and its work stays linear in the bytes fed.
@@ -470,7 +470,7 @@ async def test_a_relay_that_never_ends_is_cut_at_the_total_time_limit(tmp_path: 
             await wait_until(lambda: routable(http, url))
             started = time.monotonic()
             with anyio.fail_after(10):
-                answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [], "stream": True})
+                answer = await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
             assert answer.status_code == 200 and time.monotonic() - started < 5
             [usage] = (await http.get(url + "/v1/usage")).json()
             assert usage["outcome"] == "timed_out"

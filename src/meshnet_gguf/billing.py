@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 # The sink wakes the reporter after each write; this poll only catches rows a
 # previous run left behind or a wake that raced a send.
 OUTBOX_IDLE_POLL_S = 30.0
+# Status recorded for a request the node itself died in the middle of (it never answered).
+NODE_DIED_STATUS = 502
 
 
 class ReceiptSender(Protocol):
@@ -100,12 +102,17 @@ class OutboxReporter:
 
 
 class LedgerUsageSink:
-    """The proxy's usage sink: signs each record and writes it to the ledger before the request is over."""
+    """The proxy's journal and usage sink: opens each request's ledger row before it is forwarded,
+    then signs its record and settles the row before the request is over."""
 
     def __init__(self, ledger: UsageLedger, identity: NodeIdentity, reporter: OutboxReporter | None = None) -> None:
         self._ledger = ledger
         self._identity = identity
         self._reporter = reporter
+
+    async def open(self, usage: UsageRecord, route_expires_at: float | None) -> bool:
+        """The request's in-flight row, on disk before this returns; False when its id is already there."""
+        return await self._ledger.open_request(usage, route_expires_at)
 
     async def record(self, usage: UsageRecord) -> None:
         receipt = self._identity.sign_receipt(usage)
@@ -114,3 +121,22 @@ class LedgerUsageSink:
             return
         if self._reporter is not None:
             self._reporter.wake()
+
+
+def settle_interrupted(ledger: UsageLedger, identity: NodeIdentity) -> int:
+    """Settle the rows a previous run left open (killed while those requests ran): each gets its
+    receipt with what was known when it was forwarded (its prompt), marked as an error.
+
+    Runs at start, before the proxy takes requests, so every request that reached
+    llama-server ends with exactly one settled row and one receipt.
+    """
+    settled = 0
+    for record in ledger.in_flight_sync():
+        cut = record.model_copy(update={"finish_reason": "error", "status": record.status or NODE_DIED_STATUS})
+        if ledger.add_sync(cut, identity.sign_receipt(cut)):
+            settled += 1
+            log.warning(
+                "request %s was in flight when the node stopped; billed its prompt (%d tokens) as an error",
+                record.request_id, record.prompt_tokens,
+            )  # fmt: skip
+    return settled

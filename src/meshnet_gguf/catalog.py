@@ -167,7 +167,7 @@ def quant_fits(quant: CatalogQuant, budget_bytes: int, need_bytes: NeedBytes | N
 
 
 def featured(entry: CatalogEntry, budget_bytes: int, binary_available: bool, need_bytes: NeedBytes | None = None) -> bool:
-    """Show an entry as featured only when it can load here (issue 3: no featured model nobody can load)."""
+    """Show an entry as featured only when it can load here (a featured model nobody can load is an anti-feature)."""
     return binary_available and any(quant_fits(q, budget_bytes, need_bytes) for q in entry.quants)
 
 

@@ -90,6 +90,10 @@ class NodeSettings(BaseSettings):
     tracker: str | None = Field(None, description="Tracker base URL; enables registration, routes and billing")
     tracker_public_key: str | None = Field(None, description="Pinned tracker Ed25519 public key (PEM or base64url raw)")
     enrolment_secret: str | None = Field(None, description="Secret the tracker requires to register a node")
+    # MESHNET_RELAY_URL, `relay_url` in the TOML file, `--relay` on the command line.
+    relay_url: str | None = Field(
+        None, description="Relay URL (http://host:port): serve through an outbound tunnel, no public listener needed"
+    )
     # Batching: a busy node then makes one tracker call per interval rather than one per request.
     usage_report_interval_s: float = Field(
         1.0, ge=0, description="Usage receipts go to the tracker in batches, at most this often"
@@ -100,7 +104,7 @@ class NodeSettings(BaseSettings):
     # folder laid out like tests/fixtures/hardware/<box>: `root/` with the sysfs and
     # proc files, `commands/<name>.txt` with what llama-server --list-devices,
     # nvidia-smi and rocminfo printed there) instead of probing this one. Lets an
-    # operator reproduce another box's plan with `serve --dry-run` (issue 4).
+    # operator reproduce another box's plan with `serve --dry-run`, and tests plan for recorded boxes.
     hardware_fixture: Path | None = Field(
         None, description="Testing/diagnosis aid: probe a recorded machine (root/ + commands/) instead of this one"
     )

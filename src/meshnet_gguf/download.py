@@ -345,7 +345,13 @@ def check_free_space(directory: Path, needed_bytes: int, free_bytes: FreeBytes, 
 @contextmanager
 def _exclusive(directory: Path, what: str) -> Iterator[None]:
     """One downloader per repo folder across processes (a second `download` or `serve` waits)."""
-    (directory / META_DIR).mkdir(parents=True, exist_ok=True)
+    try:
+        (directory / META_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DownloadError(
+            f"cannot write into the download folder {directory}: {exc.strerror or exc}. "
+            "Pick a writable one with --download-dir (or MESHNET_DOWNLOAD_DIR)."
+        ) from exc
     lock = filelock.FileLock(str(directory / META_DIR / LOCK_FILE))
     try:
         lock.acquire(timeout=LOCK_NOTICE_AFTER_S)

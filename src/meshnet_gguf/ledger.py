@@ -5,8 +5,15 @@ call runs the stdlib `sqlite3` in a worker thread (`anyio.to_thread`), so the
 event loop never waits on the disk, and a call, once started, completes even
 if its caller is cancelled: a row is written whole or not at all.
 
-A row is *pending* until the tracker acknowledges it (`reported_at` set) or
-refuses it for good (`rejected` set). Pending rows are the outbox; they live
+A row is written twice. It is *opened* (`in_flight` = 1, no receipt yet) before
+the request is forwarded, durably, with what is known then: the prompt's token
+count and until when the route that paid for it stays valid. That row is what
+refuses a replayed route after a restart, and what bills a request the node was
+killed in the middle of. It is *settled* (`in_flight` = 0, receipt set) when the
+request ends, or, for a row a crash left open, when the node starts again.
+
+A settled row is *pending* until the tracker acknowledges it (`reported_at` set)
+or refuses it for good (`rejected` set). Pending rows are the outbox; they live
 in the database, so a kill -9 or an hours-long tracker outage loses nothing.
 """
 
@@ -27,7 +34,7 @@ from meshnet_gguf.protocol import UsageReceipt, UsageRecord, UsageTotals
 LEDGER_FILE = "usage.sqlite3"
 # Another process (`meshnet-gguf usage`, a backup) may hold a lock briefly; wait rather than fail.
 BUSY_TIMEOUT_S = 10.0
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -48,8 +55,19 @@ CREATE TABLE IF NOT EXISTS usage (
     rejected          TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_started ON usage (started_at);
-CREATE INDEX IF NOT EXISTS usage_outbox ON usage (recorded_at) WHERE reported_at IS NULL AND rejected IS NULL;
 """
+# Added in schema 2 (a version-1 ledger gains them in place).
+_COLUMNS_V2 = {
+    "in_flight": "INTEGER NOT NULL DEFAULT 0",
+    "route_expires_at": "REAL",
+}
+_INDEXES_V2 = """
+DROP INDEX IF EXISTS usage_outbox;
+CREATE INDEX IF NOT EXISTS usage_outbox2 ON usage (recorded_at) WHERE reported_at IS NULL AND rejected IS NULL AND in_flight = 0;
+CREATE INDEX IF NOT EXISTS usage_in_flight ON usage (started_at) WHERE in_flight = 1;
+CREATE INDEX IF NOT EXISTS usage_route_expiry ON usage (route_expires_at) WHERE route_expires_at IS NOT NULL;
+"""
+_OUTBOX = "reported_at IS NULL AND rejected IS NULL AND in_flight = 0"
 
 T = TypeVar("T")
 
@@ -92,6 +110,11 @@ class UsageLedger:
         self._db.execute("PRAGMA synchronous=FULL")
         with self._lock:
             self._db.executescript(_SCHEMA)
+            present = {row[1] for row in self._db.execute("PRAGMA table_info(usage)")}
+            for column, decl in _COLUMNS_V2.items():
+                if column not in present:
+                    self._db.execute(f"ALTER TABLE usage ADD COLUMN {column} {decl}")
+            self._db.executescript(_INDEXES_V2)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @classmethod
@@ -99,6 +122,10 @@ class UsageLedger:
         return cls(Path(state_dir) / LEDGER_FILE)
 
     # --- async API (what the node uses) -------------------------------------------
+    async def open_request(self, record: UsageRecord, route_expires_at: float | None) -> bool:
+        """Write the in-flight row before the request is forwarded; False when the id is already there."""
+        return await self._run(self.open_request_sync, record, route_expires_at)
+
     async def add(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
         """Store a request's usage; False when its request id is already there (the first row wins)."""
         return await self._run(self.add_sync, record, receipt)
@@ -130,10 +157,39 @@ class UsageLedger:
         return await anyio.to_thread.run_sync(fn, *args)
 
     # --- sync API (worker threads, the CLI) --------------------------------------
+    def open_request_sync(self, record: UsageRecord, route_expires_at: float | None) -> bool:
+        with self._lock:
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
+                " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt,"
+                " in_flight, route_expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 1, ?)",
+                (
+                    *_record_columns(record),
+                    route_expires_at,
+                ),
+            )
+            return cursor.rowcount == 1
+
+    def in_flight_sync(self) -> list[UsageRecord]:
+        """Records of requests opened but never settled: a previous run died while they ran."""
+        with self._lock:
+            rows = self._db.execute("SELECT record_json FROM usage WHERE in_flight = 1 ORDER BY started_at").fetchall()
+        return [UsageRecord.model_validate_json(r[0]) for r in rows]
+
     def add_sync(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
+        """Settle a request: its open row if it has one, else a new row. False when it is already settled."""
         if receipt.request_id != record.request_id:
             raise ValueError(f"receipt {receipt.request_id} does not belong to record {record.request_id}")
         with self._lock:
+            cursor = self._db.execute(
+                "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, route = ?, status = ?, stream = ?,"
+                " prompt_tokens = ?, cached_tokens = ?, completion_tokens = ?, finish_reason = ?, record_json = ?,"
+                " receipt = ?, in_flight = 0 WHERE request_id = ? AND in_flight = 1",
+                (*_record_columns(record)[1:], receipt.token, record.request_id),
+            )
+            if cursor.rowcount == 1:
+                return True
             cursor = self._db.execute(
                 "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
                 " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt)"
@@ -159,16 +215,13 @@ class UsageLedger:
     def outbox_depth_sync(self) -> int:
         """Receipts recorded but not yet acknowledged or rejected by the tracker."""
         with self._lock:
-            (count,) = self._db.execute(
-                "SELECT COUNT(*) FROM usage WHERE reported_at IS NULL AND rejected IS NULL"
-            ).fetchone()
+            (count,) = self._db.execute(f"SELECT COUNT(*) FROM usage WHERE {_OUTBOX}").fetchone()
         return int(count)
 
     def pending_sync(self, limit: int) -> list[UsageReceipt]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT request_id, receipt FROM usage WHERE reported_at IS NULL AND rejected IS NULL"
-                " ORDER BY recorded_at, rowid LIMIT ?",
+                f"SELECT request_id, receipt FROM usage WHERE {_OUTBOX} ORDER BY recorded_at, rowid LIMIT ?",
                 (limit,),
             ).fetchall()
         return [UsageReceipt(request_id=rid, token=token) for rid, token in rows]
@@ -191,7 +244,7 @@ class UsageLedger:
             return cursor.rowcount
 
     def entries_sync(self, limit: int = 50, pending_only: bool = False) -> list[LedgerEntry]:
-        where = "WHERE reported_at IS NULL AND rejected IS NULL" if pending_only else ""
+        where = f"WHERE {_OUTBOX}" if pending_only else "WHERE in_flight = 0"
         with self._lock:
             rows = self._db.execute(
                 f"SELECT record_json, request_id, receipt, recorded_at, reported_at, rejected FROM usage {where}"
@@ -216,7 +269,7 @@ class UsageLedger:
                 " COALESCE(SUM(completion_tokens), 0),"
                 " COALESCE(SUM(finish_reason = 'error'), 0), COALESCE(SUM(finish_reason = 'cancelled'), 0),"
                 " COALESCE(SUM(reported_at IS NOT NULL), 0), COALESCE(SUM(rejected IS NOT NULL), 0)"
-                " FROM usage"
+                " FROM usage WHERE in_flight = 0"
             ).fetchone()
         count, prompt, cached, completion, errors, cancelled, reported, rejected = row
         return LedgerTotals(
@@ -234,12 +287,40 @@ class UsageLedger:
         )
 
     def request_ids_since_sync(self, started_after: float) -> list[tuple[str, float]]:
-        """(request id, started_at) of requests admitted after a time: seeds the replay cache on restart."""
+        """(request id, started_at) of requests admitted after a time."""
         with self._lock:
             return self._db.execute(
                 "SELECT request_id, started_at FROM usage WHERE started_at > ?", (started_after,)
             ).fetchall()
 
+    def unexpired_routes_sync(self, now: float) -> list[tuple[str, float]]:
+        """(request id, route expiry) of every route that could still be presented: seeds the
+        replay cache on restart. Rows are opened before forwarding, so this holds every
+        route ever forwarded, including the ones a crash cut short."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT request_id, route_expires_at FROM usage WHERE route_expires_at > ?", (now,)
+            ).fetchall()
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _record_columns(record: UsageRecord) -> tuple[object, ...]:
+    """(request_id, recorded_at, started_at, model, route, status, stream, prompt, cached, completion,
+    finish_reason, record_json), in the table's column order."""
+    return (
+        record.request_id,
+        time.time(),
+        record.started_at,
+        record.model,
+        record.route,
+        record.status,
+        int(record.stream),
+        record.prompt_tokens,
+        record.cached_tokens,
+        record.completion_tokens,
+        record.finish_reason,
+        record.model_dump_json(),
+    )

@@ -2,7 +2,8 @@
 
 One object the node starts in its task group. It gives the proxy a
 `route_gate` (only tracker-routed requests get through), a `usage_sink`
-(every request's usage becomes a signed receipt in the ledger) and one GET
+(each request's ledger row is opened before it is forwarded and settled into a
+signed receipt when it ends; rows a crash left open are settled at start) and one GET
 route, `control_route` (the tracker's reachability challenge, signed with the
 node key), and runs the registration/heartbeat and outbox tasks. `drain()`
 tells the tracker to stop routing here; `close()` makes a last delivery
@@ -28,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from meshnet_gguf import __version__
 from meshnet_gguf.atomic_file import write_atomically
-from meshnet_gguf.billing import LedgerUsageSink, OutboxReporter
+from meshnet_gguf.billing import LedgerUsageSink, OutboxReporter, settle_interrupted
 from meshnet_gguf.binary import BinaryInfo
 from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.download import sha256_of
@@ -52,6 +53,7 @@ from meshnet_gguf.protocol import (
     NodeControlProof,
     NodeLoad,
     RegistrationAck,
+    RelayAttachment,
     ShardDigest,
 )
 from meshnet_gguf.proxy import QueryRoute, RouteGrant
@@ -133,17 +135,33 @@ class RouteGate:
             replay_cache=self.replay_cache,
         )
 
-    def verify(self, headers: Mapping[str, str], body: bytes, path: str) -> RouteGrant:
+    def _ready_verifier(self) -> RouteVerifier:
         if self._verifier is None:
             raise ApiError(
                 503, "route_key_unavailable", "this node has not learnt its tracker's key yet; retry shortly",
                 headers={"retry-after": str(KEY_UNKNOWN_RETRY_AFTER_S)},
             )  # fmt: skip
+        return self._verifier
+
+    def check_token(self, headers: Mapping[str, str], path: str) -> RouteGrant:
         try:
-            claims = self._verifier.verify(headers, body, path)
+            claims = self._ready_verifier().check_token(headers, path)
         except RouteRejected as exc:
             raise ApiError(exc.status, exc.code, exc.message) from None
-        return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens)
+        return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens, expires_at=claims.exp, body_sha256=claims.body_sha256)
+
+    def check_body(self, grant: RouteGrant, body: bytes) -> None:
+        try:
+            RouteVerifier.check_body(grant.body_sha256 or "", body)
+        except RouteRejected as exc:
+            raise ApiError(exc.status, exc.code, exc.message) from None
+
+    def claim(self, grant: RouteGrant) -> None:
+        assert grant.request_id is not None and grant.expires_at is not None
+        try:
+            self._ready_verifier().claim(grant.request_id, grant.expires_at)
+        except RouteRejected as exc:
+            raise ApiError(exc.status, exc.code, exc.message) from None
 
 
 class MeshnetLink(BasePart):
@@ -182,12 +200,15 @@ class MeshnetLink(BasePart):
         if pinned is not None:
             self._trust(pinned)
         self._seed_replay_cache()
+        settle_interrupted(self.ledger, self.identity)
         self.presence = NodePresence(
             self.client, self._announcement, self._status, check_ack=self._check_ack, explain_refusal=self._explain_refusal
         )
         self.control_route: tuple[str, QueryRoute] = (NODE_CONTROL_PATH, self.answer_control_challenge)
         self._shards: list[ShardDigest] | None = None
         self._hardware: HardwareSummary | None = None
+        # Set by the node when it serves through a relay: the tracker then reaches it there.
+        self.relay_attachment: RelayAttachment | None = None
         log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
 
     # --- what the node wires in ---------------------------------------------
@@ -270,7 +291,8 @@ class MeshnetLink(BasePart):
         return NodeAnnouncement(
             node_id=self.identity.node_id,
             public_key=self.identity.public_key_text,
-            advertised_url=self.advertised_url,
+            advertised_url=self.relay_attachment.url if self.relay_attachment else self.advertised_url,
+            relay=self.relay_attachment,
             model_id=model.model_id,
             model_aliases=list(model.model_aliases),
             max_tokens_cap=model.max_tokens_cap,
@@ -351,9 +373,22 @@ class MeshnetLink(BasePart):
         )
 
     def _seed_replay_cache(self) -> None:
+        """Refuse, after a restart, every route this node ever forwarded that has not expired.
+
+        Each row is written before its request is forwarded and carries its route's own
+        expiry, so a route cut short by a crash at any instant is refused on its return.
+        Rows from a ledger older than that column fall back to admission time + the longest
+        route lifetime.
+        """
         now = time.time()
+        cache = self.route_gate.replay_cache
+        seeded: set[str] = set()
+        for request_id, expires_at in self.ledger.unexpired_routes_sync(now - CLOCK_SKEW_S):
+            cache.remember(request_id, expires_at, now)
+            seeded.add(request_id)
         for request_id, started_at in self.ledger.request_ids_since_sync(now - REPLAY_SEED_WINDOW_S):
-            self.route_gate.replay_cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
+            if request_id not in seeded:
+                cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
 
     def _shard_digests(self) -> list[ShardDigest]:
         cache_path = Path(self.settings.state_dir) / SHARD_DIGESTS_FILE

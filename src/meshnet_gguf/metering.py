@@ -28,9 +28,10 @@ class RequestMeter:
     request_id: str
     path: str
     stream: bool
-    client_wants_usage: bool
     started_at: float
     started: float  # perf_counter at admission
+    # The prompt's size as llama-server tokenized it before generation: billed whatever happens next.
+    prompt_counted: int = 0
     status: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -40,18 +41,36 @@ class RequestMeter:
     first_token_at: float | None = None
     decode_tokens_per_s: float | None = None
     usage_seen: bool = False
+    # llama-server answered with an error status: it refused the request, nothing ran.
+    refused_upstream: bool = False
+    # The whole answer is being handed to the client: a disconnect from now on is the
+    # client closing after it, not a cancellation.
+    answered: bool = False
     # Gives the admission slot back; called just before the answer's last bytes so a
     # client that sends its next request the moment this one ends is not refused.
     release: Callable[[], None] = lambda: None
 
-    def note_usage(self, usage: Mapping[str, Any], timings: Mapping[str, Any] | None) -> None:
-        self.usage_seen = True
-        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        self.completion_tokens = int(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        self.cached_tokens = int(details.get("cached_tokens") or 0)
-        if timings and timings.get("predicted_per_second"):
+    def note_usage(self, usage: Mapping[str, Any] | None, timings: Mapping[str, Any] | None) -> None:
+        """llama-server's own counts: `usage` when it sent one, else its `timings`
+        (a stream without include_usage carries only those, in its last chunk)."""
+        if isinstance(usage, Mapping) and usage:
+            self.usage_seen = True
+            self.prompt_tokens = _count(usage.get("prompt_tokens"))
+            self.completion_tokens = _count(usage.get("completion_tokens"))
+            details = usage.get("prompt_tokens_details")
+            self.cached_tokens = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+        elif isinstance(timings, Mapping) and "predicted_n" in timings:
+            self.usage_seen = True
+            self.cached_tokens = _count(timings.get("cache_n"))
+            self.prompt_tokens = _count(timings.get("prompt_n")) + self.cached_tokens
+            self.completion_tokens = _count(timings.get("predicted_n"))
+        if isinstance(timings, Mapping) and isinstance(timings.get("predicted_per_second"), (int, float)):
             self.decode_tokens_per_s = float(timings["predicted_per_second"])
+
+    def prompt_billed(self) -> int:
+        if self.usage_seen:
+            return self.prompt_tokens
+        return 0 if self.refused_upstream else self.prompt_counted
 
     def usage_comment(self) -> bytes:
         return comment_event(
@@ -59,7 +78,7 @@ class RequestMeter:
             + json.dumps(
                 {
                     "request_id": self.request_id,
-                    "prompt_tokens": self.prompt_tokens,
+                    "prompt_tokens": self.prompt_billed(),
                     "cached_tokens": self.cached_tokens,
                     "completion_tokens": self.tokens_out(),
                     "finish_reason": self.finish_reason,
@@ -81,7 +100,7 @@ class RequestMeter:
             model=model,
             status=self.status,
             stream=self.stream,
-            prompt_tokens=self.prompt_tokens,
+            prompt_tokens=self.prompt_billed(),
             cached_tokens=self.cached_tokens,
             completion_tokens=self.tokens_out(),
             finish_reason=self.finish_reason,
@@ -96,23 +115,21 @@ def meter_events(meter: RequestMeter, events: list[bytes]) -> tuple[list[bytes] 
     """Meter complete SSE events; return (what to forward instead of them, or None when they go
     out unchanged; whether [DONE] passed).
 
-    Hot path (one call per upstream read): the replacement list is only built once an event
-    is added or dropped, and the clock is read once per call (the events arrived together).
+    Every event llama-server sent is forwarded; the only addition is the `: meshnet-usage`
+    comment just before `[DONE]`. Hot path (one call per upstream read): the replacement
+    list is only built when that comment goes in, and the clock is read once per call.
     """
     out: list[bytes] | None = None
     done = False
     now = 0.0
     for i, event in enumerate(events):
-        keep = True
-        extra = None
         if event.startswith(b":"):
             pass  # llama-server keep-alive pings pass through
         elif event.startswith(b"data: [DONE]"):
-            extra = meter.usage_comment()
+            if out is None:
+                out = events[:i]
+            out.append(meter.usage_comment())
             done = True
-        elif b'"choices":[]' in event and b'"usage"' in event:
-            _meter_usage_event(meter, event)
-            keep = meter.client_wants_usage
         elif event.startswith(b"error") or event.startswith(b'data: {"error"'):
             meter.finish_reason = "error"
         else:
@@ -125,13 +142,12 @@ def meter_events(meter: RequestMeter, events: list[bytes]) -> tuple[list[bytes] 
             finish = _FINISH_RE.search(event)
             if finish:
                 meter.finish_reason = _finish_reason(finish.group(1).decode())
-        if out is None and (extra is not None or not keep):
-            out = events[:i]
+            # Chat streams send usage in a `"choices":[]` chunk (when asked), completion
+            # streams in their last content chunk, and both send `timings` at the end.
+            if b'"usage"' in event or b'"timings"' in event:
+                _meter_usage_event(meter, event)
         if out is not None:
-            if extra is not None:
-                out.append(extra)
-            if keep:
-                out.append(event)
+            out.append(event)
     return out, done
 
 
@@ -150,7 +166,12 @@ def _meter_usage_event(meter: RequestMeter, event: bytes) -> None:
         chunk = json.loads(event[event.index(b"{") :])
     except ValueError:
         return
-    meter.note_usage(chunk.get("usage") or {}, chunk.get("timings"))
+    if isinstance(chunk, dict):
+        meter.note_usage(chunk.get("usage"), chunk.get("timings"))
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def meter_whole_body(meter: RequestMeter, body: bytes) -> None:
@@ -160,7 +181,7 @@ def meter_whole_body(meter: RequestMeter, body: bytes) -> None:
         return
     if not isinstance(answer, dict):
         return
-    meter.note_usage(answer.get("usage") or {}, answer.get("timings"))
+    meter.note_usage(answer.get("usage"), answer.get("timings"))
     choices = answer.get("choices") or []
     if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
         meter.finish_reason = _finish_reason(str(choices[0]["finish_reason"]))

@@ -38,7 +38,10 @@ from meshnet_gguf.upstream_http import make_upstream_client
 from meshnet_gguf.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
     from meshnet_gguf.meshnet_link import MeshnetLink
+    from meshnet_gguf.relay_link import RelayLink
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,9 @@ def build_node(launch: PreparedLaunch) -> Node:
 
     upstream_client = make_upstream_client(settings.upstream_client, settings.parallel)
     mesh = _mesh_link(launch, health) if settings.tracker else None
+    relay = _relay_link(settings) if settings.relay_url else None
+    if mesh is not None and relay is not None:
+        mesh.relay_attachment = relay.attachment()  # the tracker then reaches this node through the relay
 
     async def llama_metrics() -> str:
         target = upstream()
@@ -118,6 +124,8 @@ def build_node(launch: PreparedLaunch) -> Node:
         llama_metrics=llama_metrics if LLAMA_METRICS_FLAG in launch.child.args else None,
     )
     metrics.count_download_bytes(launch.downloaded_bytes)
+    if relay is not None:
+        metrics.registry.register(_relay_metrics(relay))
 
     proxy = ProxyApp(
         upstream=upstream,
@@ -132,7 +140,9 @@ def build_node(launch: PreparedLaunch) -> Node:
         health=health,
         usage_sinks=[usage_stats, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
         route_check=mesh.route_gate if mesh else None,
+        journal=mesh.usage_sink if mesh else None,
         api_key=settings.api_key,
+        allowed_hosts=[settings.host],
         extra_get_routes={METRICS_PATH: metrics.scrape},
         query_get_routes=dict([mesh.control_route]) if mesh else None,
         on_rejected=metrics.count_request,
@@ -146,7 +156,7 @@ def build_node(launch: PreparedLaunch) -> Node:
         launch=launch,
         # The order parts are closed in: llama-server first (streams still open end with an
         # error event), then the listener, then the mesh link's last receipts, then systemd.
-        parts=[supervisor, http, *([mesh] if mesh else []), operations, state_lock],
+        parts=[supervisor, http, *([mesh] if mesh else []), *([relay] if relay else []), operations, state_lock],
         supervisor=supervisor,
         admission=admission,
         usage_stats=usage_stats,
@@ -178,6 +188,23 @@ def _mesh_link(launch: PreparedLaunch, health: Callable[[], HealthReport]) -> Me
         return MeshnetLink(settings, served, health)
     except MeshSetupError as exc:
         raise NodeSetupError(str(exc)) from exc
+
+
+def _relay_link(settings: NodeSettings) -> RelayLink:
+    """With a relay: an outbound tunnel brings the tracker's requests to this node's own listener."""
+    from meshnet_gguf.relay_link import build_relay_link, local_address_for
+
+    assert settings.relay_url is not None
+    try:
+        return build_relay_link(settings.relay_url, settings.state_dir, local_address_for(settings.host, settings.port))
+    except ValueError as exc:
+        raise NodeSetupError(f"--relay: {exc}") from exc
+
+
+def _relay_metrics(relay: RelayLink) -> Collector:
+    from meshnet_gguf.relay_ops import RelayLinkCollector
+
+    return RelayLinkCollector(relay)
 
 
 def hold_state_dir(settings: NodeSettings) -> StateDirLock:

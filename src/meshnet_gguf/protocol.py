@@ -131,6 +131,7 @@ class HealthReport(_Wire):
     mesh_problem: str | None = Field(
         None, description="Why the node is not online on its tracker (e.g. the tracker key does not match the pin)"
     )
+    relay: RelayLinkHealth | None = Field(None, description="The tunnel to the relay, when the node serves through one")
 
 
 # --- registration and liveness --------------------------------------------
@@ -181,6 +182,7 @@ class NodeAnnouncement(_Wire):
     max_tokens_cap: int | None = Field(None, ge=1, description="Most completion tokens one request may produce here")
     node_version: str
     state: MeshState = "joining"
+    relay: RelayAttachment | None = Field(None, description="Set when the node is reachable only through a relay")
 
     def answers_to(self, requested: str) -> bool:
         return model_answers_to(requested, self.model_id, self.model_aliases)
@@ -351,6 +353,111 @@ class TrackerUsage(_Wire):
     flagged: bool = Field(False, description="Tracker count and receipt differ beyond the tolerance")
 
 
+# --- relay (docs/protocol.md, "Relay") ----------------------------------------
+# A node dials the relay and upgrades one HTTP/1.1 connection per role to this protocol.
+RELAY_TUNNEL_PATH = "/v1/relay/tunnel"
+RELAY_UPGRADE_PROTOCOL = "meshnet-relay/1"
+RELAY_ATTACH_AUDIENCE = "meshnet-relay"
+# Trackers ask the relay for `CONNECT <node_id>:443`; the port is nominal, the node id picks the tunnel.
+RELAY_CONNECT_PORT = 443
+# The most a node may wait between pings; a tunnel silent for ping interval + timeout is dead.
+RELAY_PING_INTERVAL_S = 10.0
+RELAY_PING_TIMEOUT_S = 10.0
+# One control or handshake message (a JSON line); an attach proof is ~400 bytes.
+MAX_RELAY_MESSAGE_BYTES = 16 * 1024
+# Request heads on the relay's port (CONNECT or the tunnel upgrade); real ones are ~200 bytes.
+MAX_RELAY_HEAD_BYTES = 8 * 1024
+# An attach proof only has to outlive one handshake.
+RELAY_PROOF_LIFETIME_S = 60
+RelayRole = Literal["control", "work"]
+
+
+class RelayChallenge(_Wire):
+    """relay -> node, first line after the upgrade: sign this nonce."""
+
+    type: Literal["challenge"] = "challenge"
+    nonce: str = Field(description="base64url of 32 random bytes, fresh per connection")
+
+
+class RelayAttachClaims(_Wire):
+    """Claims of the attach proof (EdDSA JWT signed with the node key)."""
+
+    iss: str = Field(description="Node id")
+    aud: str = RELAY_ATTACH_AUDIENCE
+    nonce: str = Field(description="The relay's challenge on this very connection")
+    role: RelayRole
+    iat: int
+    exp: int
+
+
+class RelayAttach(_Wire):
+    """node -> relay: who I am, proved by signing the challenge."""
+
+    type: Literal["attach"] = "attach"
+    role: RelayRole
+    node_id: str
+    public_key: str = Field(description="Ed25519 public key, base64url raw; node_id must be derived from it")
+    proof: str = Field(description="JWT whose claims are RelayAttachClaims")
+
+
+class RelayAttached(_Wire):
+    """relay -> node: the connection is accepted in its role."""
+
+    type: Literal["attached"] = "attached"
+    node_id: str
+    role: RelayRole
+    ping_interval_s: float = Field(RELAY_PING_INTERVAL_S, gt=0, le=RELAY_PING_INTERVAL_S * 2)
+    ping_timeout_s: float = Field(RELAY_PING_TIMEOUT_S, gt=0)
+    max_idle_work: int = Field(gt=0, description="Idle work connections the relay keeps for this node")
+
+
+class RelayReady(_Wire):
+    """node -> relay, on a work connection after `attached`: the node listens for TLS now; park me."""
+
+    type: Literal["ready"] = "ready"
+
+
+class RelayRefused(_Wire):
+    """relay -> node, then the relay closes the connection."""
+
+    type: Literal["refused"] = "refused"
+    code: str = Field(description="bad_message, message_too_large, node_id_mismatch, bad_public_key, bad_proof, "
+                      "no_control_channel, work_pool_full, too_many_tunnels")
+    message: str
+
+
+class RelayPing(_Wire):
+    """Either side, on the control connection only. A ping is answered with a pong."""
+
+    type: Literal["ping", "pong"]
+
+
+class RelayAttachment(_Wire):
+    """In a node's announcement: reach me through this relay, over TLS with this certificate."""
+
+    url: str = Field(description="The relay's base URL; the tracker uses it as an HTTP CONNECT proxy")
+    tls_certificate: str = Field(
+        description="base64url DER of the node's self-signed X.509 certificate: Ed25519, the node's own key, "
+        "subjectAltName DNS = node id"
+    )
+
+
+RelayLinkState = Literal["connecting", "attached", "disconnected", "refused", "draining"]
+
+
+class RelayLinkHealth(_Wire):
+    """What `/health` says about the node's tunnel."""
+
+    url: str
+    state: RelayLinkState
+    attached_for_s: float | None = None
+    connects: int = Field(0, description="Control connections attached since start")
+    idle_work: int = 0
+    streams_active: int = 0
+    streams_total: int = 0
+    last_error: str | None = None
+
+
 # --- errors -----------------------------------------------------------------
 
 
@@ -366,6 +473,10 @@ class ErrorBody(_Wire):
 
     error: ErrorDetail
 
+
+
+HealthReport.model_rebuild()
+NodeAnnouncement.model_rebuild()
 
 
 def model_answers_to(requested: str, model_id: str, aliases: Iterable[str] = ()) -> bool:

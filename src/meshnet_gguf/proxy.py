@@ -13,6 +13,8 @@ least busy node) or the client can go elsewhere instead of waiting blind.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
 import re
@@ -37,6 +39,7 @@ from meshnet_gguf.protocol import (
     UsageRecord,
     model_answers_to,
 )
+from meshnet_gguf.request_validation import parse_json_object, rewrite_top_level, single_prompt, validate_request
 from meshnet_gguf.sse import DONE_DATA, SSESplitter, data_event
 from meshnet_gguf.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 
@@ -48,6 +51,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 CLIENT_REQUEST_ID_HEADER = "x-request-id"
+# Recorded (never sent) as the status of a request whose client left before its answer.
+CLIENT_CLOSED_STATUS = 499
 # ASGI header names are lower-case bytes.
 _REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
 _PROMPT_TOKENS_KEY = USAGE_PROMPT_TOKENS_HEADER.lower().encode()
@@ -66,6 +71,12 @@ STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 _HOP_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date", "access-control-allow-origin"}
 )
+# A client that trickles its body this slowly is holding a slot's worth of memory for nothing.
+BODY_READ_TIMEOUT_S = 30.0
+# Host names a standalone node always answers to; any IP literal is accepted too (DNS
+# rebinding needs a name that resolves to this machine, and a literal is not one).
+LOOPBACK_HOST_NAMES = frozenset({"localhost", "localhost.localdomain"})
+JSON_CONTENT_TYPE = "application/json"
 _STREAM_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -83,18 +94,40 @@ class UpstreamTarget:
 
 @dataclass(frozen=True)
 class RouteGrant:
-    """What an admission check allowed: the request id to bill under and a completion-token cap."""
+    """What a route allows: the request id to bill under, a completion-token cap, and until when
+    the route could be presented (its id must stay refused that long, across restarts too)."""
 
     request_id: str | None = None
     max_tokens: int | None = None
+    expires_at: float | None = None
+    body_sha256: str | None = None
 
 
 class RouteCheck(Protocol):
-    """Decides whether a request may pass (the mesh link's signed-route check implements it)."""
+    """Decides whether a request may pass (the mesh link's signed-route gate implements it).
 
-    def verify(self, headers: Mapping[str, str], body: bytes, path: str) -> RouteGrant:
-        """Raise `ApiError` (401/403) to refuse; return what the route allows."""
-        ...
+    Three steps, so nothing costly happens for a forged route and nothing burns a route
+    that is refused for another reason: the token (signature, expiry, node, model, path)
+    before the body is read; the body hash once it is; the one-time claim of the request
+    id just before forwarding. Each raises `ApiError` to refuse.
+    """
+
+    def check_token(self, headers: Mapping[str, str], path: str) -> RouteGrant: ...
+
+    def check_body(self, grant: RouteGrant, body: bytes) -> None: ...
+
+    def claim(self, grant: RouteGrant) -> None: ...
+
+
+class RequestJournal(Protocol):
+    """Durable record of a request before it is forwarded (the ledger's in-flight row).
+
+    `open` returns only once the row is on disk; False when the request id is already
+    there (a replay). The usage sinks settle the row when the request ends, and a restart
+    settles rows a crash left open.
+    """
+
+    async def open(self, usage: UsageRecord, route_expires_at: float | None) -> bool: ...
 
 
 class UsageSink(Protocol):
@@ -129,7 +162,9 @@ class ProxyApp:
         model_aliases: Sequence[str] = (),
         usage_sinks: Sequence[UsageSink] = (),
         route_check: RouteCheck | None = None,
+        journal: RequestJournal | None = None,
         api_key: str | None = None,
+        allowed_hosts: Sequence[str] = (),
         extra_get_routes: Mapping[str, ExtraRoute] | None = None,
         query_get_routes: Mapping[str, QueryRoute] | None = None,
         on_rejected: Callable[[str, int], None] | None = None,
@@ -143,7 +178,9 @@ class ProxyApp:
         self._health = health
         self._usage_sinks = tuple(usage_sinks)
         self._route_check = route_check
+        self._journal = journal
         self._api_key = api_key
+        self._allowed_hosts = LOOPBACK_HOST_NAMES | {h.lower() for h in allowed_hosts}
         self._extra_get_routes = dict(extra_get_routes or {})
         self._query_get_routes = dict(query_get_routes or {})
         # Told (path, status) of each request refused before reaching llama-server: such
@@ -190,6 +227,7 @@ class ProxyApp:
         headers = _headers(scope)
         request_id = _client_request_id(headers)
         try:
+            self._check_origin(headers, body_expected=False)
             self._check_api_key(headers)
             target = self._ready_target()
         except ApiError as exc:
@@ -215,46 +253,128 @@ class ProxyApp:
         request_id = _client_request_id(headers)
         # Each request runs in its own task, so the id stays with this request's log lines.
         request_id_var.set(request_id)
+        release: Callable[[], None] | None = None
         try:
             if self.admission.draining:
                 raise self._unavailable("This node is draining for shutdown; retry on another node")
+            # Who may send a body is settled before a byte of it is read.
+            grant = RouteGrant()
+            if self._route_check is not None:
+                grant = self._route_check.check_token(headers, path)
+                request_id = grant.request_id or request_id
+                request_id_var.set(request_id)
+            else:
+                self._check_origin(headers, body_expected=True)
+                self._check_api_key(headers)
             body = await self._read_body(headers, receive)
-            self._check_api_key(headers)
-            grant = self._route_check.verify(headers, body, path) if self._route_check else RouteGrant()
-            request_id = grant.request_id or request_id
-            request_id_var.set(request_id)
-            payload = _parse_json_object(body)
+            if self._route_check is not None:
+                self._route_check.check_body(grant, body)
+            payload = parse_json_object(body)
             required = INFERENCE_ROUTES[path]
             if required not in payload:
                 raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
+            validate_request(path, payload)
             self._check_model(payload.get("model"))
             target = self._ready_target()
-            release = self.admission.try_acquire()
+            release = self.admission.try_acquire(1)
             if release is None:
                 raise self._unavailable(f"All {self.admission.slots} slots of this node are busy; retry shortly")
+            try:
+                prompt_tokens = await self._count_prompt(target, path, payload, body)
+            except _NoCounter as missing:
+                # A llama-server build without the endpoint: the prompt is billed from its usage only.
+                log.warning("llama-server has no %s; prompts are counted only when an answer completes", missing)
+                prompt_tokens = 0
+            # From here the request is going to run: its route is used up, durably, before
+            # llama-server sees it, so no crash can let the same route run twice.
+            if self._route_check is not None:
+                self._route_check.claim(grant)
+            meter = RequestMeter(
+                request_id=request_id,
+                path=path,
+                stream=path in STREAMING_ROUTES and payload.get("stream") is True,
+                started_at=time.time(),
+                started=time.perf_counter(),
+                prompt_counted=prompt_tokens,
+            )
+            if self._journal is not None:
+                try:
+                    with anyio.CancelScope(shield=True):  # written whole even if the client leaves now
+                        opened = await self._journal.open(meter.usage_record(self.model_name), grant.expires_at)
+                except Exception as exc:  # a full or broken disk: serve nothing that cannot be billed
+                    log.error("request %s: could not write its ledger row, not forwarded: %s", request_id, exc)
+                    raise self._unavailable("This node cannot record requests right now; retry on another node") from None
+                if not opened:
+                    raise ApiError(403, "route_replayed", f"request {request_id} was already served by this node")
         except ApiError as exc:
+            if release is not None:
+                release()
             if self._on_rejected is not None:
                 self._on_rejected(path, exc.status)
             await _send_error(send, exc, request_id)
             return
 
-        stream = path in STREAMING_ROUTES and payload.get("stream") is True
-        options = payload.get("stream_options") or {}
-        meter = RequestMeter(
-            request_id=request_id,
-            path=path,
-            stream=stream,
-            client_wants_usage=isinstance(options, dict) and options.get("include_usage") is True,
-            started_at=time.time(),
-            started=time.perf_counter(),
-        )
         meter.release = release
         try:
-            upstream_body = _prepare_upstream_body(payload, body, stream, self._token_cap(path, grant))
+            upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
             await self._forward(meter, target, upstream_body, receive, send)
         finally:
             release()
-            await self._record(meter)
+            with anyio.CancelScope(shield=True):
+                await self._record(meter)
+
+    async def _count_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
+        """The prompt's token count, from llama-server's own template and tokenizer, before
+        generation starts: a request cut short at any moment is still billed its prompt.
+
+        llama-server answering 4xx/5xx here means it cannot parse this body (the chat
+        parser throws on shapes the node does not check, such as a tool list it cannot
+        read); nothing ran, so the client gets a 400 with llama-server's reason.
+        """
+        if path == "/v1/chat/completions":
+            rendered = await self._ask_upstream(target, "/apply-template", body)
+            prompt: Any = rendered.get("prompt")
+            if not isinstance(prompt, str):
+                raise ApiError(400, "invalid_request", "llama-server could not render this chat with its template")
+        else:
+            prompt = single_prompt(path, payload)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, list):  # several embedding inputs: each is tokenized on its own
+            counts = [await self._count_text(target, p) for p in prompt]
+            return sum(counts)
+        return await self._count_text(target, prompt)
+
+    async def _count_text(self, target: UpstreamTarget, prompt: Any) -> int:
+        if isinstance(prompt, list):
+            return len(prompt)
+        request = json.dumps({"content": prompt, "add_special": True, "parse_special": True}).encode()
+        tokens = (await self._ask_upstream(target, "/tokenize", request)).get("tokens")
+        if not isinstance(tokens, list):
+            raise ApiError(400, "invalid_request", "llama-server could not tokenize this prompt")
+        return len(tokens)
+
+    async def _ask_upstream(self, target: UpstreamTarget, route: str, body: bytes) -> dict[str, Any]:
+        try:
+            response = await self._client.send("POST", target.base_url + route, _upstream_headers(target), body)
+            try:
+                raw = await response.read()
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            raise self._unavailable(f"llama-server is not answering: {exc}") from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if response.status == 404:
+            raise _NoCounter(route)
+        if response.status >= 400 or not isinstance(answer, dict):
+            reason = _upstream_error_message(answer) or f"status {response.status}"
+            if response.status in (401, 403) or response.status >= 502:
+                raise self._unavailable(f"llama-server did not prepare the request ({reason}); retry shortly")
+            raise ApiError(400, "invalid_request", f"llama-server cannot read this request: {reason}")
+        return answer
 
     async def _forward(
         self, meter: RequestMeter, target: UpstreamTarget, body: bytes, receive: Receive, send: Send
@@ -266,16 +386,25 @@ class ProxyApp:
                 nonlocal disconnected
                 while (await receive())["type"] != "http.disconnect":
                     pass
+                if meter.answered:
+                    return  # the client closed after its answer, as a client may
                 disconnected = True
-                tg.cancel_scope.cancel()
+                if meter.stream:
+                    # Closing the stream is what stops llama-server's generation.
+                    tg.cancel_scope.cancel()
+                # A whole answer is read to its end all the same: llama-server does not notice
+                # the client left and generates it in full, so it is billed in full.
 
             tg.start_soon(watch_disconnect)
             try:
                 await self._exchange(meter, target, body, send)
             finally:
                 tg.cancel_scope.cancel()
-        if disconnected and meter.finish_reason in ("unknown",):
+        # `disconnected` is only set for a client that left before its answer was handed over.
+        cut_short = meter.finish_reason == "unknown" or not meter.stream
+        if disconnected and cut_short and meter.finish_reason != "error":
             meter.finish_reason = "cancelled"
+            meter.status = CLIENT_CLOSED_STATUS
 
     async def _exchange(self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send) -> None:
         url = target.base_url + meter.path
@@ -311,6 +440,7 @@ class ProxyApp:
             meter_whole_body(meter, body)
         else:
             meter.finish_reason = "error"
+            meter.refused_upstream = True
         headers = [
             (k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS
         ]
@@ -320,6 +450,7 @@ class ProxyApp:
             (_COMPLETION_TOKENS_KEY, str(meter.completion_tokens).encode()),
         ]
         meter.release()
+        meter.answered = True
         await _respond(send, response.status, body, headers)
 
     async def _relay_stream(self, meter: RequestMeter, response: UpstreamResponse, send: Send) -> None:
@@ -375,22 +506,26 @@ class ProxyApp:
             raise ApiError(413, "body_too_large", f"Request body of {declared} bytes exceeds this node's limit of {limit}")
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ApiError(499, "client_closed", "Client closed the connection")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, "body_too_large", f"Request body exceeds this node's limit of {limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        with anyio.move_on_after(BODY_READ_TIMEOUT_S):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ApiError(499, "client_closed", "Client closed the connection")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, "body_too_large", f"Request body exceeds this node's limit of {limit} bytes")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        raise ApiError(408, "body_timeout", f"Request body not received within {BODY_READ_TIMEOUT_S:.0f} s")
 
     def _check_api_key(self, headers: Mapping[str, str]) -> None:
         if self._api_key is None:
             return
-        if headers.get("authorization", "") != f"Bearer {self._api_key}":
+        given = headers.get("authorization", "").encode("latin-1")
+        # Constant time: the comparison must not tell an attacker how much of a guess was right.
+        if not hmac.compare_digest(given, f"Bearer {self._api_key}".encode("latin-1", "replace")):
             raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
 
     def _check_model(self, requested: object) -> None:
@@ -418,6 +553,22 @@ class ProxyApp:
         given = [cap for cap in caps if cap is not None]
         return min(given) if given else None
 
+    def _check_origin(self, headers: Mapping[str, str], *, body_expected: bool) -> None:
+        """A standalone node answers only requests addressed to it and sent as JSON.
+
+        A web page in the operator's browser can reach loopback: with a rebound DNS name
+        (the Host header then carries that name) or with a form post (which cannot carry
+        Content-Type: application/json without a CORS preflight this node never grants).
+        """
+        if self._route_check is not None:
+            return  # routed requests are signed for this node; the tracker is the client
+        if not _host_allowed(headers.get("host", ""), self._allowed_hosts):
+            raise ApiError(403, "host_not_allowed", "Host header names neither this machine's loopback nor a configured name")
+        if body_expected:
+            content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if content_type != JSON_CONTENT_TYPE:
+                raise ApiError(415, "unsupported_media_type", f"Content-Type must be {JSON_CONTENT_TYPE}")
+
     def _ready_target(self) -> UpstreamTarget:
         target = self._upstream()
         if target is None:
@@ -438,32 +589,51 @@ class ProxyApp:
 
 
 # --- request shaping --------------------------------------------------------
-def _parse_json_object(body: bytes) -> dict[str, Any]:
+class _NoCounter(Exception):
+    """llama-server answered 404 for the endpoint the prompt count needs."""
+
+
+def _prepare_upstream_body(payload: dict[str, Any], body: bytes, max_tokens: int | None) -> bytes:
+    """The body llama-server gets: the client's own bytes, with the route's token cap when it has one.
+
+    Streams are not asked for `include_usage`: llama-server's last chunk already carries
+    `timings` (prompt and predicted counts), and the client then gets the very stream it
+    asked for. The cap rewrites only the keys it sets, so every other value reaches
+    llama-server as the client wrote it.
+    """
+    if max_tokens is None:
+        return body
+    changes: dict[str, Any] = {}
+    for key in ("max_tokens", "max_completion_tokens", "n_predict"):
+        asked = payload.get(key)
+        if key == "max_tokens" or asked is not None:
+            if not isinstance(asked, int) or asked <= 0 or asked > max_tokens:
+                changes[key] = max_tokens
+    return rewrite_top_level(body, changes) if changes else body
+
+
+def _upstream_error_message(answer: Any) -> str | None:
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        message = answer["error"].get("message")
+        return str(message) if message else None
+    return None
+
+
+def _host_allowed(host: str, allowed: frozenset[str] | set[str]) -> bool:
+    name = host.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1 : name.find("]")] if "]" in name else ""
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    if not name:
+        return False
+    if name in allowed or name.endswith(".localhost"):
+        return True
     try:
-        payload = json.loads(body)
-    except ValueError as exc:
-        raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {exc}") from exc
-    if not isinstance(payload, dict):
-        raise ApiError(400, "invalid_json", "Request body must be a JSON object")
-    return payload
-
-
-def _prepare_upstream_body(payload: dict[str, Any], body: bytes, stream: bool, max_tokens: int | None) -> bytes:
-    """The body llama-server gets: the client's, plus usage reporting and the route's token cap."""
-    changed = False
-    if stream:
-        options = payload.get("stream_options")
-        if not isinstance(options, dict) or options.get("include_usage") is not True:
-            payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-            changed = True
-    if max_tokens is not None:
-        for key in ("max_tokens", "max_completion_tokens", "n_predict"):
-            asked = payload.get(key)
-            if key == "max_tokens" or asked is not None:
-                if not isinstance(asked, int) or asked <= 0 or asked > max_tokens:
-                    payload[key] = max_tokens
-                    changed = True
-    return json.dumps(payload, separators=(",", ":")).encode() if changed else body
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _upstream_headers(target: UpstreamTarget, *, stream: bool = False) -> dict[str, str]:
@@ -514,6 +684,7 @@ async def _refuse_lifespan(receive: Receive, send: Send) -> None:
 __all__ = [
     "ProxyApp",
     "ProxyLimits",
+    "RequestJournal",
     "RouteGrant",
     "RouteCheck",
     "UpstreamTarget",

@@ -8,6 +8,7 @@ forwards nothing to llama-server.
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -87,7 +88,8 @@ class RouteVerifier:
         self.node_id = node_id
         self.model_id = model_id
         self.total_layers = total_layers
-        self._replay = replay_cache or ReplayCache()
+        # An empty cache is falsy: `or` would silently swap a shared (seeded later) cache for a private one.
+        self._replay = replay_cache if replay_cache is not None else ReplayCache()
         self._clock = clock
 
     @property
@@ -95,9 +97,17 @@ class RouteVerifier:
         return self._issuer
 
     def verify(self, headers: Mapping[str, str], body: bytes, path: str) -> RouteClaims:
-        """Return the verified claims, or raise `RouteRejected`. Call once per request, before forwarding.
+        """All three checks at once (for callers that hold the body already)."""
+        claims = self.check_token(headers, path)
+        self.check_body(claims.body_sha256, body)
+        self.claim(claims.jti, claims.exp)
+        return claims
 
-        The caller enforces `claims.max_tokens` on the body it forwards (the proxy caps the body's limit).
+    def check_token(self, headers: Mapping[str, str], path: str) -> RouteClaims:
+        """Signature, issuer, lifetime, node, model, hops and path: everything but the body.
+
+        Runs before the body is read, so a forged or stale route costs the node no more
+        than its headers. The caller enforces `claims.max_tokens` on the body it forwards.
         """
         token = _header(headers, ROUTE_HEADER)
         if not token:
@@ -114,11 +124,17 @@ class RouteVerifier:
         self._check_hops(claims)
         if claims.path != path:
             raise RouteRejected("route_wrong_path", f"route is for {claims.path}, not {path}")
-        if body_sha256(body) != claims.body_sha256:
-            raise RouteRejected("route_body_mismatch", "request body differs from the one the tracker signed")
-        # Last, so a token refused for another reason does not burn its request id.
-        self._replay.remember(claims.jti, claims.exp, self._clock())
         return claims
+
+    @staticmethod
+    def check_body(signed_sha256: str, body: bytes) -> None:
+        if not hmac.compare_digest(body_sha256(body), signed_sha256):
+            raise RouteRejected("route_body_mismatch", "request body differs from the one the tracker signed")
+
+    def claim(self, request_id: str, expires_at: float) -> None:
+        """Use the route's request id up; a second use raises `route_replayed`. Call last, just
+        before forwarding, so a route refused for another reason does not burn its id."""
+        self._replay.remember(request_id, expires_at, self._clock())
 
     def _decode(self, token: str) -> RouteClaims:
         try:

@@ -6,7 +6,7 @@ dedicated user) and the commands it runs; `apply_plan` carries it out. Keeping
 the plan a value lets `--dry-run` print exactly what would happen and lets the
 tests check the unit with `systemd-analyze verify` without touching the system.
 
-Why the unit looks the way it does (see issue 6):
+Why the unit looks the way it does:
 - `Type=notify` + `NotifyAccess=main`: systemd learns "started" from the node's
   READY=1, sent only once llama-server answers /health, never from a fork; a
   llama-server child cannot speak for the node.

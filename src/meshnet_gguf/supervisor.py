@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 child_log = logging.getLogger(LLAMA_LOGGER)
 
 API_KEY_ENV = "LLAMA_API_KEY"  # llama-server reads its key from here: never on argv, never in logs
+# The node's own settings (the enrolment secret, the API key among them) are not llama-server's business.
+NODE_ENV_PREFIX = "MESHNET_"
 LOG_RING_LINES = 400
 FAILURE_TAIL_LINES = 25
 # Of that tail, a failure message quotes at most this many lines (its error lines first).
@@ -208,8 +210,7 @@ class Supervisor(BasePart):
     async def _spawn(self) -> asyncio.subprocess.Process:
         self.port = free_local_port()
         argv = [str(self.spec.binary.path), *self.spec.args, "--host", "127.0.0.1", "--port", str(self.port)]
-        env = self.spec.binary.environment()
-        env.update(self.spec.env)
+        env = child_environment(self.spec.binary.environment(), self.spec.env)
         env[API_KEY_ENV] = self.api_key
         self._set_state("starting" if self.restarts == 0 else "restarting", "launching llama-server")
         log.info("launching %s", " ".join(argv))
@@ -362,6 +363,13 @@ class Supervisor(BasePart):
     def _remove_pidfile(self) -> None:
         if self._pidfile is not None:
             self._pidfile.unlink(missing_ok=True)
+
+
+def child_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """llama-server's environment: the node's, without the node's own `MESHNET_*` settings, plus `extra`."""
+    env = {k: v for k, v in inherited.items() if not k.upper().startswith(NODE_ENV_PREFIX)}
+    env.update(extra)
+    return env
 
 
 def reap_stale_child(pidfile: Path | None, timeout_s: float = STOP_TIMEOUT_S) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Annotated, Optional
@@ -9,9 +10,12 @@ from typing import Annotated, Optional
 import typer
 
 from meshnet_gguf.config import default_state_dir
-from meshnet_gguf.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, WELL_KNOWN_PATH
+from meshnet_gguf.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, RELAY_PING_INTERVAL_S, WELL_KNOWN_PATH
 
 dev_app = typer.Typer(help="Reference Meshnet services for local use and tests.", no_args_is_help=True)
+
+DEFAULT_TRACKER_PORT = 8000
+DEFAULT_RELAY_PORT = 8001
 
 
 # The port the README's quick-start node uses; a node meshed beside it takes the next one.
@@ -21,7 +25,7 @@ _SUGGESTED_NODE_PORT = 8081
 @dev_app.command()
 def tracker(
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on")] = 8000,
+    port: Annotated[int, typer.Option(help="Port to listen on")] = DEFAULT_TRACKER_PORT,
     state_dir: Annotated[Optional[Path], typer.Option(help="Tracker key and ledger [default: <node state dir>/tracker]")] = None,
     enrolment_secret: Annotated[
         Optional[str],
@@ -38,6 +42,7 @@ def tracker(
     ] = True,
     allow_private: Annotated[bool, typer.Option(help="Accept nodes advertising private (LAN) addresses")] = False,
     heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = DEFAULT_HEARTBEAT_INTERVAL_S,
+    health_poll_interval: Annotated[Optional[float], typer.Option(help="Seconds between health polls of each node [default: 5]")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
     """Run the reference tracker: registers nodes, signs single-hop routes, relays and bills."""
@@ -54,6 +59,7 @@ def tracker(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # One line per health poll and relayed request would drown the tracker's own log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    extra = {} if health_poll_interval is None else {"health_poll_interval_s": health_poll_interval}
     state = state_dir or default_state_dir() / "tracker"
     secret = None if open_enrolment else (enrolment_secret or load_or_create_enrolment_secret(state))
     config = TrackerConfig(
@@ -62,6 +68,7 @@ def tracker(
         open_enrolment=open_enrolment,
         addresses=AddressPolicy(allow_loopback=allow_loopback, allow_private=allow_private),
         heartbeat_interval_s=heartbeat_interval,
+        **extra,  # type: ignore[arg-type]
     )
     service = Tracker(config)
     url = f"http://{host}:{port}"
@@ -82,6 +89,58 @@ def tracker(
         service.app(), host=host, port=port, log_level=log_level.lower(), lifespan="on", access_log=False,
         http="h11", h11_max_incomplete_event_size=MAX_REQUEST_HEADER_BYTES,
     )  # fmt: skip
+
+
+@dev_app.command()
+def relay(
+    host: Annotated[str, typer.Option(help="Address to listen on (nodes and trackers both dial it)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on")] = DEFAULT_RELAY_PORT,
+    ping_interval: Annotated[float, typer.Option(help="Seconds between a node's pings (at most 20)", max=20)] = RELAY_PING_INTERVAL_S,
+    max_idle_work: Annotated[Optional[int], typer.Option(help="Idle work connections kept per node [default: 16]", min=1)] = None,
+    log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
+) -> None:
+    """Run the reference relay: nodes behind NAT dial in; trackers reach them with CONNECT <node_id>:443."""
+    import anyio
+
+    from meshnet_gguf.reference.relay import Relay, RelayConfig
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    extra = {} if max_idle_work is None else {"max_idle_work": max_idle_work}
+    config = RelayConfig(host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval, **extra)  # type: ignore[arg-type]
+    typer.echo(f"relay on http://{host}:{port}: start a node with meshnet-gguf serve --relay http://{host}:{port} ...")
+    try:
+        anyio.run(Relay(config).serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        typer.echo(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@dev_app.command()
+def mesh(
+    demo: Annotated[bool, typer.Option("--demo", help="Serve the demo model (gemma-3-270m, `demo` extra)")] = False,
+    gguf: Annotated[Optional[str], typer.Option(help="Serve this model instead of the demo")] = None,
+    tracker_port: Annotated[int, typer.Option(help="Tracker port: the OpenAI base URL clients use (0: any free port)")] = DEFAULT_TRACKER_PORT,
+    relay_port: Annotated[int, typer.Option(help="Relay port (0: any free port)")] = DEFAULT_RELAY_PORT,
+    state_dir: Annotated[Optional[Path], typer.Option(help="Keys, ledgers and logs [default: a temporary folder, removed on exit]")] = None,
+    download_dir: Annotated[Optional[Path], typer.Option(help="Where the node keeps models [default: the node's]")] = None,
+) -> None:
+    """A whole local mesh in one command: tracker, relay, and a node reachable only through the relay."""
+    from meshnet_gguf.cli.dev_mesh import run_mesh
+
+    if demo == (gguf is not None):
+        typer.echo("error: give exactly one of --demo or --gguf", err=True)
+        raise typer.Exit(2)
+    code = run_mesh(
+        model_args=["--demo"] if demo else ["--gguf", str(gguf)],
+        tracker_port=tracker_port,
+        relay_port=relay_port,
+        state_dir=state_dir,
+        download_dir=download_dir,
+        echo=typer.echo,
+    )
+    raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:

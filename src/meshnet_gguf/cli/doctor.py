@@ -25,20 +25,24 @@ def register(app: typer.Typer) -> None:
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary to check")] = None,
         download_dir: Annotated[Optional[Path], typer.Option(help="Where GGUF files are downloaded")] = None,
         tracker: Annotated[Optional[str], typer.Option(help="Tracker URL to compare clocks with")] = None,
+        relay: Annotated[Optional[str], typer.Option("--relay", help="Relay URL to attach a test work connection to")] = None,
+        state_dir: Annotated[Optional[Path], typer.Option(help="Node state dir (its identity proves itself to the relay)")] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Never contact the hub for model sizes")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
     ) -> None:
         """Check binary, GPUs, memory, disk, clock and port; explain each problem and how to fix it."""
-        from meshnet_gguf.doctor import DoctorEnvironment, run_doctor
+        from meshnet_gguf.doctor import DoctorEnvironment, DoctorReport, run_doctor
         from meshnet_gguf.launch import doctor_model_size
+        from meshnet_gguf.relay_ops import check_relay
 
         given = dict(
             gguf=gguf, quant=quant, demo=demo, host=host, port=port, llama_server=llama_server,
-            download_dir=download_dir, tracker=tracker, offline=offline,
+            download_dir=download_dir, tracker=tracker, relay_url=relay, state_dir=state_dir, offline=offline,
         )  # fmt: skip
         settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
         environment = DoctorEnvironment(settings, model_size=lambda binary, hw: doctor_model_size(settings, binary, hw))
-        report = run_doctor(environment)
+        # The relay check lives beside the relay link (it attaches with the node's key), above doctor's floor.
+        report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings)))
         typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
         if report.blocking:
             raise typer.Exit(EXIT_BLOCKED)

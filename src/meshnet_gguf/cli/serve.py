@@ -41,6 +41,7 @@ def register(app: typer.Typer) -> None:
         tracker: Annotated[Optional[str], typer.Option(help="Tracker URL: register, require signed routes, report usage")] = None,
         tracker_public_key: Annotated[Optional[str], typer.Option(help="Pin the tracker's Ed25519 key (else learned on first contact)")] = None,
         advertised_url: Annotated[Optional[str], typer.Option(help="URL the tracker should use to reach this node")] = None,
+        relay_url: Annotated[Optional[str], typer.Option("--relay", help="Relay URL: serve through an outbound tunnel (no public listener needed)")] = None,
         enrolment_secret: Annotated[Optional[str], typer.Option(help="Secret the tracker requires to register (prefer MESHNET_ENROLMENT_SECRET: argv is visible to other users)")] = None,
         drain_grace_s: Annotated[Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown")] = None,
         max_tokens_cap: Annotated[Optional[int], typer.Option(help="Most completion tokens one request may produce; larger max_tokens are lowered to it")] = None,
@@ -58,7 +59,7 @@ def register(app: typer.Typer) -> None:
                 gguf=gguf, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
                 n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
                 state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
-                tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret,
+                tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay_url,
                 drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
                 max_tokens_cap=max_tokens_cap,
             )  # fmt: skip

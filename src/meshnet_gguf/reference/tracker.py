@@ -36,6 +36,7 @@ from meshnet_gguf.errors import ApiError
 from meshnet_gguf.reference.metering import RelayMeter
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.relay_dialer import NodeDialer
 from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, RelayedRequest, TrackerLedger
 from meshnet_gguf.protocol import (
     CLOCK_SKEW_S,
@@ -196,6 +197,7 @@ class Tracker:
         self.registry = NodeRegistry(config.ttl_s)
         self.ledger = TrackerLedger(Path(config.state_dir) / TRACKER_LEDGER_FILE)
         self._http: httpx.AsyncClient | None = None
+        self._dialer: NodeDialer | None = None
         self._poll_wake = anyio.Event()
 
     def info(self) -> TrackerInfo:
@@ -228,7 +230,9 @@ class Tracker:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         timeout = httpx.Timeout(RELAY_READ_TIMEOUT_S, connect=RELAY_CONNECT_TIMEOUT_S, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=RELAY_KEEPALIVE_EXPIRY_S)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as http:
+        # The dialer is the client's transport: direct to most nodes, through its relay to a relayed one.
+        self._dialer = NodeDialer(limits)
+        async with httpx.AsyncClient(timeout=timeout, transport=self._dialer, trust_env=False) as http:
             self._http = http
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_nodes)
@@ -243,6 +247,12 @@ class Tracker:
         if self._http is None:
             raise RuntimeError("tracker app is not running (lifespan not started)")
         return self._http
+
+    @property
+    def dialer(self) -> NodeDialer:
+        if self._dialer is None:
+            raise RuntimeError("tracker app is not running (lifespan not started)")
+        return self._dialer
 
     # --- node liveness -----------------------------------------------------
     def poll_soon(self) -> None:
@@ -330,6 +340,8 @@ class Tracker:
                 target = await pin_node_url(announcement.advertised_url, self.config.addresses)
             except UnsafeNodeURL as exc:
                 raise ApiError(422, "unsafe_advertised_url", str(exc)) from None
+            if announcement.relay is not None:  # reached only through its relay, TLS pinned to its certificate
+                target = await self.dialer.through_relay(announcement, self.config.addresses)  # type: ignore[assignment]
             await self._prove_control(target, announcement.node_id, key)
         except ApiError as refusal:
             log.warning("registration refused (%s): %s", refusal.code, refusal.message)
@@ -639,7 +651,8 @@ class _RelayEndpoint:
             node.routed += 1
             try:
                 upstream = await tracker.http.send(tracker.node_request(node, "POST", path, content=body, headers=headers), stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # ProxyError: the node's relay holds no tunnel for it right now; either way the node saw nothing.
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError) as exc:
                 node.in_flight -= 1
                 node.healthy = False  # until the next health poll says otherwise
                 tracker.poll_soon()
@@ -665,7 +678,9 @@ class _RelayEndpoint:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
             log.warning("relay from node broke: %s", exc)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
+            tail = _stream_error_event(f"the node's answer broke off: {exc}") if meter.event_stream else b""
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
             return "upstream_error"
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if meter.error or (meter.event_stream and not meter.done):
@@ -712,6 +727,11 @@ def _check_plausible(usage: Any, relayed: RelayedRequest) -> None:
         )
     if usage.cached_tokens > usage.prompt_tokens:
         raise ApiError(400, "implausible", "receipt claims more cached tokens than prompt tokens")
+
+
+def _stream_error_event(message: str) -> bytes:
+    detail = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_broken"}}
+    return b"data: " + json.dumps(detail).encode() + b"\n\n"
 
 
 def _error_response(error: ApiError) -> Response:

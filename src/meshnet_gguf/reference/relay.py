@@ -1,0 +1,446 @@
+"""Reference Meshnet relay: nodes behind NAT dial out to it; trackers reach them through it.
+
+One TCP port, two kinds of visitor (docs/protocol.md, "Relay"):
+
+- a node upgrades connections with `GET /v1/relay/tunnel` + `Upgrade: meshnet-relay/1`,
+  proves its Ed25519 key by signing a fresh challenge, and attaches either its
+  control connection (one per node: liveness pings, the tunnel's identity) or
+  an idle work connection (a small pool, dialled ahead of demand);
+- a tracker sends `CONNECT <node_id>:443`; the relay answers 200 and splices
+  that connection to one idle work connection of the node, byte for byte, until
+  either side closes. Inside, the tracker speaks TLS with the node, so the relay
+  forwards bytes it can neither read nor change unnoticed.
+
+It never parses, buffers or logs what passes through a splice. It speaks only
+the shared contract (`meshnet_gguf.protocol`, `meshnet_gguf.signing`).
+Run it with `meshnet-gguf dev relay`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import anyio
+import h11
+import jwt
+from anyio.abc import ByteStream, SocketStream, TaskStatus
+from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.streams.stapled import StapledByteStream
+from pydantic import BaseModel, ValidationError
+
+from meshnet_gguf.protocol import (
+    CLOCK_SKEW_S,
+    MAX_RELAY_HEAD_BYTES,
+    MAX_RELAY_MESSAGE_BYTES,
+    RELAY_ATTACH_AUDIENCE,
+    RELAY_PING_INTERVAL_S,
+    RELAY_PING_TIMEOUT_S,
+    RELAY_PROOF_LIFETIME_S,
+    RELAY_TUNNEL_PATH,
+    RELAY_UPGRADE_PROTOCOL,
+    RelayAttach,
+    RelayAttached,
+    RelayChallenge,
+    RelayPing,
+    RelayReady,
+    RelayRefused,
+)
+from meshnet_gguf.signing import KeyFormatError, decode_token, node_id_for, parse_public_key
+
+log = logging.getLogger(__name__)
+
+# Idle work connections kept per node: enough for a burst of requests to start without a
+# round trip to the node; each costs one socket and ~2 kB here.
+DEFAULT_MAX_IDLE_WORK = 16
+# A CONNECT that finds no idle work connection waits this long for the node to dial one.
+WORK_WAIT_TIMEOUT_S = 5.0
+# A node must finish the upgrade and its attach proof in this time, or it is cut off.
+HANDSHAKE_TIMEOUT_S = 10.0
+# Bounds the relay's memory: one tunnel holds a control connection and up to DEFAULT_MAX_IDLE_WORK sockets.
+DEFAULT_MAX_TUNNELS = 10_000
+# Bytes read per splice step: one TLS record is at most ~16 kB, so a read carries a few.
+SPLICE_CHUNK_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    ping_interval_s: float = RELAY_PING_INTERVAL_S
+    ping_timeout_s: float = RELAY_PING_TIMEOUT_S
+    max_idle_work: int = DEFAULT_MAX_IDLE_WORK
+    work_wait_timeout_s: float = WORK_WAIT_TIMEOUT_S
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    max_tunnels: int = DEFAULT_MAX_TUNNELS
+
+
+class _Refusal(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(eq=False)
+class _ParkedWork:
+    """An idle work connection, waiting to be spliced to a tracker's CONNECT."""
+
+    stream: ByteStream
+    peer: ByteStream | None = None
+    assigned: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    # Cancelled to end the idle wait: by a CONNECT that takes this connection (peer set) or by the
+    # tunnel closing (peer left None). One scope, no extra task per idle connection.
+    idle_scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+    def assign(self, peer: ByteStream) -> None:
+        self.peer = peer
+        self.assigned.set()
+        self.idle_scope.cancel()
+
+
+@dataclass(eq=False)
+class _Tunnel:
+    node_id: str
+    public_key: str
+    attached_at: float = field(default_factory=time.monotonic)
+    idle: deque[_ParkedWork] = field(default_factory=deque)
+    closed: anyio.Event = field(default_factory=anyio.Event)
+    streams_active: int = 0
+    streams_total: int = 0
+    _arrival: anyio.Event = field(default_factory=anyio.Event)
+
+    def park(self, work: _ParkedWork) -> None:
+        self.idle.append(work)
+        self._arrival.set()
+        self._arrival = anyio.Event()
+
+    def unpark(self, work: _ParkedWork) -> bool:
+        try:
+            self.idle.remove(work)
+        except ValueError:
+            return False
+        return True
+
+    async def take_work(self, timeout_s: float) -> _ParkedWork | None:
+        deadline = time.monotonic() + timeout_s
+        while not self.closed.is_set():
+            if self.idle:
+                return self.idle.popleft()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            arrival = self._arrival
+            with anyio.move_on_after(remaining):
+                await arrival.wait()
+        return None
+
+    def close(self) -> None:
+        self.closed.set()
+        self._arrival.set()
+        while self.idle:
+            work = self.idle.popleft()
+            work.assigned.set()  # with no peer: the idle connection just ends
+            work.idle_scope.cancel()
+
+
+class Relay:
+    def __init__(self, config: RelayConfig) -> None:
+        self.config = config
+        self.tunnels: dict[str, _Tunnel] = {}
+        self.port: int | None = None
+
+    # --- serving ------------------------------------------------------------
+    async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await anyio.create_tcp_listener(local_host=self.config.host, local_port=self.config.port)
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        log.info("relay listening on %s:%s", self.config.host, self.port)
+        task_status.started(self.port)
+        async with listener:
+            await listener.serve(self._handle)
+
+    def stats(self) -> dict[str, int]:
+        tunnels = list(self.tunnels.values())
+        return {
+            "tunnels": len(tunnels),
+            "idle_work": sum(len(t.idle) for t in tunnels),
+            "streams_active": sum(t.streams_active for t in tunnels),
+            "streams_total": sum(t.streams_total for t in tunnels),
+        }
+
+    async def _handle(self, raw: SocketStream) -> None:
+        # The listener's task group must never see an exception: one bad peer cannot stop the relay.
+        buffered = BufferedByteReceiveStream(raw)
+        stream = StapledByteStream(raw, buffered)
+        try:
+            async with raw:
+                await self._dispatch(raw, buffered, stream)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is logged, never raised
+            log.debug("connection ended: %r", exc)
+
+    async def _dispatch(self, raw: SocketStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream) -> None:
+        try:
+            with anyio.fail_after(self.config.handshake_timeout_s):
+                head = await buffered.receive_until(b"\r\n\r\n", MAX_RELAY_HEAD_BYTES)
+        except anyio.DelimiterNotFound:
+            await raw.send(_http_error(431, "head_too_large", f"request head exceeds {MAX_RELAY_HEAD_BYTES} bytes"))
+            return
+        parser = h11.Connection(h11.SERVER)
+        parser.receive_data(head + b"\r\n\r\n")
+        try:
+            request = parser.next_event()
+        except h11.RemoteProtocolError as exc:
+            await raw.send(_http_error(400, "bad_request", f"not an HTTP/1.1 request: {exc}"))
+            return
+        if not isinstance(request, h11.Request):
+            await raw.send(_http_error(400, "bad_request", "not an HTTP/1.1 request"))
+            return
+        method, target = request.method.decode("latin-1"), request.target.decode("latin-1")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+        if method == "CONNECT":
+            await self._connect(target, raw, stream)
+        elif method == "GET" and target == RELAY_TUNNEL_PATH:
+            if headers.get("upgrade", "").lower() != RELAY_UPGRADE_PROTOCOL:
+                await raw.send(_http_error(426, "upgrade_required", f"upgrade to {RELAY_UPGRADE_PROTOCOL}"))
+                return
+            await raw.send(
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                + f"Upgrade: {RELAY_UPGRADE_PROTOCOL}\r\n\r\n".encode("latin-1")
+            )
+            await self._attach(stream, buffered)
+        elif method == "GET" and target == "/health":
+            body = json.dumps({"status": "ok", **self.stats()}).encode()
+            await raw.send(_http_response(200, body))
+        else:
+            await raw.send(_http_error(404, "not_found", f"{method} {target}: the relay serves CONNECT and {RELAY_TUNNEL_PATH}"))
+
+    # --- tracker side ----------------------------------------------------------
+    async def _connect(self, target: str, raw: SocketStream, stream: StapledByteStream) -> None:
+        node_id = target.rsplit(":", 1)[0]
+        tunnel = self.tunnels.get(node_id)
+        if tunnel is None:
+            await raw.send(_http_error(404, "node_not_attached", f"no tunnel from {node_id} on this relay"))
+            return
+        work = await tunnel.take_work(self.config.work_wait_timeout_s)
+        if work is None:
+            await raw.send(_http_error(503, "no_work_connection", f"{node_id} has no free work connection; retry"))
+            return
+        tunnel.streams_active += 1
+        tunnel.streams_total += 1
+        started = time.monotonic()
+        try:
+            await raw.send(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        finally:
+            # Even when the tracker is already gone: the splice then ends at once and releases the node's side.
+            work.assign(stream)
+        try:
+            await work.done.wait()
+        finally:
+            tunnel.streams_active -= 1
+            log.debug("stream to %s closed after %.1f s", node_id, time.monotonic() - started)
+
+    # --- node side -------------------------------------------------------------
+    async def _attach(self, stream: StapledByteStream, buffered: BufferedByteReceiveStream) -> None:
+        nonce = secrets.token_urlsafe(32)
+        await _send_message(stream, RelayChallenge(nonce=nonce))
+        try:
+            with anyio.fail_after(self.config.handshake_timeout_s):
+                attach = _parse(RelayAttach, await _receive_line(buffered))
+            self._verify(attach, nonce)
+            if attach.role == "control" and attach.node_id not in self.tunnels and len(self.tunnels) >= self.config.max_tunnels:
+                raise _Refusal("too_many_tunnels", f"this relay holds its limit of {self.config.max_tunnels} tunnels")
+            tunnel = self.tunnels.get(attach.node_id)
+            if attach.role == "work":
+                if tunnel is None or tunnel.public_key != attach.public_key:
+                    raise _Refusal("no_control_channel", "attach the control connection first")
+                if len(tunnel.idle) >= self.config.max_idle_work:
+                    raise _Refusal("work_pool_full", f"at most {self.config.max_idle_work} idle work connections per node")
+        except _Refusal as refusal:
+            log.warning("attach refused (%s): %s", refusal.code, refusal.message)
+            await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
+            return
+        attached = RelayAttached(
+            node_id=attach.node_id,
+            role=attach.role,
+            ping_interval_s=self.config.ping_interval_s,
+            ping_timeout_s=self.config.ping_timeout_s,
+            max_idle_work=self.config.max_idle_work,
+        )
+        if attach.role == "control":
+            await self._run_control(attach, stream, buffered, attached)
+        else:
+            assert tunnel is not None
+            await _send_message(stream, attached)
+            # The node says `ready` once it listens for TLS; only then may a ClientHello reach it.
+            try:
+                with anyio.fail_after(self.config.handshake_timeout_s):
+                    _parse(RelayReady, await _receive_line(buffered))
+            except _Refusal as refusal:
+                await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
+                return
+            await self._park_work(tunnel, stream)
+
+    def _verify(self, attach: RelayAttach, nonce: str) -> None:
+        try:
+            key = parse_public_key(attach.public_key)
+        except KeyFormatError as exc:
+            raise _Refusal("bad_public_key", str(exc)) from None
+        if node_id_for(key) != attach.node_id:
+            raise _Refusal("node_id_mismatch", "node_id is not derived from public_key")
+        try:
+            claims = decode_token(
+                attach.proof, key, required=["iss", "aud", "nonce", "role", "iat", "exp"],
+                leeway=CLOCK_SKEW_S, audience=RELAY_ATTACH_AUDIENCE,
+            )  # fmt: skip
+        except jwt.InvalidTokenError as exc:
+            raise _Refusal("bad_proof", f"attach proof is not valid for this key: {exc}") from None
+        if claims["iss"] != attach.node_id or claims["role"] != attach.role:
+            raise _Refusal("bad_proof", "attach proof is for another node or role")
+        if not secrets.compare_digest(str(claims["nonce"]), nonce):
+            raise _Refusal("bad_proof", "attach proof signs another challenge (replayed?)")
+        if claims["exp"] - claims["iat"] > RELAY_PROOF_LIFETIME_S:
+            raise _Refusal("bad_proof", "attach proof lives too long")
+
+    async def _run_control(
+        self, attach: RelayAttach, stream: StapledByteStream, buffered: BufferedByteReceiveStream, attached: RelayAttached
+    ) -> None:
+        tunnel = _Tunnel(node_id=attach.node_id, public_key=attach.public_key)
+        previous = self.tunnels.get(attach.node_id)
+        self.tunnels[attach.node_id] = tunnel
+        if previous is not None:
+            # Same node id means same key (the id is the key's fingerprint, and the proof checked it).
+            log.info("node %s attached again; its previous tunnel is replaced", attach.node_id)
+            previous.close()
+        else:
+            log.info("node %s attached", attach.node_id)
+        try:
+            await _send_message(stream, attached)
+            async with anyio.create_task_group() as tg:
+
+                async def end_when_replaced() -> None:
+                    await tunnel.closed.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(end_when_replaced)
+                ending = await self._control_loop(stream, buffered)
+                log.info("node %s: %s; tunnel dropped", attach.node_id, ending)
+                tg.cancel_scope.cancel()
+        finally:
+            tunnel.close()
+            if self.tunnels.get(attach.node_id) is tunnel:
+                del self.tunnels[attach.node_id]
+
+    async def _control_loop(self, stream: StapledByteStream, buffered: BufferedByteReceiveStream) -> str:
+        """Answer pings until the node goes silent, breaks the protocol or closes; returns why it ended."""
+        silence_limit = self.config.ping_interval_s + self.config.ping_timeout_s
+        try:
+            while True:
+                with anyio.fail_after(silence_limit):
+                    message = _parse(RelayPing, await _receive_line(buffered))
+                if message.type == "ping":  # type: ignore[attr-defined]
+                    await _send_message(stream, RelayPing(type="pong"))
+        except TimeoutError:
+            return f"control silent for {silence_limit:.1f} s"
+        except _Refusal as refusal:
+            with anyio.move_on_after(1):
+                await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
+            return refusal.message
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return "control connection closed"
+
+    async def _park_work(self, tunnel: _Tunnel, stream: StapledByteStream) -> None:
+        work = _ParkedWork(stream)
+        if tunnel.closed.is_set():
+            return
+        tunnel.park(work)
+        with work.idle_scope:
+            # A node sends nothing on an idle work connection: any byte or EOF ends it.
+            try:
+                await stream.receive(1)
+            except Exception:  # noqa: BLE001 - any end of the idle connection
+                pass
+            if not tunnel.unpark(work):
+                # A CONNECT took it in the same instant: let it assign, so it is not left waiting on `done`.
+                with anyio.CancelScope(shield=True):
+                    await work.assigned.wait()
+        if work.peer is None:
+            return
+        try:
+            # A tracker starts its TLS handshake at once; one that says nothing only holds the node's connection.
+            await _splice(work.peer, stream, first_byte_timeout_s=self.config.handshake_timeout_s)
+        finally:
+            work.done.set()
+
+
+async def _splice(a: ByteStream, b: ByteStream, *, first_byte_timeout_s: float | None = None) -> None:
+    """Copy both ways as bytes arrive, until either side ends; then close both.
+
+    With `first_byte_timeout_s`, `a` must send its first bytes within that time or the splice ends.
+    """
+    async with anyio.create_task_group() as tg:
+
+        async def pump(source: ByteStream, sink: ByteStream, first_timeout: float | None) -> None:
+            try:
+                if first_timeout is not None:
+                    with anyio.fail_after(first_timeout):
+                        chunk = await source.receive(SPLICE_CHUNK_BYTES)
+                    await sink.send(chunk)
+                while True:
+                    chunk = await source.receive(SPLICE_CHUNK_BYTES)
+                    await sink.send(chunk)
+            except Exception:  # noqa: BLE001 - EOF, reset, a closed peer or a silent start: the splice is over
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(pump, a, b, first_byte_timeout_s)
+        tg.start_soon(pump, b, a, None)
+    with anyio.CancelScope(shield=True):
+        for side in (a, b):
+            try:
+                await side.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+async def _receive_line(buffered: BufferedByteReceiveStream) -> bytes:
+    try:
+        return await buffered.receive_until(b"\n", MAX_RELAY_MESSAGE_BYTES)
+    except anyio.DelimiterNotFound:
+        raise _Refusal("message_too_large", f"messages are at most {MAX_RELAY_MESSAGE_BYTES} bytes") from None
+
+
+def _parse(model: type[BaseModel], line: bytes) -> BaseModel:  # type: ignore[type-var]
+    try:
+        return model.model_validate_json(line)
+    except ValidationError as exc:
+        raise _Refusal("bad_message", f"expected {model.__name__}: {exc.errors()[0]['msg']}") from None
+
+
+async def _send_message(stream: ByteStream, message: BaseModel) -> None:
+    await stream.send(message.model_dump_json().encode() + b"\n")
+
+
+def _http_response(status: int, body: bytes, *, reason: str = "") -> bytes:
+    reason = reason or {200: "OK", 400: "Bad Request", 404: "Not Found", 426: "Upgrade Required",
+                        431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "Error")  # fmt: skip
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + body
+
+
+def _http_error(status: int, code: str, message: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "relay_error", "param": None, "code": code}}).encode()
+    return _http_response(status, body)
+
+
+async def run_relay(config: RelayConfig, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+    await Relay(config).serve(task_status=task_status)
+
+
+__all__ = ["Relay", "RelayConfig", "run_relay"]
