@@ -151,6 +151,7 @@ def tracker(tmp_path: Path) -> Iterator[TrackerProcess]:
 
 def start_meshed_node(start_node, tracker: TrackerProcess, gguf: Path, workdir: Path, **env: str) -> NodeProcess:  # type: ignore[no-untyped-def]
     workdir.mkdir(parents=True, exist_ok=True)
+    env = {**tracker.enrolment(), **env}  # the tracker requires its enrolment secret by default
     node = start_node("--gguf", str(gguf), "--tracker", tracker.url, "--parallel", "2", "--ctx-size", "2048", env=env, workdir=workdir)
     node.wait_ready()
     wait_for(lambda: tracker.models() == [gguf.stem], "the node to become routable", node.log_path)
