@@ -23,6 +23,7 @@ FLOORS: dict[str, int] = {
             "config", "binary", "gguf_info", "gguf_convert", "hardware_sources", "hardware", "download",
             "ledger", "identity", "route_auth", "logs", "sd_notify", "load_progress", "usage_stats",
             "upstream_http", "cpu_compat", "metrics", "metering", "http_server", "devtools.tiny_model", "devtools.hf_server",
+            "state_lock", "source_build",
         ],
         2,
     ),  # fmt: skip

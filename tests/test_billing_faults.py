@@ -177,7 +177,8 @@ def test_a_node_whose_llama_server_is_killed_mid_stream_errors_at_once_and_is_re
 
     # Each kill here is a first crash: after half a second up, llama-server counts as stable again
     # (the default 120 s would make kills in a row back off 1, 2, 4... s, the crash-loop guard).
-    env = {"MESHNET_RESTART_STABLE_AFTER_S": "0.5", "MESHNET_MAX_QUICK_CRASHES": "100"}
+    # DEBUG: llama-server's `model loaded` line (its own load time) is routine, logged at DEBUG.
+    env = {"MESHNET_RESTART_STABLE_AFTER_S": "0.5", "MESHNET_MAX_QUICK_CRASHES": "100", "MESHNET_LOG_LEVEL": "DEBUG"}
     node = start_node("--gguf", str(tiny_gguf), "--parallel", "2", "--ctx-size", "4096", env=env)
     node.wait_ready()
     body = {"prompt": LONG_PROMPT[:500], "max_tokens": 1500, "stream": True, "ignore_eos": True}

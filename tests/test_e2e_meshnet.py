@@ -171,9 +171,13 @@ def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, track
     assert announced["shards"] == [{"name": tiny_gguf.name, "sha256": hashlib.sha256(tiny_gguf.read_bytes()).hexdigest(), "size": tiny_gguf.stat().st_size}]
     assert (announced["first_layer"], announced["last_layer"], announced["total_layers"]) == (0, 1, 2)
     assert announced["hardware"]["summary"] and announced["llama_build"] and announced["slots"] == 2
+    assert announced["model_aliases"] == [tiny_gguf.name] and announced["max_tokens_cap"] == 8192
     client = sdk(tracker)
     model = tiny_gguf.stem
     assert [m.id for m in client.models.list()] == [model]
+    # Any name the node answers to is routed (here its file name, in other case), on a route for the node's own id.
+    by_alias = client.chat.completions.create(model=tiny_gguf.name.upper(), messages=MESSAGES, max_tokens=2)
+    assert by_alias.choices
 
     # ignore_eos: the random tiny model may sample its end token early, and these counts must be exact.
     exact = {"extra_body": {"ignore_eos": True}}
@@ -193,7 +197,7 @@ def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, track
     completion = client.completions.create(model=model, prompt="abc", max_tokens=4, **exact)
     assert completion.usage is not None and completion.usage.completion_tokens == 4
 
-    wait_for(lambda: len(node_ledger(node.state_dir)) == 4 and all(r["reported"] for r in node_ledger(node.state_dir).values()),
+    wait_for(lambda: len(node_ledger(node.state_dir)) == 5 and all(r["reported"] for r in node_ledger(node.state_dir).values()),
              "every receipt acknowledged", node.log_path)  # fmt: skip
     ledger = node_ledger(node.state_dir)
     usage = {u["request_id"]: u for u in tracker.usage()}
@@ -209,7 +213,7 @@ def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, track
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     report = json.loads(usage_cli.stdout)
-    assert report["totals"]["requests"] == 4 and report["totals"]["reported"] == 4 and report["totals"]["pending"] == 0
+    assert report["totals"]["requests"] == 5 and report["totals"]["reported"] == 5 and report["totals"]["pending"] == 0
 
     node.signal(signal.SIGTERM)  # drain: the tracker hears `draining`, then the deregistration
     assert node.wait_exit() == 0
@@ -219,7 +223,8 @@ def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, track
 def test_requests_that_did_not_come_through_the_tracker_never_reach_llama_server(  # type: ignore[no-untyped-def]
     real_llama, tracker, tiny_gguf, start_node, tmp_path
 ) -> None:
-    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node", **tracker.serve_line())
+    # DEBUG: llama-server's routine lines (one `launch_slot_` per task) are what this test counts.
+    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node", **tracker.serve_line(), MESHNET_LOG_LEVEL="DEBUG")
     node_id = httpx.get(tracker.url + "/v1/nodes").json()[0]["node_id"]
     # The test plays the tracker with its own key file, so it can mint every kind of bad route.
     tracker_key = load_or_create_private_key(tracker.state_dir / TRACKER_KEY_FILE)

@@ -144,9 +144,14 @@ def test_reconfiguring_replaces_rather_than_stacks_handlers() -> None:
     [
         ("0.00.078.593 W srv  llama_server: CORS is set to allow all origins", logging.WARNING),
         ("0.01.000.000 E srv  load_model: failed to load model", logging.ERROR),
-        ("0.00.080.101 I srv    load_model: loading model '/models/x.gguf'", logging.INFO),
+        # Routine: at DEBUG, so an INFO log shows the node's own lines, not llama-server's chatter.
+        ("0.00.080.101 I srv    load_model: loading model '/models/x.gguf'", logging.DEBUG),
+        ("0.18.075.306 I slot print_timing: id  0 | task 0 | prompt eval time =  502.01 ms", logging.DEBUG),
         ("0.00.034.622 D load_all_data: no device found", logging.DEBUG),
-        ("AMX is not ready to be used!", logging.INFO),
+        ("AMX is not ready to be used!", logging.DEBUG),
+        # Unlevelled lines that read like a failure keep a level an operator sees.
+        ("/src/ggml-cpu.c:123: GGML_ASSERT(x) failed", logging.WARNING),
+        ("terminate called after throwing an instance of 'std::runtime_error'  what():  bad", logging.WARNING),
     ],
 )
 def test_llama_levels(line: str, level: int) -> None:

@@ -89,8 +89,12 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
         "--gguf", str(tiny_gguf), "--ctx-size", "4096", "--parallel", "2", "--llama-arg=--metrics",
         "--log-format", "json",
         # No warm-up: its tokens are llama-server's (in its counters) but no one's bill, and this
-        # test compares the two counts (tests/test_warmup.py covers the warm-up).
-        env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "600000", "MESHNET_WARMUP": "false"},
+        # test compares the two counts (tests/test_warmup.py covers the warm-up). DEBUG: llama-server's
+        # routine lines are logged there, and this test checks they are tagged.
+        env={
+            "NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "600000",
+            "MESHNET_WARMUP": "false", "MESHNET_LOG_LEVEL": "DEBUG",
+        },  # fmt: skip
     )  # fmt: skip
 
     # READY only once llama-server answers; STATUS lines came before it.
@@ -116,10 +120,10 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
 
     # Real requests through the node, then /metrics.
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    answer = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=8)
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
     chunks = list(
         client.chat.completions.create(
-            model="any", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}
+            model="tiny", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}
         )
     )
     streamed_usage = chunks[-1].usage

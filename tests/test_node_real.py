@@ -45,17 +45,17 @@ def test_serves_single_file_and_split_models_to_the_openai_sdk(model: str, reque
     node = start_node("--gguf", str(path), "--ctx-size", "2048")
     node.wait_ready()
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    answer = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=8)
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
     assert answer.choices[0].finish_reason in ("length", "stop")
     assert answer.usage is not None and answer.usage.completion_tokens >= 1
 
-    chunks = list(client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=8, stream=True))
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks and all(c.usage is None for c in chunks)  # usage chunk hidden: not asked for
     assert text.isascii()
 
     # ignore_eos: the random tiny model may sample its end token early; this count must be exact.
-    completion = client.completions.create(model="any", prompt="abc", max_tokens=4, extra_body={"ignore_eos": True})
+    completion = client.completions.create(model="tiny", prompt="abc", max_tokens=4, extra_body={"ignore_eos": True})
     assert completion.usage is not None and completion.usage.completion_tokens == 4
     assert [m.id for m in client.models.list()] == [node.health().json()["model"]]
     health = node.health().json()
@@ -113,7 +113,7 @@ def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, sta
     assert health["restarts"] == 1
     assert node.llama_pid() != child
     answer = openai.OpenAI(base_url=node.url + "/v1", api_key="x").chat.completions.create(
-        model="m", messages=MESSAGES, max_tokens=3
+        model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=3
     )
     assert answer.choices[0].message.content is not None
 
@@ -157,10 +157,10 @@ def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, g
     node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048")
     node.wait_ready()
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    answer = client.chat.completions.create(model="gemma", messages=MESSAGES, max_tokens=16)
+    answer = client.chat.completions.create(model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=16)
     assert answer.choices[0].message.content and answer.choices[0].message.content.strip()
     stream = client.chat.completions.create(
-        model="gemma", messages=MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True}
+        model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -176,7 +176,7 @@ def test_a_build_too_new_for_this_cpu_is_explained_not_just_reported(  # type: i
     node = start_node("--gguf", str(quantized), "--llama-server", str(newer_cpu_llama_path))
     assert node.wait_exit() == 1
     log = node.log_text()
-    assert "illegal instruction (SIGILL)" in log and "fetch_llama_server.sh cpu" in log
+    assert "illegal instruction (SIGILL)" in log and "meshnet-gguf build-llama-server" in log
 
 
 def test_the_demo_serves_an_f16_copy_where_the_build_cannot_run_quantized_kernels(  # type: ignore[no-untyped-def]
@@ -199,6 +199,6 @@ def test_the_demo_serves_an_f16_copy_where_the_build_cannot_run_quantized_kernel
     assert health["quant"] == "F16"  # the name clients see says what really runs
     argv = psutil.Process(node.llama_pid()).cmdline()
     assert Path(argv[argv.index("--model") + 1]) == demo_dir / DEMO_F16_FILE
-    assert "serving the demo as F16" in node.log_text()
+    assert "the demo is served as an F16 copy" in node.log_text()  # said once, up front, with the fix
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
     assert client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3).choices[0].message.content

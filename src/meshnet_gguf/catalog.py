@@ -75,6 +75,18 @@ class CatalogEntry:
     context_length: int | None = None
     notes: str = ""
     shape: ModelShape | None = None
+    chat_template: str | None = None  # a Jinja file shipped in this package
+    stop: tuple[str, ...] = ()
+
+    def llama_args(self, supports: Callable[[str], bool]) -> list[str]:
+        """llama-server flags this entry needs (its chat template, its stop strings), as far as the build `supports`."""
+        args: list[str] = []
+        if self.chat_template and supports("--chat-template-file"):
+            args += ["--chat-template-file", str(packaged_file(self.chat_template))]
+        if supports("--reverse-prompt"):
+            for word in self.stop:
+                args += ["--reverse-prompt", word]
+        return args
 
     def quant(self, name: str) -> CatalogQuant | None:
         """Case-insensitive lookup; `UD-` optional when that leaves one candidate (as in `select_quant`)."""
@@ -105,6 +117,38 @@ class Catalog:
         """The entry curating `repo_id` (hub ids are case-insensitive), for its model shape."""
         wanted = repo_id.strip().lower()
         return next((e for e in self.entries if e.repo is not None and e.repo.lower() == wanted), None)
+
+
+def model_aliases(
+    model_id: str,
+    catalog: Catalog,
+    *,
+    catalog_id: str | None = None,
+    repo_id: str | None = None,
+    quant: str | None = None,
+    file_name: str | None = None,
+) -> tuple[str, ...]:
+    """The other names a served model answers to (besides `model_id`), for `protocol.model_answers_to`.
+
+    - the id without its quant: the catalog id (`demo`) or the repo (`owner/name`);
+    - a curated repo by both names, with and without `:QUANT`
+      (`deepseek-v4-flash:UD-IQ3_XXS` = `unsloth/DeepSeek-V4-Flash-GGUF:UD-IQ3_XXS`);
+    - the GGUF file name of shard 1, with and without `.gguf`.
+    """
+    entry = catalog.get(catalog_id) if catalog_id else (catalog.by_repo(repo_id) if repo_id else None)
+    bases = [catalog_id, repo_id, entry.id if entry else None, entry.repo if entry else None]
+    names: list[str] = []
+    for base in filter(None, bases):
+        names += [base, f"{base}:{quant}"] if quant else [base]
+    if file_name:
+        names += [file_name, file_name.removesuffix(".gguf")]
+    seen = {model_id.lower()}
+    unique = []
+    for name in names:
+        if name.lower() not in seen:
+            seen.add(name.lower())
+            unique.append(name)
+    return tuple(unique)
 
 
 # What a quant needs in memory to run: the quant advisor's weights + KV cache + compute buffers.
@@ -170,12 +214,27 @@ def parse_catalog(text: str) -> Catalog:
                 context_length=raw.get("context_length"),
                 notes=str(raw.get("notes", "")),
                 shape=shape,
+                chat_template=_packaged_name(raw.get("chat_template"), entry_id),
+                stop=tuple(str(word) for word in raw.get("stop", [])),
             )
         )
     ids = [e.id for e in entries]
     if len(set(ids)) != len(ids):
         raise CatalogError(f"catalog: duplicate ids in {ids}")
     return Catalog(tuple(entries))
+
+
+def packaged_file(name: str) -> Path:
+    """A data file shipped inside this package, as a path llama-server can open."""
+    return Path(str(files("meshnet_gguf").joinpath(name)))
+
+
+def _packaged_name(name: Any, entry_id: str) -> str | None:
+    if name is None:
+        return None
+    if not packaged_file(str(name)).is_file():
+        raise CatalogError(f"catalog entry {entry_id}: chat_template {name!r} is not shipped in the package")
+    return str(name)
 
 
 def load_catalog(path: Path | None = None) -> Catalog:

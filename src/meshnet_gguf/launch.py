@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Literal
 
 from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server
-from meshnet_gguf.catalog import DEMO_ID, load_catalog
+from meshnet_gguf.catalog import DEMO_ID, load_catalog, model_aliases
 from meshnet_gguf.config import NodeSettings
-from meshnet_gguf.cpu_compat import quantized_kernels_work
+from meshnet_gguf.cpu_compat import kernel_support
 from meshnet_gguf.doctor import ModelSize
 from meshnet_gguf.download import HubAccess
 from meshnet_gguf.gguf_convert import dequantize_to_f16
@@ -88,6 +88,8 @@ class PreparedLaunch:
     # when nothing is downloaded yet and the plan came from the catalog's figures.
     resolved: ResolvedModel | None = None
     downloaded_bytes: int = 0  # fetched from the hub for this launch (0 when everything was on disk)
+    # Other names the node answers to (`protocol.model_answers_to`): `demo` for `demo:Q4_K_M`, the file name.
+    model_aliases: tuple[str, ...] = ()
 
     def describe(self) -> str:
         lines = []
@@ -194,14 +196,17 @@ def plan_model(
     access = HubAccess.from_environment(offline=settings.offline)
     choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=force)
     if dry_run:
-        model = find_model(choice, settings.download_dir)
+        model = _demo_as_served(find_model(choice, settings.download_dir), binary)
     else:
         model = get_model(choice.spec, settings.download_dir, access, binary, hardware)
     plan = plan_llama_server(model, hardware, request.operator, binary, force=force)
     operator_alias = request.operator.alias
     # llama-server answers to the operator's alias when one is given; so must the proxy.
     name = operator_alias or model.name
-    args = [*plan.argv] if operator_alias else [*plan.argv, "--alias", name]
+    # The catalog's chat flags (the demo's template and stop) go first: the operator's --llama-arg, later, wins.
+    entry = choice.spec.entry
+    catalog_args = entry.llama_args(binary.supports) if entry is not None else []
+    args = [*catalog_args, *plan.argv] if operator_alias else [*catalog_args, *plan.argv, "--alias", name]
     notes = [*choice.notes, *model.notes]
     if settings.hardware_fixture is not None:
         notes.insert(0, f"{RECORDED_MACHINE_NOTE} {settings.hardware_fixture}, not this one: its plan may not run here")
@@ -220,6 +225,11 @@ def plan_model(
         advice=choice.advice,
         resolved=model.resolved,
         downloaded_bytes=model.resolved.fetched_bytes if model.resolved is not None else 0,
+        model_aliases=model_aliases(
+            name, load_catalog(),
+            catalog_id=entry.id if entry is not None else None, repo_id=choice.spec.repo_id, quant=model.quant,
+            file_name=model.facts.path.name if model.facts.path is not None else None,
+        ),  # fmt: skip
     )
 
 
@@ -349,17 +359,20 @@ def _runnable_on_this_cpu(resolved: ResolvedModel, binary: BinaryInfo, download_
 
     A build compiled for a newer CPU dies with SIGILL on quantized kernels (see
     `cpu_compat`). For the demo, whose job is to show a working node in one
-    command, the dequantized copy (540 MB, made once) is the better answer;
+    command, the dequantized copy (about 543 MB, made once) is the better answer;
     any other model is served as asked, and a crash is explained by the supervisor.
-    Not called in a dry run, which must not write model files.
+    Not called in a dry run, which must not write model files (`_demo_as_served` says it instead).
     """
-    if resolved.catalog_id != DEMO_ID or quantized_kernels_work(binary):
+    if resolved.catalog_id != DEMO_ID:
         return resolved
+    note = kernel_support(binary).demo_note()
+    if note is None:
+        return resolved
+    log.warning("%s", note)  # once, before the wait: why the demo runs as F16 and how to get quantized models running
     f16 = Path(download_dir).expanduser().absolute() / "demo" / DEMO_F16_FILE
     if not f16.is_file() or f16.stat().st_mtime < resolved.first_shard.stat().st_mtime:
-        log.warning("this CPU cannot run %s's quantized kernels: writing an F16 copy of the demo (once)", binary.path)
+        log.info("writing %s (once)", f16)
         dequantize_to_f16(resolved.first_shard, f16)
-    log.warning("serving the demo as F16 (%s): %s", f16, "the llama-server build needs CPU instructions this machine lacks")
     return replace(
         resolved,
         first_shard=f16,
@@ -369,6 +382,17 @@ def _runnable_on_this_cpu(resolved: ResolvedModel, binary: BinaryInfo, download_
         quant="F16",  # the name clients see says what really runs
         header=read_gguf_info(f16),
     )
+
+
+def _demo_as_served(model: ModelOnDisk, binary: BinaryInfo) -> ModelOnDisk:
+    """A dry run of the demo names and explains what serving will run on this CPU (the F16 copy, when it must)."""
+    is_demo = (model.resolved.catalog_id if model.resolved is not None else model.name.split(":")[0]) == DEMO_ID
+    support = kernel_support(binary) if is_demo else None
+    note = support.demo_note() if support is not None else None
+    if support is None or note is None:
+        return model
+    quant = support.demo_quant(model.quant or "")
+    return replace(model, name=f"{DEMO_ID}:{quant}", quant=quant, notes=(note, *model.notes))
 
 
 def _model_name(resolved: ResolvedModel) -> str:
@@ -392,6 +416,7 @@ def _facts_of(resolved: ResolvedModel) -> ModelFacts:
 
 def _log_launch(launch: PreparedLaunch) -> None:
     """What a serving node says at start (a dry run prints `describe()` instead)."""
+    log.info("llama-server: %s", launch.binary.describe())
     hardware = launch.hardware
     if hardware is not None:
         log.info("hardware: %s", hardware.summary())

@@ -74,15 +74,24 @@ def bound_request_id(request_id: str) -> Iterator[None]:
         request_id_var.reset(token)
 
 
-_LLAMA_LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "I": logging.INFO, "D": logging.DEBUG}
+# llama-server's informational lines (load details, `print_timing` after every request)
+# are routine: the node states what matters itself (ready, restarts, usage). They go
+# to DEBUG; its warnings and errors keep their level.
+_LLAMA_LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "I": logging.DEBUG, "D": logging.DEBUG}
 # llama-server's own prefix: `0.00.078.593 W srv  llama_server: ...` (timestamp, level letter).
 _LLAMA_LEVEL_RE = re.compile(r"^\s*(?:\d+\.\d+\.\d+\.\d+\s+)?([EWID])\s")
+# Lines printed without a level (`AMX is not ready to be used!`, a crash's own words):
+# routine unless they read like a failure.
+_UNLEVELLED_FAILURE_WORDS = ("error", "failed", "fatal", "abort", "exception", "what():", "assert", "segmentation", "illegal")
 
 
 def llama_log_level(line: str) -> int:
-    """The logging level of one llama-server output line, from its level letter (INFO if none)."""
+    """The logging level of one llama-server output line: from its level letter, else by its words."""
     match = _LLAMA_LEVEL_RE.match(line)
-    return _LLAMA_LEVELS[match.group(1)] if match else logging.INFO
+    if match:
+        return _LLAMA_LEVELS[match.group(1)]
+    lowered = line.lower()
+    return logging.WARNING if any(word in lowered for word in _UNLEVELLED_FAILURE_WORDS) else logging.DEBUG
 
 
 class _ContextFilter(logging.Filter):

@@ -96,6 +96,8 @@ class ServedModel:
 
     model_id: str
     shards: Sequence[Path]  # first shard first
+    model_aliases: Sequence[str] = ()
+    max_tokens_cap: int | None = None
     quant: str | None = None
     sha256s: Sequence[str | None] = ()  # per shard, when already known (verified download)
     llama_build: str | None = None
@@ -299,6 +301,8 @@ class MeshnetLink(BasePart):
             advertised_url=self.relay_attachment.url if self.relay_attachment else self.advertised_url,
             relay=self.relay_attachment,
             model_id=model.model_id,
+            model_aliases=list(model.model_aliases),
+            max_tokens_cap=model.max_tokens_cap,
             quant=model.quant,
             shards=self._shards or [],
             first_layer=0,

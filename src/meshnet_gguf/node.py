@@ -21,6 +21,7 @@ import anyio
 
 from meshnet_gguf import __version__
 from meshnet_gguf.admission import Admission
+from meshnet_gguf.config import NodeSettings
 from meshnet_gguf.http_server import HttpServerPart, ListenError
 from meshnet_gguf.launch import NodeSetupError, PreparedLaunch
 from meshnet_gguf.load_progress import model_file_bytes
@@ -31,6 +32,7 @@ from meshnet_gguf.node_part import NodePart
 from meshnet_gguf.protocol import HealthReport
 from meshnet_gguf.proxy import ProxyApp, ProxyLimits, UpstreamTarget
 from meshnet_gguf.sd_notify import SystemdNotifier, watchdog_interval
+from meshnet_gguf.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.supervisor import CPU_WARMUP, GPU_WARMUP, Supervisor, SupervisorPolicy, WarmupPolicy
 from meshnet_gguf.upstream_http import make_upstream_client
 from meshnet_gguf.usage_stats import UsageLog, UsageStats
@@ -38,7 +40,6 @@ from meshnet_gguf.usage_stats import UsageLog, UsageStats
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
-    from meshnet_gguf.config import NodeSettings
     from meshnet_gguf.meshnet_link import MeshnetLink
     from meshnet_gguf.protocol import RelayAttachment
     from meshnet_gguf.relay_link import RelayLink
@@ -55,6 +56,8 @@ LLAMA_METRICS_FLAG = "--metrics"
 def build_node(launch: PreparedLaunch) -> Node:
     """Every part of a node, wired in the order a request meets them."""
     settings = launch.settings
+    # First: the identity, ledger and llama-server pidfile in the state dir are this node's alone.
+    state_lock = hold_state_dir(settings)
 
     # systemd's variables are read, then removed, before any child could inherit them.
     watchdog_s = watchdog_interval()
@@ -128,8 +131,12 @@ def build_node(launch: PreparedLaunch) -> Node:
         upstream=upstream,
         client=upstream_client,
         admission=admission,
-        limits=ProxyLimits(max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s),
+        limits=ProxyLimits(
+            max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s,
+            max_tokens_cap=settings.max_tokens_cap,
+        ),  # fmt: skip
         model_name=launch.model_name,
+        model_aliases=launch.model_aliases,
         health=health,
         usage_sinks=[usage_stats, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
         route_check=mesh.route_gate if mesh else None,
@@ -148,8 +155,9 @@ def build_node(launch: PreparedLaunch) -> Node:
     node = Node(
         launch=launch,
         # The order parts are closed in: llama-server first (streams still open end with an
-        # error event), then the listener, the mesh link's last receipts, the relay tunnel, systemd.
-        parts=[supervisor, http, *([mesh] if mesh else []), *([relay] if relay else []), operations],
+        # error event), then the listener, the mesh link's last receipts, the relay tunnel, systemd,
+        # and last the state dir's lock, so a second node cannot start while this one still stops.
+        parts=[supervisor, http, *([mesh] if mesh else []), *([relay] if relay else []), operations, state_lock],
         supervisor=supervisor,
         admission=admission,
         usage_stats=usage_stats,
@@ -173,6 +181,8 @@ def _mesh_link(
     settings, resolved = launch.settings, launch.resolved
     served = ServedModel(
         model_id=launch.model_name,
+        model_aliases=launch.model_aliases,
+        max_tokens_cap=settings.max_tokens_cap,
         shards=list(resolved.shards) if resolved else [launch.model_path],
         quant=launch.quant,
         sha256s=list(resolved.sha256s) if resolved else (),
@@ -203,6 +213,14 @@ def _relay_metrics(relay: RelayLink) -> Collector:
     from meshnet_gguf.relay_ops import RelayLinkCollector
 
     return RelayLinkCollector(relay)
+
+
+def hold_state_dir(settings: NodeSettings) -> StateDirLock:
+    """Lock the state dir for this node's life, or refuse naming the node that holds it."""
+    try:
+        return StateDirLock(settings.state_dir, host=settings.host, port=settings.port)
+    except StateDirInUse as exc:
+        raise NodeSetupError(str(exc)) from exc
 
 
 class Node:
@@ -247,6 +265,7 @@ class Node:
             usage=self.usage_stats.totals,
             node_version=__version__,
             llama_build=self.launch.binary.build,
+            max_tokens_cap=self.launch.settings.max_tokens_cap,
         )
         for part in self.parts:
             report = part.health(report)

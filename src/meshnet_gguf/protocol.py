@@ -7,6 +7,7 @@ transformer blocks, numbered from 0, ranges inclusive.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -126,6 +127,7 @@ class HealthReport(_Wire):
     usage: UsageTotals = Field(default_factory=UsageTotals)
     node_version: str | None = None
     llama_build: str | None = None
+    max_tokens_cap: int | None = Field(None, description="Most completion tokens one request may produce here")
     mesh_problem: str | None = Field(
         None, description="Why the node is not online on its tracker (e.g. the tracker key does not match the pin)"
     )
@@ -165,6 +167,9 @@ class NodeAnnouncement(_Wire):
     public_key: str = Field(description="Ed25519 public key, base64url of the 32 raw bytes, no padding")
     advertised_url: str = Field(description="Base URL the tracker (or relay) uses to reach the node")
     model_id: str = Field(description="The `model` clients name; the node answers /v1/models with it")
+    model_aliases: list[str] = Field(
+        default_factory=list, description="Other names clients may use for this model (see `model_answers_to`)"
+    )
     quant: str | None = None
     shards: list[ShardDigest] = Field(default_factory=list)
     first_layer: int = Field(ge=0)
@@ -174,9 +179,13 @@ class NodeAnnouncement(_Wire):
     slots: int = Field(gt=0, le=MAX_NODE_SLOTS)
     hardware: HardwareSummary | None = None
     llama_build: str | None = None
+    max_tokens_cap: int | None = Field(None, ge=1, description="Most completion tokens one request may produce here")
     node_version: str
     state: MeshState = "joining"
     relay: RelayAttachment | None = Field(None, description="Set when the node is reachable only through a relay")
+
+    def answers_to(self, requested: str) -> bool:
+        return model_answers_to(requested, self.model_id, self.model_aliases)
 
     @property
     def full_coverage(self) -> bool:
@@ -468,3 +477,15 @@ class ErrorBody(_Wire):
 
 HealthReport.model_rebuild()
 NodeAnnouncement.model_rebuild()
+
+
+def model_answers_to(requested: str, model_id: str, aliases: Iterable[str] = ()) -> bool:
+    """Whether a request naming `requested` is for the model served as `model_id`.
+
+    The one rule for model names, used by nodes and trackers alike: the served id
+    (`demo:Q4_K_M`, `owner/name:Q4_K_M`, a local file's stem) or any alias the node
+    announced (the id without its quant, a curated repo's catalog id, the GGUF file
+    name), compared without regard to case.
+    """
+    wanted = requested.strip().lower()
+    return any(wanted == name.lower() for name in (model_id, *aliases))

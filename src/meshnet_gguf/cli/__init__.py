@@ -7,6 +7,7 @@ import importlib
 import typer
 
 from meshnet_gguf import __version__
+from meshnet_gguf.cli.help_text import tidy_help
 
 app = typer.Typer(
     name="meshnet-gguf",
@@ -41,10 +42,13 @@ _COMMAND_MODULES = [
     "dev",
     "service",
     "doctor",
+    "build",
 ]
 
 for _name in _COMMAND_MODULES:
     importlib.import_module(f"{__name__}.{_name}").register(app)
+
+tidy_help(app)
 
 
 def main() -> None:

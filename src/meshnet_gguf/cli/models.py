@@ -10,7 +10,7 @@ import typer
 if TYPE_CHECKING:
     from meshnet_gguf.config import NodeSettings
 
-DOWNLOAD_DIR_HELP = "Where GGUF files go, under owner/name/ with their original names (env MESHNET_DOWNLOAD_DIR; default ~/.local/share/meshnet/models)"
+DOWNLOAD_DIR_HELP = "Where GGUF files go, under owner/name/ with their original names"
 # Exit code for an operator-fixable problem (unknown model, no space, gated...), as `serve` uses.
 EXIT_SETUP_ERROR = 2
 

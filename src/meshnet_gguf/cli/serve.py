@@ -29,10 +29,10 @@ def register(app: typer.Typer) -> None:
         gguf: Annotated[Optional[str], typer.Option(help="GGUF file (or first shard), directory, HF repo owner/name[:QUANT] or catalog id")] = None,
         quant: Annotated[Optional[str], typer.Option(help="Quant to serve, e.g. UD-IQ3_XXS")] = None,
         demo: Annotated[bool, typer.Option("--demo", help="Serve the demo model (gemma-3-270m Q4_K_M, `demo` extra)")] = False,
-        host: Annotated[Optional[str], typer.Option(help="Public address [default: 127.0.0.1]")] = None,
-        port: Annotated[Optional[int], typer.Option(help="Public port [default: 8080]")] = None,
+        host: Annotated[Optional[str], typer.Option(help="Public address")] = None,
+        port: Annotated[Optional[int], typer.Option(help="Public port")] = None,
         ctx_size: Annotated[Optional[int], typer.Option(help="Total context for all slots")] = None,
-        parallel: Annotated[Optional[int], typer.Option(help="llama-server slots = requests in flight [default: 4]")] = None,
+        parallel: Annotated[Optional[int], typer.Option(help="llama-server slots = requests in flight")] = None,
         n_gpu_layers: Annotated[Optional[str], typer.Option(help="GPU layers: a count, 'all' or 'auto'")] = None,
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary to use")] = None,
         llama_arg: Annotated[Optional[list[str]], typer.Option(help="Extra llama-server argument (repeatable), e.g. --llama-arg=-lv --llama-arg=4")] = None,
@@ -46,7 +46,8 @@ def register(app: typer.Typer) -> None:
         advertised_url: Annotated[Optional[str], typer.Option(help="URL the tracker should use to reach this node")] = None,
         relay_url: Annotated[Optional[str], typer.Option("--relay", help="Relay URL: serve through an outbound tunnel (no public listener needed)")] = None,
         enrolment_secret: Annotated[Optional[str], typer.Option(help="Secret the tracker requires to register (prefer MESHNET_ENROLMENT_SECRET: argv is visible to other users)")] = None,
-        drain_grace_s: Annotated[Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown [default: 30]")] = None,
+        drain_grace_s: Annotated[Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown")] = None,
+        max_tokens_cap: Annotated[Optional[int], typer.Option(help="Most completion tokens one request may produce; larger max_tokens are lowered to it")] = None,
         upstream_client: Annotated[Optional[str], typer.Option(help="raw (default), aiohttp or httpx for the llama-server hop")] = None,
         log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
@@ -66,6 +67,7 @@ def register(app: typer.Typer) -> None:
                 state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
                 tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay_url,
                 drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
+                max_tokens_cap=max_tokens_cap,
             )  # fmt: skip
         except ValidationError as exc:
             typer.echo(f"error: {_first_problem(exc)}", err=True)

@@ -101,7 +101,7 @@ class NodeRegistry:
         return [
             entry
             for entry in self._nodes.values()
-            if entry.announcement.model_id == model
+            if entry.announcement.answers_to(model)
             and entry.state == "online"
             and entry.healthy
             and entry.last_seen >= cutoff
@@ -114,6 +114,10 @@ class NodeRegistry:
             return None
         # Least busy first; among equals the one routed to least, so idle nodes share the work.
         return min(candidates, key=lambda e: (e.busy_fraction(), e.routed))
+
+    def serves(self, model: str) -> bool:
+        """Whether some registered node answers to `model`: its id or an alias (`protocol.model_answers_to`)."""
+        return any(entry.announcement.answers_to(model) for entry in self._nodes.values())
 
     def models(self) -> dict[str, list[NodeEntry]]:
         """Every model some node announced, with its routable nodes (possibly none)."""

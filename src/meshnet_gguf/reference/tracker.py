@@ -542,7 +542,7 @@ class Tracker:
             iat=now,
             exp=now + self.config.route_lifetime_s,
             path=path,
-            model=model,
+            model=ann.model_id,  # the node's own id for the model the client named (maybe by an alias)
             hops=[RouteHop(node_id=ann.node_id, first_layer=ann.first_layer, last_layer=ann.last_layer)],
             body_sha256=body_sha256(body),
             max_tokens=max_tokens,
@@ -624,7 +624,7 @@ class _RelayEndpoint:
         self, path: str, model: str, payload: dict[str, Any], body: bytes
     ) -> tuple[httpx.Response, NodeEntry, str]:
         tracker = self.tracker
-        if model not in tracker.registry.models():
+        if not tracker.registry.serves(model):
             raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
         stream = payload.get("stream") is True
         max_tokens = tracker.route_max_tokens(path, payload)
@@ -637,7 +637,7 @@ class _RelayEndpoint:
             request_id = f"req-{uuid.uuid4().hex}"
             token = tracker.sign_route(node, request_id, path, model, body, max_tokens)
             await tracker.ledger.open_request(
-                request_id, node.node_id, model, path, stream,
+                request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
                 max_tokens=max_tokens, choices=_choices(payload), body_bytes=len(body),
             )  # fmt: skip
             headers = {
