@@ -237,8 +237,18 @@ def test_binary_that_crashes_on_quantized_models_blocks_serving() -> None:
     doctor = run_doctor(env)
     binary = _only(doctor, "binary")[0]
     assert binary.status == "fail" and "SIGILL" in binary.summary
-    assert "--llama-server" in binary.fix
+    assert "meshnet-gguf build-llama-server" in binary.fix
     assert doctor.blocking
+
+
+def test_the_demo_on_such_a_binary_is_a_warning_that_says_what_will_run() -> None:
+    # `serve --demo` serves an F16 copy there, so doctor says so and does not block; the
+    # words are the ones `serve --dry-run` prints (cpu_compat.KernelSupport.demo_note).
+    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root", gguf=None, demo=True)
+    env.quantized_kernels_work = lambda binary: False
+    binary = _only(run_doctor(env), "binary")[0]
+    assert binary.status == "warn" and "SIGILL" in binary.summary
+    assert "F16 copy" in binary.explanation and "meshnet-gguf build-llama-server" in binary.fix
 
 
 # --- clock against a real HTTP server ------------------------------------------------------

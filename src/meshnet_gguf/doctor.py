@@ -25,9 +25,19 @@ import psutil
 
 from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server
 from meshnet_gguf.config import NodeSettings
+from meshnet_gguf.cpu_compat import (
+    BUILD_FOR_THIS_CPU_FIX,
+    KernelSupport,
+    quantized_kernels_work,
+)
 from meshnet_gguf.download import DISK_FREE_MARGIN_BYTES, FreeBytes, default_free_bytes
 from meshnet_gguf.gguf_names import format_bytes
-from meshnet_gguf.hardware import GLVND_PACKAGES, GpuInfo, HardwareReport, probe_hardware
+from meshnet_gguf.hardware import (
+    GLVND_PACKAGES,
+    GpuInfo,
+    HardwareReport,
+    probe_hardware,
+)
 from meshnet_gguf.hardware_sources import TTM_PAGE_BYTES, CommandRunner, run_command
 from meshnet_gguf.protocol import CLOCK_SKEW_S, WELL_KNOWN_PATH
 from meshnet_gguf.signing import KeyFormatError, parse_public_key, public_key_text
@@ -163,26 +173,23 @@ def check_binary(env: DoctorEnvironment) -> tuple[BinaryInfo | None, list[Findin
                 "pip install 'meshnet-gguf[llama]' (bundled Vulkan+CPU build), or pass --llama-server PATH",
             )
         ]
-    kernels_work = env.quantized_kernels_work or _probe_quantized_kernels
-    if not kernels_work(binary):
+    kernels_work = env.quantized_kernels_work or quantized_kernels_work
+    support = KernelSupport(binary=binary, quantized=kernels_work(binary))
+    problem = support.problem()
+    if problem is not None:
+        # The same words `serve --dry-run` and `serve` use. The demo still serves (its F16 copy), so
+        # for `--demo` this is a warning; any other quantized model cannot run with this binary.
+        demo_note = support.demo_note() if env.settings.demo else None
         return binary, [
             Finding(
                 "binary",
-                "fail",
-                f"llama-server {binary.describe()} dies with SIGILL on a quantized model on this CPU",
-                "the build uses CPU instructions this processor lacks (e.g. AVX-VNNI on AMD Zen 4); float models "
-                "load, but every quantized GGUF crashes the first time it computes",
-                "use a llama-server built for this CPU: scripts/fetch_llama_server.sh vulkan (official builds pick "
-                "CPU kernels at run time), then pass --llama-server PATH",
+                "warn" if demo_note else "fail",
+                problem,
+                demo_note or "float models load, but every quantized GGUF crashes the first time it computes",
+                BUILD_FOR_THIS_CPU_FIX,
             )
         ]
     return binary, [Finding("binary", "ok", f"llama-server {binary.describe()} runs quantized models on this CPU")]
-
-
-def _probe_quantized_kernels(binary: BinaryInfo) -> bool:
-    from meshnet_gguf.cpu_compat import quantized_kernels_work
-
-    return quantized_kernels_work(binary)
 
 
 # --- GPUs -----------------------------------------------------------------------------
