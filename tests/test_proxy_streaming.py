@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from fake_upstream import ALIAS, CACHED_TOKENS, FakeAnswer, FakeLlamaUpstream, Scripted, stream_events
+from fake_upstream import ALIAS, CACHED_TOKENS, FakeAnswer, FakeLlamaUpstream, Scripted, llama_answer, stream_events
 from meshnet_gguf.protocol import USAGE_COMMENT_PREFIX
 from proxy_harness import BASE_URL, CHAT, CHAT_PROMPT_TOKENS, build_proxy
 
@@ -189,3 +189,46 @@ async def test_an_error_answer_from_llama_server_passes_through_as_it_is() -> No
     (record,) = proxy.sink.records
     assert (record.status, record.finish_reason) == (400, "error")
 
+
+
+async def test_a_standalone_node_counts_the_prompt_beside_the_generation_not_before_it() -> None:
+    # llama-server's template answer is held: the first token must still reach the client,
+    # because a node with no ledger row to fill does not wait for the count to forward.
+    counting: list[FakeAnswer] = []
+
+    def respond(request):  # type: ignore[no-untyped-def]
+        answer = llama_answer(request)
+        if request.path == "/apply-template":
+            answer.hold_before = 0
+            counting.append(answer)
+        return answer
+
+    proxy = build_proxy(upstream=FakeLlamaUpstream(respond))
+    async with proxy.exchange("POST", CHAT_PATH, json_body=STREAM) as exchange:
+        await exchange.wait_until(lambda: b'"content":"x"' in exchange.body)
+        assert counting and counting[0].held.is_set()  # the count is still waiting on llama-server
+        counting[0].release()
+        body = await exchange.read_to_end()
+    _, usage, _ = split_usage_comment(body)
+    assert usage["completion_tokens"] == 5
+    [record] = proxy.sink.records
+    assert record.prompt_tokens == CHAT_PROMPT_TOKENS  # billed all the same
+
+
+async def test_a_chat_llama_servers_template_cannot_read_is_a_400_not_its_500() -> None:
+    # Counted beside the generation, the template's 400 arrives with the generation's 500:
+    # the client hears its own mistake, as it would from a node that counts first.
+    def respond(request):  # type: ignore[no-untyped-def]
+        if request.path == "/apply-template":
+            return FakeAnswer(400, [b'{"error":{"code":400,"message":"unsupported tool shape"}}'])
+        if request.path == CHAT_PATH:
+            return FakeAnswer(500, [b'{"error":{"code":500,"message":"chat parser threw"}}'])
+        return llama_answer(request)
+
+    proxy = build_proxy(upstream=FakeLlamaUpstream(respond))
+    async with proxy.client() as client:
+        answer = await client.post(CHAT_PATH, json={**CHAT, "stream": False})
+    assert answer.status_code == 400
+    assert "unsupported tool shape" in answer.json()["error"]["message"]
+    [record] = proxy.sink.records
+    assert record.prompt_tokens == 0 and record.finish_reason == "error"

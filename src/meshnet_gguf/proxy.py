@@ -73,6 +73,9 @@ _HOP_HEADERS = frozenset(
 )
 # A client that trickles its body this slowly is holding a slot's worth of memory for nothing.
 BODY_READ_TIMEOUT_S = 30.0
+# A standalone node counts the prompt beside the generation; llama-server's template and
+# tokenizer answer in milliseconds, so a count this late means it is wedged: bill 0 then.
+PROMPT_COUNT_TIMEOUT_S = 10.0
 # Host names a standalone node always answers to; any IP literal is accepted too (DNS
 # rebinding needs a name that resolves to this machine, and a literal is not one).
 LOOPBACK_HOST_NAMES = frozenset({"localhost", "localhost.localdomain"})
@@ -279,12 +282,11 @@ class ProxyApp:
             release = self.admission.try_acquire(1)
             if release is None:
                 raise self._unavailable(f"All {self.admission.slots} slots of this node are busy; retry shortly")
-            try:
-                prompt_tokens = await self._count_prompt(target, path, payload, body)
-            except _NoCounter as missing:
-                # A llama-server build without the endpoint: the prompt is billed from its usage only.
-                log.warning("llama-server has no %s; prompts are counted only when an answer completes", missing)
-                prompt_tokens = 0
+            # With a ledger, the row opened before forwarding carries the prompt, so a node killed
+            # mid-answer still bills it: count first. Standalone, nothing is billed from a row,
+            # so the prompt is counted beside the generation and costs no time to first token.
+            count_first = self._journal is not None
+            prompt_tokens = await self._counted_prompt(target, path, payload, body) if count_first else 0
             # From here the request is going to run: its route is used up, durably, before
             # llama-server sees it, so no crash can let the same route run twice.
             if self._route_check is not None:
@@ -315,13 +317,27 @@ class ProxyApp:
             return
 
         meter.release = release
+        count = None if count_first else PromptCount()
         try:
             upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
-            await self._forward(meter, target, upstream_body, receive, send)
+            async with anyio.create_task_group() as tg:
+                if count is not None:
+                    tg.start_soon(count.run, self._counted_prompt(target, path, payload, body))
+                await self._forward(meter, target, upstream_body, receive, send, count)
         finally:
             release()
             with anyio.CancelScope(shield=True):
+                if count is not None:
+                    meter.prompt_counted = await count.settled()
                 await self._record(meter)
+
+    async def _counted_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
+        try:
+            return await self._count_prompt(target, path, payload, body)
+        except _NoCounter as missing:
+            # A llama-server build without the endpoint: the prompt is billed from its usage only.
+            log.warning("llama-server has no %s; prompts are counted only when an answer completes", missing)
+            return 0
 
     async def _count_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
         """The prompt's token count, from llama-server's own template and tokenizer, before
@@ -377,7 +393,13 @@ class ProxyApp:
         return answer
 
     async def _forward(
-        self, meter: RequestMeter, target: UpstreamTarget, body: bytes, receive: Receive, send: Send
+        self,
+        meter: RequestMeter,
+        target: UpstreamTarget,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        count: PromptCount | None = None,
     ) -> None:
         disconnected = False
         async with anyio.create_task_group() as tg:
@@ -397,7 +419,7 @@ class ProxyApp:
 
             tg.start_soon(watch_disconnect)
             try:
-                await self._exchange(meter, target, body, send)
+                await self._exchange(meter, target, body, send, count)
             finally:
                 tg.cancel_scope.cancel()
         # `disconnected` is only set for a client that left before its answer was handed over.
@@ -406,7 +428,9 @@ class ProxyApp:
             meter.finish_reason = "cancelled"
             meter.status = CLIENT_CLOSED_STATUS
 
-    async def _exchange(self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send) -> None:
+    async def _exchange(
+        self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send, count: PromptCount | None
+    ) -> None:
         url = target.base_url + meter.path
         try:
             response = await self._client.send("POST", url, _upstream_headers(target, stream=meter.stream), body)
@@ -417,22 +441,32 @@ class ProxyApp:
             return
         try:
             if meter.stream and response.status == 200:
-                await self._relay_stream(meter, response, send)
+                await self._relay_stream(meter, response, send, count)
             else:
-                await self._relay_whole(meter, response, send)
+                await self._relay_whole(meter, response, send, count)
         finally:
             # Shielded: on client disconnect this runs inside a cancelled scope, and
             # closing is what tells llama-server to free the slot.
             with anyio.CancelScope(shield=True):
                 await response.aclose()
 
-    async def _relay_whole(self, meter: RequestMeter, response: UpstreamResponse, send: Send) -> None:
+    async def _relay_whole(
+        self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount | None
+    ) -> None:
         try:
             body = await response.read()
         except UpstreamError as exc:
             meter.finish_reason = "error"
             meter.status = 502
             await _send_error(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), meter.request_id)
+            return
+        if response.status >= 500 and count is not None and (refusal := await count.refusal()) is not None:
+            # llama-server's template could not read this chat (its counting answered 400 and
+            # its generation a 500): the client's error, said as one, like a counted-first request.
+            meter.finish_reason, meter.status, meter.refused_upstream = "error", refusal.status, True
+            meter.release()
+            meter.answered = True
+            await _send_error(send, refusal, meter.request_id)
             return
         meter.status = response.status
         meter.first_token_at = time.perf_counter()
@@ -453,7 +487,9 @@ class ProxyApp:
         meter.answered = True
         await _respond(send, response.status, body, headers)
 
-    async def _relay_stream(self, meter: RequestMeter, response: UpstreamResponse, send: Send) -> None:
+    async def _relay_stream(
+        self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount | None
+    ) -> None:
         meter.status = 200
         await send(
             {
@@ -480,6 +516,8 @@ class ProxyApp:
             error = json.dumps(
                 {"error": {"message": "llama-server stopped mid-answer", "type": "server_error", "code": 502}}
             ).encode()
+            if count is not None:
+                meter.prompt_counted = await count.settled()  # the usage comment below bills it
             await send(
                 {
                     "type": "http.response.body",
@@ -583,6 +621,35 @@ class ProxyApp:
 # --- request shaping --------------------------------------------------------
 class _NoCounter(Exception):
     """llama-server answered 404 for the endpoint the prompt count needs."""
+
+
+class PromptCount:
+    """A prompt counted beside its generation: the count, or llama-server's refusal to read it."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        self._tokens = 0
+        self._refusal: ApiError | None = None
+
+    async def run(self, counting: Awaitable[int]) -> None:
+        try:
+            with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+                self._tokens = await counting
+        except ApiError as exc:
+            if exc.status == 400:
+                self._refusal = exc
+        finally:
+            self._done.set()
+
+    async def settled(self) -> int:
+        """The count (0 when llama-server could not give it in time)."""
+        with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+            await self._done.wait()
+        return self._tokens
+
+    async def refusal(self) -> ApiError | None:
+        await self.settled()
+        return self._refusal
 
 
 def _prepare_upstream_body(payload: dict[str, Any], body: bytes, max_tokens: int | None) -> bytes:
