@@ -207,6 +207,8 @@ def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, track
         assert usage[rid]["tracker"] == {"prompt_tokens": row["prompt"], "completion_tokens": row["completion"]}
     assert sorted(tracker.receipt_rows()) == sorted(ledger)
     assert httpx.get(f"{tracker.url}/v1/usage/{plain_id}").json()["node"]["completion_tokens"] == 8
+    # Every receipt acknowledged: the node's own /metrics says its outbox is empty.
+    assert "meshnet_billing_outbox_depth 0.0" in httpx.get(node.url + "/metrics", timeout=10).text
 
     usage_cli = subprocess.run(
         [sys.executable, "-m", "meshnet_gguf", "usage", "--state-dir", str(node.state_dir), "--json"],

@@ -88,6 +88,9 @@ def test_serve_downloads_verifies_and_serves_a_three_shard_model(
     assert not list((tmp_path / "D").rglob(f"*{PART_SUFFIX}"))
     assert not (tmp_path / "first" / "models").exists()  # --download-dir D, not the default
     assert hub.bytes_served(ROOT_SPLIT) == sum(f.size for f in files)
+    # The running node exports what this start downloaded.
+    metrics = httpx.get(node.url + "/metrics", timeout=10).text
+    assert f"meshnet_download_bytes_total {float(sum(f.size for f in files))}" in metrics
     answer = httpx.post(node.url + "/v1/chat/completions", json=CHAT, timeout=60).json()
     assert answer["model"] == MODEL_NAME and answer["usage"]["completion_tokens"] >= 1
     log = node.log_text()

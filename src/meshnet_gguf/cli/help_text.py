@@ -18,7 +18,6 @@ import typer
 from typer.core import HAS_RICH, TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
-from meshnet_gguf.config import ENV_PREFIX, NodeSettings
 
 # Option names that differ from the setting they feed.
 _SETTING_OF_OPTION = {"llama_arg": "llama_args"}
@@ -37,10 +36,18 @@ _TIDIED = "_meshnet_help_tidied"
 _DECLARED_DEFAULT = re.compile(r"\s*\[(?P<note>default: [^\]]*)\]")
 
 
+def _setting_fields() -> dict[str, Any]:
+    # Imported when a node command's help is shown, not for `meshnet-gguf --help`: pydantic
+    # is most of a slow start, and the top-level help lists commands, not settings.
+    from meshnet_gguf.config import NodeSettings
+
+    return NodeSettings.model_fields
+
+
 def _setting_default(field: str) -> str | None:
     if field in _DEFAULT_IN_WORDS:
         return _DEFAULT_IN_WORDS[field]
-    info = NodeSettings.model_fields[field]
+    info = _setting_fields()[field]
     if info.default_factory is not None or info.default is None or isinstance(info.default, bool):
         return None
     return str(info.default)
@@ -69,11 +76,13 @@ def _tidy(param: Any, settings_backed: bool) -> None:
     notes = [declared["note"]] if declared else []
     help_text = _DECLARED_DEFAULT.sub("", help_text)
     field = _SETTING_OF_OPTION.get(param.name or "", param.name or "")
-    if settings_backed and field in NodeSettings.model_fields:
+    if settings_backed and field in _setting_fields():
         default = _setting_default(field)
         if default is not None:
             notes = [f"default: {default}"]
         if not param.envvar:
+            from meshnet_gguf.config import ENV_PREFIX
+
             notes.append(f"env: {ENV_PREFIX}{field.upper()}")
         param.show_default = False  # the flag's own default is None: the setting's is the truth
     if notes:
