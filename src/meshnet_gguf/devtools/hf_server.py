@@ -140,7 +140,7 @@ class LocalHub:
             self._requests.clear()
 
     def stall(self, repo_id: str, path: str, after_bytes: int) -> None:
-        """Serve `path` up to byte offset `after_bytes`, then hold the stream open until `release()`."""
+        """Serve `path` up to byte offset `after_bytes`, then hold the stream open until `release()` cuts it."""
         self._released.clear()
         with self._lock:
             self._stalls[(repo_id, path)] = after_bytes
@@ -379,7 +379,9 @@ class LocalHub:
                 if stall_at is not None and position >= stall_at:
                     while not (self._released.is_set() or self._closing):
                         await asyncio.sleep(STALL_POLL_S)
-                    continue
+                    # A released stall is a cut connection: its client is gone (the tests kill it),
+                    # and bytes sent into the dead socket must not count against the next request.
+                    return
                 if stall_at is not None:
                     limit = min(limit, stall_at)
                 chunk = fh.read(min(SERVE_CHUNK_BYTES, limit - position))
