@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -206,7 +207,10 @@ async def test_a_standalone_node_counts_the_prompt_beside_the_generation_not_bef
     proxy = build_proxy(upstream=FakeLlamaUpstream(respond))
     async with proxy.exchange("POST", CHAT_PATH, json_body=STREAM) as exchange:
         await exchange.wait_until(lambda: b'"content":"x"' in exchange.body)
-        assert counting and counting[0].held.is_set()  # the count is still waiting on llama-server
+        # The count starts once the answer's first bytes are out, and is still waiting on llama-server.
+        with anyio.fail_after(5):
+            while not (counting and counting[0].held.is_set()):
+                await anyio.sleep(0.01)
         counting[0].release()
         body = await exchange.read_to_end()
     _, usage, _ = split_usage_comment(body)

@@ -22,8 +22,9 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from urllib.parse import parse_qsl
+from functools import partial
 from typing import Any, Protocol
+from urllib.parse import parse_qsl
 
 import anyio
 
@@ -39,7 +40,12 @@ from meshnet_gguf.protocol import (
     UsageRecord,
     model_answers_to,
 )
-from meshnet_gguf.request_validation import parse_json_object, rewrite_top_level, single_prompt, validate_request
+from meshnet_gguf.request_validation import (
+    parse_json_object,
+    rewrite_top_level,
+    single_prompt,
+    validate_request,
+)
 from meshnet_gguf.sse import DONE_DATA, data_event
 from meshnet_gguf.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 
@@ -322,8 +328,12 @@ class ProxyApp:
             upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
             async with anyio.create_task_group() as tg:
                 if count is not None:
-                    tg.start_soon(count.run, self._counted_prompt(target, path, payload, body))
-                await self._forward(meter, target, upstream_body, receive, send, count)
+                    tg.start_soon(count.run, partial(self._counted_prompt, target, path, payload, body))
+                try:
+                    await self._forward(meter, target, upstream_body, receive, send, count)
+                finally:
+                    if count is not None:
+                        count.start()  # answered, cut short or refused: the count is wanted now
         finally:
             release()
             with anyio.CancelScope(shield=True):
@@ -506,6 +516,8 @@ class ProxyApp:
                 done_sent = done_sent or done
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if count is not None:
+                        count.start()
         except UpstreamError as exc:
             log.warning("request %s: llama-server stream broke: %s", meter.request_id, exc)
             meter.finish_reason = "error"
@@ -624,17 +636,27 @@ class _NoCounter(Exception):
 
 
 class PromptCount:
-    """A prompt counted beside its generation: the count, or llama-server's refusal to read it."""
+    """A prompt counted beside its generation: the count, or llama-server's refusal to read it.
+
+    The count starts once the first bytes of the answer are on their way (`start()`), or
+    when someone needs it: on 2 cores, llama-server tokenizing while it prefills would
+    delay the very first token the count is meant not to delay.
+    """
 
     def __init__(self) -> None:
+        self._go = anyio.Event()
         self._done = anyio.Event()
         self._tokens = 0
         self._refusal: ApiError | None = None
 
-    async def run(self, counting: Awaitable[int]) -> None:
+    def start(self) -> None:
+        self._go.set()
+
+    async def run(self, counting: Callable[[], Awaitable[int]]) -> None:
         try:
+            await self._go.wait()
             with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
-                self._tokens = await counting
+                self._tokens = await counting()
         except ApiError as exc:
             if exc.status == 400:
                 self._refusal = exc
@@ -643,6 +665,7 @@ class PromptCount:
 
     async def settled(self) -> int:
         """The count (0 when llama-server could not give it in time)."""
+        self.start()
         with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
             await self._done.wait()
         return self._tokens
