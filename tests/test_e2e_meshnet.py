@@ -127,16 +127,21 @@ def wait_for(condition: Callable[[], bool], what: str, log: Path | None = None, 
 
 
 def node_ledger(state_dir: Path) -> dict[str, dict[str, Any]]:
-    """request id -> {reported, prompt, completion}, read without taking part in the node's writes."""
+    """request id -> {reported, settled, prompt, completion}, read without taking part in the node's writes.
+
+    A row is opened before its request is forwarded and settled when the request ends."""
     path = state_dir / LEDGER_FILE
     if not path.exists():
         return {}
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT request_id, reported_at, prompt_tokens, completion_tokens FROM usage").fetchall()
+        rows = db.execute("SELECT request_id, reported_at, in_flight, prompt_tokens, completion_tokens FROM usage").fetchall()
     finally:
         db.close()
-    return {rid: {"reported": at is not None, "prompt": p, "completion": c} for rid, at, p, c in rows}
+    return {
+        rid: {"reported": at is not None, "settled": not open_, "prompt": p, "completion": c}
+        for rid, at, open_, p, c in rows
+    }
 
 
 @pytest.fixture
@@ -286,7 +291,9 @@ def test_kill_9_with_unreported_usage_then_restart_reports_every_record_once(  #
     client = sdk(tracker)
     for i in range(3):
         client.chat.completions.create(model=tiny_gguf.stem, messages=MESSAGES, max_tokens=3 + i, stream=bool(i % 2))
-    wait_for(lambda: len(node_ledger(node.state_dir)) == 3, "three ledger rows", node.log_path)
+    # Settled, not just opened: a row is opened before forwarding, and one killed open is billed
+    # its prompt only (its answer's tokens were never counted), which this test is not about.
+    wait_for(lambda: [r["settled"] for r in node_ledger(node.state_dir).values()] == [True] * 3, "three settled rows", node.log_path)
     assert not any(r["reported"] for r in node_ledger(node.state_dir).values())
     node.signal(signal.SIGKILL)
     node.wait_exit()

@@ -266,7 +266,8 @@ def test_supervisor_spawns_llama_server_without_meshnet_variables(fake_llama: Bi
         async with anyio.create_task_group() as tg:
             tg.start_soon(supervisor.run)
             with anyio.fail_after(20):
-                while not dump.exists():
+                # The fake writes the file in place: wait until it holds a whole JSON document.
+                while not _whole_json(dump):
                     await anyio.sleep(0.05)
             await supervisor.stop()
             tg.cancel_scope.cancel()
@@ -287,3 +288,11 @@ def test_the_listener_socket_lets_asyncio_turn_nagle_off() -> None:
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def _whole_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
