@@ -194,21 +194,7 @@ class UsageLedger:
                 "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
                 " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    record.request_id,
-                    time.time(),
-                    record.started_at,
-                    record.model,
-                    record.route,
-                    record.status,
-                    int(record.stream),
-                    record.prompt_tokens,
-                    record.cached_tokens,
-                    record.completion_tokens,
-                    record.finish_reason,
-                    record.model_dump_json(),
-                    receipt.token,
-                ),
+                (*_record_columns(record), receipt.token),
             )
             return cursor.rowcount == 1
 
