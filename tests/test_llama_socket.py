@@ -17,21 +17,14 @@ from meshnet_gguf.supervisor import (
     ChildFailed,
     ChildSpec,
     Supervisor,
-    SupervisorPolicy,
     supports_unix_socket,
 )
 
+from supervisor_policies import QUICK
+
 pytestmark = pytest.mark.anyio
 OTHER_UID = 65534  # nobody
-POLICY = SupervisorPolicy(
-    load_stall_timeout_s=10.0,
-    health_poll_interval_s=0.05,
-    restart_backoff_initial_s=0.2,
-    restart_backoff_max_s=0.8,
-    restart_stable_after_s=30.0,
-    max_quick_crashes=2,
-    stop_timeout_s=3.0,
-)
+POLICY = QUICK
 
 
 def _listening_inet(pid: int) -> list[psutil._common.pconn]:

@@ -243,18 +243,9 @@ def test_llama_server_does_not_inherit_the_nodes_settings() -> None:
 def test_supervisor_spawns_llama_server_without_meshnet_variables(fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real spawn path: the fake llama-server writes down the environment it was given."""
     from meshnet_gguf.config import NodeSettings
-    from meshnet_gguf.supervisor import ChildSpec, Supervisor, SupervisorPolicy
+    from meshnet_gguf.supervisor import CPU_WARMUP, ChildSpec, Supervisor, SupervisorPolicy
 
-    defaults = NodeSettings()
-    policy = SupervisorPolicy(
-        load_stall_timeout_s=defaults.load_stall_timeout_s,
-        health_poll_interval_s=defaults.health_poll_interval_s,
-        restart_backoff_initial_s=defaults.restart_backoff_initial_s,
-        restart_backoff_max_s=defaults.restart_backoff_max_s,
-        restart_stable_after_s=defaults.restart_stable_after_s,
-        max_quick_crashes=defaults.max_quick_crashes,
-        stop_timeout_s=defaults.stop_timeout_s,
-    )
+    policy = SupervisorPolicy.from_settings(NodeSettings(), CPU_WARMUP)
 
     dump = tmp_path / "env.json"
     monkeypatch.setenv("MESHNET_ENROLMENT_SECRET", "do-not-leak")

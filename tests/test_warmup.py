@@ -11,18 +11,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from meshnet_gguf.supervisor import ChildSpec, Supervisor, SupervisorPolicy, WarmupPolicy
+from meshnet_gguf.supervisor import ChildSpec, Supervisor, WarmupPolicy
+
+from supervisor_policies import QUICK
 
 pytestmark = pytest.mark.anyio
-POLICY = SupervisorPolicy(
-    load_stall_timeout_s=10.0,
-    health_poll_interval_s=0.05,
-    restart_backoff_initial_s=0.2,
-    restart_backoff_max_s=0.8,
-    restart_stable_after_s=30.0,
-    max_quick_crashes=2,
-    stop_timeout_s=3.0,
-)
+POLICY = QUICK
 
 
 class ReadyClock:

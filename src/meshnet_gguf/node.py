@@ -80,16 +80,7 @@ def build_node(launch: PreparedLaunch) -> Node:
     )
     supervisor = Supervisor(
         launch.child,
-        SupervisorPolicy(
-            load_stall_timeout_s=settings.load_stall_timeout_s,
-            health_poll_interval_s=settings.health_poll_interval_s,
-            restart_backoff_initial_s=settings.restart_backoff_initial_s,
-            restart_backoff_max_s=settings.restart_backoff_max_s,
-            restart_stable_after_s=settings.restart_stable_after_s,
-            max_quick_crashes=settings.max_quick_crashes,
-            stop_timeout_s=settings.stop_timeout_s,
-            warmup=_warmup_policy(launch) if settings.warmup else None,
-        ),
+        SupervisorPolicy.from_settings(settings, _warmup_policy(launch) if settings.warmup else None),
         state_dir=settings.state_dir,
         listeners=[operations],
     )

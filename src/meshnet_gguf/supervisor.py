@@ -28,7 +28,7 @@ import anyio
 import psutil
 
 from meshnet_gguf.binary import BinaryInfo
-from meshnet_gguf.config import LLAMA_STOP_TIMEOUT_S
+from meshnet_gguf.config import LLAMA_STOP_TIMEOUT_S, NodeSettings
 from meshnet_gguf.logs import LLAMA_LOGGER, llama_log_level
 from meshnet_gguf.node_part import BasePart
 from meshnet_gguf.ports import free_local_port
@@ -125,6 +125,19 @@ class SupervisorPolicy:
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
     warmup: WarmupPolicy | None = CPU_WARMUP
+
+    @classmethod
+    def from_settings(cls, settings: NodeSettings, warmup: WarmupPolicy | None) -> SupervisorPolicy:
+        return cls(
+            load_stall_timeout_s=settings.load_stall_timeout_s,
+            health_poll_interval_s=settings.health_poll_interval_s,
+            restart_backoff_initial_s=settings.restart_backoff_initial_s,
+            restart_backoff_max_s=settings.restart_backoff_max_s,
+            restart_stable_after_s=settings.restart_stable_after_s,
+            max_quick_crashes=settings.max_quick_crashes,
+            stop_timeout_s=settings.stop_timeout_s,
+            warmup=warmup,
+        )
 
 
 class ChildListener(Protocol):
@@ -327,25 +340,18 @@ class Supervisor(BasePart):
         started = time.monotonic()
         outcome = "ready"
         async with anyio.create_task_group() as tg:
+            # Whichever ends first ends the warm-up: the child exiting, a stop, or the generations.
 
-            async def stop_or_exit() -> None:
+            async def exited() -> None:
                 nonlocal outcome
-                async with anyio.create_task_group() as inner:
+                await proc.wait()
+                outcome = "exited"
+                tg.cancel_scope.cancel()
 
-                    async def exited() -> None:
-                        nonlocal outcome
-                        await proc.wait()
-                        outcome = "exited"
-                        inner.cancel_scope.cancel()
-
-                    async def stop() -> None:
-                        nonlocal outcome
-                        await self._stop_requested.wait()
-                        outcome = "stopping"
-                        inner.cancel_scope.cancel()
-
-                    inner.start_soon(exited)
-                    inner.start_soon(stop)
+            async def stop() -> None:
+                nonlocal outcome
+                await self._stop_requested.wait()
+                outcome = "stopping"
                 tg.cancel_scope.cancel()
 
             async def generate() -> None:
@@ -356,7 +362,8 @@ class Supervisor(BasePart):
                     log.warning("llama-server warm-up took over %.0f s; reporting ready without it", policy.timeout_s)
                 tg.cancel_scope.cancel()
 
-            tg.start_soon(stop_or_exit)
+            tg.start_soon(exited)
+            tg.start_soon(stop)
             tg.start_soon(generate)
         self.warmup_s = time.monotonic() - started
         if outcome == "ready":
