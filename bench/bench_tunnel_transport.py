@@ -25,13 +25,12 @@ import time
 from pathlib import Path
 
 import anyio
+import websockets
 from anyio.streams.tls import TLSStream
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-import websockets
-
-from meshnet_gguf.node_tls import certificate_pem, node_certificate, server_context
+from meshnet_gguf.contract.node_tls import certificate_pem, node_certificate, server_context
 
 ROUND_TRIPS = 3000
 RECORD = b"\x17\x03\x03" + b"r" * 120

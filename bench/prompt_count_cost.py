@@ -21,11 +21,11 @@ import anyio
 import anyio.from_thread
 import httpx
 
-from meshnet_gguf.binary import find_llama_server
-from meshnet_gguf.devtools.tiny_model import write_tiny_model
+from meshnet_gguf.llama.binary import find_llama_server
+from meshnet_gguf.models.tiny_model import write_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from billing_harness import LlamaChild, serve_front  # noqa: E402
+from support.billing_harness import LlamaChild, serve_front  # noqa: E402
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you?" * 4}], "max_tokens": 1}
 COMPLETION = {"prompt": "Hello there, how are you?" * 4, "max_tokens": 2, "stream": True}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -32,8 +31,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from meshnet_gguf.devtools.tiny_model import write_tiny_model
-from meshnet_gguf.ports import free_local_port
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.models.tiny_model import write_tiny_model
 
 SAMPLE_S = 10.0
 WARM_UP_FRACTION = 0.15

@@ -10,7 +10,7 @@ few requests move RSS by tens of MB) and compares cache limits:
     .venv/bin/python bench/soak_prompt_cache.py --cache-ram 8192 --requests 40
     .venv/bin/python bench/soak_prompt_cache.py --minutes 10 --cache-ram plan
 
-Run by hand (minutes on 2 cores); the CI test `tests/test_prompt_cache.py` runs
+Run by hand (minutes on 2 cores); the CI test `tests/prepare/test_prompt_cache.py` runs
 a short bounded version. Everything listens on 127.0.0.1 and is stopped by PID.
 """
 
@@ -32,9 +32,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from meshnet_gguf.binary import find_llama_server
-from meshnet_gguf.devtools.tiny_model import TinyModelSpec, write_tiny_model
-from meshnet_gguf.ports import free_local_port
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.llama.binary import find_llama_server
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 
 # 2 layers x 16 KV heads x 64 dims x (K+V) x 2 bytes (f16) = 8 KiB of KV per token:
 # a 1,500-token prompt leaves ~12 MB of state behind, while prefill stays cheap.
@@ -107,8 +107,8 @@ def soak(port: int, pid: int, *, requests: int, minutes: float | None, prompt_to
 
 def planned_cache_ram(model: Path, ctx: int, parallel: int, download_dir: Path) -> str:
     """What `serve --dry-run` sets `--cache-ram` to for this model on this machine."""
-    from meshnet_gguf.config import NodeSettings
-    from meshnet_gguf.launch import prepare_launch
+    from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.prepare.pipeline import prepare_launch
 
     settings = NodeSettings(gguf=str(model), ctx_size=ctx, parallel=parallel, n_gpu_layers="0", download_dir=download_dir)
     args = list(prepare_launch(settings, dry_run=True).child.args)

@@ -22,7 +22,8 @@ from typing import Any
 
 from uvicorn.protocols.http import httptools_impl
 
-from meshnet_gguf import proxy, upstream_http
+from meshnet_gguf.llama import upstream as upstream_http
+from meshnet_gguf.serving import proxy
 
 SKIP = 100
 pc = time.perf_counter

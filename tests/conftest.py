@@ -10,16 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_gguf.binary import BinaryInfo, BinaryNotFound, find_llama_server, probe_binary
-from meshnet_gguf.cpu_compat import quantized_kernels_work
-from meshnet_gguf.gguf_convert import dequantize_to_f16
-from meshnet_gguf.devtools.tiny_model import write_tiny_model
+from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, find_llama_server, probe_binary
+from meshnet_gguf.llama.cpu_compat import quantized_kernels_work
+from meshnet_gguf.models.gguf_convert import dequantize_to_f16
+from meshnet_gguf.models.tiny_model import write_tiny_model
+from support.node_process import NodeProcess
 
-sys.path.insert(0, str(Path(__file__).parent))
-from node_process import NodeProcess  # noqa: E402
+FAKE_LLAMA = Path(__file__).parent / "support" / "fake_llama_server.py"
+NEWER_CPU_LLAMA = Path(__file__).parent / "support" / "newer_cpu_llama_server.py"
 
-FAKE_LLAMA = Path(__file__).parent / "fake_llama_server.py"
-NEWER_CPU_LLAMA = Path(__file__).parent / "newer_cpu_llama_server.py"
+# Helper scripts the tests start as processes (a fake llama-server, a mesh node, a billing
+# worker) import `support.*` too: every child inherits this folder on its Python path.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
 
 def _python_wrapper(directory: Path, script: Path) -> Path:

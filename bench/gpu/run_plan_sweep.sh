@@ -38,7 +38,7 @@ MODEL=/tmp/plan-models/bench-f16.gguf
 $PY - "$MODEL" "$MODEL_SPEC" <<'PYEOF' || exit 1
 import sys, time
 from pathlib import Path
-from meshnet_gguf.devtools.tiny_model import TinyModelSpec, write_tiny_model
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 n_layers, n_embd, n_ff, n_head, n_head_kv = map(int, sys.argv[2].split(","))
 t = time.monotonic()
 spec = TinyModelSpec(n_layers=n_layers, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,

@@ -20,29 +20,29 @@ from typing import TYPE_CHECKING
 import anyio
 
 from meshnet_gguf import __version__
-from meshnet_gguf.admission import Admission
-from meshnet_gguf.config import NodeSettings
-from meshnet_gguf.http_server import HttpServerPart, ListenError
-from meshnet_gguf.launch import NodeSetupError, PreparedLaunch
-from meshnet_gguf.load_progress import model_file_bytes
-from meshnet_gguf.logs import register_secret
-from meshnet_gguf.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
-from meshnet_gguf.node_ops import OperationsPart, ServedAt
-from meshnet_gguf.node_part import NodePart
-from meshnet_gguf.protocol import HealthReport
-from meshnet_gguf.proxy import ProxyApp, ProxyLimits, UpstreamTarget
-from meshnet_gguf.sd_notify import SystemdNotifier, watchdog_interval
-from meshnet_gguf.state_lock import StateDirInUse, StateDirLock
-from meshnet_gguf.supervisor import CPU_WARMUP, GPU_WARMUP, Supervisor, SupervisorPolicy, WarmupPolicy
-from meshnet_gguf.upstream_http import make_upstream_client
-from meshnet_gguf.usage_stats import UsageLog, UsageStats
+from meshnet_gguf.common.logs import register_secret
+from meshnet_gguf.common.settings import NodeSettings
+from meshnet_gguf.contract.node_part import NodePart
+from meshnet_gguf.contract.protocol import HealthReport
+from meshnet_gguf.llama.load_progress import model_file_bytes
+from meshnet_gguf.llama.supervisor import CPU_WARMUP, GPU_WARMUP, Supervisor, SupervisorPolicy, WarmupPolicy
+from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
+from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
+from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
+from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
+from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
+from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
+from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
-    from meshnet_gguf.meshnet_link import MeshnetLink
-    from meshnet_gguf.protocol import RelayAttachment
-    from meshnet_gguf.relay_link import RelayLink
+    from meshnet_gguf.contract.protocol import RelayAttachment
+    from meshnet_gguf.mesh.link import MeshnetLink
+    from meshnet_gguf.mesh.relay_link import RelayLink
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def _mesh_link(
     launch: PreparedLaunch, health: Callable[[], HealthReport], relay_attachment: RelayAttachment | None
 ) -> MeshnetLink:
     """With a tracker: signed routes in front of the proxy, receipts behind it, presence beside it."""
-    from meshnet_gguf.meshnet_link import MeshnetLink, MeshSetupError, ServedModel
+    from meshnet_gguf.mesh.link import MeshnetLink, MeshSetupError, ServedModel
 
     settings, resolved = launch.settings, launch.resolved
     served = ServedModel(
@@ -191,7 +191,7 @@ def _mesh_link(
 
 def _relay_link(settings: NodeSettings) -> RelayLink:
     """With a relay: an outbound tunnel brings the tracker's requests to this node's own listener."""
-    from meshnet_gguf.relay_link import build_relay_link, local_address_for
+    from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
 
     assert settings.relay_url is not None
     try:
@@ -201,7 +201,7 @@ def _relay_link(settings: NodeSettings) -> RelayLink:
 
 
 def _relay_metrics(relay: RelayLink) -> Collector:
-    from meshnet_gguf.relay_ops import RelayLinkCollector
+    from meshnet_gguf.ops.relay_health import RelayLinkCollector
 
     return RelayLinkCollector(relay)
 

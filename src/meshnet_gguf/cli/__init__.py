@@ -1,4 +1,7 @@
-"""The `meshnet-gguf` command line. Each module in this package registers its own commands."""
+"""The `meshnet-gguf` command line: argument handling only. Each module in this package registers its own commands.
+
+May import: every area.
+"""
 
 from __future__ import annotations
 

@@ -33,10 +33,10 @@ def register(app: typer.Typer) -> None:
         ideally ninja (apt-get install cmake ninja-build g++); about 6 minutes on 2 cores.
         The node finds the result by itself (before the bundled wheel).
         """
-        from meshnet_gguf.binary import BINARY_NAME, built_binary_dir
-        from meshnet_gguf.cpu_compat import quantized_kernels_work
-        from meshnet_gguf.source_build import BuildError
-        from meshnet_gguf.source_build import build_llama_server as build
+        from meshnet_gguf.llama.binary import BINARY_NAME, built_binary_dir
+        from meshnet_gguf.llama.cpu_compat import quantized_kernels_work
+        from meshnet_gguf.llama.source_build import BuildError
+        from meshnet_gguf.llama.source_build import build_llama_server as build
 
         target = install_dir or built_binary_dir()
         if (target / BINARY_NAME).is_file() and not force:

@@ -9,7 +9,6 @@ from typing import Annotated, Optional
 
 import typer
 
-
 dev_app = typer.Typer(help="Reference Meshnet services for local use and tests.", no_args_is_help=True)
 
 DEFAULT_TRACKER_PORT = 8000
@@ -39,15 +38,15 @@ def tracker(
         bool, typer.Option(help="Accept nodes advertising loopback URLs (a mesh on this one machine)")
     ] = True,
     allow_private: Annotated[bool, typer.Option(help="Accept nodes advertising private (LAN) addresses")] = False,
-    heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = 10.0,  # protocol.DEFAULT_HEARTBEAT_INTERVAL_S; a literal so --help need not import pydantic (tests/test_cli_startup.py checks they match)
+    heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = 10.0,  # protocol.DEFAULT_HEARTBEAT_INTERVAL_S; a literal so --help need not import pydantic (tests/cli/test_cli_startup.py checks they match)
     health_poll_interval: Annotated[Optional[float], typer.Option(help="Seconds between health polls of each node [default: 5]")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
     """Run the reference tracker: registers nodes, signs single-hop routes, relays and bills."""
     import uvicorn
 
-    from meshnet_gguf.config import default_state_dir
-    from meshnet_gguf.protocol import WELL_KNOWN_PATH
+    from meshnet_gguf.common.settings import default_state_dir
+    from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
     from meshnet_gguf.reference.node_address import AddressPolicy
     from meshnet_gguf.reference.tracker import (
         MAX_REQUEST_HEADER_BYTES,

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from meshnet_gguf.ports import free_local_port
-from meshnet_gguf.protocol import WELL_KNOWN_PATH
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
 
 # Tracker and relay start in about a second; the margin covers a loaded machine.
 SERVICE_START_TIMEOUT_S = 30.0

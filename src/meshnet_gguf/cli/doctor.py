@@ -29,17 +29,17 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
     ) -> None:
         """Check binary, GPUs, memory, disk, clock and port; explain each problem and how to fix it."""
-        from meshnet_gguf.config import NodeSettings
-        from meshnet_gguf.doctor import DoctorEnvironment, DoctorReport, run_doctor
-        from meshnet_gguf.launch import doctor_model_size
-        from meshnet_gguf.relay_ops import check_relay
+        from meshnet_gguf.common.settings import NodeSettings
+        from meshnet_gguf.ops.doctor import DoctorEnvironment, DoctorReport, run_doctor
+        from meshnet_gguf.ops.relay_health import check_relay
+        from meshnet_gguf.prepare.pipeline import model_size
 
         given = dict(
             gguf=gguf, quant=quant, demo=demo, host=host, port=port, llama_server=llama_server,
             download_dir=download_dir, tracker=tracker, relay_url=relay, state_dir=state_dir, offline=offline,
         )  # fmt: skip
         settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
-        environment = DoctorEnvironment(settings, model_size=lambda binary, hw: doctor_model_size(settings, binary, hw))
+        environment = DoctorEnvironment(settings, model_size=lambda binary, hw: model_size(settings, binary, hw))
         # The relay check lives beside the relay link (it attaches with the node's key), above doctor's floor.
         report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings)))
         typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())

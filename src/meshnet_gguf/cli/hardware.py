@@ -18,9 +18,9 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Show CPU, RAM, GPUs, the llama-server devices and the honest GPU memory budget."""
-        from meshnet_gguf.binary import BinaryNotFound, find_llama_server
-        from meshnet_gguf.config import NodeSettings
-        from meshnet_gguf.hardware import format_table, probe_configured
+        from meshnet_gguf.common.settings import NodeSettings
+        from meshnet_gguf.hardware.report import format_table, probe_configured
+        from meshnet_gguf.llama.binary import BinaryNotFound, find_llama_server
 
         try:
             binary = find_llama_server(llama_server)

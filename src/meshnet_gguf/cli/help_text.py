@@ -18,7 +18,6 @@ import typer
 from typer.core import HAS_RICH, TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
-
 # Option names that differ from the setting they feed.
 _SETTING_OF_OPTION = {"llama_arg": "llama_args"}
 # Defaults computed at run time (or None meaning "planned"), said in words.
@@ -39,7 +38,7 @@ _DECLARED_DEFAULT = re.compile(r"\s*\[(?P<note>default: [^\]]*)\]")
 def _setting_fields() -> dict[str, Any]:
     # Imported when a node command's help is shown, not for `meshnet-gguf --help`: pydantic
     # is most of a slow start, and the top-level help lists commands, not settings.
-    from meshnet_gguf.config import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings
 
     return NodeSettings.model_fields
 
@@ -81,7 +80,7 @@ def _tidy(param: Any, settings_backed: bool) -> None:
         if default is not None:
             notes = [f"default: {default}"]
         if not param.envvar:
-            from meshnet_gguf.config import ENV_PREFIX
+            from meshnet_gguf.common.settings import ENV_PREFIX
 
             notes.append(f"env: {ENV_PREFIX}{field.upper()}")
         param.show_default = False  # the flag's own default is None: the setting's is the truth

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 if TYPE_CHECKING:
-    from meshnet_gguf.config import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings
 
 DOWNLOAD_DIR_HELP = "Where GGUF files go, under owner/name/ with their original names"
 # Exit code for an operator-fixable problem (unknown model, no space, gated...), as `serve` uses.
@@ -17,13 +17,13 @@ EXIT_SETUP_ERROR = 2
 
 def _settings(**flags: Any) -> NodeSettings:
     """Flags the operator gave win; the rest comes from `MESHNET_*` env and the config file."""
-    from meshnet_gguf.config import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings
 
     return NodeSettings(**{k: v for k, v in flags.items() if v is not None and v is not False})
 
 
 def _configure_logging(settings: NodeSettings) -> None:
-    from meshnet_gguf.logs import configure_logging
+    from meshnet_gguf.common.logs import configure_logging
 
     configure_logging(settings.log_format, settings.log_level)
 
@@ -45,16 +45,17 @@ def register(app: typer.Typer) -> None:
         offline: Annotated[bool, typer.Option("--offline", help="Only check what is already on disk")] = False,
     ) -> None:
         """Prefetch a model (resumable, sha256-verified) so `serve` can start without waiting."""
-        from meshnet_gguf.model_source import ModelResolutionError, resolve_model
+        from meshnet_gguf.hardware.report import machine_budget_bytes
+        from meshnet_gguf.models.source import ModelResolutionError, resolve_model
 
         settings = _settings(gguf=model, quant=quant, download_dir=download_dir, offline=offline)
         _configure_logging(settings)
         try:
-            resolved = resolve_model(settings, progress=True)
+            resolved = resolve_model(settings, progress=True, budget=machine_budget_bytes)
         except ModelResolutionError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(EXIT_SETUP_ERROR) from exc
-        from meshnet_gguf.gguf_names import format_bytes
+        from meshnet_gguf.common.units import format_bytes
 
         check = "sha256 verified" if resolved.verified else "header checked (no published sha256 to verify against)"
         typer.echo(f"ready: {resolved.label}: {format_bytes(resolved.total_bytes)} in {len(resolved.shards)} file(s), {check}")
@@ -68,13 +69,14 @@ def register(app: typer.Typer) -> None:
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary (for the 'featured' check)")] = None,
     ) -> None:
         """Show the model catalog, or the quants a repo offers with their sizes."""
-        from meshnet_gguf.catalog import featured, load_catalog
-        from meshnet_gguf.download import HubAccess
-        from meshnet_gguf.gguf_names import format_bytes
-        from meshnet_gguf.hardware import probe_configured
-        from meshnet_gguf.memory_model import ModelFacts
-        from meshnet_gguf.model_source import ModelResolutionError, local_llama_server, offered_quants
-        from meshnet_gguf.quant_advisor import QuantOption, advise_catalog_entry, advise_quant, target_context
+        from meshnet_gguf.common.units import format_bytes
+        from meshnet_gguf.hardware.report import probe_configured
+        from meshnet_gguf.llama.binary import local_llama_server
+        from meshnet_gguf.models.catalog import featured, load_catalog
+        from meshnet_gguf.models.download import HubAccess
+        from meshnet_gguf.models.source import ModelResolutionError, offered_quants
+        from meshnet_gguf.prepare.memory import ModelFacts
+        from meshnet_gguf.prepare.quant_advisor import QuantOption, advise_catalog_entry, advise_quant, target_context
 
         settings = _settings(download_dir=download_dir, offline=offline, llama_server=llama_server)
         binary = local_llama_server(settings.llama_server)

@@ -12,12 +12,12 @@ import typer
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-    from meshnet_gguf.config import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings
 
 
 def settings_from_flags(**flags: Any) -> NodeSettings:
     """Flags the operator actually gave win; the rest comes from `MESHNET_*` env and the config file."""
-    from meshnet_gguf.config import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings
 
     given = {k: v for k, v in flags.items() if v is not None and v != [] and v is not False}
     return NodeSettings(**given)
@@ -56,9 +56,9 @@ def register(app: typer.Typer) -> None:
         import anyio
         from pydantic import ValidationError
 
-        from meshnet_gguf.launch import NodeSetupError, prepare_launch
         from meshnet_gguf.node import build_node
-        from meshnet_gguf.sd_notify import SystemdNotifier
+        from meshnet_gguf.ops.sd_notify import SystemdNotifier
+        from meshnet_gguf.prepare.pipeline import NodeSetupError, prepare_launch
 
         try:
             settings = settings_from_flags(
@@ -107,7 +107,7 @@ def _first_problem(exc: ValidationError) -> str:
 
 def _configure_logging(settings: NodeSettings) -> None:
     try:
-        from meshnet_gguf.logs import configure_logging
+        from meshnet_gguf.common.logs import configure_logging
     except ImportError:
         logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return

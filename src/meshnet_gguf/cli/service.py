@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from meshnet_gguf.config import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,7 +33,7 @@ class ServeArgsError(ValueError):
 
 def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSettings:
     """Parse `args` exactly as `meshnet-gguf serve` would, into the settings it would run with."""
-    from meshnet_gguf.config import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings
 
     root = ctx.find_root().command
     get_command = getattr(root, "get_command", None)
@@ -71,7 +71,7 @@ def register(app: typer.Typer) -> None:
         start: Annotated[bool, typer.Option("--start/--no-start", help="Start the service now (it is enabled at boot either way)")] = True,
     ) -> None:
         """Write a systemd unit and a config file for these `serve` settings, then enable it."""
-        from meshnet_gguf.service import ServiceError, apply_plan, plan_install
+        from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_install
 
         try:
             settings = settings_from_serve_args(ctx, ctx.args)
@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed, change nothing")] = False,
     ) -> None:
         """Stop and disable the service; remove its unit and config (models and state are kept)."""
-        from meshnet_gguf.service import ServiceError, apply_plan, plan_uninstall
+        from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_uninstall
 
         plan = plan_uninstall(user_mode=user)
         if dry_run:
@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print systemd's view and /health as JSON")] = False,
     ) -> None:
         """What systemd says about the service, and the node's own /health."""
-        from meshnet_gguf.service import ServiceError, ServiceLayout, describe_status, service_status
+        from meshnet_gguf.ops.unit import ServiceError, ServiceLayout, describe_status, service_status
 
         layout = ServiceLayout.user() if user else ServiceLayout.system()
         try:
@@ -146,7 +146,7 @@ def register(app: typer.Typer) -> None:
 
 def _installed_address(config_path: Path) -> tuple[str, int]:
     """Host and port from the installed config (readable to root and the service user), else defaults."""
-    from meshnet_gguf.config import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings
 
     defaults = NodeSettings.model_fields
     host, port = str(defaults["host"].default), int(defaults["port"].default)

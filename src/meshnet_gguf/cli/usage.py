@@ -19,8 +19,8 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
     ) -> None:
         """List recent requests from the usage ledger (reported to the tracker or not) and the totals."""
-        from meshnet_gguf.config import default_state_dir
-        from meshnet_gguf.ledger import LEDGER_FILE, UsageLedger
+        from meshnet_gguf.common.settings import default_state_dir
+        from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
 
         path = (state_dir or default_state_dir()) / LEDGER_FILE
         if not path.exists():

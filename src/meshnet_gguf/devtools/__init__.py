@@ -1,1 +1,4 @@
-"""Helpers for tests, benchmarks and the `dev` commands (tiny models, stub servers)."""
+"""Aids for tests, benchmarks and the `dev` commands: an HF-compatible hub on loopback.
+
+May import: common, contract, models.
+"""

@@ -48,8 +48,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from meshnet_gguf.devtools.tiny_model import TinyModelSpec, write_tiny_model
-from meshnet_gguf.gguf_names import shard_file_name
+from meshnet_gguf.models.gguf_names import shard_file_name
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_REVISION = "main"

@@ -1,6 +1,7 @@
-"""Reference Meshnet services (tracker; relay to come) that prove the node's contract end to end.
+"""The reference Meshnet services, the tracker and the relay, that prove the node's contract end to end.
 
-They import only the shared wire contract (`meshnet_gguf.protocol`) and the
-floor-1 helpers (`signing`, `sse`, `errors`), never node internals, exactly as
-an outside implementation would.
+They speak only the shared contract, never node internals, exactly as an outside
+implementation would.
+
+May import: common, contract.
 """

@@ -18,13 +18,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from meshnet_gguf.protocol import (
+from meshnet_gguf.contract.protocol import (
     USAGE_COMMENT_PREFIX,
     USAGE_COMPLETION_TOKENS_HEADER,
     USAGE_PROMPT_TOKENS_HEADER,
     UsageCounts,
 )
-from meshnet_gguf.sse import DONE_DATA, event_data, is_comment
+from meshnet_gguf.contract.sse import DONE_DATA, event_data, is_comment
 
 # A plain (non-streamed) answer is parsed for its `usage` only up to this size;
 # bigger ones (large embedding batches) are counted from the node's headers.

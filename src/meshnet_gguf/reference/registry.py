@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from meshnet_gguf.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
+from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
 from meshnet_gguf.reference.node_address import NodeTarget
 
 

@@ -12,7 +12,7 @@ One TCP port, two kinds of visitor (docs/protocol.md, "Relay"):
   forwards bytes it can neither read nor change unnoticed.
 
 It never parses, buffers or logs what passes through a splice. It speaks only
-the shared contract (`meshnet_gguf.protocol`, `meshnet_gguf.signing`).
+the shared contract (`meshnet_gguf.contract.protocol`, `meshnet_gguf.contract.signing`).
 Run it with `meshnet-gguf dev relay`.
 """
 
@@ -33,7 +33,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import StapledByteStream
 from pydantic import BaseModel, ValidationError
 
-from meshnet_gguf.protocol import (
+from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
     MAX_RELAY_HEAD_BYTES,
     MAX_RELAY_MESSAGE_BYTES,
@@ -50,7 +50,7 @@ from meshnet_gguf.protocol import (
     RelayReady,
     RelayRefused,
 )
-from meshnet_gguf.signing import KeyFormatError, decode_token, node_id_for, parse_public_key
+from meshnet_gguf.contract.signing import KeyFormatError, decode_token, node_id_for, parse_public_key
 
 log = logging.getLogger(__name__)
 

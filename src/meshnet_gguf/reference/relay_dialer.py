@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from meshnet_gguf.errors import ApiError
-from meshnet_gguf.node_tls import NodeCertificateError, certificate_from_text, pinned_client_context
-from meshnet_gguf.protocol import NodeAnnouncement
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.node_tls import NodeCertificateError, certificate_from_text, pinned_client_context
+from meshnet_gguf.contract.protocol import NodeAnnouncement
+from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
-from meshnet_gguf.signing import KeyFormatError, parse_public_key
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Reference Meshnet tracker: registers nodes, routes each OpenAI request to one whole-model node
 with a signed single-hop route, relays the answer unbuffered, and keeps its own usage ledger.
 
-It speaks only the contract in `docs/protocol.md` (through `meshnet_gguf.protocol`
+It speaks only the contract in `docs/protocol.md` (through `meshnet_gguf.contract.protocol`
 and the floor-1 helpers); it knows nothing of how a node works inside.
 Run it with `meshnet-gguf dev tracker`.
 """
@@ -32,13 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from meshnet_gguf.errors import ApiError
-from meshnet_gguf.reference.metering import RelayMeter
-from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
-from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
-from meshnet_gguf.reference.relay_dialer import NodeDialer
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, RelayedRequest, TrackerLedger
-from meshnet_gguf.protocol import (
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     ENROLMENT_HEADER,
@@ -54,9 +49,9 @@ from meshnet_gguf.protocol import (
     USAGE_PROMPT_TOKENS_HEADER,
     WELL_KNOWN_PATH,
     Deregistration,
+    HealthReport,
     Heartbeat,
     HeartbeatAck,
-    HealthReport,
     NodeAnnouncement,
     NodeControlClaims,
     NodeControlProof,
@@ -70,7 +65,7 @@ from meshnet_gguf.protocol import (
     TrackerInfo,
     UsageReceipt,
 )
-from meshnet_gguf.signing import (
+from meshnet_gguf.contract.signing import (
     KeyFormatError,
     body_sha256,
     decode_token,
@@ -82,6 +77,11 @@ from meshnet_gguf.signing import (
     tracker_issuer_for,
     unverified_claims,
 )
+from meshnet_gguf.reference.metering import RelayMeter
+from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
+from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.relay_dialer import NodeDialer
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, RelayedRequest, TrackerLedger
 
 log = logging.getLogger(__name__)
 

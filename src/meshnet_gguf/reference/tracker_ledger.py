@@ -17,7 +17,7 @@ from typing import Literal, TypeVar
 
 import anyio
 
-from meshnet_gguf.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
+from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
 
 TRACKER_LEDGER_FILE = "tracker.sqlite3"
 BUSY_TIMEOUT_S = 10.0

@@ -1,0 +1,134 @@
+"""Ed25519 keys and EdDSA JWTs: the one signature format on the Meshnet wire.
+
+Shared by the node and the reference tracker (floor 1), so both sides pin the
+same algorithm and key encodings. Each token kind (route, node auth, usage
+receipt) is built and checked by its user; this module only knows keys and JWS.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from meshnet_gguf.common.atomic_file import write_atomically
+
+ALGORITHM = "EdDSA"
+# 26 base32 characters = 130 bits of the key's sha256: collision-free for any mesh size.
+_FINGERPRINT_CHARS = 26
+KEY_FILE_MODE = 0o600
+STATE_DIR_MODE = 0o700
+
+
+class KeyFormatError(ValueError):
+    """A public key string is neither PEM nor base64url of 32 raw Ed25519 bytes."""
+
+
+def public_key_text(key: Ed25519PublicKey) -> str:
+    """base64url (no padding) of the 32 raw bytes: short enough for a flag or an env var."""
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def parse_public_key(text: str) -> Ed25519PublicKey:
+    """Accept what `public_key_text` writes, or a PEM SubjectPublicKeyInfo."""
+    text = text.strip()
+    try:
+        if text.startswith("-----BEGIN"):
+            key = serialization.load_pem_public_key(text.encode("ascii"))
+            if not isinstance(key, Ed25519PublicKey):
+                raise KeyFormatError("the PEM key is not an Ed25519 key")
+            return key
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except KeyFormatError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise KeyFormatError(f"not an Ed25519 public key (PEM or base64url of 32 bytes): {exc}") from None
+
+
+def key_fingerprint(key: Ed25519PublicKey) -> str:
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    digest = base64.b32encode(hashlib.sha256(raw).digest()).decode("ascii").lower()
+    return digest[:_FINGERPRINT_CHARS]
+
+
+def node_id_for(key: Ed25519PublicKey) -> str:
+    """A node's id is its key's fingerprint, so the tracker can check a claimed id against its key."""
+    return f"node-{key_fingerprint(key)}"
+
+
+def tracker_issuer_for(key: Ed25519PublicKey) -> str:
+    """The `iss` of route tokens; derived from the key, so pinning the key pins the issuer too."""
+    return f"tracker-{key_fingerprint(key)}"
+
+
+def body_sha256(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
+    """Load the PEM key at `path`, creating it (mode 0600) on first use.
+
+    Creation is atomic: the key is written to a private temporary file and
+    hard-linked into place, so a crash leaves no half-written key and two
+    processes starting together end up with the same one.
+    """
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
+        key = Ed25519PrivateKey.generate()
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        # Linked into place, not renamed: when another process won the race, its key is kept and used.
+        write_atomically(path, pem, mode=KEY_FILE_MODE, exclusive=True)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise PermissionError(
+            f"{path} is readable by other users (mode {mode:o}); run `chmod 600 {path}` so the key stays private"
+        )
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeyFormatError(f"{path} does not hold an Ed25519 private key")
+    return key
+
+
+def encode_token(claims: dict[str, Any], key: Ed25519PrivateKey) -> str:
+    return jwt.encode(claims, key, algorithm=ALGORITHM)
+
+
+def decode_token(
+    token: str,
+    key: Ed25519PublicKey,
+    *,
+    required: list[str],
+    leeway: float = 0,
+    issuer: str | None = None,
+    audience: str | None = None,
+    verify_exp: bool = True,
+) -> dict[str, Any]:
+    """Verify signature and standard claims; raises `jwt.InvalidTokenError` subclasses.
+
+    The algorithm is pinned to EdDSA: a token naming another algorithm ("none",
+    HS256 with the public key as secret) is refused.
+    """
+    return jwt.decode(
+        token,
+        key,
+        algorithms=[ALGORITHM],
+        issuer=issuer,
+        audience=audience,
+        leeway=leeway,
+        options={"require": required, "verify_exp": verify_exp, "verify_aud": audience is not None},
+    )
+
+
+def unverified_claims(token: str) -> dict[str, Any]:
+    """Claims without checking the signature: only to find *which* key should verify it."""
+    return jwt.decode(token, options={"verify_signature": False})

@@ -1,0 +1,312 @@
+"""The node's usage ledger: one SQLite row per request id, with its signed receipt and outbox state.
+
+The ledger owns the database; everyone else asks through `UsageLedger`. Each
+call runs the stdlib `sqlite3` in a worker thread (`anyio.to_thread`), so the
+event loop never waits on the disk, and a call, once started, completes even
+if its caller is cancelled: a row is written whole or not at all.
+
+A row is written twice. It is *opened* (`in_flight` = 1, no receipt yet) before
+the request is forwarded, durably, with what is known then: the prompt's token
+count and until when the route that paid for it stays valid. That row is what
+refuses a replayed route after a restart, and what bills a request the node was
+killed in the middle of. It is *settled* (`in_flight` = 0, receipt set) when the
+request ends, or, for a row a crash left open, when the node starts again.
+
+A settled row is *pending* until the tracker acknowledges it (`reported_at` set)
+or refuses it for good (`rejected` set). Pending rows are the outbox; they live
+in the database, so a kill -9 or an hours-long tracker outage loses nothing.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+
+from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
+
+LEDGER_FILE = "usage.sqlite3"
+# Another process (`meshnet-gguf usage`, a backup) may hold a lock briefly; wait rather than fail.
+BUSY_TIMEOUT_S = 10.0
+SCHEMA_VERSION = 2
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage (
+    request_id        TEXT PRIMARY KEY,
+    recorded_at       REAL NOT NULL,
+    started_at        REAL NOT NULL,
+    model             TEXT NOT NULL,
+    route             TEXT NOT NULL,
+    status            INTEGER NOT NULL,
+    stream            INTEGER NOT NULL,
+    prompt_tokens     INTEGER NOT NULL,
+    cached_tokens     INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    finish_reason     TEXT NOT NULL,
+    record_json       TEXT NOT NULL,
+    receipt           TEXT NOT NULL,
+    reported_at       REAL,
+    rejected          TEXT
+);
+CREATE INDEX IF NOT EXISTS usage_started ON usage (started_at);
+"""
+# Added in schema 2 (a version-1 ledger gains them in place).
+_COLUMNS_V2 = {
+    "in_flight": "INTEGER NOT NULL DEFAULT 0",
+    "route_expires_at": "REAL",
+}
+_INDEXES_V2 = """
+DROP INDEX IF EXISTS usage_outbox;
+CREATE INDEX IF NOT EXISTS usage_outbox2 ON usage (recorded_at) WHERE reported_at IS NULL AND rejected IS NULL AND in_flight = 0;
+CREATE INDEX IF NOT EXISTS usage_in_flight ON usage (started_at) WHERE in_flight = 1;
+CREATE INDEX IF NOT EXISTS usage_route_expiry ON usage (route_expires_at) WHERE route_expires_at IS NOT NULL;
+"""
+_OUTBOX = "reported_at IS NULL AND rejected IS NULL AND in_flight = 0"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    record: UsageRecord
+    receipt: UsageReceipt
+    recorded_at: float
+    reported_at: float | None
+    rejected: str | None
+
+    @property
+    def outbox_state(self) -> str:
+        if self.rejected:
+            return "rejected"
+        return "reported" if self.reported_at is not None else "pending"
+
+
+@dataclass(frozen=True)
+class LedgerTotals:
+    usage: UsageTotals
+    reported: int
+    pending: int
+    rejected: int
+
+
+class UsageLedger:
+    """SQLite (WAL) ledger at `path`. Safe to share between tasks and threads of one process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One connection, serialised by a lock: SQLite allows one writer anyway, and the
+        # lock lets any worker thread use it (check_same_thread=False).
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a receipt is money; a row the proxy was told is written must survive a power cut too.
+        self._db.execute("PRAGMA synchronous=FULL")
+        with self._lock:
+            self._db.executescript(_SCHEMA)
+            present = {row[1] for row in self._db.execute("PRAGMA table_info(usage)")}
+            for column, decl in _COLUMNS_V2.items():
+                if column not in present:
+                    self._db.execute(f"ALTER TABLE usage ADD COLUMN {column} {decl}")
+            self._db.executescript(_INDEXES_V2)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    @classmethod
+    def in_state_dir(cls, state_dir: Path) -> UsageLedger:
+        return cls(Path(state_dir) / LEDGER_FILE)
+
+    # --- async API (what the node uses) -------------------------------------------
+    async def open_request(self, record: UsageRecord, route_expires_at: float | None) -> bool:
+        """Write the in-flight row before the request is forwarded; False when the id is already there."""
+        return await self._run(self.open_request_sync, record, route_expires_at)
+
+    async def add(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
+        """Store a request's usage; False when its request id is already there (the first row wins)."""
+        return await self._run(self.add_sync, record, receipt)
+
+    async def pending(self, limit: int) -> list[UsageReceipt]:
+        """Oldest receipts not yet acknowledged nor rejected."""
+        return await self._run(self.pending_sync, limit)
+
+    async def mark_reported(self, request_ids: Iterable[str], at: float | None = None) -> int:
+        return await self._run(self.mark_reported_sync, list(request_ids), at)
+
+    async def mark_rejected(self, rejections: Iterable[tuple[str, str]]) -> int:
+        """`(request_id, reason)` pairs the tracker refused for good; they leave the outbox."""
+        return await self._run(self.mark_rejected_sync, list(rejections))
+
+    async def entries(self, limit: int = 50, pending_only: bool = False) -> list[LedgerEntry]:
+        return await self._run(self.entries_sync, limit, pending_only)
+
+    async def totals(self) -> LedgerTotals:
+        return await self._run(self.totals_sync)
+
+    async def request_ids_since(self, started_after: float) -> list[tuple[str, float]]:
+        return await self._run(self.request_ids_since_sync, started_after)
+
+    async def aclose(self) -> None:
+        await self._run(self.close)
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        return await anyio.to_thread.run_sync(fn, *args)
+
+    # --- sync API (worker threads, the CLI) --------------------------------------
+    def open_request_sync(self, record: UsageRecord, route_expires_at: float | None) -> bool:
+        with self._lock:
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
+                " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt,"
+                " in_flight, route_expires_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 1, ?)",
+                (
+                    *_record_columns(record),
+                    route_expires_at,
+                ),
+            )
+            return cursor.rowcount == 1
+
+    def in_flight_sync(self) -> list[UsageRecord]:
+        """Records of requests opened but never settled: a previous run died while they ran."""
+        with self._lock:
+            rows = self._db.execute("SELECT record_json FROM usage WHERE in_flight = 1 ORDER BY started_at").fetchall()
+        return [UsageRecord.model_validate_json(r[0]) for r in rows]
+
+    def add_sync(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
+        """Settle a request: its open row if it has one, else a new row. False when it is already settled."""
+        if receipt.request_id != record.request_id:
+            raise ValueError(f"receipt {receipt.request_id} does not belong to record {record.request_id}")
+        with self._lock:
+            cursor = self._db.execute(
+                "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, route = ?, status = ?, stream = ?,"
+                " prompt_tokens = ?, cached_tokens = ?, completion_tokens = ?, finish_reason = ?, record_json = ?,"
+                " receipt = ?, in_flight = 0 WHERE request_id = ? AND in_flight = 1",
+                (*_record_columns(record)[1:], receipt.token, record.request_id),
+            )
+            if cursor.rowcount == 1:
+                return True
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
+                " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*_record_columns(record), receipt.token),
+            )
+            return cursor.rowcount == 1
+
+    def outbox_depth_sync(self) -> int:
+        """Receipts recorded but not yet acknowledged or rejected by the tracker."""
+        with self._lock:
+            (count,) = self._db.execute(f"SELECT COUNT(*) FROM usage WHERE {_OUTBOX}").fetchone()
+        return int(count)
+
+    def pending_sync(self, limit: int) -> list[UsageReceipt]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT request_id, receipt FROM usage WHERE {_OUTBOX} ORDER BY recorded_at, rowid LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [UsageReceipt(request_id=rid, token=token) for rid, token in rows]
+
+    def mark_reported_sync(self, request_ids: list[str], at: float | None = None) -> int:
+        stamp = time.time() if at is None else at
+        with self._lock:
+            cursor = self._db.executemany(
+                "UPDATE usage SET reported_at = ? WHERE request_id = ? AND reported_at IS NULL",
+                [(stamp, rid) for rid in request_ids],
+            )
+            return cursor.rowcount
+
+    def mark_rejected_sync(self, rejections: list[tuple[str, str]]) -> int:
+        with self._lock:
+            cursor = self._db.executemany(
+                "UPDATE usage SET rejected = ? WHERE request_id = ? AND reported_at IS NULL",
+                [(reason, rid) for rid, reason in rejections],
+            )
+            return cursor.rowcount
+
+    def entries_sync(self, limit: int = 50, pending_only: bool = False) -> list[LedgerEntry]:
+        where = f"WHERE {_OUTBOX}" if pending_only else "WHERE in_flight = 0"
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT record_json, request_id, receipt, recorded_at, reported_at, rejected FROM usage {where}"
+                " ORDER BY recorded_at DESC, rowid DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [
+            LedgerEntry(
+                record=UsageRecord.model_validate_json(record_json),
+                receipt=UsageReceipt(request_id=rid, token=token),
+                recorded_at=recorded_at,
+                reported_at=reported_at,
+                rejected=rejected,
+            )
+            for record_json, rid, token, recorded_at, reported_at, rejected in rows
+        ]
+
+    def totals_sync(self) -> LedgerTotals:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
+                " COALESCE(SUM(completion_tokens), 0),"
+                " COALESCE(SUM(finish_reason = 'error'), 0), COALESCE(SUM(finish_reason = 'cancelled'), 0),"
+                " COALESCE(SUM(reported_at IS NOT NULL), 0), COALESCE(SUM(rejected IS NOT NULL), 0)"
+                " FROM usage WHERE in_flight = 0"
+            ).fetchone()
+        count, prompt, cached, completion, errors, cancelled, reported, rejected = row
+        return LedgerTotals(
+            usage=UsageTotals(
+                requests=count,
+                prompt_tokens=prompt,
+                cached_tokens=cached,
+                completion_tokens=completion,
+                errors=errors,
+                cancelled=cancelled,
+            ),
+            reported=reported,
+            pending=count - reported - rejected,
+            rejected=rejected,
+        )
+
+    def request_ids_since_sync(self, started_after: float) -> list[tuple[str, float]]:
+        """(request id, started_at) of requests admitted after a time."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT request_id, started_at FROM usage WHERE started_at > ?", (started_after,)
+            ).fetchall()
+
+    def unexpired_routes_sync(self, now: float) -> list[tuple[str, float]]:
+        """(request id, route expiry) of every route that could still be presented: seeds the
+        replay cache on restart. Rows are opened before forwarding, so this holds every
+        route ever forwarded, including the ones a crash cut short."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT request_id, route_expires_at FROM usage WHERE route_expires_at > ?", (now,)
+            ).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _record_columns(record: UsageRecord) -> tuple[object, ...]:
+    """(request_id, recorded_at, started_at, model, route, status, stream, prompt, cached, completion,
+    finish_reason, record_json), in the table's column order."""
+    return (
+        record.request_id,
+        time.time(),
+        record.started_at,
+        record.model,
+        record.route,
+        record.status,
+        int(record.stream),
+        record.prompt_tokens,
+        record.cached_tokens,
+        record.completion_tokens,
+        record.finish_reason,
+        record.model_dump_json(),
+    )

@@ -1,0 +1,142 @@
+"""Billing: every request's usage becomes a node-signed receipt in the ledger, and the outbox
+reporter delivers receipts to the tracker until each one is acknowledged.
+
+Exactly once, whatever crashes: the ledger keeps one row per request id, a row
+leaves the outbox only when the tracker acknowledged it (or refused it for
+good), and the tracker stores receipts idempotently by request id. A kill -9
+between the tracker's store and our mark only causes a resend the tracker
+recognises.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import anyio
+
+from meshnet_gguf.common.retry import Backoff
+from meshnet_gguf.contract.protocol import MAX_RECEIPTS_PER_BATCH, ReceiptAck, UsageReceipt, UsageRecord
+from meshnet_gguf.mesh.identity import NodeIdentity
+from meshnet_gguf.mesh.ledger import UsageLedger
+from meshnet_gguf.mesh.tracker_client import RETRY_INITIAL_S, RETRY_MAX_S, NodeUnknown, TrackerRefused, TrackerUnavailable
+
+log = logging.getLogger(__name__)
+
+# The sink wakes the reporter after each write; this poll only catches rows a
+# previous run left behind or a wake that raced a send.
+OUTBOX_IDLE_POLL_S = 30.0
+# Status recorded for a request the node itself died in the middle of (it never answered).
+NODE_DIED_STATUS = 502
+
+
+class ReceiptSender(Protocol):
+    async def send_receipts(self, receipts: list[UsageReceipt]) -> ReceiptAck: ...
+
+
+class OutboxReporter:
+    """Sends pending receipts in batches until each is acknowledged; run it for the node's lifetime."""
+
+    def __init__(
+        self,
+        ledger: UsageLedger,
+        sender: ReceiptSender,
+        *,
+        batch_size: int = MAX_RECEIPTS_PER_BATCH,
+        backoff: Backoff | None = None,
+        idle_poll_s: float = OUTBOX_IDLE_POLL_S,
+        linger_s: float = 0.0,
+    ) -> None:
+        self._ledger = ledger
+        self._sender = sender
+        self._batch_size = min(batch_size, MAX_RECEIPTS_PER_BATCH)
+        self._backoff = backoff or Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
+        self._idle_poll_s = idle_poll_s
+        self._linger_s = linger_s
+        self._wake = anyio.Event()
+
+    def wake(self) -> None:
+        """New rows are waiting: send now instead of at the next poll."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.flush()
+            except TrackerUnavailable as exc:
+                delay = self._backoff.next_delay()
+                level = logging.ERROR if isinstance(exc, TrackerRefused) and not isinstance(exc, NodeUnknown) else logging.WARNING
+                log.log(level, "usage receipts not delivered (%s); kept in the ledger, retrying in %.0f s", exc, delay)
+                await anyio.sleep(delay)
+                continue
+            self._backoff.reset()
+            with anyio.move_on_after(self._idle_poll_s):
+                await self._wake.wait()
+            # Let receipts of requests ending close together share one batch.
+            await anyio.sleep(self._linger_s)
+
+    async def flush(self) -> int:
+        """Send batches until the outbox is empty; returns how many receipts the tracker settled.
+
+        Raises `TrackerUnavailable` when a batch did not go through; its rows stay pending.
+        """
+        settled = 0
+        while True:
+            # A fresh event before reading: a wake during this pass is then not lost.
+            self._wake = anyio.Event()
+            batch = await self._ledger.pending(self._batch_size)
+            if not batch:
+                return settled
+            ack = await self._sender.send_receipts(batch)
+            sent = {r.request_id for r in batch}
+            accepted = [rid for rid in ack.accepted if rid in sent]
+            rejected = [(r.request_id, f"{r.code}: {r.message}") for r in ack.rejected if r.request_id in sent]
+            await self._ledger.mark_reported(accepted)
+            if rejected:
+                await self._ledger.mark_rejected(rejected)
+                for rid, reason in rejected:
+                    log.error("tracker refused the receipt for request %s for good: %s", rid, reason)
+            if not accepted and not rejected:
+                raise TrackerUnavailable(f"tracker settled none of {len(batch)} receipts")
+            settled += len(accepted) + len(rejected)
+
+
+class LedgerUsageSink:
+    """The proxy's journal and usage sink: opens each request's ledger row before it is forwarded,
+    then signs its record and settles the row before the request is over."""
+
+    def __init__(self, ledger: UsageLedger, identity: NodeIdentity, reporter: OutboxReporter | None = None) -> None:
+        self._ledger = ledger
+        self._identity = identity
+        self._reporter = reporter
+
+    async def open(self, usage: UsageRecord, route_expires_at: float | None) -> bool:
+        """The request's in-flight row, on disk before this returns; False when its id is already there."""
+        return await self._ledger.open_request(usage, route_expires_at)
+
+    async def record(self, usage: UsageRecord) -> None:
+        receipt = self._identity.sign_receipt(usage)
+        if not await self._ledger.add(usage, receipt):
+            log.warning("request id %s is already in the ledger; the first record stands", usage.request_id)
+            return
+        if self._reporter is not None:
+            self._reporter.wake()
+
+
+def settle_interrupted(ledger: UsageLedger, identity: NodeIdentity) -> int:
+    """Settle the rows a previous run left open (killed while those requests ran): each gets its
+    receipt with what was known when it was forwarded (its prompt), marked as an error.
+
+    Runs at start, before the proxy takes requests, so every request that reached
+    llama-server ends with exactly one settled row and one receipt.
+    """
+    settled = 0
+    for record in ledger.in_flight_sync():
+        cut = record.model_copy(update={"finish_reason": "error", "status": record.status or NODE_DIED_STATUS})
+        if ledger.add_sync(cut, identity.sign_receipt(cut)):
+            settled += 1
+            log.warning(
+                "request %s was in flight when the node stopped; billed its prompt (%d tokens) as an error",
+                record.request_id, record.prompt_tokens,
+            )  # fmt: skip
+    return settled

@@ -1,0 +1,523 @@
+"""The node's tunnel to a relay: serve from behind NAT with no public listener.
+
+A part of the running node (`NodePart`). It dials the relay (never the other
+way round) and keeps there:
+
+- one **control connection**: it proves the node key by signing the relay's
+  challenge, then pings; a relay silent for ping interval + timeout is dead,
+  and the link reconnects with backoff and jitter;
+- a small pool of **idle work connections**, each proved the same way. When a
+  tracker CONNECTs to this node, the relay splices it to one of them; the node
+  terminates TLS on it with its identity-bound certificate (`node_tls`) and
+  passes the plaintext HTTP/1.1 bytes unchanged to its own local listener. A
+  used connection is replaced at once, so the next request does not wait a
+  round trip.
+
+Each request has its own connection end to end, so a slow reader stalls only
+its own stream, and a client that goes away closes the local connection, which
+frees llama-server's slot as for any other client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import anyio
+from anyio.abc import ByteStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.streams.stapled import StapledByteStream
+from anyio.streams.tls import TLSStream
+from pydantic import BaseModel, ValidationError
+
+from meshnet_gguf.common.retry import Backoff
+from meshnet_gguf.contract.node_part import BasePart
+from meshnet_gguf.contract.node_tls import certificate_pem, certificate_text, node_certificate, server_context
+from meshnet_gguf.contract.protocol import (
+    MAX_RELAY_HEAD_BYTES,
+    MAX_RELAY_MESSAGE_BYTES,
+    RELAY_ATTACH_AUDIENCE,
+    RELAY_PROOF_LIFETIME_S,
+    RELAY_TUNNEL_PATH,
+    RELAY_UPGRADE_PROTOCOL,
+    HealthReport,
+    RelayAttach,
+    RelayAttachClaims,
+    RelayAttached,
+    RelayAttachment,
+    RelayChallenge,
+    RelayLinkHealth,
+    RelayLinkState,
+    RelayPing,
+    RelayReady,
+    RelayRefused,
+    RelayRole,
+)
+from meshnet_gguf.contract.signing import encode_token
+from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
+
+log = logging.getLogger(__name__)
+
+NODE_TLS_CERT_FILE = "node_tls_cert.pem"
+# Reconnect soon (a restarted relay is back within a second or two) but never spin; the cap
+# keeps a node's return within a few seconds of the relay's, and jitter spreads a fleet.
+RECONNECT_INITIAL_S = 0.25
+RECONNECT_MAX_S = 4.0
+# Dialling the relay and its upgrade answer: any network that can carry inference does this quickly.
+DIAL_TIMEOUT_S = 10.0
+# Idle work connections the node keeps at the relay (the relay may ask for fewer).
+DEFAULT_IDLE_WORK = 4
+# A work connection that failed to attach is not retried faster than this, so a refusing relay is not hammered.
+WORK_RETRY_DELAY_S = 0.5
+# The TLS handshake of a work connection in use; the tracker starts it at once after CONNECT.
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+# An idle work connection is renewed after this long, so none lingers forever half-open.
+IDLE_WORK_LIFETIME_S = 3600.0
+
+
+class RelayRefusedError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"relay refused ({code}): {message}")
+        self.code = code
+
+
+class RelayProtocolError(Exception):
+    """The relay answered something this node does not understand."""
+
+
+@dataclass(frozen=True)
+class RelayEndpoint:
+    host: str
+    port: int
+    tls: bool
+    url: str
+
+    @classmethod
+    def parse(cls, url: str) -> RelayEndpoint:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"relay URL must be http://host:port or https://host[:port], not {url!r}")
+        tls = parts.scheme == "https"
+        return cls(parts.hostname, parts.port or (443 if tls else 80), tls, url.rstrip("/"))
+
+
+class RelayLink(BasePart):
+    name = "relay"
+
+    def __init__(
+        self,
+        endpoint: RelayEndpoint,
+        identity: NodeIdentity,
+        tls_context: ssl.SSLContext,
+        certificate_der: bytes,
+        local_address: Callable[[], tuple[str, int]],
+        *,
+        idle_work: int = DEFAULT_IDLE_WORK,
+    ) -> None:
+        self.endpoint = endpoint
+        self.identity = identity
+        self._tls = tls_context
+        self._certificate = certificate_der
+        self._local_address = local_address
+        self._idle_target = idle_work
+        self.state: RelayLinkState = "connecting"
+        self.connects = 0
+        self.last_error: str | None = None
+        self._attached_at: float | None = None
+        self._idle = 0
+        self._dialing = 0
+        self.streams_active = 0
+        self.streams_total = 0
+        self._pool_changed = anyio.Event()
+        self._draining = False
+        self._session_scope: anyio.CancelScope | None = None
+        self._streams_group: anyio.abc.TaskGroup | None = None
+
+    # --- what the node and the mesh link read -------------------------------
+    def attachment(self) -> RelayAttachment:
+        """What the node's announcement carries so the tracker can reach it here."""
+        return RelayAttachment(url=self.endpoint.url, tls_certificate=certificate_text(self._certificate))
+
+    def link_health(self) -> RelayLinkHealth:
+        attached_for = time.monotonic() - self._attached_at if self._attached_at is not None else None
+        return RelayLinkHealth(
+            url=self.endpoint.url,
+            state=self.state,
+            attached_for_s=attached_for,
+            connects=self.connects,
+            idle_work=self._idle,
+            streams_active=self.streams_active,
+            streams_total=self.streams_total,
+            last_error=self.last_error,
+        )
+
+    def health(self, report: HealthReport) -> HealthReport:
+        return report.model_copy(update={"relay": self.link_health()})
+
+    # --- NodePart ------------------------------------------------------------
+    async def run(self) -> None:
+        backoff = Backoff(RECONNECT_INITIAL_S, RECONNECT_MAX_S)
+        # Streams outlive a control reconnect: they have their own connections end to end.
+        async with anyio.create_task_group() as streams:
+            self._streams_group = streams
+            while not self._draining:
+                try:
+                    with anyio.CancelScope() as scope:
+                        self._session_scope = scope
+                        await self._session(backoff)
+                except Exception as exc:  # noqa: BLE001 - sorted below; anything unexpected is re-raised
+                    cause = _first_leaf(exc)
+                    if isinstance(cause, RelayRefusedError):
+                        self._set_down("refused", str(cause))
+                    elif isinstance(cause, _CONNECTION_ENDS):
+                        self._set_down("disconnected", f"{type(cause).__name__}: {cause}".rstrip(": "))
+                    else:
+                        raise
+                if self._draining:
+                    break
+                delay = backoff.next_delay()
+                log.warning("relay %s: %s; reconnecting in %.2f s", self.endpoint.url, self.last_error, delay)
+                await anyio.sleep(delay)
+            self.state = "draining"
+
+    async def drain(self) -> None:
+        """No new requests through the relay; streams in flight finish on their own connections."""
+        self._draining = True
+        self.state = "draining"
+        if self._session_scope is not None:
+            self._session_scope.cancel()
+
+    async def close(self) -> None:
+        if self._streams_group is not None:
+            self._streams_group.cancel_scope.cancel()
+
+    # --- the control session ---------------------------------------------------
+    async def _session(self, backoff: Backoff) -> None:
+        self.state = "connecting"
+        stream, buffered, attached = await self._dial("control")
+        async with stream:
+            self.connects += 1
+            self._attached_at = time.monotonic()
+            self.state = "attached"
+            self.last_error = None
+            backoff.reset()
+            log.info("attached to relay %s as %s", self.endpoint.url, self.identity.node_id)
+            target = min(self._idle_target, attached.max_idle_work)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._ping, stream, attached.ping_interval_s)
+                    tg.start_soon(self._keep_pool, tg, target)
+                    silence_limit = attached.ping_interval_s + attached.ping_timeout_s
+                    while True:
+                        with anyio.fail_after(silence_limit):
+                            line = await _receive_line(buffered)
+                        message = _parse_line(line, RelayPing, RelayRefused)
+                        if isinstance(message, RelayRefused):
+                            raise RelayRefusedError(message.code, message.message)
+            finally:
+                self._attached_at = None
+
+    async def _ping(self, stream: ByteStream, interval_s: float) -> None:
+        while True:
+            await anyio.sleep(interval_s)
+            await _send(stream, RelayPing(type="ping"))
+
+    async def _keep_pool(self, tg: anyio.abc.TaskGroup, target: int) -> None:
+        while True:
+            while self._idle + self._dialing < target:
+                self._dialing += 1
+                tg.start_soon(self._work_connection)
+            changed = self._pool_changed
+            await changed.wait()
+
+    def _pool_change(self) -> None:
+        self._pool_changed.set()
+        self._pool_changed = anyio.Event()
+
+    async def _work_connection(self) -> None:
+        """Dial one work connection, wait idle until the relay splices a tracker to it, then serve that.
+
+        Built on asyncio transports rather than anyio streams: the event loop's own TLS (C in
+        uvloop) and a protocol-level splice cost a tenth of the CPU per relayed chunk.
+        """
+        writer: asyncio.StreamWriter | None = None
+        try:
+            with anyio.fail_after(DIAL_TIMEOUT_S):
+                writer = await self._open_work()
+        except Exception as exc:  # noqa: BLE001 - the control session notices a dead relay; here we only pace
+            log.debug("work connection failed: %r", exc)
+            await anyio.sleep(WORK_RETRY_DELAY_S)
+        finally:
+            # Also when cancelled with the session: the counts must stay true for the next one.
+            self._dialing -= 1
+            if writer is None:
+                self._pool_change()
+        if writer is None:
+            return
+        self._idle += 1
+        in_use = handed_over = False
+        try:
+            # Nothing more may be read as plaintext: pause, say `ready`, and let TLS take the socket. The
+            # relay splices a ClientHello only after `ready`, so it can only reach the TLS layer.
+            transport = writer.transport
+            transport.pause_reading()
+            writer.write(RelayReady().model_dump_json().encode() + b"\n")
+            tls_side = _Pipe()
+            # Idle until a tracker's handshake completes (or the relay drops the connection).
+            ssl_transport = await asyncio.get_running_loop().start_tls(
+                transport, tls_side, self._tls, server_side=True, ssl_handshake_timeout=IDLE_WORK_LIFETIME_S
+            )
+            # start_tls does not call connection_made: the app protocol learns its transport here.
+            tls_side.transport = ssl_transport  # type: ignore[assignment]
+            ssl_transport.pause_reading()  # until the local side is connected
+            in_use = True
+            self._idle -= 1
+            self.streams_active += 1
+            self.streams_total += 1
+            self._pool_change()
+            if self._streams_group is not None:
+                # The stream lives in the streams group, beyond this control session.
+                self._streams_group.start_soon(self._serve_stream, ssl_transport, tls_side, writer)
+                handed_over = True
+            else:
+                ssl_transport.close()
+                self.streams_active -= 1
+        except Exception as exc:  # noqa: BLE001 - the relay closed an idle connection, or a handshake failed
+            log.debug("idle work connection ended: %r", exc, exc_info=True)
+        finally:
+            if not in_use:
+                self._idle -= 1
+                self._pool_change()
+            if not handed_over:
+                writer.transport.abort()
+
+    async def _serve_stream(self, ssl_transport: asyncio.BaseTransport, tls_side: _Pipe, writer: asyncio.StreamWriter) -> None:
+        # `writer` is held until the stream ends: a collected StreamWriter closes the socket under the TLS layer.
+        local_side: _Pipe | None = None
+        try:
+            host, port = self._local_address()
+            _, local_side = await asyncio.get_running_loop().create_connection(_Pipe, host, port)
+            _Pipe.join(tls_side, local_side)
+            await tls_side.closed
+            await local_side.closed
+        except Exception as exc:  # noqa: BLE001 - one stream's failure never touches another
+            log.debug("relayed stream ended: %r", exc, exc_info=True)
+        finally:
+            self.streams_active -= 1
+            ssl_transport.close()
+            del writer
+            if local_side is not None and local_side.transport is not None:
+                local_side.transport.close()
+
+    async def _open_work(self) -> asyncio.StreamWriter:
+        """A work connection, upgraded and attached, on asyncio streams; the reader holds nothing unread."""
+        ep = self.endpoint
+        reader, writer = await asyncio.open_connection(
+            ep.host, ep.port, ssl=ssl.create_default_context() if ep.tls else None, limit=MAX_RELAY_MESSAGE_BYTES
+        )
+        try:
+            writer.write(self._upgrade_head())
+            answer = await reader.readuntil(b"\r\n\r\n")
+            if not answer.startswith(b"HTTP/1.1 101"):
+                raise RelayProtocolError(f"relay did not upgrade the tunnel: {answer[:60]!r}")
+            challenge = _parse_line(await reader.readuntil(b"\n"), RelayChallenge)
+            assert isinstance(challenge, RelayChallenge)
+            writer.write(self._attach_message("work", challenge.nonce).model_dump_json().encode() + b"\n")
+            answer_message = _parse_line(await reader.readuntil(b"\n"), RelayAttached, RelayRefused)
+            if isinstance(answer_message, RelayRefused):
+                raise RelayRefusedError(answer_message.code, answer_message.message)
+        except BaseException:
+            writer.transport.abort()
+            raise
+        return writer
+
+    def _upgrade_head(self) -> bytes:
+        ep = self.endpoint
+        return (
+            f"GET {RELAY_TUNNEL_PATH} HTTP/1.1\r\nHost: {ep.host}:{ep.port}\r\n"
+            f"Connection: Upgrade\r\nUpgrade: {RELAY_UPGRADE_PROTOCOL}\r\n\r\n"
+        ).encode("latin-1")
+
+    # --- dialling --------------------------------------------------------------
+    async def _dial(self, role: RelayRole) -> tuple[StapledByteStream, BufferedByteReceiveStream, RelayAttached]:
+        ep = self.endpoint
+        with anyio.fail_after(DIAL_TIMEOUT_S):
+            raw = await anyio.connect_tcp(ep.host, ep.port)
+            transport: ByteStream = raw
+            try:
+                if ep.tls:
+                    transport = await TLSStream.wrap(raw, hostname=ep.host, ssl_context=ssl.create_default_context())
+                buffered = BufferedByteReceiveStream(transport)
+                stream = StapledByteStream(transport, buffered)
+                await transport.send(self._upgrade_head())
+                answer = await buffered.receive_until(b"\r\n\r\n", MAX_RELAY_HEAD_BYTES)
+                status_line = answer.split(b"\r\n", 1)[0].decode("latin-1", "replace")
+                if not status_line.startswith("HTTP/1.1 101"):
+                    raise RelayProtocolError(f"relay did not upgrade the tunnel: {status_line!r}")
+                challenge = _parse_line(await _receive_line(buffered), RelayChallenge)
+                await _send(stream, self._attach_message(role, challenge.nonce))
+                answer_message = _parse_line(await _receive_line(buffered), RelayAttached, RelayRefused)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await transport.aclose()
+                raise
+        if isinstance(answer_message, RelayRefused):
+            await stream.aclose()
+            raise RelayRefusedError(answer_message.code, answer_message.message)
+        return stream, buffered, answer_message
+
+    def _attach_message(self, role: RelayRole, nonce: str) -> RelayAttach:
+        now = int(time.time())
+        claims = RelayAttachClaims(
+            iss=self.identity.node_id, aud=RELAY_ATTACH_AUDIENCE, nonce=nonce, role=role,
+            iat=now, exp=now + RELAY_PROOF_LIFETIME_S,
+        )  # fmt: skip
+        return RelayAttach(
+            role=role,
+            node_id=self.identity.node_id,
+            public_key=self.identity.public_key_text,
+            proof=encode_token(claims.model_dump(), self.identity.private_key),
+        )
+
+    def _set_down(self, state: RelayLinkState, error: str) -> None:
+        self.state = state
+        self.last_error = error
+
+
+# How a session with the relay ends other than by a refusal: the link reconnects after any of them.
+_CONNECTION_ENDS = (
+    OSError, TimeoutError, ssl.SSLError, RelayProtocolError, anyio.BrokenResourceError, anyio.EndOfStream,
+    anyio.IncompleteRead, anyio.ClosedResourceError,
+)  # fmt: skip
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups from task groups."""
+    while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:  # type: ignore[attr-defined]
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
+
+
+class _Pipe(asyncio.Protocol):
+    """One side of a splice at the transport level: what it receives, its peer writes.
+
+    Backpressure passes through: when a side's write buffer fills, its peer stops reading.
+    When either side ends, both close (after their buffered bytes are written).
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.peer: _Pipe | None = None
+        self._pending: list[bytes] = []
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @staticmethod
+    def join(a: _Pipe, b: _Pipe) -> None:
+        a.peer, b.peer = b, a
+        for side in (a, b):
+            for data in side._pending:
+                side.peer.transport.write(data)  # type: ignore[union-attr]
+            side._pending.clear()
+            if side.transport is not None and not side.transport.is_closing():
+                side.transport.resume_reading()
+        for side in (a, b):
+            if side.closed.done():
+                side._close_both()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is None or self.peer.transport is None:
+            self._pending.append(data)  # bytes that came before the other side was connected
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
+        self.peer.transport.write(data)
+
+    def eof_received(self) -> bool:
+        self._close_both()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+        self._close_both()
+
+    def pause_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None and not self.peer.transport.is_closing():
+            self.peer.transport.resume_reading()
+
+    def _close_both(self) -> None:
+        for side in (self, self.peer):
+            if side is not None and side.transport is not None:
+                side.transport.close()
+
+
+async def _receive_line(buffered: BufferedByteReceiveStream) -> bytes:
+    try:
+        return await buffered.receive_until(b"\n", MAX_RELAY_MESSAGE_BYTES)
+    except anyio.DelimiterNotFound:
+        raise RelayProtocolError(f"relay sent a message over {MAX_RELAY_MESSAGE_BYTES} bytes") from None
+
+
+def _parse_line(line: bytes, *models: type[BaseModel]) -> BaseModel:  # type: ignore[return]
+    for model in models:
+        try:
+            return model.model_validate_json(line)
+        except ValidationError:
+            continue
+    raise RelayProtocolError(f"unexpected relay message (wanted {' or '.join(m.__name__ for m in models)})")
+
+
+async def _send(stream: ByteStream, message: BaseModel) -> None:
+    await stream.send(message.model_dump_json().encode() + b"\n")
+
+
+async def probe_relay(endpoint: RelayEndpoint, identity: NodeIdentity) -> bool:
+    """Attach one work connection and let it go: True when the node's tunnel is up, False when the relay
+    verified the key but holds no tunnel for it. Raises what dialling raises otherwise."""
+    link = RelayLink(endpoint, identity, ssl.create_default_context(), b"", lambda: ("127.0.0.1", 0))
+    try:
+        stream, _, _ = await link._dial("work")
+    except RelayRefusedError as exc:
+        if exc.code == "no_control_channel":  # refused only after the proof checked out
+            return False
+        raise
+    await stream.aclose()
+    return True
+
+
+def build_relay_link(relay_url: str, state_dir: Path, local_address: Callable[[], tuple[str, int]]) -> RelayLink:
+    """The one constructor the node calls: identity from the state dir, certificate written beside the key."""
+    endpoint = RelayEndpoint.parse(relay_url)
+    state_dir = Path(state_dir)
+    identity = NodeIdentity.load_or_create(state_dir)
+    der = node_certificate(identity.private_key)
+    cert_path = state_dir / NODE_TLS_CERT_FILE
+    pem = certificate_pem(der)
+    if not cert_path.exists() or cert_path.read_bytes() != pem:
+        tmp = cert_path.with_name(f".{cert_path.name}.tmp")
+        tmp.write_bytes(pem)
+        tmp.replace(cert_path)
+    context = server_context(str(cert_path), str(state_dir / NODE_KEY_FILE))
+    return RelayLink(endpoint, identity, context, der, local_address)
+
+
+def local_address_for(host: str, port: int) -> Callable[[], tuple[str, int]]:
+    """Where the relayed bytes go: the node's own listener, on loopback when it listens on every address."""
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    return lambda: (target, port)
+
+
+__all__ = ["RelayEndpoint", "RelayLink", "RelayProtocolError", "RelayRefusedError", "build_relay_link", "local_address_for", "probe_relay"]

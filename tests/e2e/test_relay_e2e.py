@@ -1,0 +1,187 @@
+"""End to end through the relay: `dev tracker` + `dev relay` + `serve --relay` (real llama-server, tiny
+model) driven by the official openai SDK. The node is reachable only through its tunnel; billing must
+come out exactly once whatever happens to the relay."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from support.node_process import NodeProcess
+from support.relay_processes import (
+    ServiceProcess,
+    models,
+    node_env,
+    node_ledger,
+    process_memory_contains,
+    relay_process,
+    tracker_key,
+    tracker_process,
+    tracker_usage,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+EXACT = {"extra_body": {"ignore_eos": True}}
+# The outage the node must ride out with its ledger and outbox intact.
+RELAY_OUTAGE_S = float(os.environ.get("MESHNET_TEST_RELAY_OUTAGE_S", "60"))
+
+
+@dataclass
+class RelayedMesh:
+    tracker: ServiceProcess
+    relay: ServiceProcess
+    node: NodeProcess
+    model: str
+
+    def sdk(self, timeout: float = 30) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.tracker.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+    def logs(self) -> list[Path]:
+        return [self.tracker.log_path, self.relay.log_path, self.node.log_path]
+
+    def wait_routable(self, timeout: float = 30) -> None:
+        wait_for(lambda: models(self.tracker) == [self.model], "the node to be routable through the relay", self.logs(), timeout)
+
+    def wait_billed(self, count: int) -> dict[str, dict]:
+        def settled() -> bool:
+            ledger = node_ledger(self.node.state_dir)
+            return len(ledger) == count and all(row["reported"] for row in ledger.values())
+
+        wait_for(settled, f"{count} receipts acknowledged", self.logs())
+        return node_ledger(self.node.state_dir)
+
+
+@pytest.fixture
+def relayed(real_llama, tiny_gguf, start_node, tmp_path) -> Iterator[RelayedMesh]:  # type: ignore[no-untyped-def]
+    tracker = tracker_process(tmp_path).start()
+    relay = relay_process(tmp_path).start()
+    node = start_node(
+        "--gguf", str(tiny_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
+        "--relay", relay.url, "--parallel", "2", "--ctx-size", "2048", "--drain-grace", "2", env=node_env(tracker),
+    )  # fmt: skip
+    mesh = RelayedMesh(tracker, relay, node, tiny_gguf.stem)
+    try:
+        node.wait_ready()
+        mesh.wait_routable()
+        yield mesh
+    finally:
+        node.close()
+        relay.close()
+        tracker.close()
+        for log in mesh.logs():
+            print(f"----- {log.name}\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def _assert_billed_exactly_once(mesh: RelayedMesh, count: int) -> None:
+    ledger = mesh.wait_billed(count)
+    usage = tracker_usage(mesh.tracker)
+    # Requests the tracker could not get through (relay down) never reached the node: nothing to bill.
+    served = [u for u in usage if u["outcome"] != "refused"]
+    assert sorted(u["request_id"] for u in served) == sorted(ledger), (usage, ledger)  # each once, none lost
+    assert all(u["node"] is not None for u in served), served  # and the node's receipt arrived for each
+
+
+def test_openai_sdk_streams_through_tracker_relay_and_node(relayed: RelayedMesh) -> None:
+    [entry] = httpx.get(relayed.tracker.url + "/v1/nodes").json()
+    assert entry["announcement"]["relay"]["url"] == relayed.relay.url
+    assert entry["advertised_url"] == relayed.relay.url
+    health = relayed.node.health()
+    assert health is not None and health.json()["relay"]["state"] == "attached"
+
+    client = relayed.sdk()
+    marker = "relay-must-not-see-this-3b1f9e"
+    messages = [{"role": "user", "content": f"Repeat {marker}"}]
+    answer = client.chat.completions.create(model=relayed.model, messages=messages, max_tokens=8, **EXACT)
+    assert answer.usage is not None and answer.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(model=relayed.model, messages=messages, max_tokens=16, stream=True, **EXACT))
+    assert sum(len(c.choices[0].delta.content or "") for c in chunks if c.choices) > 0
+    with_usage = list(client.chat.completions.create(
+        model=relayed.model, messages=messages, max_tokens=5, stream=True, stream_options={"include_usage": True}, **EXACT
+    ))  # fmt: skip
+    assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 5
+
+    ledger = relayed.wait_billed(3)
+    usage = {u["request_id"]: u for u in tracker_usage(relayed.tracker)}
+    assert set(usage) == set(ledger)
+    assert all(u["agreement"] == "agree" for u in usage.values()), usage
+
+    # The relay carried the prompt only encrypted: not in its memory, not in its log. The tracker,
+    # which did see it in plaintext, shows the scan would have found it.
+    needle = marker.encode()
+    assert process_memory_contains(relayed.tracker.proc.pid, needle)  # type: ignore[union-attr]
+    assert not process_memory_contains(relayed.relay.proc.pid, needle)  # type: ignore[union-attr]
+    assert marker not in relayed.relay.log_path.read_text(errors="replace")
+
+
+def test_killed_relay_ends_the_stream_with_an_error_and_a_restart_serves_within_5_s(relayed: RelayedMesh) -> None:
+    client = relayed.sdk()
+    stream = client.chat.completions.create(model=relayed.model, messages=MESSAGES, max_tokens=4000, stream=True, **EXACT)
+    seen = 0
+    with pytest.raises(openai.APIError) as broken:
+        for _chunk in stream:
+            seen += 1
+            if seen == 5:
+                relayed.relay.kill()
+                killed_at = time.monotonic()
+    assert time.monotonic() - killed_at < 2.0
+    assert "broke off" in str(broken.value)
+
+    relayed.relay.start()  # same port, as a restarted service comes back
+    restarted = time.monotonic()
+    while True:
+        try:
+            answer = relayed.sdk(timeout=5).chat.completions.create(model=relayed.model, messages=MESSAGES, max_tokens=4, **EXACT)
+            break
+        except openai.APIError:
+            assert time.monotonic() - restarted < 5.0, "the node was not back through the relay within 5 s"
+            time.sleep(0.1)
+    assert answer.usage is not None and answer.usage.completion_tokens == 4
+    assert time.monotonic() - restarted < 5.0
+    _assert_billed_exactly_once(relayed, 2)
+
+
+def test_a_relay_down_for_a_minute_loses_and_doubles_no_billing(relayed: RelayedMesh) -> None:
+    client = relayed.sdk()
+    for _ in range(2):
+        client.chat.completions.create(model=relayed.model, messages=MESSAGES, max_tokens=4, **EXACT)
+    relayed.relay.kill()
+    outage_end = time.monotonic() + RELAY_OUTAGE_S
+    refused = 0
+    while time.monotonic() < outage_end:
+        try:
+            client.chat.completions.create(model=relayed.model, messages=MESSAGES, max_tokens=4, **EXACT)
+        except openai.APIStatusError as exc:
+            assert exc.status_code in (502, 503), exc
+            refused += 1
+        time.sleep(min(5.0, max(0.0, outage_end - time.monotonic())))
+    assert refused >= 1
+    health = relayed.node.health()
+    assert health is not None and health.json()["relay"]["state"] in ("connecting", "disconnected")
+    relayed.relay.start()
+    relayed.wait_routable(timeout=10)
+    for _ in range(2):
+        client.chat.completions.create(model=relayed.model, messages=MESSAGES, max_tokens=4, **EXACT)
+    _assert_billed_exactly_once(relayed, 4)
+
+
+def test_a_client_that_goes_away_frees_the_slot_through_the_relay(relayed: RelayedMesh) -> None:
+    with httpx.Client(timeout=30) as http:
+        body = {"model": relayed.model, "messages": MESSAGES, "max_tokens": 100_000, "stream": True, "ignore_eos": True}
+        with http.stream("POST", relayed.tracker.url + "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for n, _line in enumerate(response.iter_lines()):
+                if n == 10:
+                    busy = relayed.node.health()
+                    assert busy is not None and busy.json()["slots_busy"] == 1
+                    break
+    wait_for(lambda: (h := relayed.node.health()) is not None and h.json()["slots_busy"] == 0,
+             "the node to free the slot", relayed.logs(), timeout=2.0)  # fmt: skip

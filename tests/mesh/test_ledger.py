@@ -1,0 +1,103 @@
+"""The usage ledger: one row per request id, an outbox that empties only on acknowledgement,
+totals for `meshnet-gguf usage`, and durability across reopening."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import anyio
+import pytest
+
+from meshnet_gguf.contract.protocol import FinishReason, UsageRecord
+from meshnet_gguf.mesh.identity import NodeIdentity
+from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
+
+pytestmark = pytest.mark.anyio
+
+
+def record(rid: str, prompt: int = 3, completion: int = 5, finish: FinishReason = "stop", started: float = 1000.0) -> UsageRecord:
+    return UsageRecord(
+        request_id=rid, route="/v1/chat/completions", model="tiny", status=200, stream=True,
+        prompt_tokens=prompt, completion_tokens=completion, finish_reason=finish, started_at=started,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def identity(tmp_path: Path) -> NodeIdentity:
+    return NodeIdentity.load_or_create(tmp_path / "id")
+
+
+@pytest.fixture
+def ledger(tmp_path: Path):
+    led = UsageLedger.in_state_dir(tmp_path)
+    yield led
+    led.close()
+
+
+async def add(ledger: UsageLedger, identity: NodeIdentity, rec: UsageRecord) -> bool:
+    return await ledger.add(rec, identity.sign_receipt(rec))
+
+
+async def test_one_row_per_request_id_first_wins(ledger: UsageLedger, identity: NodeIdentity) -> None:
+    assert await add(ledger, identity, record("r1", completion=5))
+    assert not await add(ledger, identity, record("r1", completion=99))
+    [entry] = await ledger.entries()
+    assert entry.record.completion_tokens == 5
+    assert entry.outbox_state == "pending"
+
+
+async def test_receipt_must_belong_to_its_record(ledger: UsageLedger, identity: NodeIdentity) -> None:
+    with pytest.raises(ValueError):
+        await ledger.add(record("r1"), identity.sign_receipt(record("r2")))
+
+
+async def test_outbox_oldest_first_until_acknowledged(ledger: UsageLedger, identity: NodeIdentity) -> None:
+    for i in range(5):
+        await add(ledger, identity, record(f"r{i}"))
+    batch = await ledger.pending(3)
+    assert [r.request_id for r in batch] == ["r0", "r1", "r2"]
+    assert await ledger.mark_reported(["r0", "r1"]) == 2
+    assert await ledger.mark_reported(["r0"]) == 0  # already reported: no change
+    assert await ledger.mark_rejected([("r2", "bad_signature: nope")]) == 1
+    assert [r.request_id for r in await ledger.pending(10)] == ["r3", "r4"]
+    states = {e.record.request_id: e.outbox_state for e in await ledger.entries()}
+    assert states == {"r0": "reported", "r1": "reported", "r2": "rejected", "r3": "pending", "r4": "pending"}
+    assert [e.record.request_id for e in await ledger.entries(pending_only=True)] == ["r4", "r3"]
+
+
+async def test_totals_count_tokens_and_outbox(ledger: UsageLedger, identity: NodeIdentity) -> None:
+    await add(ledger, identity, record("a", 10, 20))
+    await add(ledger, identity, record("b", 1, 2, finish="cancelled"))
+    await add(ledger, identity, record("c", 4, 0, finish="error"))
+    await ledger.mark_reported(["a"])
+    totals = await ledger.totals()
+    assert (totals.usage.requests, totals.usage.prompt_tokens, totals.usage.completion_tokens) == (3, 15, 22)
+    assert (totals.usage.cancelled, totals.usage.errors) == (1, 1)
+    assert (totals.reported, totals.pending, totals.rejected) == (1, 2, 0)
+
+
+async def test_many_concurrent_writers_lose_nothing(ledger: UsageLedger, identity: NodeIdentity) -> None:
+    async with anyio.create_task_group() as tg:
+        for i in range(100):
+            tg.start_soon(add, ledger, identity, record(f"r{i}"))
+    assert (await ledger.totals()).usage.requests == 100
+
+
+async def test_rows_survive_reopening_and_use_wal(tmp_path: Path, identity: NodeIdentity) -> None:
+    led = UsageLedger.in_state_dir(tmp_path)
+    await add(led, identity, record("kept"))
+    await led.aclose()
+    again = UsageLedger.in_state_dir(tmp_path)
+    try:
+        assert [r.request_id for r in await again.pending(10)] == ["kept"]
+    finally:
+        again.close()
+    mode = sqlite3.connect(tmp_path / LEDGER_FILE).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+async def test_recent_request_ids_for_the_replay_cache(ledger: UsageLedger, identity: NodeIdentity) -> None:
+    await add(ledger, identity, record("old", started=100.0))
+    await add(ledger, identity, record("new", started=200.0))
+    assert await ledger.request_ids_since(150.0) == [("new", 200.0)]

@@ -1,0 +1,183 @@
+"""An in-process node front for billing and abuse tests: the real `ProxyApp` behind the node's real
+HTTP listener (`HttpServerPart`), in front of a real llama-server process (the bundled binary or
+the fake one), with a real route gate and a real SQLite ledger when a test asks for them.
+
+Everything but the supervisor is the production code; the test owns the llama-server child
+and can kill it, and reads the ledger and the usage records directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
+from meshnet_gguf.contract.signing import body_sha256, encode_token, tracker_issuer_for
+from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.mesh.identity import NodeIdentity
+from meshnet_gguf.mesh.ledger import UsageLedger
+from meshnet_gguf.mesh.link import RouteGate
+from meshnet_gguf.mesh.receipts import LedgerUsageSink
+from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.http_server import HttpServerPart
+from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+
+READY_TIMEOUT_S = 30.0
+LLAMA_KEY = "internal-test-key"
+MODEL_ID = "tiny"
+TOTAL_LAYERS = 2
+
+
+class LlamaChild:
+    """llama-server (real or fake) as a child of the test, on a loopback port, stopped by its PID."""
+
+    def __init__(self, binary: BinaryInfo, model: Path, *, slots: int = 2, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.port = free_local_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [str(binary.path), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                "-c", "4096", "-np", str(slots), "--alias", MODEL_ID]  # fmt: skip
+        full_env = {**binary.environment(), "LLAMA_API_KEY": LLAMA_KEY, **(env or {})}
+        self._log = (log or Path(os.devnull)).open("ab")
+        self.proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready()
+
+    def wait_ready(self) -> float:
+        started = time.monotonic()
+        deadline = started + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        raise AssertionError("llama-server not ready")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+
+class RecordingSink:
+    """Keeps every usage record the proxy hands its sinks."""
+
+    def __init__(self) -> None:
+        self.records: list[UsageRecord] = []
+
+    async def record(self, usage: UsageRecord) -> None:
+        self.records.append(usage)
+
+
+@dataclass
+class Tracker:
+    """Plays the tracker: mints routes for the node under test with its own key."""
+
+    key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
+
+    def route(self, node_id: str, path: str, body: bytes, *, lifetime_s: int = 30, **over: Any) -> str:
+        now = int(time.time())
+        claims = {
+            "iss": tracker_issuer_for(self.key.public_key()), "sub": node_id, "jti": f"req-{time.perf_counter_ns()}",
+            "iat": now, "exp": now + lifetime_s, "path": path, "model": MODEL_ID,
+            "hops": [{"node_id": node_id, "first_layer": 0, "last_layer": TOTAL_LAYERS - 1}],
+            "body_sha256": body_sha256(body),
+        }  # fmt: skip
+        return encode_token({**claims, **over}, self.key)
+
+
+@dataclass
+class FrontUnderTest:
+    url: str
+    app: ProxyApp
+    sink: RecordingSink
+    gate: RouteGate | None
+    ledger: UsageLedger | None
+    identity: NodeIdentity | None
+    upstream_url: list[str]  # one element, swappable when llama-server restarts
+
+    def target(self) -> UpstreamTarget | None:
+        return UpstreamTarget(self.upstream_url[0], LLAMA_KEY) if self.upstream_url[0] else None
+
+
+@contextlib.asynccontextmanager
+async def serve_front(
+    upstream_url: str,
+    *,
+    slots: int = 2,
+    api_key: str | None = None,
+    tracker: Tracker | None = None,
+    state_dir: Path | None = None,
+    allowed_hosts: Sequence[str] = (),
+    max_body_bytes: int = 8 * 1024 * 1024,
+) -> AsyncIterator[FrontUnderTest]:
+    """The node's front (proxy + listener, and with `tracker` its route gate and ledger) on a free port."""
+    sink = RecordingSink()
+    gate = ledger = identity = journal = None
+    sinks: list[Any] = [sink]
+    if tracker is not None:
+        assert state_dir is not None
+        identity = NodeIdentity.load_or_create(state_dir)
+        ledger = UsageLedger.in_state_dir(state_dir)
+        gate = RouteGate(identity.node_id, MODEL_ID, TOTAL_LAYERS, tracker.key.public_key())
+        journal = LedgerUsageSink(ledger, identity)
+        sinks.append(journal)
+    upstream = [upstream_url]
+    client = make_upstream_client("aiohttp", slots)
+    admission = Admission(slots=slots)
+    app = ProxyApp(
+        upstream=lambda: UpstreamTarget(upstream[0], LLAMA_KEY) if upstream[0] else None,
+        client=client,
+        admission=admission,
+        limits=ProxyLimits(max_body_bytes=max_body_bytes, retry_after_s=1),
+        model_name=MODEL_ID,
+        health=lambda: HealthReport(state="ready", model=MODEL_ID, slots_total=slots, slots_busy=admission.in_flight),
+        usage_sinks=sinks,
+        route_check=gate,
+        journal=journal,
+        api_key=api_key,
+        allowed_hosts=allowed_hosts,
+    )
+    http = HttpServerPart(app, "127.0.0.1", free_local_port())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(http.run)
+        front = FrontUnderTest(f"http://127.0.0.1:{http.port}", app, sink, gate, ledger, identity, upstream)
+        try:
+            yield front
+        finally:
+            await http.close()
+            await client.aclose()
+            if ledger is not None:
+                await ledger.aclose()
+            tg.cancel_scope.cancel()
+
+
+async def wait_records(sink: RecordingSink, count: int, timeout: float = 10.0) -> list[UsageRecord]:
+    with anyio.fail_after(timeout):
+        while len(sink.records) < count:
+            await anyio.sleep(0.01)
+    return sink.records

@@ -1,0 +1,131 @@
+"""A meshed node assembled in-process from the real parts: the node proxy (`ProxyApp`), the
+mesh link (route gate, signed ledger, outbox, presence, control proof) and the fake
+llama-server as a real HTTP process behind them, wired as `node.build_node` wires them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.common.settings import NodeSettings
+from meshnet_gguf.contract.protocol import HealthReport, NodeState
+from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.mesh.link import MeshnetLink, ServedModel
+from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from support.loopback import serve_asgi
+
+FAKE_LLAMA = Path(__file__).parent / "fake_llama_server.py"
+FAKE_LLAMA_KEY = "internal-test-key"
+MODEL = "tiny"
+START_TIMEOUT_S = 10.0
+
+
+class FakeLlama:
+    """`tests/support/fake_llama_server.py` as a child process on a free loopback port; stopped by its PID."""
+
+    def __init__(self, workdir: Path, **env: str) -> None:
+        self.port = free_local_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.request_log = workdir / f"fake-llama-{self.port}.jsonl"
+        argv = [sys.executable, str(FAKE_LLAMA), "--host", "127.0.0.1", "--port", str(self.port), "--alias", MODEL, "--parallel", "8"]
+        full_env = {**os.environ, "LLAMA_API_KEY": FAKE_LLAMA_KEY, "FAKE_LLAMA_REQUEST_LOG": str(self.request_log), **env}
+        self.proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.02)
+        self.close()
+        raise RuntimeError("fake llama-server did not start")
+
+    def forwarded(self) -> list[dict[str, Any]]:
+        """The bodies the node proxy forwarded, in order."""
+        if not self.request_log.exists():
+            return []
+        return [json.loads(line)["body"] for line in self.request_log.read_text().splitlines()]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(5)
+
+
+class MeshNode:
+    """A node on loopback: real proxy + real mesh link, in front of a fake llama-server."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        tiny_gguf: Path,
+        llama: FakeLlama,
+        *,
+        tracker_url: str,
+        tracker_key: str | None,
+        enrolment_secret: str | None,
+        slots: int = 2,
+        advertised_url: str | None = None,
+    ) -> None:
+        self.port = free_local_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state: NodeState = "ready"
+        self.settings = NodeSettings(
+            state_dir=state_dir, tracker=tracker_url, tracker_public_key=tracker_key, enrolment_secret=enrolment_secret,
+            advertised_url=advertised_url or self.url, usage_report_interval_s=0, parallel=slots,
+        )  # fmt: skip
+        self.link = MeshnetLink(self.settings, ServedModel(model_id=MODEL, shards=[tiny_gguf], slots=slots), self.health)
+        self.upstream_client = make_upstream_client("httpx", slots)
+        self.admission = Admission(slots=slots)
+        self.proxy = ProxyApp(
+            upstream=lambda: UpstreamTarget(llama.url, FAKE_LLAMA_KEY) if self.state == "ready" else None,
+            client=self.upstream_client,
+            admission=self.admission,
+            limits=ProxyLimits(max_body_bytes=8 * 1024 * 1024, retry_after_s=1),
+            model_name=MODEL,
+            health=self.health,
+            usage_sinks=[self.link.usage_sink],
+            route_check=self.link.route_gate,
+            journal=self.link.usage_sink,
+            query_get_routes=dict([self.link.control_route]),
+        )
+        self.app = self.proxy
+
+    def health(self) -> HealthReport:
+        busy = self.admission.in_flight if hasattr(self, "admission") else 0
+        report = HealthReport(state=self.state, model=MODEL, slots_total=self.settings.parallel, slots_busy=busy)
+        return self.link.health(report)
+
+    @property
+    def node_id(self) -> str:
+        return self.link.identity.node_id
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[MeshNode]:
+        """Serve on loopback and run the mesh link; on exit its tasks stop and its clients close."""
+        async with serve_asgi(self.app, self.port):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.link.run)
+                try:
+                    yield self
+                finally:
+                    tg.cancel_scope.cancel()
+            # Only once the link's tasks have ended: none of them may find its client closed.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+                await self.link.client.aclose()
+                await self.upstream_client.aclose()
+        self.link.ledger.close()

@@ -1,0 +1,169 @@
+"""In-process pieces for relay tests: the reference relay, a node's relay link, a small streaming
+HTTP app standing in for the node's proxy, and a tracker-side client that reaches the node the way
+the reference tracker does (CONNECT through the relay, TLS pinned to the node's certificate)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_context
+from meshnet_gguf.contract.signing import parse_public_key
+from meshnet_gguf.mesh.identity import NodeIdentity
+from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
+from meshnet_gguf.reference.relay import Relay, RelayConfig
+from support.loopback import serve_asgi
+
+WAIT_S = 10.0
+
+
+@dataclass
+class StreamApp:
+    """ASGI app: POST streams `n` numbered SSE events `delay` apart; records what it saw."""
+
+    bodies: list[bytes] = field(default_factory=list)
+    disconnects: int = 0
+    active: int = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.bodies.append(body)
+        if scope["method"] == "GET":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"status":"ok"}'})
+            return
+        request = json.loads(body or b"{}")
+        n, delay = int(request.get("n", 5)), float(request.get("delay", 0))
+        pad = "x" * int(request.get("pad", 0))
+        self.active += 1
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    self.disconnects += 1
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                await send({"type": "http.response.body", "body": b": keep-this-comment\n\n", "more_body": True})
+                for i in range(n):
+                    await send({"type": "http.response.body", "body": f"data: {i}{pad}\n\n".encode(), "more_body": True})
+                    if delay:
+                        await anyio.sleep(delay)
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+                tg.cancel_scope.cancel()
+        finally:
+            self.active -= 1
+
+
+@dataclass
+class Mesh:
+    relay: Relay
+    relay_url: str
+    link: RelayLink
+    app: StreamApp
+    app_port: int
+    identity: NodeIdentity
+
+    def client(self, **kwargs: Any) -> httpx.AsyncClient:
+        """Reach the node as the tracker does: through the relay, TLS pinned to the announced certificate."""
+        attachment = self.link.attachment()
+        context = pinned_client_context(certificate_from_text(attachment.tls_certificate), parse_public_key(self.identity.public_key_text))
+        return httpx.AsyncClient(proxy=self.relay_url, verify=context, trust_env=False, timeout=WAIT_S, **kwargs)
+
+    @property
+    def node_url(self) -> str:
+        return f"https://{self.identity.node_id}"
+
+    async def wait_attached(self, idle: int = 1) -> None:
+        with anyio.fail_after(WAIT_S):
+            while not (self.link.state == "attached" and self.link.link_health().idle_work >= idle
+                       and self.identity.node_id in self.relay.tunnels
+                       and len(self.relay.tunnels[self.identity.node_id].idle) >= idle):  # fmt: skip
+                await anyio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def running_relay(relay: Relay) -> AsyncIterator[str]:
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(relay.serve)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def mesh(tmp_path: Path, *, relay_config: RelayConfig | None = None, relay: Relay | None = None) -> AsyncIterator[Mesh]:
+    app = StreamApp()
+    app_port = free_local_port()
+    relay = relay or Relay(relay_config or RelayConfig(port=0))
+    async with serve_asgi(app, app_port), running_relay(relay) as relay_url:
+        link = build_relay_link(relay_url, tmp_path / "node", local_address_for("127.0.0.1", app_port))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(link.run)
+            m = Mesh(relay, relay_url, link, app, app_port, link.identity)
+            await m.wait_attached()
+            try:
+                yield m
+            finally:
+                await link.drain()
+                await link.close()
+                tg.cancel_scope.cancel()
+
+
+async def read_events(response: httpx.Response) -> list[str]:
+    events = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            events.append(line[len("data: ") :])
+    return events
+
+
+async def raw_tunnel(relay_url: str) -> tuple[Any, Any, dict[str, Any]]:
+    """Open an upgraded tunnel connection by hand (an attacker's or a broken node's view); returns the challenge."""
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    host, port = relay_url.removeprefix("http://").split(":")
+    stream = await anyio.connect_tcp(host, int(port))
+    buffered = BufferedByteReceiveStream(stream)
+    await stream.send(b"GET /v1/relay/tunnel HTTP/1.1\r\nHost: relay\r\nConnection: Upgrade\r\nUpgrade: meshnet-relay/1\r\n\r\n")
+    head = await buffered.receive_until(b"\r\n\r\n", 8192)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    challenge = json.loads(await buffered.receive_until(b"\n", 65536))
+    return stream, buffered, challenge
+
+
+async def read_answer(buffered: Any) -> dict[str, Any]:
+    return json.loads(await buffered.receive_until(b"\n", 65536))
+
+
+def attach_message(identity: NodeIdentity, nonce: str, *, role: str = "control", node_id: str | None = None,
+                   public_key: str | None = None, signer: Any = None, aud: str = "meshnet-relay") -> bytes:
+    import time as _time
+
+    from meshnet_gguf.contract.signing import encode_token
+
+    now = int(_time.time())
+    node_id = node_id or identity.node_id
+    claims = {"iss": node_id, "aud": aud, "nonce": nonce, "role": role, "iat": now, "exp": now + 30}
+    proof = encode_token(claims, signer or identity.private_key)
+    message = {"type": "attach", "role": role, "node_id": node_id, "public_key": public_key or identity.public_key_text, "proof": proof}
+    return json.dumps(message).encode() + b"\n"

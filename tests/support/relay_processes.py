@@ -1,0 +1,140 @@
+"""Tracker, relay and node as child processes for the relay's end-to-end tests (stopped by PID only)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
+from meshnet_gguf.mesh.ledger import LEDGER_FILE
+
+WAIT_S = 30.0
+HEARTBEAT_S = 1.0
+HEALTH_POLL_S = 0.5
+
+
+def wait_for(condition: Callable[[], object], what: str, logs: Sequence[Path] = (), timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    tails = "\n".join(f"----- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
+    raise AssertionError(f"timed out waiting for {what}\n{tails}")
+
+
+class ServiceProcess:
+    """`python -m meshnet_gguf <args>` in its own session, with its log in `workdir`."""
+
+    def __init__(self, name: str, args: Sequence[str], workdir: Path, *, port: int, host: str = "127.0.0.1",
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.name, self.args, self.workdir, self.port, self.host, self.prefix = name, list(args), workdir, port, host, list(prefix)
+        self.env = {**os.environ, **(env or {})}
+        self.url = f"http://{host}:{port}"
+        self.log_path = workdir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServiceProcess:
+        argv = [*self.prefix, sys.executable, "-m", "meshnet_gguf", *self.args]
+        self.proc = subprocess.Popen(argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        wait_for(self._up, f"{self.name} on {self.url}", [self.log_path])
+        return self
+
+    def _up(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{self.name} exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+        return httpx.get(self.url + "/health", timeout=1, trust_env=False).status_code == 200
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def tracker_process(workdir: Path, host: str = "127.0.0.1", *, allow_private: bool = False) -> ServiceProcess:
+    """The reference tracker; nodes enrol with `node_env(tracker)`."""
+    port = free_local_port()
+    secret = secrets.token_urlsafe(16)
+    return ServiceProcess("tracker", [
+        "dev", "tracker", "--host", host, "--port", str(port), "--state-dir", str(workdir / "tracker"),
+        "--heartbeat-interval", str(HEARTBEAT_S), "--health-poll-interval", str(HEALTH_POLL_S),
+        *(["--allow-private"] if allow_private else []),
+    ], workdir, port=port, host=host, env={"MESHNET_TRACKER_ENROLMENT_SECRET": secret})  # fmt: skip
+
+
+def node_env(tracker: ServiceProcess) -> dict[str, str]:
+    """What a node needs to enrol at `tracker` (in the environment: argv is visible to other users)."""
+    return {"MESHNET_ENROLMENT_SECRET": tracker.env["MESHNET_TRACKER_ENROLMENT_SECRET"]}
+
+
+def relay_process(workdir: Path, host: str = "127.0.0.1", port: int | None = None) -> ServiceProcess:
+    port = port or free_local_port()
+    return ServiceProcess("relay", ["dev", "relay", "--host", host, "--port", str(port), "--ping-interval", "2"], workdir, port=port, host=host)
+
+
+def tracker_key(tracker: ServiceProcess) -> str:
+    return httpx.get(tracker.url + WELL_KNOWN_PATH, trust_env=False).json()["public_key"]
+
+
+def models(tracker: ServiceProcess) -> list[str]:
+    return [m["id"] for m in httpx.get(tracker.url + "/v1/models", timeout=2, trust_env=False).json()["data"]]
+
+
+def tracker_usage(tracker: ServiceProcess) -> list[dict[str, Any]]:
+    return httpx.get(tracker.url + "/v1/usage?limit=10000", trust_env=False).json()
+
+
+def node_ledger(state_dir: Path) -> dict[str, dict[str, Any]]:
+    path = state_dir / LEDGER_FILE
+    if not path.exists():
+        return {}
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT request_id, reported_at, prompt_tokens, completion_tokens FROM usage").fetchall()
+    finally:
+        db.close()
+    return {rid: {"reported": at is not None, "prompt": p, "completion": c} for rid, at, p, c in rows}
+
+
+def process_memory_contains(pid: int, needle: bytes) -> bool:
+    """Scan every readable mapping of a (child) process for `needle`: a memory dump without the file."""
+    found = False
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            addresses, perms = line.split()[:2]
+            if not perms.startswith("r"):
+                continue
+            start, end = (int(x, 16) for x in addresses.split("-"))
+            try:
+                mem.seek(start)
+                chunk = mem.read(end - start)
+            except (OSError, OverflowError, ValueError):
+                continue
+            if needle in chunk:
+                found = True
+                break
+    return found

@@ -1,0 +1,15 @@
+"""Supervisor policies for tests that run a (fake) llama-server: quick polls and short backoffs."""
+
+from __future__ import annotations
+
+from meshnet_gguf.llama.supervisor import SupervisorPolicy
+
+QUICK = SupervisorPolicy(
+    load_stall_timeout_s=10.0,
+    health_poll_interval_s=0.05,
+    restart_backoff_initial_s=0.2,
+    restart_backoff_max_s=0.8,
+    restart_stable_after_s=30.0,
+    max_quick_crashes=2,
+    stop_timeout_s=3.0,
+)
