@@ -28,10 +28,10 @@ from meshnet_gguf.contract.signing import (
 )
 from meshnet_gguf.mesh.link import TRACKER_KEY_PIN_FILE
 from meshnet_gguf.reference.tracker import TRACKER_KEY_FILE
+from support.relay_processes import node_ledger
 from support.tracker_process import (  # noqa: F401
     MESSAGES,
     TrackerProcess,
-    node_ledger,
     sdk,
     start_meshed_node,
     tracker,

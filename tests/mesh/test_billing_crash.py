@@ -20,7 +20,8 @@ from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for
 from meshnet_gguf.mesh.ledger import LEDGER_FILE
 from meshnet_gguf.reference.tracker import TRACKER_KEY_FILE
-from support.tracker_process import MESSAGES, TrackerProcess, node_ledger, sdk, start_meshed_node, tracker, wait_for  # noqa: F401
+from support.relay_processes import node_ledger
+from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 # 600 tokens for the tiny ASCII model: with an answer of 400 it fits a slot of the 2,048 context split in two.

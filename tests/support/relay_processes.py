@@ -109,15 +109,21 @@ def tracker_usage(tracker: ServiceProcess) -> list[dict[str, Any]]:
 
 
 def node_ledger(state_dir: Path) -> dict[str, dict[str, Any]]:
+    """request id -> {reported, settled, prompt, completion}, read without taking part in the node's writes.
+
+    A row is opened before its request is forwarded and settled when the request ends."""
     path = state_dir / LEDGER_FILE
     if not path.exists():
         return {}
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT request_id, reported_at, prompt_tokens, completion_tokens FROM usage").fetchall()
+        rows = db.execute("SELECT request_id, reported_at, in_flight, prompt_tokens, completion_tokens FROM usage").fetchall()
     finally:
         db.close()
-    return {rid: {"reported": at is not None, "prompt": p, "completion": c} for rid, at, p, c in rows}
+    return {
+        rid: {"reported": at is not None, "settled": not open_, "prompt": p, "completion": c}
+        for rid, at, open_, p, c in rows
+    }
 
 
 def process_memory_contains(pid: int, needle: bytes) -> bool:

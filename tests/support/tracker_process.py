@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
-from meshnet_gguf.mesh.ledger import LEDGER_FILE
 from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
 from support.node_process import NodeProcess, free_port
 from support.relay_processes import HEARTBEAT_S, WAIT_S, ServiceProcess
@@ -76,24 +75,6 @@ def wait_for(condition: Callable[[], bool], what: str, log: Path | None = None, 
         time.sleep(0.05)
     tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
     raise AssertionError(f"timed out waiting for {what}\n{tail}")
-
-
-def node_ledger(state_dir: Path) -> dict[str, dict[str, Any]]:
-    """request id -> {reported, settled, prompt, completion}, read without taking part in the node's writes.
-
-    A row is opened before its request is forwarded and settled when the request ends."""
-    path = state_dir / LEDGER_FILE
-    if not path.exists():
-        return {}
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        rows = db.execute("SELECT request_id, reported_at, in_flight, prompt_tokens, completion_tokens FROM usage").fetchall()
-    finally:
-        db.close()
-    return {
-        rid: {"reported": at is not None, "settled": not open_, "prompt": p, "completion": c}
-        for rid, at, open_, p, c in rows
-    }
 
 
 @pytest.fixture
