@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
@@ -27,7 +27,7 @@ from meshnet_gguf.contract.protocol import HardwareSummary, HealthReport, ShardD
 from meshnet_gguf.hardware.report import probe_hardware
 from meshnet_gguf.llama.load_progress import model_file_bytes
 from meshnet_gguf.llama.supervisor import CPU_WARMUP, GPU_WARMUP, Supervisor, SupervisorPolicy, WarmupPolicy
-from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.llama.upstream import UpstreamClient, make_upstream_client
 from meshnet_gguf.models.gguf_info import GGUFError
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
@@ -36,8 +36,9 @@ from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
 from meshnet_gguf.prepare.announcement import ModelFactsError, hardware_summary, model_layout, shard_digests
 from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
 from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
-from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.serving.proxy import ExtraRoute, ProxyApp, ProxyLimits, QueryRoute, UpstreamTarget, UsageSink
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:
@@ -124,22 +125,16 @@ def build_node(launch: PreparedLaunch) -> Node:
     if relay is not None:
         metrics.registry.register(_relay_metrics(relay))
 
-    proxy = ProxyApp(
+    proxy = build_proxy(
+        settings,
         upstream=upstream,
         client=upstream_client,
         admission=admission,
-        limits=ProxyLimits(
-            max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s,
-            max_tokens_cap=settings.max_tokens_cap,
-        ),  # fmt: skip
         model_name=launch.model_name,
         model_aliases=launch.model_aliases,
         health=health,
         usage_sinks=[usage_stats, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
-        route_check=mesh.route_gate if mesh else None,
-        journal=mesh.usage_sink if mesh else None,
-        api_key=settings.api_key,
-        allowed_hosts=[settings.host],
+        mode=mesh.admission_mode if mesh else None,
         extra_get_routes={METRICS_PATH: metrics.scrape},
         query_get_routes=dict([mesh.control_route]) if mesh else None,
         on_rejected=metrics.count_request,
@@ -162,6 +157,42 @@ def build_node(launch: PreparedLaunch) -> Node:
         on_close=upstream_client.aclose,
     )
     return node
+
+
+def build_proxy(
+    settings: NodeSettings,
+    *,
+    upstream: Callable[[], UpstreamTarget | None],
+    client: UpstreamClient,
+    admission: Admission,
+    model_name: str,
+    health: Callable[[], HealthReport],
+    model_aliases: Sequence[str] = (),
+    usage_sinks: Sequence[UsageSink] = (),
+    mode: AdmissionMode | None = None,
+    extra_get_routes: Mapping[str, ExtraRoute] | None = None,
+    query_get_routes: Mapping[str, QueryRoute] | None = None,
+    on_rejected: Callable[[str, int], None] | None = None,
+) -> ProxyApp:
+    """The proxy as a node wires it: its limits from the settings, and standalone (the settings'
+    API key and host) unless given another admission mode (the mesh link's)."""
+    limits = ProxyLimits(
+        max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s, max_tokens_cap=settings.max_tokens_cap
+    )
+    return ProxyApp(
+        upstream=upstream,
+        client=client,
+        admission=admission,
+        limits=limits,
+        model_name=model_name,
+        model_aliases=model_aliases,
+        health=health,
+        mode=mode or StandaloneMode(api_key=settings.api_key, allowed_hosts=[settings.host]),
+        usage_sinks=usage_sinks,
+        extra_get_routes=extra_get_routes,
+        query_get_routes=query_get_routes,
+        on_rejected=on_rejected,
+    )
 
 
 def _warmup_policy(launch: PreparedLaunch) -> WarmupPolicy:
@@ -224,7 +255,8 @@ def build_mesh_link(
     ledger has seen, and rows a crash left open are settled into receipts.
     """
     from meshnet_gguf.mesh.ledger import UsageLedger
-    from meshnet_gguf.mesh.link import MeshnetLink, RouteGate, check_first_contact, configured_tracker_key, seed_replay_cache
+    from meshnet_gguf.mesh.link import MeshnetLink, check_first_contact, configured_tracker_key, seed_replay_cache
+    from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
     from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter, settle_interrupted
     from meshnet_gguf.mesh.tracker_client import TrackerClient
 
@@ -238,9 +270,11 @@ def build_mesh_link(
     route_gate = RouteGate(identity.node_id, model.model_id, model.total_layers, pinned)
     seed_replay_cache(route_gate.replay_cache, ledger)
     settle_interrupted(ledger, identity)
+    mode = MeshedMode(route_gate, usage_sink, retry_after_s=settings.retry_after_s, api_key=settings.api_key)
     return MeshnetLink(
         settings=settings, model=model, identity=identity, ledger=ledger, client=client, reporter=reporter,
-        usage_sink=usage_sink, route_gate=route_gate, health=health, describe=describe, relay_attachment=relay_attachment,
+        usage_sink=usage_sink, route_gate=route_gate, admission_mode=mode, health=health, describe=describe,
+        relay_attachment=relay_attachment,
     )  # fmt: skip
 
 
@@ -394,4 +428,4 @@ class Node:
             self.request_shutdown(force=True)
 
 
-__all__ = ["Node", "build_mesh_link", "build_node"]
+__all__ = ["Node", "build_mesh_link", "build_node", "build_proxy"]

@@ -18,9 +18,10 @@ from meshnet_gguf.contract.protocol import ROUTE_HEADER, UsageRecord
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
-from meshnet_gguf.mesh.link import RouteGate, seed_replay_cache
+from meshnet_gguf.mesh.link import seed_replay_cache
+from meshnet_gguf.mesh.meshed_mode import RouteGate
 from meshnet_gguf.mesh.receipts import settle_interrupted
-from meshnet_gguf.serving.proxy import RouteGrant
+from meshnet_gguf.serving.admission_modes import RouteGrant
 from support.billing_harness import MODEL_ID, TOTAL_LAYERS, LlamaChild, Tracker, serve_front
 
 JSON = {"content-type": "application/json"}

@@ -25,10 +25,10 @@ from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.upstream import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.link import MeshnetLink, ServedModel
-from meshnet_gguf.node import build_mesh_link
+from meshnet_gguf.node import build_mesh_link, build_proxy
 from meshnet_gguf.prepare.announcement import model_layout, shard_digests
 from meshnet_gguf.serving.admission import Admission
-from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from support.loopback import serve_asgi
 
 FAKE_LLAMA = Path(__file__).parent / "fake_llama_server.py"
@@ -102,16 +102,15 @@ class MeshNode:
         self.link = mesh_link(self.settings, tiny_gguf, self.health, slots=slots)
         self.upstream_client = make_upstream_client("httpx", slots)
         self.admission = Admission(slots=slots)
-        self.proxy = ProxyApp(
+        self.proxy = build_proxy(
+            self.settings,
             upstream=lambda: UpstreamTarget(llama.url, FAKE_LLAMA_KEY) if self.state == "ready" else None,
             client=self.upstream_client,
             admission=self.admission,
-            limits=ProxyLimits(max_body_bytes=8 * 1024 * 1024, retry_after_s=1),
             model_name=MODEL,
             health=self.health,
             usage_sinks=[self.link.usage_sink],
-            route_check=self.link.route_gate,
-            journal=self.link.usage_sink,
+            mode=self.link.admission_mode,
             query_get_routes=dict([self.link.control_route]),
         )
         self.app = self.proxy

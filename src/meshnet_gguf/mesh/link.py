@@ -52,8 +52,9 @@ from meshnet_gguf.contract.protocol import (
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key, public_key_text, tracker_issuer_for
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
+from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
 from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter
-from meshnet_gguf.mesh.route_auth import ReplayCache, RouteRejected, RouteVerifier
+from meshnet_gguf.mesh.route_auth import ReplayCache
 from meshnet_gguf.mesh.tracker_client import (
     DEREGISTER_TIMEOUT_S,
     RETRY_INITIAL_S,
@@ -65,14 +66,12 @@ from meshnet_gguf.mesh.tracker_client import (
     TrackerUnavailable,
     first_contact_problem,
 )
-from meshnet_gguf.serving.proxy import QueryRoute, RouteGrant
+from meshnet_gguf.serving.proxy import QueryRoute
 
 log = logging.getLogger(__name__)
 
 # On the way out, one bounded try to deliver the last receipts; what is left goes next start.
 FINAL_FLUSH_TIMEOUT_S = 5.0
-# Retry-After while the tracker key is still unknown: the first-contact retry runs about this often.
-KEY_UNKNOWN_RETRY_AFTER_S = 5
 # Routes admitted this recently before a restart could still be replayed; their ids come from the ledger.
 REPLAY_SEED_WINDOW_S = MAX_ROUTE_LIFETIME_S + 2 * CLOCK_SKEW_S
 # A tracker's nonce is base64url; anything else is not a tracker asking.
@@ -102,62 +101,6 @@ class ServedModel:
 DescribeModel = Callable[[], tuple[list[ShardDigest], HardwareSummary | None]]
 
 
-class RouteGate:
-    """The proxy's route verifier: verifies `X-Meshnet-Route` and says what the route allows.
-
-    Until a tracker key is known (first contact not made yet, no key configured)
-    every request is refused with 503: serving unrouted requests is never the fallback.
-    """
-
-    def __init__(self, node_id: str, model_id: str, total_layers: int, key: Ed25519PublicKey | None) -> None:
-        self._node_id, self._model_id, self._total_layers = node_id, model_id, total_layers
-        self.replay_cache = ReplayCache()
-        self._verifier: RouteVerifier | None = None
-        if key is not None:
-            self.set_tracker_key(key)
-
-    @property
-    def issuer(self) -> str | None:
-        return self._verifier.issuer if self._verifier else None
-
-    def set_tracker_key(self, key: Ed25519PublicKey) -> None:
-        self._verifier = RouteVerifier(
-            key,
-            node_id=self._node_id,
-            model_id=self._model_id,
-            total_layers=self._total_layers,
-            replay_cache=self.replay_cache,
-        )
-
-    def _ready_verifier(self) -> RouteVerifier:
-        if self._verifier is None:
-            raise ApiError(
-                503, "route_key_unavailable", "this node has not learnt its tracker's key yet; retry shortly",
-                headers={"retry-after": str(KEY_UNKNOWN_RETRY_AFTER_S)},
-            )  # fmt: skip
-        return self._verifier
-
-    def check_token(self, headers: Mapping[str, str], path: str) -> RouteGrant:
-        try:
-            claims = self._ready_verifier().check_token(headers, path)
-        except RouteRejected as exc:
-            raise ApiError(exc.status, exc.code, exc.message) from None
-        return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens, expires_at=claims.exp, body_sha256=claims.body_sha256)
-
-    def check_body(self, grant: RouteGrant, body: bytes) -> None:
-        try:
-            RouteVerifier.check_body(grant.body_sha256 or "", body)
-        except RouteRejected as exc:
-            raise ApiError(exc.status, exc.code, exc.message) from None
-
-    def claim(self, grant: RouteGrant) -> None:
-        assert grant.request_id is not None and grant.expires_at is not None
-        try:
-            self._ready_verifier().claim(grant.request_id, grant.expires_at)
-        except RouteRejected as exc:
-            raise ApiError(exc.status, exc.code, exc.message) from None
-
-
 class MeshnetLink(BasePart):
     """A node part: registration and heartbeats, the receipt outbox, the route gate and the control proof."""
 
@@ -174,6 +117,7 @@ class MeshnetLink(BasePart):
         reporter: OutboxReporter,
         usage_sink: LedgerUsageSink,
         route_gate: RouteGate,
+        admission_mode: MeshedMode,
         health: Callable[[], HealthReport],
         describe: DescribeModel,
         relay_attachment: RelayAttachment | None = None,
@@ -187,6 +131,8 @@ class MeshnetLink(BasePart):
         self.reporter = reporter
         self.usage_sink = usage_sink
         self.route_gate = route_gate
+        # What the proxy admits requests with: this link's route gate and ledger.
+        self.admission_mode = admission_mode
         self._health = health
         self._describe = describe
         self._draining = False

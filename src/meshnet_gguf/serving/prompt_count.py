@@ -1,0 +1,148 @@
+"""Counting a prompt's tokens with llama-server's own template and tokenizer.
+
+The count bills the prompt of a request cut short at any moment. `PromptCounter`
+asks llama-server (`/apply-template` for a chat, then `/tokenize`); `PromptCount`
+runs that count beside the generation, so it costs no time to first token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
+from meshnet_gguf.serving.admission_modes import unavailable
+from meshnet_gguf.serving.request_validation import single_prompt
+from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_headers
+
+log = logging.getLogger(__name__)
+
+# llama-server's template and tokenizer answer in milliseconds, so a count this late
+# means it is wedged: bill 0 then.
+PROMPT_COUNT_TIMEOUT_S = 10.0
+
+
+class _NoCounter(Exception):
+    """llama-server answered 404 for the endpoint the prompt count needs."""
+
+
+class PromptCounter:
+    """Asks llama-server how many tokens a request's prompt is."""
+
+    def __init__(self, client: UpstreamClient, retry_after_s: int) -> None:
+        self._client = client
+        self._retry_after_s = retry_after_s
+
+    async def count(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
+        """The count, or 0 from a llama-server build without the counting endpoints."""
+        try:
+            return await self._count_prompt(target, path, payload, body)
+        except _NoCounter as missing:
+            # A llama-server build without the endpoint: the prompt is billed from its usage only.
+            log.warning("llama-server has no %s; prompts are counted only when an answer completes", missing)
+            return 0
+
+    async def _count_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
+        """llama-server answering 4xx/5xx here means it cannot parse this body (the chat
+        parser throws on shapes the node does not check, such as a tool list it cannot
+        read); nothing ran, so the client gets a 400 with llama-server's reason.
+        """
+        if path == "/v1/chat/completions":
+            rendered = await self._ask_upstream(target, "/apply-template", body)
+            prompt: Any = rendered.get("prompt")
+            if not isinstance(prompt, str):
+                raise ApiError(400, "invalid_request", "llama-server could not render this chat with its template")
+        else:
+            prompt = single_prompt(path, payload)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, list):  # several embedding inputs: each is tokenized on its own
+            counts = [await self._count_text(target, p) for p in prompt]
+            return sum(counts)
+        return await self._count_text(target, prompt)
+
+    async def _count_text(self, target: UpstreamTarget, prompt: Any) -> int:
+        if isinstance(prompt, list):
+            return len(prompt)
+        request = json.dumps({"content": prompt, "add_special": True, "parse_special": True}).encode()
+        tokens = (await self._ask_upstream(target, "/tokenize", request)).get("tokens")
+        if not isinstance(tokens, list):
+            raise ApiError(400, "invalid_request", "llama-server could not tokenize this prompt")
+        return len(tokens)
+
+    async def _ask_upstream(self, target: UpstreamTarget, route: str, body: bytes) -> dict[str, Any]:
+        try:
+            response = await self._client.send("POST", target.base_url + route, upstream_headers(target), body)
+            try:
+                raw = await response.read()
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            raise unavailable(f"llama-server is not answering: {exc}", self._retry_after_s) from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if response.status == 404:
+            raise _NoCounter(route)
+        if response.status >= 400 or not isinstance(answer, dict):
+            reason = _upstream_error_message(answer) or f"status {response.status}"
+            if response.status in (401, 403) or response.status >= 502:
+                raise unavailable(f"llama-server did not prepare the request ({reason}); retry shortly", self._retry_after_s)
+            raise ApiError(400, "invalid_request", f"llama-server cannot read this request: {reason}")
+        return answer
+
+
+class PromptCount:
+    """A prompt counted beside its generation: the count, or llama-server's refusal to read it.
+
+    The count starts once the first bytes of the answer are on their way (`start()`), or
+    when someone needs it: on 2 cores, llama-server tokenizing while it prefills would
+    delay the very first token the count is meant not to delay.
+    """
+
+    def __init__(self) -> None:
+        self._go = anyio.Event()
+        self._done = anyio.Event()
+        self._tokens = 0
+        self._refusal: ApiError | None = None
+
+    def start(self) -> None:
+        self._go.set()
+
+    async def run(self, counting: Callable[[], Awaitable[int]]) -> None:
+        try:
+            await self._go.wait()
+            with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+                self._tokens = await counting()
+        except ApiError as exc:
+            if exc.status == 400:
+                self._refusal = exc
+        finally:
+            self._done.set()
+
+    async def settled(self) -> int:
+        """The count (0 when llama-server could not give it in time)."""
+        self.start()
+        with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+            await self._done.wait()
+        return self._tokens
+
+    async def refusal(self) -> ApiError | None:
+        await self.settled()
+        return self._refusal
+
+
+def _upstream_error_message(answer: Any) -> str | None:
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        message = answer["error"].get("message")
+        return str(message) if message else None
+    return None
+
+
+__all__ = ["PROMPT_COUNT_TIMEOUT_S", "PromptCount", "PromptCounter"]
