@@ -38,6 +38,7 @@ from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
 from meshnet_gguf.serving.admission import Admission
 from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
+from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
 from meshnet_gguf.serving.proxy import ExtraRoute, ProxyApp, ProxyLimits, QueryRoute, UpstreamTarget, UsageSink
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
@@ -101,7 +102,13 @@ def build_node(launch: PreparedLaunch) -> Node:
     # The node's key, loaded (or created on first start) once and shared by the mesh and relay links.
     identity = _node_identity(settings) if settings.tracker or settings.relay_url else None
     relay = _relay_link(settings, identity) if settings.relay_url and identity else None
-    mesh = _mesh_link(launch, identity, health, relay.attachment() if relay else None) if settings.tracker and identity else None
+    # A meshed node bills a prompt its previous run died before counting, from the body kept in the ledger.
+    count_prompt = stored_prompt_counter(upstream, PromptCounter(upstream_client, settings.retry_after_s))
+    mesh = (
+        _mesh_link(launch, identity, health, relay.attachment() if relay else None, count_prompt)
+        if settings.tracker and identity
+        else None
+    )
 
     async def llama_metrics() -> str:
         target = upstream()
@@ -214,7 +221,11 @@ def _node_identity(settings: NodeSettings) -> NodeIdentity:
 
 
 def _mesh_link(
-    launch: PreparedLaunch, identity: NodeIdentity, health: Callable[[], HealthReport], relay_attachment: RelayAttachment | None
+    launch: PreparedLaunch,
+    identity: NodeIdentity,
+    health: Callable[[], HealthReport],
+    relay_attachment: RelayAttachment | None,
+    count_prompt: Callable[[str, bytes], Awaitable[int]],
 ) -> MeshnetLink:
     """With a tracker: signed routes in front of the proxy, receipts behind it, presence beside it."""
     from meshnet_gguf.mesh.link import MeshSetupError, ServedModel
@@ -236,7 +247,7 @@ def _mesh_link(
         return shard_digests(layout.shards, known, settings.state_dir), hardware_summary(report)
 
     try:
-        return build_mesh_link(settings, identity, served, health, describe, relay_attachment)
+        return build_mesh_link(settings, identity, served, health, describe, relay_attachment, count_prompt)
     except MeshSetupError as exc:
         raise NodeSetupError(str(exc)) from exc
 
@@ -248,6 +259,7 @@ def build_mesh_link(
     health: Callable[[], HealthReport],
     describe: DescribeModel,
     relay_attachment: RelayAttachment | None = None,
+    count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
 ) -> MeshnetLink:
     """The mesh link and every part it runs: the one place a node opens its ledger.
 
@@ -274,7 +286,7 @@ def build_mesh_link(
     return MeshnetLink(
         settings=settings, model=model, identity=identity, ledger=ledger, client=client, reporter=reporter,
         usage_sink=usage_sink, route_gate=route_gate, admission_mode=mode, health=health, describe=describe,
-        relay_attachment=relay_attachment,
+        count_prompt=count_prompt, relay_attachment=relay_attachment,
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +53,7 @@ from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key, publ
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
 from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
-from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter
+from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter, settle_uncounted
 from meshnet_gguf.mesh.route_auth import ReplayCache
 from meshnet_gguf.mesh.tracker_client import (
     DEREGISTER_TIMEOUT_S,
@@ -120,6 +120,7 @@ class MeshnetLink(BasePart):
         admission_mode: MeshedMode,
         health: Callable[[], HealthReport],
         describe: DescribeModel,
+        count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
         relay_attachment: RelayAttachment | None = None,
     ) -> None:
         self.settings = settings
@@ -135,6 +136,8 @@ class MeshnetLink(BasePart):
         self.admission_mode = admission_mode
         self._health = health
         self._describe = describe
+        # Counts a prompt from a request body kept in the ledger (waiting for llama-server first).
+        self._count_prompt = count_prompt
         self._draining = False
         self._tasks: anyio.CancelScope | None = None
         self.advertised_url = settings.advertised_url or default_advertised_url(settings)
@@ -179,6 +182,9 @@ class MeshnetLink(BasePart):
             self._tasks = tg.cancel_scope
             # Receipts left by a previous run go out first; they need no registration.
             tg.start_soon(self.reporter.run)
+            if self._count_prompt is not None:
+                # Rows a previous run left before their prompt was counted: billed once llama-server counts them.
+                tg.start_soon(settle_uncounted, self.ledger, self.identity, self._count_prompt, self.reporter)
             if self.route_gate.issuer is None:
                 await self._learn_tracker_key()
             self._shards, self._hardware = await anyio.to_thread.run_sync(self._describe)

@@ -2,9 +2,11 @@
 get through, and each request's ledger row is on disk before llama-server sees it.
 
 The route's token is checked before the body is read, the body's hash once it is, and at
-commit the route's one-time id is claimed and the in-flight row written durably, so a
-replayed route is refused even across a crash, and a node killed mid-answer still bills
-the prompt.
+commit the route's one-time id is claimed and the in-flight row written durably, with the
+request body, so a replayed route is refused even across a crash. The prompt is counted
+beside the generation; its count goes into the row before the answer's first byte
+leaves, and a node killed before that still bills the prompt: the restart counts it from
+the body kept in the row.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ class RouteGate:
 class MeshedMode:
     """Signed routes in, a durable ledger row per request before forwarding."""
 
-    # The row opened before forwarding carries the prompt: a node killed mid-answer still bills it.
-    counts_prompt_first = True
+    # The answer waits for the prompt's count to be in the row: a client never holds output
+    # whose prompt the ledger could not bill without llama-server.
+    prompt_before_answer = True
 
     def __init__(self, gate: RouteGate, journal: LedgerUsageSink, *, retry_after_s: int, api_key: str | None = None) -> None:
         self._gate = gate
@@ -106,17 +109,20 @@ class MeshedMode:
     def check_body(self, grant: RouteGrant, body: bytes) -> None:
         self._gate.check_body(grant, body)
 
-    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord]) -> None:
+    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
         self._gate.claim(grant)
         record = usage()
         try:
             with anyio.CancelScope(shield=True):  # written whole even if the client leaves now
-                opened = await self._journal.open(record, grant.expires_at)
+                opened = await self._journal.open(record, grant.expires_at, body)
         except Exception as exc:  # a full or broken disk: serve nothing that cannot be billed
             log.error("request %s: could not write its ledger row, not forwarded: %s", record.request_id, exc)
             raise unavailable("This node cannot record requests right now; retry on another node", self._retry_after_s) from None
         if not opened:
             raise ApiError(403, "route_replayed", f"request {record.request_id} was already served by this node")
+
+    async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
+        await self._journal.note_prompt(request_id, prompt_tokens)
 
 
 __all__ = ["KEY_UNKNOWN_RETRY_AFTER_S", "MeshedMode", "RouteGate"]

@@ -11,11 +11,13 @@ recognises.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import anyio
 
 from meshnet_gguf.common.retry import Backoff
+from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import MAX_RECEIPTS_PER_BATCH, ReceiptAck, UsageReceipt, UsageRecord
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
@@ -110,9 +112,13 @@ class LedgerUsageSink:
         self._identity = identity
         self._reporter = reporter
 
-    async def open(self, usage: UsageRecord, route_expires_at: float | None) -> bool:
-        """The request's in-flight row, on disk before this returns; False when its id is already there."""
-        return await self._ledger.open_request(usage, route_expires_at)
+    async def open(self, usage: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
+        """The request's in-flight row, on disk before this returns; False when its id is already there.
+        `prompt_body` is kept in the row until `note_prompt` (a restart counts it when that never came)."""
+        return await self._ledger.open_request(usage, route_expires_at, prompt_body)
+
+    async def note_prompt(self, request_id: str, prompt_tokens: int) -> None:
+        await self._ledger.note_prompt(request_id, prompt_tokens)
 
     async def record(self, usage: UsageRecord) -> None:
         receipt = self._identity.sign_receipt(usage)
@@ -124,19 +130,52 @@ class LedgerUsageSink:
 
 
 def settle_interrupted(ledger: UsageLedger, identity: NodeIdentity) -> int:
-    """Settle the rows a previous run left open (killed while those requests ran): each gets its
-    receipt with what was known when it was forwarded (its prompt), marked as an error.
+    """Settle the rows a previous run left open (killed while those requests ran) whose prompt was
+    counted: each gets its receipt with what was known (its prompt), marked as an error.
 
     Runs at start, before the proxy takes requests, so every request that reached
-    llama-server ends with exactly one settled row and one receipt.
+    llama-server ends with exactly one settled row and one receipt. Rows killed before
+    their count landed wait for `settle_uncounted`, once llama-server can count them.
     """
+    return sum(_settle_cut(ledger, identity, record) for record in ledger.in_flight_sync())
+
+
+async def settle_uncounted(
+    ledger: UsageLedger, identity: NodeIdentity, count: Callable[[str, bytes], Awaitable[int]], reporter: OutboxReporter | None = None
+) -> int:
+    """Settle the rows a previous run left open before their prompt was counted: each prompt
+    counted now from the body kept in its row, then billed as an error, once.
+
+    `count(route, body)` waits for llama-server and raises `ApiError`: a 400 (it cannot read
+    the body) bills 0 tokens; anything else is retried with backoff, the rows staying open.
+    """
+    backoff = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
     settled = 0
-    for record in ledger.in_flight_sync():
-        cut = record.model_copy(update={"finish_reason": "error", "status": record.status or NODE_DIED_STATUS})
-        if ledger.add_sync(cut, identity.sign_receipt(cut)):
-            settled += 1
-            log.warning(
-                "request %s was in flight when the node stopped; billed its prompt (%d tokens) as an error",
-                record.request_id, record.prompt_tokens,
-            )  # fmt: skip
+    for record, body in await anyio.to_thread.run_sync(ledger.awaiting_count_sync):
+        while True:
+            try:
+                tokens = await count(record.route, body)
+                break
+            except ApiError as exc:
+                if exc.status == 400:
+                    tokens = 0
+                    break
+                delay = backoff.next_delay()
+                log.warning("cannot count the prompt of interrupted request %s yet (%s); retrying in %.0f s", record.request_id, exc, delay)
+                await anyio.sleep(delay)
+        counted = record.model_copy(update={"prompt_tokens": tokens})
+        settled += await anyio.to_thread.run_sync(_settle_cut, ledger, identity, counted)
+    if settled and reporter is not None:
+        reporter.wake()
     return settled
+
+
+def _settle_cut(ledger: UsageLedger, identity: NodeIdentity, record: UsageRecord) -> bool:
+    cut = record.model_copy(update={"finish_reason": "error", "status": record.status or NODE_DIED_STATUS})
+    if not ledger.add_sync(cut, identity.sign_receipt(cut)):
+        return False
+    log.warning(
+        "request %s was in flight when the node stopped; billed its prompt (%d tokens) as an error",
+        record.request_id, record.prompt_tokens,
+    )  # fmt: skip
+    return True

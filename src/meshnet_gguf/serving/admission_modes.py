@@ -9,7 +9,8 @@ refused, and nothing is used up by a request refused for another reason:
 
 1. `admit(headers, path)`, before a byte of the body is read;
 2. `check_body(grant, body)`, once it is;
-3. `commit(grant, usage)`, just before forwarding: from here the request runs.
+3. `commit(grant, usage, body)`, just before forwarding: from here the request runs;
+4. `prompt_counted(request_id, tokens)`, when the prompt's count (beside the generation) lands.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class AdmissionMode(Protocol):
     """The way this node admits requests; each step raises `ApiError` to refuse."""
 
     @property
-    def counts_prompt_first(self) -> bool:
-        """True when the prompt's count must be known before `commit` (it goes into the record there)."""
+    def prompt_before_answer(self) -> bool:
+        """True when the answer's first byte must wait until `prompt_counted` has recorded the
+        prompt's count (which then starts with the generation rather than after its first bytes)."""
         ...
 
     def admit_listing(self, headers: Mapping[str, str]) -> None:
@@ -58,8 +60,12 @@ class AdmissionMode(Protocol):
     def check_body(self, grant: RouteGrant, body: bytes) -> None:
         """Is this the body the grant was given for?"""
 
-    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord]) -> None:
-        """The request is about to be forwarded: use up its grant, and record it (`usage()`) where billing needs it."""
+    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
+        """The request is about to be forwarded: use up its grant, and record it (`usage()`, and the
+        body its prompt can be counted from) where billing needs it."""
+
+    async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
+        """The prompt's count landed: record it where billing needs it."""
 
 
 def unavailable(message: str, retry_after_s: int) -> ApiError:
@@ -81,11 +87,11 @@ class StandaloneMode:
     A web page in the operator's browser can reach loopback: with a rebound DNS name (the
     Host header then carries that name) or with a form post (which cannot carry
     Content-Type: application/json without a CORS preflight this node never grants).
-    Nothing is recorded before forwarding, so the prompt is counted beside the generation
-    and costs no time to first token.
+    Nothing is recorded before forwarding, so the prompt is counted once the answer's first
+    bytes are on their way and costs no time to first token.
     """
 
-    counts_prompt_first = False
+    prompt_before_answer = False
 
     def __init__(self, *, api_key: str | None = None, allowed_hosts: Sequence[str] = ()) -> None:
         self._api_key = api_key
@@ -106,7 +112,10 @@ class StandaloneMode:
     def check_body(self, grant: RouteGrant, body: bytes) -> None:
         return None
 
-    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord]) -> None:
+    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
+        return None
+
+    async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
         return None
 
     def _check_host(self, headers: Mapping[str, str]) -> None:

@@ -2,7 +2,7 @@
 
 The count bills the prompt of a request cut short at any moment. `PromptCounter`
 asks llama-server (`/apply-template` for a chat, then `/tokenize`); `PromptCount`
-runs that count beside the generation, so it costs no time to first token.
+runs that count beside the generation, so it adds no round trip before forwarding.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import anyio
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 from meshnet_gguf.serving.admission_modes import unavailable
-from meshnet_gguf.serving.request_validation import single_prompt
+from meshnet_gguf.serving.request_validation import parse_json_object, single_prompt
 from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_headers
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 # llama-server's template and tokenizer answer in milliseconds, so a count this late
 # means it is wedged: bill 0 then.
 PROMPT_COUNT_TIMEOUT_S = 10.0
+# How often a count of a stored request body looks whether llama-server is ready yet.
+UPSTREAM_READY_POLL_S = 0.5
 
 
 class _NoCounter(Exception):
@@ -98,22 +100,50 @@ class PromptCounter:
         return answer
 
 
+def stored_prompt_counter(
+    upstream: Callable[[], UpstreamTarget | None], counter: PromptCounter
+) -> Callable[[str, bytes], Awaitable[int]]:
+    """`count(route, body)` for a request body kept on disk (a restart bills a prompt its node
+    died before counting): waits until llama-server is ready, then counts as for a live request."""
+
+    async def count(route: str, body: bytes) -> int:
+        while (target := upstream()) is None:
+            await anyio.sleep(UPSTREAM_READY_POLL_S)
+        return await counter.count(target, route, parse_json_object(body), body)
+
+    return count
+
+
 class PromptCount:
     """A prompt counted beside its generation: the count, or llama-server's refusal to read it.
 
-    The count starts once the first bytes of the answer are on their way (`start()`), or
-    when someone needs it: on 2 cores, llama-server tokenizing while it prefills would
-    delay the very first token the count is meant not to delay.
+    Lazy (a standalone node): the count starts once the first bytes of the answer are on
+    their way (`start()`), or when someone needs it: on 2 cores, llama-server tokenizing
+    while it prefills would delay the very first token the count is meant not to delay.
+
+    Eager (a node that bills from a record written before forwarding): the count starts
+    with the generation, `on_counted` records it, and the answer's first bytes wait for
+    that (`before_answer()`), so no client holds output whose prompt is not in the record.
+    The count then runs during llama-server's prompt processing instead of before it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, eager: bool = False, on_counted: Callable[[int], Awaitable[None]] | None = None) -> None:
+        self._eager = eager
+        self._on_counted = on_counted
         self._go = anyio.Event()
+        if eager:
+            self._go.set()
         self._done = anyio.Event()
         self._tokens = 0
         self._refusal: ApiError | None = None
 
     def start(self) -> None:
         self._go.set()
+
+    async def before_answer(self) -> None:
+        """The answer's first bytes are about to leave: an eager count is waited for (bounded)."""
+        if self._eager:
+            await self.settled()
 
     async def run(self, counting: Callable[[], Awaitable[int]]) -> None:
         try:
@@ -124,6 +154,12 @@ class PromptCount:
             if exc.status == 400:
                 self._refusal = exc
         finally:
+            if self._on_counted is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+                    try:
+                        await self._on_counted(self._tokens)
+                    except Exception:  # the record keeps what it needs to count the prompt later
+                        log.exception("could not record a prompt count of %d tokens", self._tokens)
             self._done.set()
 
     async def settled(self) -> int:
@@ -145,4 +181,4 @@ def _upstream_error_message(answer: Any) -> str | None:
     return None
 
 
-__all__ = ["PROMPT_COUNT_TIMEOUT_S", "PromptCount", "PromptCounter"]
+__all__ = ["PROMPT_COUNT_TIMEOUT_S", "PromptCount", "PromptCounter", "stored_prompt_counter"]

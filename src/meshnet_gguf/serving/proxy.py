@@ -220,21 +220,16 @@ class ProxyApp:
             release = self.admission.try_acquire(1)
             if release is None:
                 raise self._unavailable(f"All {self.admission.slots} slots of this node are busy; retry shortly")
-            # A mode that records the request before forwarding needs its prompt's count in that
-            # record; otherwise the prompt is counted beside the generation and costs no time to first token.
-            count_first = self._mode.counts_prompt_first
-            prompt_tokens = await self._counter.count(target, path, payload, body) if count_first else 0
             meter = RequestMeter(
                 request_id=request_id,
                 path=path,
                 stream=path in STREAMING_ROUTES and payload.get("stream") is True,
                 started_at=time.time(),
                 started=time.perf_counter(),
-                prompt_counted=prompt_tokens,
             )
             # From here the request is going to run: the mode uses up its grant (durably, on a
             # meshed node) before llama-server sees it, so no crash can let the same route run twice.
-            await self._mode.commit(grant, partial(meter.usage_record, self.model_name))
+            await self._mode.commit(grant, partial(meter.usage_record, self.model_name), body)
         except ApiError as exc:
             if release is not None:
                 release()
@@ -244,22 +239,20 @@ class ProxyApp:
             return
 
         meter.release = release
-        count = None if count_first else PromptCount()
+        # The prompt is counted beside the generation; the mode says whether the answer waits for the count.
+        count = PromptCount(eager=self._mode.prompt_before_answer, on_counted=partial(self._mode.prompt_counted, request_id))
         try:
             upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
             async with anyio.create_task_group() as tg:
-                if count is not None:
-                    tg.start_soon(count.run, partial(self._counter.count, target, path, payload, body))
+                tg.start_soon(count.run, partial(self._counter.count, target, path, payload, body))
                 try:
                     await self._forward(meter, target, upstream_body, receive, send, count)
                 finally:
-                    if count is not None:
-                        count.start()  # answered, cut short or refused: the count is wanted now
+                    count.start()  # answered, cut short or refused: the count is wanted now
         finally:
             release()
             with anyio.CancelScope(shield=True):
-                if count is not None:
-                    meter.prompt_counted = await count.settled()
+                meter.prompt_counted = await count.settled()
                 await self._record(meter)
 
     async def _forward(
@@ -269,7 +262,7 @@ class ProxyApp:
         body: bytes,
         receive: Receive,
         send: Send,
-        count: PromptCount | None = None,
+        count: PromptCount,
     ) -> None:
         disconnected = False
         async with anyio.create_task_group() as tg:
@@ -298,9 +291,7 @@ class ProxyApp:
             meter.finish_reason = "cancelled"
             meter.status = CLIENT_CLOSED_STATUS
 
-    async def _exchange(
-        self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send, count: PromptCount | None
-    ) -> None:
+    async def _exchange(self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send, count: PromptCount) -> None:
         url = target.base_url + meter.path
         try:
             response = await self._client.send("POST", url, upstream_headers(target, stream=meter.stream), body)
@@ -320,9 +311,7 @@ class ProxyApp:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
 
-    async def _forward_whole(
-        self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount | None
-    ) -> None:
+    async def _forward_whole(self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount) -> None:
         try:
             body = await response.read()
         except UpstreamError as exc:
@@ -330,7 +319,7 @@ class ProxyApp:
             meter.status = 502
             await _send_error(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), meter.request_id)
             return
-        if response.status >= 500 and count is not None and (refusal := await count.refusal()) is not None:
+        if response.status >= 500 and (refusal := await count.refusal()) is not None:
             # llama-server's template could not read this chat (its counting answered 400 and
             # its generation a 500): the client's error, said as one, like a counted-first request.
             meter.finish_reason, meter.status, meter.refused_upstream = "error", refusal.status, True
@@ -353,13 +342,12 @@ class ProxyApp:
             (_PROMPT_TOKENS_KEY, str(meter.prompt_tokens).encode()),
             (_COMPLETION_TOKENS_KEY, str(meter.completion_tokens).encode()),
         ]
+        await count.before_answer()
         meter.release()
         meter.answered = True
         await _respond(send, response.status, body, headers)
 
-    async def _forward_stream(
-        self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount | None
-    ) -> None:
+    async def _forward_stream(self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount) -> None:
         meter.status = 200
         await send(
             {
@@ -370,14 +358,17 @@ class ProxyApp:
         )
         relay = StreamMeter(meter)
         done_sent = False
+        answering = False
         try:
             async for chunk in response.iter_chunks():
                 body, done = relay.feed(chunk)
                 done_sent = done_sent or done
                 if body:
+                    if not answering:
+                        await count.before_answer()
+                        answering = True
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-                    if count is not None:
-                        count.start()
+                    count.start()
         except UpstreamError as exc:
             log.warning("request %s: llama-server stream broke: %s", meter.request_id, exc)
             meter.finish_reason = "error"
@@ -388,8 +379,7 @@ class ProxyApp:
             error = json.dumps(
                 {"error": {"message": "llama-server stopped mid-answer", "type": "server_error", "code": 502}}
             ).encode()
-            if count is not None:
-                meter.prompt_counted = await count.settled()  # the usage comment below bills it
+            meter.prompt_counted = await count.settled()  # the usage comment below bills it
             await send(
                 {
                     "type": "http.response.body",
