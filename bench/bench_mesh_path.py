@@ -196,8 +196,10 @@ async def ttft_pairs(p: PathUnderTest, prompt: str, pairs: int, start: int) -> d
 
 
 async def decode(p: PathUnderTest, c: int, rounds: int, tokens: int, start: int) -> dict[str, Any]:
-    rates: dict[str, list[float]] = {"direct": [], "path": []}
-    cpu, streamed = 0.0, 0
+    """Rounds of c streams, in the order direct, path, path, direct; each path round is paired with
+    the direct round beside it, and the ratio is the median of the pairs' ratios."""
+    rates: list[tuple[str, float]] = []
+    cpu, streamed, errors = 0.0, 0, 0
     directs = [p.direct] + [Conn(p.node.llama_port, p.node.llama_key, fresh=True) for _ in range(c - 1)]
     conns = [p.conn, *p.extra][:c]
     n = start
@@ -213,17 +215,25 @@ async def decode(p: PathUnderTest, c: int, rounds: int, tokens: int, start: int)
             cpu += p.node.cpu_s() - before
             streamed += sum(s.n_content for s in streams)
         ok = [s for s in streams if s.ok and s.t_first_content is not None and s.t_last_content is not None and s.n_content > 1]
+        errors += len(streams) - len(ok)
         if len(ok) != c:
+            rates.append((which, float("nan")))
             continue
         first = min(s.t_first_content for s in ok)  # type: ignore[type-var]
         last = max(s.t_last_content for s in ok)  # type: ignore[type-var]
         produced = sum(s.n_content for s in ok) - c
-        rates[which].append(produced / (last - first) if last > first else float("nan"))
-    d, q = rates["direct"], rates["path"]
+        rates.append((which, produced / (last - first) if last > first else float("nan")))
+    pairs = []
+    for k in range(0, len(rates) - 1, 2):  # (direct, path) then (path, direct)
+        (a, ra), (_, rb) = rates[k], rates[k + 1]
+        d, q = (ra, rb) if a == "direct" else (rb, ra)
+        if d == d and q == q and d > 0:
+            pairs.append(q / d)
     return {
-        "direct_tok_s": statistics.mean(d) if d else float("nan"),
-        "path_tok_s": statistics.mean(q) if q else float("nan"),
-        "ratio": statistics.mean(q) / statistics.mean(d) if d and q else float("nan"),
+        "direct_tok_s": statistics.median(r for w, r in rates if w == "direct" and r == r) if any(w == "direct" and r == r for w, r in rates) else float("nan"),
+        "ratio": statistics.median(pairs) if pairs else float("nan"),
+        "pairs": len(pairs),
+        "errors": errors,
         "cpu_ms_per_1k_tokens": cpu * 1e6 / streamed if streamed else float("nan"),
     }
 
@@ -327,8 +337,8 @@ def main() -> None:
     parser.add_argument("--model", help="a GGUF file (default: the tiny generated model)")
     parser.add_argument("--pairs", type=int, default=20, help="TTFT pairs per path and prompt (default 20)")
     parser.add_argument("--long-tokens", type=int, default=1500, help="the long prompt's length in tokens")
-    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per stream in the tokens/s rounds")
-    parser.add_argument("--decode-rounds", type=int, default=2, help="rounds per path and concurrency (each direct + path twice)")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens per stream in the tokens/s rounds")
+    parser.add_argument("--decode-rounds", type=int, default=4, help="rounds per path and concurrency (each direct + path twice)")
     parser.add_argument("--ctx-size", type=int, default=16384, help="node context (split over 8 slots)")
     parser.add_argument("--gpu-layers", help="passed to the nodes as --n-gpu-layers")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
