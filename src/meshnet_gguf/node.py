@@ -282,11 +282,13 @@ def build_mesh_link(
     route_gate = RouteGate(identity.node_id, model.model_id, model.total_layers, pinned)
     seed_replay_cache(route_gate.replay_cache, ledger)
     settle_interrupted(ledger, identity)
+    # Read now, before this run opens rows of its own: they are billed once llama-server can count them.
+    left_uncounted = ledger.awaiting_count_sync()
     mode = MeshedMode(route_gate, usage_sink, retry_after_s=settings.retry_after_s, api_key=settings.api_key)
     return MeshnetLink(
         settings=settings, model=model, identity=identity, ledger=ledger, client=client, reporter=reporter,
         usage_sink=usage_sink, route_gate=route_gate, admission_mode=mode, health=health, describe=describe,
-        count_prompt=count_prompt, relay_attachment=relay_attachment,
+        left_uncounted=left_uncounted, count_prompt=count_prompt, relay_attachment=relay_attachment,
     )  # fmt: skip
 
 

@@ -48,6 +48,7 @@ from meshnet_gguf.contract.protocol import (
     RegistrationAck,
     RelayAttachment,
     ShardDigest,
+    UsageRecord,
 )
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key, public_key_text, tracker_issuer_for
 from meshnet_gguf.mesh.identity import NodeIdentity
@@ -120,6 +121,7 @@ class MeshnetLink(BasePart):
         admission_mode: MeshedMode,
         health: Callable[[], HealthReport],
         describe: DescribeModel,
+        left_uncounted: Sequence[tuple[UsageRecord, bytes]] = (),
         count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
         relay_attachment: RelayAttachment | None = None,
     ) -> None:
@@ -136,7 +138,9 @@ class MeshnetLink(BasePart):
         self.admission_mode = admission_mode
         self._health = health
         self._describe = describe
-        # Counts a prompt from a request body kept in the ledger (waiting for llama-server first).
+        # Rows a previous run left before their prompt was counted, and what counts a prompt from
+        # the request body kept in such a row (waiting for llama-server first).
+        self._left_uncounted = list(left_uncounted)
         self._count_prompt = count_prompt
         self._draining = False
         self._tasks: anyio.CancelScope | None = None
@@ -182,9 +186,11 @@ class MeshnetLink(BasePart):
             self._tasks = tg.cancel_scope
             # Receipts left by a previous run go out first; they need no registration.
             tg.start_soon(self.reporter.run)
-            if self._count_prompt is not None:
-                # Rows a previous run left before their prompt was counted: billed once llama-server counts them.
-                tg.start_soon(settle_uncounted, self.ledger, self.identity, self._count_prompt, self.reporter)
+            if self._left_uncounted and self._count_prompt is not None:
+                # Billed once llama-server has counted them.
+                tg.start_soon(settle_uncounted, self.ledger, self.identity, self._left_uncounted, self._count_prompt, self.reporter)
+            elif self._left_uncounted:
+                log.warning("%d request(s) cut short before their prompt was counted stay open: no counter given", len(self._left_uncounted))
             if self.route_gate.issuer is None:
                 await self._learn_tracker_key()
             self._shards, self._hardware = await anyio.to_thread.run_sync(self._describe)

@@ -11,7 +11,7 @@ recognises.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -141,17 +141,22 @@ def settle_interrupted(ledger: UsageLedger, identity: NodeIdentity) -> int:
 
 
 async def settle_uncounted(
-    ledger: UsageLedger, identity: NodeIdentity, count: Callable[[str, bytes], Awaitable[int]], reporter: OutboxReporter | None = None
+    ledger: UsageLedger,
+    identity: NodeIdentity,
+    left: Sequence[tuple[UsageRecord, bytes]],
+    count: Callable[[str, bytes], Awaitable[int]],
+    reporter: OutboxReporter | None = None,
 ) -> int:
-    """Settle the rows a previous run left open before their prompt was counted: each prompt
-    counted now from the body kept in its row, then billed as an error, once.
+    """Settle the rows a previous run left open before their prompt was counted (`left`, read from
+    `ledger.awaiting_count_sync()` at start): each prompt counted now from the body kept in its
+    row, then billed as an error, once.
 
     `count(route, body)` waits for llama-server and raises `ApiError`: a 400 (it cannot read
     the body) bills 0 tokens; anything else is retried with backoff, the rows staying open.
     """
     backoff = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
     settled = 0
-    for record, body in await anyio.to_thread.run_sync(ledger.awaiting_count_sync):
+    for record, body in left:
         while True:
             try:
                 tokens = await count(record.route, body)
