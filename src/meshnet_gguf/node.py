@@ -278,7 +278,7 @@ def build_mesh_link(
     ledger = UsageLedger.in_state_dir(settings.state_dir)
     client = TrackerClient(settings.tracker, identity, enrolment_secret=settings.enrolment_secret)
     reporter = OutboxReporter(ledger, client, linger_s=settings.usage_report_interval_s)
-    usage_sink = LedgerUsageSink(ledger, identity, reporter)
+    usage_sink = LedgerUsageSink(ledger, identity, reporter, count_prompt=count_prompt)
     route_gate = RouteGate(identity.node_id, model.model_id, model.total_layers, pinned)
     seed_replay_cache(route_gate.replay_cache, ledger)
     settle_interrupted(ledger, identity)

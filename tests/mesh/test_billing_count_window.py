@@ -1,7 +1,9 @@
 """A meshed node counts the prompt beside the generation, so there is a window in which a request
 reached llama-server and its prompt is not counted yet. A node killed in that window still bills
 the prompt, exactly once: the ledger row opened before forwarding keeps the request body, and the
-restarted node counts it once llama-server is up, then settles the row into one receipt."""
+restarted node counts it once llama-server is up, then settles the row into one receipt. And when
+it is llama-server that goes away in that window, the row waits (parked, with its body) until the
+restarted llama-server counts the prompt, then settles once."""
 
 from __future__ import annotations
 
@@ -10,9 +12,14 @@ import sqlite3
 import threading
 from pathlib import Path
 
+import anyio
 import httpx
+import pytest
 
+from meshnet_gguf.contract.protocol import ROUTE_HEADER
+from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.mesh.ledger import LEDGER_FILE
+from support.billing_harness import LlamaChild, Tracker, serve_front
 from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F401
 
 CONTENT = "count me after the crash"
@@ -82,3 +89,47 @@ def test_a_node_killed_after_forwarding_and_before_the_count_bills_the_prompt_on
     assert tracker.receipt_rows() == [row["request_id"]]
     [usage] = [u for u in tracker.usage() if u["request_id"] == row["request_id"]]
     assert usage["node"]["prompt_tokens"] == EXPECTED_PROMPT_TOKENS
+
+
+@pytest.mark.anyio
+async def test_llama_server_gone_after_forwarding_and_before_the_count_still_bills_the_prompt_once(
+    fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    forwarded = tmp_path / "forwarded.jsonl"
+    slow = {"FAKE_LLAMA_COUNT_DELAY_S": str(COUNT_DELAY_S), "FAKE_LLAMA_TOKEN_DELAY_S": "1", "FAKE_LLAMA_REQUEST_LOG": str(forwarded)}
+    child = LlamaChild(fake_llama, tiny_gguf, env=slow)  # killed mid-answer, its count held back
+    restarted: LlamaChild | None = None
+    tracker = Tracker()
+    state = tmp_path / "state"
+    try:
+        async with serve_front(child.url, tracker=tracker, state_dir=state) as front, httpx.AsyncClient(timeout=30) as http:
+            assert front.identity is not None
+            body = f'{{"model": "tiny", "messages": [{{"role": "user", "content": "{CONTENT}"}}], "stream": true}}'.encode()
+            headers = {"content-type": "application/json", ROUTE_HEADER: tracker.route(front.identity.node_id, "/v1/chat/completions", body)}
+
+            async def ask() -> None:
+                await http.post(front.url + "/v1/chat/completions", content=body, headers=headers)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask)
+                with anyio.fail_after(10):
+                    while not (forwarded.exists() and forwarded.read_text().strip()):
+                        await anyio.sleep(0.02)
+                child.kill()  # llama-server had the request; its count never comes
+                restarted = LlamaChild(fake_llama, tiny_gguf)
+                front.upstream_url[0] = restarted.url  # the supervisor's restart, as the proxy sees it
+            [record] = await front.sink.wait_for(1)
+            assert record.prompt_tokens == 0  # the request itself ended without its prompt counted
+
+            def settled() -> list[dict[str, object]]:
+                return [r for r in ledger_rows(state) if r["in_flight"] == 0]
+
+            with anyio.fail_after(30):
+                while not settled():
+                    await anyio.sleep(0.05)
+            [row] = ledger_rows(state)
+            assert row["has_receipt"] and not row["has_body"] and row["prompt"] == EXPECTED_PROMPT_TOKENS
+    finally:
+        child.close()
+        if restarted is not None:
+            restarted.close()

@@ -36,6 +36,7 @@ from meshnet_gguf.node import build_proxy
 from meshnet_gguf.serving.admission import Admission
 from meshnet_gguf.serving.admission_modes import StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart
+from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
 from meshnet_gguf.serving.proxy import ProxyApp
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from support.recording_sink import RecordingSink
@@ -136,20 +137,25 @@ async def serve_front(
     gate = ledger = identity = None
     mode = StandaloneMode(api_key=api_key, allowed_hosts=allowed_hosts)
     sinks: list[Any] = [sink]
+    upstream = [upstream_url]
+    client = make_upstream_client("aiohttp", slots)
+
+    def target() -> UpstreamTarget | None:
+        return UpstreamTarget(upstream[0], LLAMA_KEY) if upstream[0] else None
+
     if tracker is not None:
         assert state_dir is not None
         identity = NodeIdentity.load_or_create(state_dir)
         ledger = UsageLedger.in_state_dir(state_dir)
         gate = RouteGate(identity.node_id, MODEL_ID, TOTAL_LAYERS, tracker.key.public_key())
-        journal = LedgerUsageSink(ledger, identity)
+        count_prompt = stored_prompt_counter(target, PromptCounter(client, RETRY_AFTER_S))
+        journal = LedgerUsageSink(ledger, identity, count_prompt=count_prompt)
         mode = MeshedMode(gate, journal, retry_after_s=RETRY_AFTER_S, api_key=api_key)
         sinks.append(journal)
-    upstream = [upstream_url]
-    client = make_upstream_client("aiohttp", slots)
     admission = Admission(slots=slots)
     app = build_proxy(
         NodeSettings(max_body_bytes=max_body_bytes, retry_after_s=RETRY_AFTER_S),
-        upstream=lambda: UpstreamTarget(upstream[0], LLAMA_KEY) if upstream[0] else None,
+        upstream=target,
         client=client,
         admission=admission,
         model_name=MODEL_ID,

@@ -15,7 +15,9 @@ answer's first byte leaves the node. That write need not reach the platter: were
 lost, the body is still on disk and is counted again. The row is *settled*
 (`in_flight` = 0, receipt set) when the request ends, or, for a row a crash left
 open, when the node starts again: at once when its count is in the row, else once
-llama-server can count the body.
+llama-server can count the body. A request that ended without its prompt counted
+(llama-server went away between forwarding and the count) is *parked* (`in_flight`
+= 2, its final record in, its body kept) until llama-server counts the body.
 
 A settled row is *pending* until the tracker acknowledges it (`reported_at` set)
 or refuses it for good (`rejected` set). Pending rows are the outbox; they live
@@ -212,12 +214,32 @@ class UsageLedger:
         return [UsageRecord.model_validate_json(r[0]) for r in rows]
 
     def awaiting_count_sync(self) -> list[tuple[UsageRecord, bytes]]:
-        """Open rows a previous run left before their prompt was counted: each record with its request body."""
+        """Rows (open or parked) a previous run left before their prompt was counted: each record with its request body."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT record_json, prompt_body FROM usage WHERE in_flight = 1 AND prompt_body IS NOT NULL ORDER BY started_at"
+                "SELECT record_json, prompt_body FROM usage WHERE in_flight != 0 AND prompt_body IS NOT NULL ORDER BY started_at"
             ).fetchall()
         return [(UsageRecord.model_validate_json(record_json), bytes(body)) for record_json, body in rows]
+
+    async def park(self, record: UsageRecord) -> bytes | None:
+        """A request ended before its prompt was counted: keep its row (final record in) with its
+        body, to be settled once counted. Returns the body; None when the row has none (counted)."""
+        return await self._run(self.park_sync, record)
+
+    def park_sync(self, record: UsageRecord) -> bytes | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT prompt_body FROM usage WHERE request_id = ? AND in_flight = 1 AND prompt_body IS NOT NULL",
+                (record.request_id,),
+            ).fetchone()
+            if row is None:
+                return None
+            self._db.execute(
+                "UPDATE usage SET record_json = ?, status = ?, completion_tokens = ?, finish_reason = ?, in_flight = 2"
+                " WHERE request_id = ? AND in_flight = 1",
+                (record.model_dump_json(), record.status, record.completion_tokens, record.finish_reason, record.request_id),
+            )
+            return bytes(row[0])
 
     def add_sync(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
         """Settle a request: its open row if it has one, else a new row. False when it is already settled."""
@@ -227,7 +249,7 @@ class UsageLedger:
             cursor = self._db.execute(
                 "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, route = ?, status = ?, stream = ?,"
                 " prompt_tokens = ?, cached_tokens = ?, completion_tokens = ?, finish_reason = ?, record_json = ?,"
-                " receipt = ?, in_flight = 0, prompt_body = NULL WHERE request_id = ? AND in_flight = 1",
+                " receipt = ?, in_flight = 0, prompt_body = NULL WHERE request_id = ? AND in_flight != 0",
                 (*_record_columns(record)[1:], receipt.token, record.request_id),
             )
             if cursor.rowcount == 1:

@@ -125,6 +125,8 @@ class PromptCount:
     with the generation, `on_counted` records it, and the answer's first bytes wait for
     that (`before_answer()`), so no client holds output whose prompt is not in the record.
     The count then runs during llama-server's prompt processing instead of before it.
+    `on_counted` is told only a count llama-server gave (or its refusal to read the prompt,
+    as 0): when it went away or was wedged, the record keeps what it needs to count later.
     """
 
     def __init__(self, *, eager: bool = False, on_counted: Callable[[int], Awaitable[None]] | None = None) -> None:
@@ -146,15 +148,18 @@ class PromptCount:
             await self.settled()
 
     async def run(self, counting: Callable[[], Awaitable[int]]) -> None:
+        landed = False
         try:
             await self._go.wait()
             with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
                 self._tokens = await counting()
+                landed = True
         except ApiError as exc:
             if exc.status == 400:
                 self._refusal = exc
+                landed = True
         finally:
-            if self._on_counted is not None:
+            if self._on_counted is not None and landed:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
                     try:
                         await self._on_counted(self._tokens)
