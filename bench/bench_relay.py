@@ -240,10 +240,10 @@ async def numbered_node(relay_url: str, state_dir: Path, ready_file: Path, tunne
 
     port = free_local_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    links = [build_relay_link(relay_url, state_dir, local_address_for("127.0.0.1", port))]
+    links = [build_relay_link(relay_url, NodeIdentity.load_or_create(state_dir), state_dir, local_address_for("127.0.0.1", port))]
     for _ in range(tunnels - 1):  # extra nodes (own keys) for the per-tunnel memory figure
         key_dir = Path(tempfile.mkdtemp(dir=state_dir.parent))
-        links.append(build_relay_link(relay_url, key_dir, local_address_for("127.0.0.1", port)))
+        links.append(build_relay_link(relay_url, NodeIdentity.load_or_create(key_dir), key_dir, local_address_for("127.0.0.1", port)))
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve)
         for link in links:

@@ -40,7 +40,7 @@ def main() -> int:
     times: dict[str, list[float]] = {}
     try:
         with anyio.from_thread.start_blocking_portal() as portal, portal.wrap_async_context_manager(serve_front(child.url)) as front:
-            counter = front.app._count_prompt
+            counter = front.app._counter._count_prompt
 
             async def no_count(*_: object) -> int:
                 return 0
@@ -48,7 +48,7 @@ def main() -> int:
             with httpx.Client(base_url=front.url, timeout=30) as client:
                 for i in range(args.requests * 2):
                     counting = i % 2 == 0
-                    front.app._count_prompt = counter if counting else no_count  # type: ignore[method-assign]
+                    front.app._counter._count_prompt = counter if counting else no_count  # type: ignore[method-assign]
                     label = "with count" if counting else "without"
                     started = time.perf_counter()
                     client.post("/v1/chat/completions", json=CHAT).raise_for_status()

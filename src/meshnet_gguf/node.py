@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
@@ -23,25 +23,31 @@ from meshnet_gguf import __version__
 from meshnet_gguf.common.logs import register_secret
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.node_part import NodePart
-from meshnet_gguf.contract.protocol import HealthReport
+from meshnet_gguf.contract.protocol import HardwareSummary, HealthReport, ShardDigest
+from meshnet_gguf.hardware.report import probe_hardware
 from meshnet_gguf.llama.load_progress import model_file_bytes
 from meshnet_gguf.llama.supervisor import CPU_WARMUP, GPU_WARMUP, Supervisor, SupervisorPolicy, WarmupPolicy
-from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.llama.upstream import UpstreamClient, make_upstream_client
+from meshnet_gguf.models.gguf_info import GGUFError
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
 from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
+from meshnet_gguf.prepare.announcement import ModelFactsError, hardware_summary, model_layout, shard_digests
 from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
 from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
-from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
+from meshnet_gguf.serving.proxy import ExtraRoute, ProxyApp, ProxyLimits, QueryRoute, UpstreamTarget, UsageSink
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
     from meshnet_gguf.contract.protocol import RelayAttachment
-    from meshnet_gguf.mesh.link import MeshnetLink
+    from meshnet_gguf.mesh.identity import NodeIdentity
+    from meshnet_gguf.mesh.link import DescribeModel, MeshnetLink, ServedModel
     from meshnet_gguf.mesh.relay_link import RelayLink
 
 log = logging.getLogger(__name__)
@@ -93,8 +99,16 @@ def build_node(launch: PreparedLaunch) -> Node:
         return UpstreamTarget(base_url=supervisor.base_url, api_key=supervisor.api_key)
 
     upstream_client = make_upstream_client(settings.upstream_client, settings.parallel)
-    relay = _relay_link(settings) if settings.relay_url else None
-    mesh = _mesh_link(launch, health, relay.attachment() if relay else None) if settings.tracker else None
+    # The node's key, loaded (or created on first start) once and shared by the mesh and relay links.
+    identity = _node_identity(settings) if settings.tracker or settings.relay_url else None
+    relay = _relay_link(settings, identity) if settings.relay_url and identity else None
+    # A meshed node bills a prompt its previous run died before counting, from the body kept in the ledger.
+    count_prompt = stored_prompt_counter(upstream, PromptCounter(upstream_client, settings.retry_after_s))
+    mesh = (
+        _mesh_link(launch, identity, health, relay.attachment() if relay else None, count_prompt)
+        if settings.tracker and identity
+        else None
+    )
 
     async def llama_metrics() -> str:
         target = upstream()
@@ -118,22 +132,16 @@ def build_node(launch: PreparedLaunch) -> Node:
     if relay is not None:
         metrics.registry.register(_relay_metrics(relay))
 
-    proxy = ProxyApp(
+    proxy = build_proxy(
+        settings,
         upstream=upstream,
         client=upstream_client,
         admission=admission,
-        limits=ProxyLimits(
-            max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s,
-            max_tokens_cap=settings.max_tokens_cap,
-        ),  # fmt: skip
         model_name=launch.model_name,
         model_aliases=launch.model_aliases,
         health=health,
         usage_sinks=[usage_stats, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
-        route_check=mesh.route_gate if mesh else None,
-        journal=mesh.usage_sink if mesh else None,
-        api_key=settings.api_key,
-        allowed_hosts=[settings.host],
+        mode=mesh.admission_mode if mesh else None,
         extra_get_routes={METRICS_PATH: metrics.scrape},
         query_get_routes=dict([mesh.control_route]) if mesh else None,
         on_rejected=metrics.count_request,
@@ -158,44 +166,141 @@ def build_node(launch: PreparedLaunch) -> Node:
     return node
 
 
+def build_proxy(
+    settings: NodeSettings,
+    *,
+    upstream: Callable[[], UpstreamTarget | None],
+    client: UpstreamClient,
+    admission: Admission,
+    model_name: str,
+    health: Callable[[], HealthReport],
+    model_aliases: Sequence[str] = (),
+    usage_sinks: Sequence[UsageSink] = (),
+    mode: AdmissionMode | None = None,
+    extra_get_routes: Mapping[str, ExtraRoute] | None = None,
+    query_get_routes: Mapping[str, QueryRoute] | None = None,
+    on_rejected: Callable[[str, int], None] | None = None,
+) -> ProxyApp:
+    """The proxy as a node wires it: its limits from the settings, and standalone (the settings'
+    API key and host) unless given another admission mode (the mesh link's)."""
+    limits = ProxyLimits(
+        max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s, max_tokens_cap=settings.max_tokens_cap
+    )
+    return ProxyApp(
+        upstream=upstream,
+        client=client,
+        admission=admission,
+        limits=limits,
+        model_name=model_name,
+        model_aliases=model_aliases,
+        health=health,
+        mode=mode or StandaloneMode(api_key=settings.api_key, allowed_hosts=[settings.host]),
+        usage_sinks=usage_sinks,
+        extra_get_routes=extra_get_routes,
+        query_get_routes=query_get_routes,
+        on_rejected=on_rejected,
+    )
+
+
 def _warmup_policy(launch: PreparedLaunch) -> WarmupPolicy:
     """A GPU builds kernels per shape on first use: warm each size class there; a CPU only pages in."""
     return GPU_WARMUP if launch.plan is not None and not launch.plan.cpu_only else CPU_WARMUP
 
 
+def _node_identity(settings: NodeSettings) -> NodeIdentity:
+    """The node's key, checked against the mesh settings first: settings that cannot work create no key."""
+    from meshnet_gguf.mesh.identity import NodeIdentity
+    from meshnet_gguf.mesh.link import MeshSetupError, check_first_contact, configured_tracker_key
+
+    if settings.tracker:
+        try:
+            check_first_contact(settings, configured_tracker_key(settings))
+        except MeshSetupError as exc:
+            raise NodeSetupError(str(exc)) from exc
+    return NodeIdentity.load_or_create(settings.state_dir)
+
+
 def _mesh_link(
-    launch: PreparedLaunch, health: Callable[[], HealthReport], relay_attachment: RelayAttachment | None
+    launch: PreparedLaunch,
+    identity: NodeIdentity,
+    health: Callable[[], HealthReport],
+    relay_attachment: RelayAttachment | None,
+    count_prompt: Callable[[str, bytes], Awaitable[int]],
 ) -> MeshnetLink:
     """With a tracker: signed routes in front of the proxy, receipts behind it, presence beside it."""
-    from meshnet_gguf.mesh.link import MeshnetLink, MeshSetupError, ServedModel
+    from meshnet_gguf.mesh.link import MeshSetupError, ServedModel
 
     settings, resolved = launch.settings, launch.resolved
-    served = ServedModel(
-        model_id=launch.model_name,
-        model_aliases=launch.model_aliases,
-        max_tokens_cap=settings.max_tokens_cap,
-        shards=list(resolved.shards) if resolved else [launch.model_path],
-        quant=launch.quant,
-        sha256s=list(resolved.sha256s) if resolved else (),
-        llama_build=launch.binary.build,
-        slots=settings.parallel,
-        ctx_size=launch.plan.ctx_size if launch.plan else settings.ctx_size,
-        hardware=launch.hardware,
-        binary=launch.binary,
-    )
     try:
-        return MeshnetLink(settings, served, health, relay_attachment)
+        layout = model_layout(list(resolved.shards) if resolved else [launch.model_path])
+    except (ModelFactsError, GGUFError) as exc:
+        raise NodeSetupError(str(exc)) from exc
+    served = ServedModel(
+        model_id=launch.model_name, total_layers=layout.total_layers, model_aliases=launch.model_aliases,
+        max_tokens_cap=settings.max_tokens_cap, quant=launch.quant, llama_build=launch.binary.build,
+        slots=settings.parallel, ctx_size=launch.plan.ctx_size if launch.plan else settings.ctx_size,
+    )  # fmt: skip
+    known = list(resolved.sha256s) if resolved else []
+
+    def describe() -> tuple[list[ShardDigest], HardwareSummary | None]:
+        report = launch.hardware or probe_hardware(launch.binary)
+        return shard_digests(layout.shards, known, settings.state_dir), hardware_summary(report)
+
+    try:
+        return build_mesh_link(settings, identity, served, health, describe, relay_attachment, count_prompt)
     except MeshSetupError as exc:
         raise NodeSetupError(str(exc)) from exc
 
 
-def _relay_link(settings: NodeSettings) -> RelayLink:
+def build_mesh_link(
+    settings: NodeSettings,
+    identity: NodeIdentity,
+    model: ServedModel,
+    health: Callable[[], HealthReport],
+    describe: DescribeModel,
+    relay_attachment: RelayAttachment | None = None,
+    count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
+) -> MeshnetLink:
+    """The mesh link and every part it runs: the one place a node opens its ledger.
+
+    Before the link takes a request: the replay cache holds every unexpired route the
+    ledger has seen, and rows a crash left open are settled into receipts.
+    """
+    from meshnet_gguf.mesh.ledger import UsageLedger
+    from meshnet_gguf.mesh.link import MeshnetLink, check_first_contact, configured_tracker_key, seed_replay_cache
+    from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
+    from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter, settle_interrupted
+    from meshnet_gguf.mesh.tracker_client import TrackerClient
+
+    pinned = configured_tracker_key(settings)
+    check_first_contact(settings, pinned)
+    assert settings.tracker is not None
+    ledger = UsageLedger.in_state_dir(settings.state_dir)
+    client = TrackerClient(settings.tracker, identity, enrolment_secret=settings.enrolment_secret)
+    reporter = OutboxReporter(ledger, client, linger_s=settings.usage_report_interval_s)
+    usage_sink = LedgerUsageSink(ledger, identity, reporter, count_prompt=count_prompt)
+    route_gate = RouteGate(identity.node_id, model.model_id, model.total_layers, pinned)
+    seed_replay_cache(route_gate.replay_cache, ledger)
+    settle_interrupted(ledger, identity)
+    # Read now, before this run opens rows of its own: they are billed once llama-server can count them.
+    left_uncounted = ledger.awaiting_count_sync()
+    mode = MeshedMode(route_gate, usage_sink, retry_after_s=settings.retry_after_s, api_key=settings.api_key)
+    return MeshnetLink(
+        settings=settings, model=model, identity=identity, ledger=ledger, client=client, reporter=reporter,
+        usage_sink=usage_sink, route_gate=route_gate, admission_mode=mode, health=health, describe=describe,
+        left_uncounted=left_uncounted, count_prompt=count_prompt, relay_attachment=relay_attachment,
+    )  # fmt: skip
+
+
+def _relay_link(settings: NodeSettings, identity: NodeIdentity) -> RelayLink:
     """With a relay: an outbound tunnel brings the tracker's requests to this node's own listener."""
     from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
 
     assert settings.relay_url is not None
     try:
-        return build_relay_link(settings.relay_url, settings.state_dir, local_address_for(settings.host, settings.port))
+        return build_relay_link(
+            settings.relay_url, identity, settings.state_dir, local_address_for(settings.host, settings.port)
+        )
     except ValueError as exc:
         raise NodeSetupError(f"--relay: {exc}") from exc
 
@@ -337,4 +442,4 @@ class Node:
             self.request_shutdown(force=True)
 
 
-__all__ = ["Node", "build_node"]
+__all__ = ["Node", "build_mesh_link", "build_node", "build_proxy"]

@@ -112,7 +112,7 @@ async def test_chat_prompt_count_matches_llama_servers_usage(llama: LlamaChild) 
             assert answer.status_code == 200, answer.text
             usage = answer.json()["usage"]
             # The count the node made before forwarding is the one llama-server reports after.
-            counted = await front.app._count_prompt(front.target(), "/v1/chat/completions", case, json.dumps(case).encode())  # type: ignore[arg-type]
+            counted = await front.app._counter._count_prompt(front.target(), "/v1/chat/completions", case, json.dumps(case).encode())  # type: ignore[arg-type]
             assert counted == usage["prompt_tokens"], case
 
 

@@ -9,7 +9,6 @@ import json
 import sqlite3
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -19,9 +18,10 @@ from meshnet_gguf.contract.protocol import ROUTE_HEADER, UsageRecord
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
-from meshnet_gguf.mesh.link import MeshnetLink, RouteGate
+from meshnet_gguf.mesh.link import seed_replay_cache
+from meshnet_gguf.mesh.meshed_mode import RouteGate
 from meshnet_gguf.mesh.receipts import settle_interrupted
-from meshnet_gguf.serving.proxy import RouteGrant
+from meshnet_gguf.serving.admission_modes import RouteGrant
 from support.billing_harness import MODEL_ID, TOTAL_LAYERS, LlamaChild, Tracker, serve_front
 
 JSON = {"content-type": "application/json"}
@@ -36,7 +36,7 @@ def seeded_gate(state_dir: Path, tracker: Tracker, identity: NodeIdentity) -> Ro
     """What a restarted mesh link does: a gate, then the replay cache seeded from the ledger."""
     gate = RouteGate(identity.node_id, MODEL_ID, TOTAL_LAYERS, tracker.key.public_key())
     ledger = UsageLedger.in_state_dir(state_dir)
-    MeshnetLink._seed_replay_cache(SimpleNamespace(ledger=ledger, route_gate=gate))  # type: ignore[arg-type]
+    seed_replay_cache(gate.replay_cache, ledger)
     ledger.close()
     return gate
 

@@ -36,14 +36,14 @@ from meshnet_gguf.contract.protocol import (
 )
 from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NodeIdentity
-from meshnet_gguf.mesh.link import MeshnetLink, MeshSetupError, ServedModel
+from meshnet_gguf.mesh.link import MeshnetLink, MeshSetupError
 from meshnet_gguf.mesh.tracker_client import NodePresence, TrackerClient, TrackerRefused
 from meshnet_gguf.reference.metering import MAX_METERED_EVENT_BYTES, BoundedEventSplitter
 from meshnet_gguf.reference.node_address import AddressPolicy, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.tracker import Tracker, TrackerConfig, load_or_create_enrolment_secret
 from support.loopback import serve_asgi
-from support.mesh_node import MODEL, FakeLlama, MeshNode
-from support.mesh_tracker import SECRET, models, start_tracker, wait_until
+from support.mesh_node import MODEL, FakeLlama, MeshNode, mesh_link
+from support.mesh_tracker import SECRET, models, start_tracker, tracker_key_text, wait_until
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -477,15 +477,15 @@ async def test_a_relay_that_never_ends_is_cut_at_the_total_time_limit(tmp_path: 
 
 
 def test_no_trust_on_first_use_over_plain_http_to_another_machine(tmp_path: Path, tiny_gguf: Path) -> None:
-    served = ServedModel(model_id=MODEL, shards=[tiny_gguf])
-
     def link(tracker: str, key: str | None = None) -> MeshnetLink:
         settings = NodeSettings(state_dir=tmp_path / "n", tracker=tracker, tracker_public_key=key, advertised_url="http://127.0.0.1:1")
-        return MeshnetLink(settings, served, lambda: HealthReport(state="ready"))
+        made = mesh_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
+        made.ledger.close()
+        return made
 
     with pytest.raises(MeshSetupError, match="MESHNET_TRACKER_PUBLIC_KEY"):
         link("http://192.0.2.10:8000")  # TEST-NET: nothing is sent, the link refuses at setup
-    pinned = Tracker(TrackerConfig(state_dir=tmp_path / "t", open_enrolment=True)).public_key_text
+    pinned = tracker_key_text(tmp_path / "t")
     assert link("http://192.0.2.10:8000", pinned).route_gate.issuer is not None
     for fine in ("https://tracker.example", "http://127.0.0.1:8000", "http://localhost:8000"):
         assert link(fine).route_gate.issuer is None  # learnt on first contact, which is safe there
@@ -493,8 +493,8 @@ def test_no_trust_on_first_use_over_plain_http_to_another_machine(tmp_path: Path
 
 async def test_a_node_whose_pinned_key_is_not_the_trackers_says_so_and_stays_off_line(tracker, tmp_path: Path, tiny_gguf: Path, llama) -> None:  # type: ignore[no-untyped-def]
     service, url = tracker
-    other = Tracker(TrackerConfig(state_dir=tmp_path / "other", open_enrolment=True))
-    mesh = MeshNode(tmp_path / "n", tiny_gguf, llama, tracker_url=url, tracker_key=other.public_key_text, enrolment_secret=SECRET)
+    other = tracker_key_text(tmp_path / "other")
+    mesh = MeshNode(tmp_path / "n", tiny_gguf, llama, tracker_url=url, tracker_key=other, enrolment_secret=SECRET)
     async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
         async def problem() -> bool:
             return (await http.get(mesh.url + "/health")).json().get("mesh_problem") is not None
@@ -520,9 +520,9 @@ async def test_shutdown_with_a_dead_tracker_is_bounded(tmp_path: Path, tiny_gguf
 
     server = await asyncio.start_server(swallow, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    key = Tracker(TrackerConfig(state_dir=tmp_path / "t", open_enrolment=True)).public_key_text
+    key = tracker_key_text(tmp_path / "t")
     settings = NodeSettings(state_dir=tmp_path / "n", tracker=f"http://127.0.0.1:{port}", tracker_public_key=key, advertised_url="http://127.0.0.1:1")
-    link = MeshnetLink(settings, ServedModel(model_id=MODEL, shards=[tiny_gguf]), lambda: HealthReport(state="ready"))
+    link = mesh_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
     record = UsageRecord(request_id="req-pending", route=CHAT, model=MODEL, status=200, stream=False, started_at=0)
     await link.usage_sink.record(record)
     link.presence.registered = True  # as a node that registered before the tracker died
@@ -549,7 +549,7 @@ async def test_doctor_names_a_tracker_key_mismatch_and_an_unsafe_first_contact(t
     from meshnet_gguf.ops.doctor import DoctorEnvironment, check_tracker_key
 
     service, url = tracker
-    other = Tracker(TrackerConfig(state_dir=tmp_path / "other", open_enrolment=True)).public_key_text
+    other = tracker_key_text(tmp_path / "other")
 
     def check(**settings: Any):  # type: ignore[no-untyped-def]
         return check_tracker_key(DoctorEnvironment(NodeSettings(state_dir=tmp_path / "n", **settings)))[0]

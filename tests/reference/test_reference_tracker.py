@@ -86,10 +86,12 @@ def test_registry_ttl_selection_and_re_registration() -> None:
 async def test_well_known_key_is_persisted_and_pinnable(tmp_path: Path) -> None:
     first = Tracker(TrackerConfig(state_dir=tmp_path, open_enrolment=True))
     again = Tracker(TrackerConfig(state_dir=tmp_path, open_enrolment=True))
+    again.ledger.close()
     assert first.public_key_text == again.public_key_text and first.issuer == again.issuer
     port = free_port()
     async with serve_asgi(first.app(), port, lifespan="on"), httpx.AsyncClient() as http:
         info = (await http.get(f"http://127.0.0.1:{port}{WELL_KNOWN_PATH}")).json()
+    first.ledger.close()
     assert info["public_key"] == first.public_key_text and info["issuer"] == first.issuer
     parse_public_key(info["public_key"])
 

@@ -32,7 +32,7 @@ async def test_streams_and_plain_answers_pass_through_the_relay_unchanged(tmp_pa
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshnet_gguf.mesh.identity import NodeIdentity
+from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
 from meshnet_gguf.reference.relay import Relay, RelayConfig
 from support.relay_harness import attach_message, raw_tunnel, read_answer, running_relay
 
@@ -177,7 +177,7 @@ async def test_killed_mid_stream_the_client_fails_fast_and_a_restarted_relay_ser
     app, app_port, relay_port = StreamApp(), free_local_port(), free_local_port()
     relay_url = f"http://127.0.0.1:{relay_port}"
     async with serve_asgi(app, app_port), anyio.create_task_group() as outer:
-        link = build_relay_link(relay_url, tmp_path / "node", local_address_for("127.0.0.1", app_port))
+        link = build_relay_link(relay_url, NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port))
         relay = Relay(RelayConfig(port=relay_port))
         relay_scope = anyio.CancelScope()
 
@@ -351,6 +351,7 @@ async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:
         assert up[0].status == "ok" and "tunnel is up" in up[0].summary
         other = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay_url=m.relay_url, state_dir=tmp_path / "other"))
         assert other[0].status == "ok" and "no tunnel now" in other[0].summary
+        assert not (tmp_path / "other" / NODE_KEY_FILE).exists()  # doctor only reads: it never creates a key
         assert m.relay.tunnels[m.identity.node_id] is not None  # the probe left the node's tunnel alone
     dead = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay_url=f"http://127.0.0.1:{free_local_port()}", state_dir=tmp_path / "x"))
     assert dead[0].status == "fail"

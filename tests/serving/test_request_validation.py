@@ -17,7 +17,7 @@ from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.supervisor import child_environment
-from meshnet_gguf.serving import http_server, proxy
+from meshnet_gguf.serving import admission_modes, http_server, proxy
 from meshnet_gguf.serving.request_validation import MAX_JSON_DEPTH, parse_json_object, rewrite_top_level, validate_request
 from support.billing_harness import LlamaChild, Tracker, serve_front
 
@@ -160,18 +160,16 @@ async def _raw_exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
 
 def test_the_api_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[bytes, bytes]] = []
-    real = proxy.hmac.compare_digest
+    real = admission_modes.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(proxy.hmac, "compare_digest", spy)
-    app = proxy.ProxyApp.__new__(proxy.ProxyApp)
-    app._api_key = "s3cret"
+    monkeypatch.setattr(admission_modes.hmac, "compare_digest", spy)
     with pytest.raises(ApiError):
-        app._check_api_key({"authorization": "Bearer s3cre"})
-    app._check_api_key({"authorization": "Bearer s3cret"})
+        admission_modes.check_api_key({"authorization": "Bearer s3cre"}, "s3cret")
+    admission_modes.check_api_key({"authorization": "Bearer s3cret"}, "s3cret")
     assert len(calls) == 2
 
 

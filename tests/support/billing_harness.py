@@ -23,19 +23,26 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
 from meshnet_gguf.contract.signing import body_sha256, encode_token, tracker_issuer_for
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.upstream import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
-from meshnet_gguf.mesh.link import RouteGate
+from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
 from meshnet_gguf.mesh.receipts import LedgerUsageSink
+from meshnet_gguf.node import build_proxy
 from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.admission_modes import StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart
-from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
+from meshnet_gguf.serving.proxy import ProxyApp
+from meshnet_gguf.serving.upstream_target import UpstreamTarget
+from support.recording_sink import RecordingSink
 
 READY_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 1
 LLAMA_KEY = "internal-test-key"
 MODEL_ID = "tiny"
 TOTAL_LAYERS = 2
@@ -83,16 +90,6 @@ class LlamaChild:
         self._log.close()
 
 
-class RecordingSink:
-    """Keeps every usage record the proxy hands its sinks."""
-
-    def __init__(self) -> None:
-        self.records: list[UsageRecord] = []
-
-    async def record(self, usage: UsageRecord) -> None:
-        self.records.append(usage)
-
-
 @dataclass
 class Tracker:
     """Plays the tracker: mints routes for the node under test with its own key."""
@@ -137,30 +134,34 @@ async def serve_front(
 ) -> AsyncIterator[FrontUnderTest]:
     """The node's front (proxy + listener, and with `tracker` its route gate and ledger) on a free port."""
     sink = RecordingSink()
-    gate = ledger = identity = journal = None
+    gate = ledger = identity = None
+    mode = StandaloneMode(api_key=api_key, allowed_hosts=allowed_hosts)
     sinks: list[Any] = [sink]
+    upstream = [upstream_url]
+    client = make_upstream_client("aiohttp", slots)
+
+    def target() -> UpstreamTarget | None:
+        return UpstreamTarget(upstream[0], LLAMA_KEY) if upstream[0] else None
+
     if tracker is not None:
         assert state_dir is not None
         identity = NodeIdentity.load_or_create(state_dir)
         ledger = UsageLedger.in_state_dir(state_dir)
         gate = RouteGate(identity.node_id, MODEL_ID, TOTAL_LAYERS, tracker.key.public_key())
-        journal = LedgerUsageSink(ledger, identity)
+        count_prompt = stored_prompt_counter(target, PromptCounter(client, RETRY_AFTER_S))
+        journal = LedgerUsageSink(ledger, identity, count_prompt=count_prompt)
+        mode = MeshedMode(gate, journal, retry_after_s=RETRY_AFTER_S, api_key=api_key)
         sinks.append(journal)
-    upstream = [upstream_url]
-    client = make_upstream_client("aiohttp", slots)
     admission = Admission(slots=slots)
-    app = ProxyApp(
-        upstream=lambda: UpstreamTarget(upstream[0], LLAMA_KEY) if upstream[0] else None,
+    app = build_proxy(
+        NodeSettings(max_body_bytes=max_body_bytes, retry_after_s=RETRY_AFTER_S),
+        upstream=target,
         client=client,
         admission=admission,
-        limits=ProxyLimits(max_body_bytes=max_body_bytes, retry_after_s=1),
         model_name=MODEL_ID,
         health=lambda: HealthReport(state="ready", model=MODEL_ID, slots_total=slots, slots_busy=admission.in_flight),
         usage_sinks=sinks,
-        route_check=gate,
-        journal=journal,
-        api_key=api_key,
-        allowed_hosts=allowed_hosts,
+        mode=mode,
     )
     http = HttpServerPart(app, "127.0.0.1", free_local_port())
     async with anyio.create_task_group() as tg:
@@ -177,7 +178,4 @@ async def serve_front(
 
 
 async def wait_records(sink: RecordingSink, count: int, timeout: float = 10.0) -> list[UsageRecord]:
-    with anyio.fail_after(timeout):
-        while len(sink.records) < count:
-            await anyio.sleep(0.01)
-    return sink.records
+    return await sink.wait_for(count, timeout)

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -23,9 +23,12 @@ from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.link import MeshnetLink, ServedModel
+from meshnet_gguf.node import build_mesh_link, build_proxy
+from meshnet_gguf.prepare.announcement import model_layout, shard_digests
 from meshnet_gguf.serving.admission import Admission
-from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from support.loopback import serve_asgi
 
 FAKE_LLAMA = Path(__file__).parent / "fake_llama_server.py"
@@ -66,6 +69,14 @@ class FakeLlama:
             self.proc.wait(5)
 
 
+def mesh_link(settings: NodeSettings, gguf: Path, health: Callable[[], HealthReport], *, slots: int = 1) -> MeshnetLink:
+    """The mesh link as the node builds it, serving `gguf` as MODEL (no hardware probe: the announcement says none)."""
+    layout = model_layout([gguf])
+    served = ServedModel(model_id=MODEL, total_layers=layout.total_layers, slots=slots)
+    identity = NodeIdentity.load_or_create(settings.state_dir)
+    return build_mesh_link(settings, identity, served, health, lambda: (shard_digests(layout.shards, [], settings.state_dir), None))
+
+
 class MeshNode:
     """A node on loopback: real proxy + real mesh link, in front of a fake llama-server."""
 
@@ -88,19 +99,18 @@ class MeshNode:
             state_dir=state_dir, tracker=tracker_url, tracker_public_key=tracker_key, enrolment_secret=enrolment_secret,
             advertised_url=advertised_url or self.url, usage_report_interval_s=0, parallel=slots,
         )  # fmt: skip
-        self.link = MeshnetLink(self.settings, ServedModel(model_id=MODEL, shards=[tiny_gguf], slots=slots), self.health)
+        self.link = mesh_link(self.settings, tiny_gguf, self.health, slots=slots)
         self.upstream_client = make_upstream_client("httpx", slots)
         self.admission = Admission(slots=slots)
-        self.proxy = ProxyApp(
+        self.proxy = build_proxy(
+            self.settings,
             upstream=lambda: UpstreamTarget(llama.url, FAKE_LLAMA_KEY) if self.state == "ready" else None,
             client=self.upstream_client,
             admission=self.admission,
-            limits=ProxyLimits(max_body_bytes=8 * 1024 * 1024, retry_after_s=1),
             model_name=MODEL,
             health=self.health,
             usage_sinks=[self.link.usage_sink],
-            route_check=self.link.route_gate,
-            journal=self.link.usage_sink,
+            mode=self.link.admission_mode,
             query_get_routes=dict([self.link.control_route]),
         )
         self.app = self.proxy

@@ -28,8 +28,18 @@ async def start_tracker(tmp_path: Path, name: str = "tracker", **over: Any) -> A
     )  # fmt: skip
     service = Tracker(TrackerConfig(**{**fields, **over}))
     port = free_local_port()
-    async with serve_asgi(service.app(), port, lifespan="on"):
-        yield service, f"http://127.0.0.1:{port}"
+    try:
+        async with serve_asgi(service.app(), port, lifespan="on"):
+            yield service, f"http://127.0.0.1:{port}"
+    finally:
+        service.ledger.close()
+
+
+def tracker_key_text(state_dir: Path) -> str:
+    """The public key of a reference tracker with this state dir (created on first use); its ledger closed again."""
+    service = Tracker(TrackerConfig(state_dir=state_dir, open_enrolment=True))
+    service.ledger.close()
+    return service.public_key_text
 
 
 async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:

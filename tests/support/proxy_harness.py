@@ -22,11 +22,15 @@ from typing import Any
 import anyio
 import httpx
 
-from meshnet_gguf.contract.protocol import HealthReport, NodeState, UsageRecord
+from meshnet_gguf.common.settings import NodeSettings
+from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.upstream import UpstreamClient
+from meshnet_gguf.node import build_proxy as build_node_proxy
 from meshnet_gguf.serving.admission import Admission
-from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, RouteCheck, UpstreamTarget
+from meshnet_gguf.serving.proxy import ProxyApp
+from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from support.fake_upstream import ALIAS, FakeLlamaUpstream
+from support.recording_sink import RecordingSink
 
 # Where clients reach the node: on loopback, as a local client would (and the Host it sends).
 NODE_HOST = "127.0.0.1:8080"
@@ -40,16 +44,6 @@ EXCHANGE_TIMEOUT_S = 5.0
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 # What the fake llama-server counts for CHAT's prompt: its template renders "<user>hi", one token a character.
 CHAT_PROMPT_TOKENS = 8
-
-
-class RecordingSink:
-    """A usage sink that keeps every record it is given."""
-
-    def __init__(self) -> None:
-        self.records: list[UsageRecord] = []
-
-    async def record(self, usage: UsageRecord) -> None:
-        self.records.append(usage)
 
 
 @dataclass
@@ -72,7 +66,6 @@ def build_proxy(
     *,
     slots: int = 2,
     api_key: str | None = None,
-    route_check: RouteCheck | None = None,
     upstream: FakeLlamaUpstream | None = None,
     real_client: UpstreamClient | None = None,
     upstream_url: str = UPSTREAM_URL,
@@ -96,16 +89,14 @@ def build_proxy(
     def target() -> UpstreamTarget | None:
         return UpstreamTarget(upstream_url, INTERNAL_KEY) if holder["proxy"].state == "ready" else None
 
-    app = ProxyApp(
+    app = build_node_proxy(
+        NodeSettings(max_body_bytes=MAX_BODY_BYTES, retry_after_s=RETRY_AFTER_S, api_key=api_key),
         upstream=target,
         client=real_client or fake,
         admission=admission,
-        limits=ProxyLimits(max_body_bytes=MAX_BODY_BYTES, retry_after_s=RETRY_AFTER_S),
         model_name=ALIAS,
         health=health,
         usage_sinks=[*extra_sinks, sink],
-        route_check=route_check,
-        api_key=api_key,
         extra_get_routes=extra_get_routes,
         on_rejected=lambda path, status: rejected.append((path, status)),
     )

@@ -116,7 +116,7 @@ async def mesh(tmp_path: Path, *, relay_config: RelayConfig | None = None, relay
     app_port = free_local_port()
     relay = relay or Relay(relay_config or RelayConfig(port=0))
     async with serve_asgi(app, app_port), running_relay(relay) as relay_url:
-        link = build_relay_link(relay_url, tmp_path / "node", local_address_for("127.0.0.1", app_port))
+        link = build_relay_link(relay_url, NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port))
         async with anyio.create_task_group() as tg:
             tg.start_soon(link.run)
             m = Mesh(relay, relay_url, link, app, app_port, link.identity)

@@ -88,6 +88,12 @@ def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
         )
         # Linked into place, not renamed: when another process won the race, its key is kept and used.
         write_atomically(path, pem, mode=KEY_FILE_MODE, exclusive=True)
+    return load_private_key(path)
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    """Load the PEM key at `path`, never creating it (`FileNotFoundError` when there is none)."""
+    path = Path(path)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
         raise PermissionError(

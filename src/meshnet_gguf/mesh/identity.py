@@ -18,6 +18,7 @@ from meshnet_gguf.contract.signing import (
     body_sha256,
     encode_token,
     load_or_create_private_key,
+    load_private_key,
     node_id_for,
     public_key_text,
 )
@@ -38,6 +39,11 @@ class NodeIdentity:
     @classmethod
     def load_or_create(cls, state_dir: Path) -> NodeIdentity:
         return cls.from_private_key(load_or_create_private_key(Path(state_dir) / NODE_KEY_FILE))
+
+    @classmethod
+    def load(cls, state_dir: Path) -> NodeIdentity:
+        """The key already in the state dir (`FileNotFoundError` when the node never started): for readers such as doctor."""
+        return cls.from_private_key(load_private_key(Path(state_dir) / NODE_KEY_FILE))
 
     @classmethod
     def from_private_key(cls, key: Ed25519PrivateKey) -> NodeIdentity:

@@ -5,12 +5,19 @@ call runs the stdlib `sqlite3` in a worker thread (`anyio.to_thread`), so the
 event loop never waits on the disk, and a call, once started, completes even
 if its caller is cancelled: a row is written whole or not at all.
 
-A row is written twice. It is *opened* (`in_flight` = 1, no receipt yet) before
-the request is forwarded, durably, with what is known then: the prompt's token
-count and until when the route that paid for it stays valid. That row is what
-refuses a replayed route after a restart, and what bills a request the node was
-killed in the middle of. It is *settled* (`in_flight` = 0, receipt set) when the
-request ends, or, for a row a crash left open, when the node starts again.
+A row is *opened* (`in_flight` = 1, no receipt yet) before the request is
+forwarded, durably, with what is known then: until when the route that paid for it
+stays valid, and the request's body (`prompt_body`), from which its prompt can be
+counted. That row is what refuses a replayed route after a restart, and what bills
+a request the node was killed in the middle of. The prompt is counted beside the
+generation; the count is *noted* in the row (and the body dropped) before the
+answer's first byte leaves the node. That write need not reach the platter: were it
+lost, the body is still on disk and is counted again. The row is *settled*
+(`in_flight` = 0, receipt set) when the request ends, or, for a row a crash left
+open, when the node starts again: at once when its count is in the row, else once
+llama-server can count the body. A request that ended without its prompt counted
+(llama-server went away between forwarding and the count) is *parked* (`in_flight`
+= 2, its final record in, its body kept) until llama-server counts the body.
 
 A settled row is *pending* until the tracker acknowledges it (`reported_at` set)
 or refuses it for good (`rejected` set). Pending rows are the outbox; they live
@@ -34,7 +41,7 @@ from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotal
 LEDGER_FILE = "usage.sqlite3"
 # Another process (`meshnet-gguf usage`, a backup) may hold a lock briefly; wait rather than fail.
 BUSY_TIMEOUT_S = 10.0
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -56,10 +63,12 @@ CREATE TABLE IF NOT EXISTS usage (
 );
 CREATE INDEX IF NOT EXISTS usage_started ON usage (started_at);
 """
-# Added in schema 2 (a version-1 ledger gains them in place).
+# Added in schemas 2 and 3 (an older ledger gains them in place).
 _COLUMNS_V2 = {
     "in_flight": "INTEGER NOT NULL DEFAULT 0",
     "route_expires_at": "REAL",
+    # The request body of an open row whose prompt is not counted yet; NULL once counted or settled.
+    "prompt_body": "BLOB",
 }
 _INDEXES_V2 = """
 DROP INDEX IF EXISTS usage_outbox;
@@ -122,9 +131,13 @@ class UsageLedger:
         return cls(Path(state_dir) / LEDGER_FILE)
 
     # --- async API (what the node uses) -------------------------------------------
-    async def open_request(self, record: UsageRecord, route_expires_at: float | None) -> bool:
+    async def open_request(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
         """Write the in-flight row before the request is forwarded; False when the id is already there."""
-        return await self._run(self.open_request_sync, record, route_expires_at)
+        return await self._run(self.open_request_sync, record, route_expires_at, prompt_body)
+
+    async def note_prompt(self, request_id: str, prompt_tokens: int) -> bool:
+        """The prompt's count, into its open row (whose body is then dropped)."""
+        return await self._run(self.note_prompt_sync, request_id, prompt_tokens)
 
     async def add(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
         """Store a request's usage; False when its request id is already there (the first row wins)."""
@@ -157,25 +170,76 @@ class UsageLedger:
         return await anyio.to_thread.run_sync(fn, *args)
 
     # --- sync API (worker threads, the CLI) --------------------------------------
-    def open_request_sync(self, record: UsageRecord, route_expires_at: float | None) -> bool:
+    def open_request_sync(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
         with self._lock:
             cursor = self._db.execute(
                 "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
                 " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt,"
-                " in_flight, route_expires_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 1, ?)",
+                " in_flight, route_expires_at, prompt_body)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 1, ?, ?)",
                 (
                     *_record_columns(record),
                     route_expires_at,
+                    prompt_body,
                 ),
             )
             return cursor.rowcount == 1
 
-    def in_flight_sync(self) -> list[UsageRecord]:
-        """Records of requests opened but never settled: a previous run died while they ran."""
+    def note_prompt_sync(self, request_id: str, prompt_tokens: int) -> bool:
+        """Not synced to the platter (see the module doc): the body stays durable until a synced write follows."""
         with self._lock:
-            rows = self._db.execute("SELECT record_json FROM usage WHERE in_flight = 1 ORDER BY started_at").fetchall()
+            row = self._db.execute(
+                "SELECT record_json FROM usage WHERE request_id = ? AND in_flight = 1", (request_id,)
+            ).fetchone()
+            if row is None:
+                return False
+            record = UsageRecord.model_validate_json(row[0]).model_copy(update={"prompt_tokens": prompt_tokens})
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                cursor = self._db.execute(
+                    "UPDATE usage SET prompt_tokens = ?, record_json = ?, prompt_body = NULL WHERE request_id = ? AND in_flight = 1",
+                    (prompt_tokens, record.model_dump_json(), request_id),
+                )
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
+            return cursor.rowcount == 1
+
+    def in_flight_sync(self) -> list[UsageRecord]:
+        """Records of requests opened but never settled whose prompt count is in the row: a previous run
+        died while they ran."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record_json FROM usage WHERE in_flight = 1 AND prompt_body IS NULL ORDER BY started_at"
+            ).fetchall()
         return [UsageRecord.model_validate_json(r[0]) for r in rows]
+
+    def awaiting_count_sync(self) -> list[tuple[UsageRecord, bytes]]:
+        """Rows (open or parked) a previous run left before their prompt was counted: each record with its request body."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record_json, prompt_body FROM usage WHERE in_flight != 0 AND prompt_body IS NOT NULL ORDER BY started_at"
+            ).fetchall()
+        return [(UsageRecord.model_validate_json(record_json), bytes(body)) for record_json, body in rows]
+
+    async def park(self, record: UsageRecord) -> bytes | None:
+        """A request ended before its prompt was counted: keep its row (final record in) with its
+        body, to be settled once counted. Returns the body; None when the row has none (counted)."""
+        return await self._run(self.park_sync, record)
+
+    def park_sync(self, record: UsageRecord) -> bytes | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT prompt_body FROM usage WHERE request_id = ? AND in_flight = 1 AND prompt_body IS NOT NULL",
+                (record.request_id,),
+            ).fetchone()
+            if row is None:
+                return None
+            self._db.execute(
+                "UPDATE usage SET record_json = ?, status = ?, completion_tokens = ?, finish_reason = ?, in_flight = 2"
+                " WHERE request_id = ? AND in_flight = 1",
+                (record.model_dump_json(), record.status, record.completion_tokens, record.finish_reason, record.request_id),
+            )
+            return bytes(row[0])
 
     def add_sync(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
         """Settle a request: its open row if it has one, else a new row. False when it is already settled."""
@@ -185,7 +249,7 @@ class UsageLedger:
             cursor = self._db.execute(
                 "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, route = ?, status = ?, stream = ?,"
                 " prompt_tokens = ?, cached_tokens = ?, completion_tokens = ?, finish_reason = ?, record_json = ?,"
-                " receipt = ?, in_flight = 0 WHERE request_id = ? AND in_flight = 1",
+                " receipt = ?, in_flight = 0, prompt_body = NULL WHERE request_id = ? AND in_flight != 0",
                 (*_record_columns(record)[1:], receipt.token, record.request_id),
             )
             if cursor.rowcount == 1:

@@ -1,6 +1,8 @@
-"""The node's link to the mesh, built from settings when a tracker is configured.
+"""The node's link to the mesh, when a tracker is configured.
 
-One object the node starts in its task group. It gives the proxy a
+One object the node starts in its task group. The composition root (`node.build_mesh_link`)
+opens the ledger, loads the identity, builds the tracker client, the outbox and the route
+gate, and hands them in; the link only runs them. It gives the proxy a
 `route_gate` (only tracker-routed requests get through), a `usage_sink`
 (each request's ledger row is opened before it is forwarded and settled into a
 signed receipt when it ends; rows a crash left open are settled at start) and one GET
@@ -16,11 +18,9 @@ the node tells it nothing but "not online" and says why in `/health`.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +48,14 @@ from meshnet_gguf.contract.protocol import (
     RegistrationAck,
     RelayAttachment,
     ShardDigest,
+    UsageRecord,
 )
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key, public_key_text, tracker_issuer_for
-from meshnet_gguf.hardware.report import HardwareReport, probe_hardware
-from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
-from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter, settle_interrupted
-from meshnet_gguf.mesh.route_auth import ReplayCache, RouteRejected, RouteVerifier
+from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
+from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter, settle_uncounted
+from meshnet_gguf.mesh.route_auth import ReplayCache
 from meshnet_gguf.mesh.tracker_client import (
     DEREGISTER_TIMEOUT_S,
     RETRY_INITIAL_S,
@@ -67,19 +67,12 @@ from meshnet_gguf.mesh.tracker_client import (
     TrackerUnavailable,
     first_contact_problem,
 )
-from meshnet_gguf.models.download import sha256_of
-from meshnet_gguf.models.gguf_info import read_gguf_info
-from meshnet_gguf.models.gguf_names import sibling_shards
-from meshnet_gguf.serving.proxy import QueryRoute, RouteGrant
+from meshnet_gguf.serving.proxy import QueryRoute
 
 log = logging.getLogger(__name__)
 
-# sha256 of each shard, remembered by size and mtime so a restart does not re-hash 100 GB.
-SHARD_DIGESTS_FILE = "shard_digests.json"
 # On the way out, one bounded try to deliver the last receipts; what is left goes next start.
 FINAL_FLUSH_TIMEOUT_S = 5.0
-# Retry-After while the tracker key is still unknown: the first-contact retry runs about this often.
-KEY_UNKNOWN_RETRY_AFTER_S = 5
 # Routes admitted this recently before a restart could still be replayed; their ids come from the ledger.
 REPLAY_SEED_WINDOW_S = MAX_ROUTE_LIFETIME_S + 2 * CLOCK_SKEW_S
 # A tracker's nonce is base64url; anything else is not a tracker asking.
@@ -95,73 +88,18 @@ class ServedModel:
     """What the node serves, as the tracker must hear it."""
 
     model_id: str
-    shards: Sequence[Path]  # first shard first
+    total_layers: int
     model_aliases: Sequence[str] = ()
     max_tokens_cap: int | None = None
     quant: str | None = None
-    sha256s: Sequence[str | None] = ()  # per shard, when already known (verified download)
     llama_build: str | None = None
     slots: int = 1
     ctx_size: int | None = None
-    # The report the launch plan used, when there is one; else the link probes once (off the event loop).
-    hardware: HardwareReport | None = None
-    binary: BinaryInfo | None = None
 
 
-class RouteGate:
-    """The proxy's route verifier: verifies `X-Meshnet-Route` and says what the route allows.
-
-    Until a tracker key is known (first contact not made yet, no key configured)
-    every request is refused with 503: serving unrouted requests is never the fallback.
-    """
-
-    def __init__(self, node_id: str, model_id: str, total_layers: int, key: Ed25519PublicKey | None) -> None:
-        self._node_id, self._model_id, self._total_layers = node_id, model_id, total_layers
-        self.replay_cache = ReplayCache()
-        self._verifier: RouteVerifier | None = None
-        if key is not None:
-            self.set_tracker_key(key)
-
-    @property
-    def issuer(self) -> str | None:
-        return self._verifier.issuer if self._verifier else None
-
-    def set_tracker_key(self, key: Ed25519PublicKey) -> None:
-        self._verifier = RouteVerifier(
-            key,
-            node_id=self._node_id,
-            model_id=self._model_id,
-            total_layers=self._total_layers,
-            replay_cache=self.replay_cache,
-        )
-
-    def _ready_verifier(self) -> RouteVerifier:
-        if self._verifier is None:
-            raise ApiError(
-                503, "route_key_unavailable", "this node has not learnt its tracker's key yet; retry shortly",
-                headers={"retry-after": str(KEY_UNKNOWN_RETRY_AFTER_S)},
-            )  # fmt: skip
-        return self._verifier
-
-    def check_token(self, headers: Mapping[str, str], path: str) -> RouteGrant:
-        try:
-            claims = self._ready_verifier().check_token(headers, path)
-        except RouteRejected as exc:
-            raise ApiError(exc.status, exc.code, exc.message) from None
-        return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens, expires_at=claims.exp, body_sha256=claims.body_sha256)
-
-    def check_body(self, grant: RouteGrant, body: bytes) -> None:
-        try:
-            RouteVerifier.check_body(grant.body_sha256 or "", body)
-        except RouteRejected as exc:
-            raise ApiError(exc.status, exc.code, exc.message) from None
-
-    def claim(self, grant: RouteGrant) -> None:
-        assert grant.request_id is not None and grant.expires_at is not None
-        try:
-            self._ready_verifier().claim(grant.request_id, grant.expires_at)
-        except RouteRejected as exc:
-            raise ApiError(exc.status, exc.code, exc.message) from None
+# The shard digests and hardware summary the announcement carries. Blocking (it may hash
+# shards or probe the machine): the link calls it once, in a worker thread, when it starts.
+DescribeModel = Callable[[], tuple[list[ShardDigest], HardwareSummary | None]]
 
 
 class MeshnetLink(BasePart):
@@ -171,49 +109,50 @@ class MeshnetLink(BasePart):
 
     def __init__(
         self,
+        *,
         settings: NodeSettings,
         model: ServedModel,
+        identity: NodeIdentity,
+        ledger: UsageLedger,
+        client: TrackerClient,
+        reporter: OutboxReporter,
+        usage_sink: LedgerUsageSink,
+        route_gate: RouteGate,
+        admission_mode: MeshedMode,
         health: Callable[[], HealthReport],
+        describe: DescribeModel,
+        left_uncounted: Sequence[tuple[UsageRecord, bytes]] = (),
+        count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
         relay_attachment: RelayAttachment | None = None,
     ) -> None:
-        if not settings.tracker:
-            raise MeshSetupError("the mesh link needs a tracker URL (--tracker or MESHNET_TRACKER)")
         self.settings = settings
         self.model = model
+        self.total_layers = model.total_layers
+        self.identity = identity
+        self.ledger = ledger
+        self.client = client
+        self.reporter = reporter
+        self.usage_sink = usage_sink
+        self.route_gate = route_gate
+        # What the proxy admits requests with: this link's route gate and ledger.
+        self.admission_mode = admission_mode
         self._health = health
+        self._describe = describe
+        # Rows a previous run left before their prompt was counted, and what counts a prompt from
+        # the request body kept in such a row (waiting for llama-server first).
+        self._left_uncounted = list(left_uncounted)
+        self._count_prompt = count_prompt
         self._draining = False
         self._tasks: anyio.CancelScope | None = None
-        state_dir = Path(settings.state_dir)
-        self.advertised_url = settings.advertised_url or _default_advertised_url(settings)
-        info = read_gguf_info(model.shards[0])
-        if not info.block_count:
-            raise MeshSetupError(f"{model.shards[0].name}: no block_count in the GGUF metadata; cannot state layer coverage")
-        self.total_layers = info.block_count
-        if len(model.shards) == 1 and info.split_count > 1:
-            # Given only shard 1 (what llama-server loads): the others sit beside it, named by the split.
-            shards = sibling_shards(model.shards[0], info.split_count)
-            self.model = model = dataclasses.replace(model, shards=shards)
-
-        pinned = self._configured_key(state_dir)
-        if pinned is None and (problem := first_contact_problem(settings.tracker)):
-            raise MeshSetupError(problem)
-        self.identity = NodeIdentity.load_or_create(state_dir)
-        self.ledger = UsageLedger.in_state_dir(state_dir)
-        self.client = TrackerClient(settings.tracker, self.identity, enrolment_secret=settings.enrolment_secret)
-        self.reporter = OutboxReporter(self.ledger, self.client, linger_s=settings.usage_report_interval_s)
-        self.usage_sink = LedgerUsageSink(self.ledger, self.identity, self.reporter)
-        self.route_gate = RouteGate(self.identity.node_id, model.model_id, self.total_layers, None)
-        if pinned is not None:
-            self._trust(pinned)
-        self._seed_replay_cache()
-        settle_interrupted(self.ledger, self.identity)
+        self.advertised_url = settings.advertised_url or default_advertised_url(settings)
+        if route_gate.issuer is not None:
+            self.client.audience = route_gate.issuer
         self.presence = NodePresence(
             self.client, self._announcement, self._status, check_ack=self._check_ack, explain_refusal=self._explain_refusal
         )
         self.control_route: tuple[str, QueryRoute] = (NODE_CONTROL_PATH, self.answer_control_challenge)
         self._shards: list[ShardDigest] | None = None
         self._hardware: HardwareSummary | None = None
-        # Set by the node when it serves through a relay: the tracker then reaches it there.
         # Behind a relay, the tracker reaches this node through it rather than at advertised_url.
         self.relay_attachment = relay_attachment
         log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
@@ -247,11 +186,14 @@ class MeshnetLink(BasePart):
             self._tasks = tg.cancel_scope
             # Receipts left by a previous run go out first; they need no registration.
             tg.start_soon(self.reporter.run)
+            if self._left_uncounted and self._count_prompt is not None:
+                # Billed once llama-server has counted them.
+                tg.start_soon(settle_uncounted, self.ledger, self.identity, self._left_uncounted, self._count_prompt, self.reporter)
+            elif self._left_uncounted:
+                log.warning("%d request(s) cut short before their prompt was counted stay open: no counter given", len(self._left_uncounted))
             if self.route_gate.issuer is None:
                 await self._learn_tracker_key()
-            self._shards = await anyio.to_thread.run_sync(self._shard_digests)
-            report = self.model.hardware or await anyio.to_thread.run_sync(probe_hardware, self.model.binary)
-            self._hardware = hardware_summary(report)
+            self._shards, self._hardware = await anyio.to_thread.run_sync(self._describe)
             tg.start_soon(self.presence.run)
 
     async def drain(self) -> None:
@@ -315,19 +257,6 @@ class MeshnetLink(BasePart):
             node_version=__version__,
         )
 
-    def _configured_key(self, state_dir: Path) -> Ed25519PublicKey | None:
-        text = self.settings.tracker_public_key
-        source = "tracker_public_key"
-        pin = state_dir / TRACKER_KEY_PIN_FILE
-        if not text and pin.exists():
-            text, source = pin.read_text(), str(pin)
-        if not text:
-            return None
-        try:
-            return parse_public_key(text)
-        except KeyFormatError as exc:
-            raise MeshSetupError(f"{source}: {exc}") from exc
-
     def _trust(self, key: Ed25519PublicKey) -> None:
         self.route_gate.set_tracker_key(key)
         self.client.audience = self.route_gate.issuer
@@ -379,60 +308,51 @@ class MeshnetLink(BasePart):
             info.public_key, pin,
         )
 
-    def _seed_replay_cache(self) -> None:
-        """Refuse, after a restart, every route this node ever forwarded that has not expired.
 
-        Each row is written before its request is forwarded and carries its route's own
-        expiry, so a route cut short by a crash at any instant is refused on its return.
-        Rows from a ledger older than that column fall back to admission time + the longest
-        route lifetime.
-        """
-        now = time.time()
-        cache = self.route_gate.replay_cache
-        seeded: set[str] = set()
-        for request_id, expires_at in self.ledger.unexpired_routes_sync(now - CLOCK_SKEW_S):
-            cache.remember(request_id, expires_at, now)
-            seeded.add(request_id)
-        for request_id, started_at in self.ledger.request_ids_since_sync(now - REPLAY_SEED_WINDOW_S):
-            if request_id not in seeded:
-                cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
-
-    def _shard_digests(self) -> list[ShardDigest]:
-        cache_path = Path(self.settings.state_dir) / SHARD_DIGESTS_FILE
-        try:
-            cache: dict[str, dict[str, object]] = json.loads(cache_path.read_text())
-        except (OSError, ValueError):
-            cache = {}
-        known = list(self.model.sha256s) + [None] * (len(self.model.shards) - len(self.model.sha256s))
-        digests = []
-        for path, sha in zip(self.model.shards, known):
-            st = path.stat()
-            key = str(path.resolve())
-            entry = cache.get(key)
-            if sha is None and entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
-                sha = str(entry["sha256"])
-            if sha is None:
-                log.info("hashing %s (%d MiB) for the tracker announcement", path.name, st.st_size >> 20)
-                sha = sha256_of(path).hexdigest()
-            cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
-            digests.append(ShardDigest(name=path.name, sha256=sha, size=st.st_size))
-        write_atomically(cache_path, json.dumps(cache, indent=1))
-        return digests
+def configured_tracker_key(settings: NodeSettings) -> Ed25519PublicKey | None:
+    """The tracker key this node trusts before contacting it: configured, or pinned on an earlier first contact."""
+    text = settings.tracker_public_key
+    source = "tracker_public_key"
+    pin = Path(settings.state_dir) / TRACKER_KEY_PIN_FILE
+    if not text and pin.exists():
+        text, source = pin.read_text(), str(pin)
+    if not text:
+        return None
+    try:
+        return parse_public_key(text)
+    except KeyFormatError as exc:
+        raise MeshSetupError(f"{source}: {exc}") from exc
 
 
-def hardware_summary(report: HardwareReport) -> HardwareSummary:
-    gpu = report.primary_gpu()
-    devices = gpu.llama_devices if gpu else ()
-    return HardwareSummary(
-        summary=report.summary(),
-        # What llama-server will actually drive, not what the box has.
-        backend=devices[0].backend if devices else "cpu",
-        memory_bytes=report.ram_total_bytes,
-        gpu_memory_bytes=gpu.budget_bytes if gpu else None,
-    )
+def check_first_contact(settings: NodeSettings, pinned: Ed25519PublicKey | None) -> None:
+    """Refuse settings that would learn the tracker key where it could be spoofed (plain http to another machine)."""
+    if not settings.tracker:
+        raise MeshSetupError("the mesh link needs a tracker URL (--tracker or MESHNET_TRACKER)")
+    if pinned is None and (problem := first_contact_problem(settings.tracker)):
+        raise MeshSetupError(problem)
+    if not settings.advertised_url:
+        default_advertised_url(settings)
 
 
-def _default_advertised_url(settings: NodeSettings) -> str:
+def seed_replay_cache(cache: ReplayCache, ledger: UsageLedger) -> None:
+    """Refuse, after a restart, every route this node ever forwarded that has not expired.
+
+    Each row is written before its request is forwarded and carries its route's own
+    expiry, so a route cut short by a crash at any instant is refused on its return.
+    Rows from a ledger older than that column fall back to admission time + the longest
+    route lifetime.
+    """
+    now = time.time()
+    seeded: set[str] = set()
+    for request_id, expires_at in ledger.unexpired_routes_sync(now - CLOCK_SKEW_S):
+        cache.remember(request_id, expires_at, now)
+        seeded.add(request_id)
+    for request_id, started_at in ledger.request_ids_since_sync(now - REPLAY_SEED_WINDOW_S):
+        if request_id not in seeded:
+            cache.remember(request_id, started_at + MAX_ROUTE_LIFETIME_S, now)
+
+
+def default_advertised_url(settings: NodeSettings) -> str:
     if settings.host in ("0.0.0.0", "::", ""):
         raise MeshSetupError(
             f"listening on {settings.host!r} (all addresses): set --advertised-url / MESHNET_ADVERTISED_URL "

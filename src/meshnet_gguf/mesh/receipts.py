@@ -11,11 +11,13 @@ recognises.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
 
 from meshnet_gguf.common.retry import Backoff
+from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import MAX_RECEIPTS_PER_BATCH, ReceiptAck, UsageReceipt, UsageRecord
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
@@ -28,6 +30,12 @@ log = logging.getLogger(__name__)
 OUTBOX_IDLE_POLL_S = 30.0
 # Status recorded for a request the node itself died in the middle of (it never answered).
 NODE_DIED_STATUS = 502
+# How long a request that ended before its prompt was counted waits for llama-server (restarted
+# by the supervisor) to count it; past that its row waits, parked, for the next start.
+LATE_COUNT_TIMEOUT_S = 60.0
+# Outcomes of a request llama-server took in (answered, cut off by the client, broken mid-answer):
+# its prompt ran. A 503 (llama-server never took it) or its own refusal ran nothing.
+PROMPT_RAN_STATUSES = frozenset({200, 499, 502})
 
 
 class ReceiptSender(Protocol):
@@ -105,16 +113,33 @@ class LedgerUsageSink:
     """The proxy's journal and usage sink: opens each request's ledger row before it is forwarded,
     then signs its record and settles the row before the request is over."""
 
-    def __init__(self, ledger: UsageLedger, identity: NodeIdentity, reporter: OutboxReporter | None = None) -> None:
+    def __init__(
+        self,
+        ledger: UsageLedger,
+        identity: NodeIdentity,
+        reporter: OutboxReporter | None = None,
+        *,
+        count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
+    ) -> None:
         self._ledger = ledger
         self._identity = identity
         self._reporter = reporter
+        # Counts a prompt from its request body (waiting for llama-server) when the live count never landed.
+        self._count_prompt = count_prompt
 
-    async def open(self, usage: UsageRecord, route_expires_at: float | None) -> bool:
-        """The request's in-flight row, on disk before this returns; False when its id is already there."""
-        return await self._ledger.open_request(usage, route_expires_at)
+    async def open(self, usage: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
+        """The request's in-flight row, on disk before this returns; False when its id is already there.
+        `prompt_body` is kept in the row until `note_prompt` (a restart counts it when that never came)."""
+        return await self._ledger.open_request(usage, route_expires_at, prompt_body)
+
+    async def note_prompt(self, request_id: str, prompt_tokens: int) -> None:
+        await self._ledger.note_prompt(request_id, prompt_tokens)
 
     async def record(self, usage: UsageRecord) -> None:
+        if usage.prompt_tokens == 0 and usage.status in PROMPT_RAN_STATUSES and (body := await self._ledger.park(usage)) is not None:
+            # llama-server went away between forwarding and the count: the prompt ran, bill it once counted.
+            await self._settle_late(usage, body)
+            return
         receipt = self._identity.sign_receipt(usage)
         if not await self._ledger.add(usage, receipt):
             log.warning("request id %s is already in the ledger; the first record stands", usage.request_id)
@@ -123,20 +148,72 @@ class LedgerUsageSink:
             self._reporter.wake()
 
 
+    async def _settle_late(self, usage: UsageRecord, body: bytes) -> None:
+        if self._count_prompt is None:
+            log.warning("request %s ended before its prompt was counted; billed at the next start", usage.request_id)
+            return
+        with anyio.move_on_after(LATE_COUNT_TIMEOUT_S) as scope:
+            await settle_uncounted(self._ledger, self._identity, [(usage, body)], self._count_prompt, self._reporter)
+        if scope.cancel_called:
+            log.warning("request %s: its prompt could not be counted yet; billed at the next start", usage.request_id)
+
+
 def settle_interrupted(ledger: UsageLedger, identity: NodeIdentity) -> int:
-    """Settle the rows a previous run left open (killed while those requests ran): each gets its
-    receipt with what was known when it was forwarded (its prompt), marked as an error.
+    """Settle the rows a previous run left open (killed while those requests ran) whose prompt was
+    counted: each gets its receipt with what was known (its prompt), marked as an error.
 
     Runs at start, before the proxy takes requests, so every request that reached
-    llama-server ends with exactly one settled row and one receipt.
+    llama-server ends with exactly one settled row and one receipt. Rows killed before
+    their count landed wait for `settle_uncounted`, once llama-server can count them.
     """
+    return sum(_settle_cut(ledger, identity, record) for record in ledger.in_flight_sync())
+
+
+async def settle_uncounted(
+    ledger: UsageLedger,
+    identity: NodeIdentity,
+    left: Sequence[tuple[UsageRecord, bytes]],
+    count: Callable[[str, bytes], Awaitable[int]],
+    reporter: OutboxReporter | None = None,
+) -> int:
+    """Settle the rows a previous run left open before their prompt was counted (`left`, read from
+    `ledger.awaiting_count_sync()` at start): each prompt counted now from the body kept in its
+    row, then billed as an error, once.
+
+    `count(route, body)` waits for llama-server and raises `ApiError`: a 400 (it cannot read
+    the body) bills 0 tokens; anything else is retried with backoff, the rows staying open.
+    """
+    backoff = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
     settled = 0
-    for record in ledger.in_flight_sync():
-        cut = record.model_copy(update={"finish_reason": "error", "status": record.status or NODE_DIED_STATUS})
-        if ledger.add_sync(cut, identity.sign_receipt(cut)):
-            settled += 1
-            log.warning(
-                "request %s was in flight when the node stopped; billed its prompt (%d tokens) as an error",
-                record.request_id, record.prompt_tokens,
-            )  # fmt: skip
+    for record, body in left:
+        while True:
+            try:
+                tokens = await count(record.route, body)
+                break
+            except ApiError as exc:
+                if exc.status == 400:
+                    tokens = 0
+                    break
+                delay = backoff.next_delay()
+                log.warning("cannot count the prompt of interrupted request %s yet (%s); retrying in %.0f s", record.request_id, exc, delay)
+                await anyio.sleep(delay)
+        counted = record.model_copy(update={"prompt_tokens": tokens})
+        settled += await anyio.to_thread.run_sync(_settle_cut, ledger, identity, counted)
+    if settled and reporter is not None:
+        reporter.wake()
     return settled
+
+
+def _settle_cut(ledger: UsageLedger, identity: NodeIdentity, record: UsageRecord) -> bool:
+    """Settle a row its request never settled itself: a crash row (its record as opened, outcome
+    unknown: an error) or a parked one (its final record in, only the prompt was missing)."""
+    ended = record.finish_reason != "unknown"
+    cut = record.model_copy(update={"finish_reason": record.finish_reason if ended else "error", "status": record.status or NODE_DIED_STATUS})
+    if not ledger.add_sync(cut, identity.sign_receipt(cut)):
+        return False
+    log.warning(
+        "request %s %s; billed its prompt (%d tokens)",
+        record.request_id, "ended before its prompt was counted" if ended else "was in flight when the node stopped",
+        record.prompt_tokens,
+    )  # fmt: skip
+    return True

@@ -498,11 +498,13 @@ async def probe_relay(endpoint: RelayEndpoint, identity: NodeIdentity) -> bool:
     return True
 
 
-def build_relay_link(relay_url: str, state_dir: Path, local_address: Callable[[], tuple[str, int]]) -> RelayLink:
-    """The one constructor the node calls: identity from the state dir, certificate written beside the key."""
+def build_relay_link(
+    relay_url: str, identity: NodeIdentity, state_dir: Path, local_address: Callable[[], tuple[str, int]]
+) -> RelayLink:
+    """The one constructor the node calls: the node's identity (loaded once by the node), its
+    certificate written beside the key in the state dir."""
     endpoint = RelayEndpoint.parse(relay_url)
     state_dir = Path(state_dir)
-    identity = NodeIdentity.load_or_create(state_dir)
     der = node_certificate(identity.private_key)
     cert_path = state_dir / NODE_TLS_CERT_FILE
     pem = certificate_pem(der)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import anyio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from meshnet_gguf.common.settings import NodeSettings
@@ -54,7 +55,14 @@ def check_relay(settings: NodeSettings) -> list[Finding]:
         endpoint = RelayEndpoint.parse(settings.relay_url)
     except ValueError as exc:
         return [Finding("relay", "fail", str(exc), "", "set --relay / MESHNET_RELAY_URL to http://host:port")]
-    identity = NodeIdentity.load_or_create(Path(settings.state_dir))
+    # Read only: doctor never creates the node's key. A node that never started probes with a
+    # throwaway key, which tells whether the relay admits a node at all.
+    try:
+        identity = NodeIdentity.load(Path(settings.state_dir))
+        whose = "this node's key"
+    except FileNotFoundError:
+        identity = NodeIdentity.from_private_key(Ed25519PrivateKey.generate())
+        whose = "a node key (this node has none yet: it creates one on its first start)"
     try:
         tunnel_up = anyio.run(_probe, endpoint, identity)
     except RelayRefusedError as exc:
@@ -70,7 +78,7 @@ def check_relay(settings: NodeSettings) -> list[Finding]:
             "check the URL (--relay / MESHNET_RELAY_URL) and that this machine can dial it",
         )]  # fmt: skip
     state = "the node's tunnel is up" if tunnel_up else "no tunnel now (the node is not running)"
-    return [Finding("relay", "ok", f"the relay at {endpoint.url} accepts this node's key; {state}")]
+    return [Finding("relay", "ok", f"the relay at {endpoint.url} accepts {whose}; {state}")]
 
 
 async def _probe(endpoint: RelayEndpoint, identity: NodeIdentity) -> bool:

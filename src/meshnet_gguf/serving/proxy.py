@@ -1,7 +1,7 @@
 """The node's public face: a pure-ASGI OpenAI-compatible reverse proxy in front of llama-server.
 
-It admits a request (route/key check, size and JSON checks, one slot per
-request), forwards it to llama-server with the internal key, streams the answer
+It admits a request (through its admission mode: standalone or meshed; size and
+JSON checks; one slot per request), forwards it to llama-server with the internal key, streams the answer
 back byte for byte as it arrives, meters a copy, and hands one `UsageRecord`
 per request to the usage sinks. It knows nothing about the child process: it is
 given a callable that says where llama-server is right now, or that it is not.
@@ -13,8 +13,6 @@ least busy node) or the client can go elsewhere instead of waiting blind.
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import json
 import logging
 import re
@@ -41,13 +39,11 @@ from meshnet_gguf.contract.protocol import (
 from meshnet_gguf.contract.sse import DONE_DATA, data_event
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.admission_modes import AdmissionMode, RouteGrant, unavailable
 from meshnet_gguf.serving.meter import RequestMeter, StreamMeter, meter_whole_body
-from meshnet_gguf.serving.request_validation import (
-    parse_json_object,
-    rewrite_top_level,
-    single_prompt,
-    validate_request,
-)
+from meshnet_gguf.serving.prompt_count import PromptCount, PromptCounter
+from meshnet_gguf.serving.request_validation import parse_json_object, rewrite_top_level, validate_request
+from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_headers
 
 log = logging.getLogger(__name__)
 
@@ -79,64 +75,11 @@ _HOP_HEADERS = frozenset(
 )
 # A client that trickles its body this slowly is holding a slot's worth of memory for nothing.
 BODY_READ_TIMEOUT_S = 30.0
-# A standalone node counts the prompt beside the generation; llama-server's template and
-# tokenizer answer in milliseconds, so a count this late means it is wedged: bill 0 then.
-PROMPT_COUNT_TIMEOUT_S = 10.0
-# Host names a standalone node always answers to; any IP literal is accepted too (DNS
-# rebinding needs a name that resolves to this machine, and a literal is not one).
-LOOPBACK_HOST_NAMES = frozenset({"localhost", "localhost.localdomain"})
-JSON_CONTENT_TYPE = "application/json"
 _STREAM_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-@dataclass(frozen=True)
-class UpstreamTarget:
-    """Where llama-server answers right now and the key it expects."""
-
-    base_url: str
-    api_key: str
-
-
-@dataclass(frozen=True)
-class RouteGrant:
-    """What a route allows: the request id to bill under, a completion-token cap, and until when
-    the route could be presented (its id must stay refused that long, across restarts too)."""
-
-    request_id: str | None = None
-    max_tokens: int | None = None
-    expires_at: float | None = None
-    body_sha256: str | None = None
-
-
-class RouteCheck(Protocol):
-    """Decides whether a request may pass (the mesh link's signed-route gate implements it).
-
-    Three steps, so nothing costly happens for a forged route and nothing burns a route
-    that is refused for another reason: the token (signature, expiry, node, model, path)
-    before the body is read; the body hash once it is; the one-time claim of the request
-    id just before forwarding. Each raises `ApiError` to refuse.
-    """
-
-    def check_token(self, headers: Mapping[str, str], path: str) -> RouteGrant: ...
-
-    def check_body(self, grant: RouteGrant, body: bytes) -> None: ...
-
-    def claim(self, grant: RouteGrant) -> None: ...
-
-
-class RequestJournal(Protocol):
-    """Durable record of a request before it is forwarded (the ledger's in-flight row).
-
-    `open` returns only once the row is on disk; False when the request id is already
-    there (a replay). The usage sinks settle the row when the request ends, and a restart
-    settles rows a crash left open.
-    """
-
-    async def open(self, usage: UsageRecord, route_expires_at: float | None) -> bool: ...
 
 
 class UsageSink(Protocol):
@@ -169,11 +112,8 @@ class ProxyApp:
         model_name: str,
         health: Callable[[], HealthReport],
         model_aliases: Sequence[str] = (),
+        mode: AdmissionMode,
         usage_sinks: Sequence[UsageSink] = (),
-        route_check: RouteCheck | None = None,
-        journal: RequestJournal | None = None,
-        api_key: str | None = None,
-        allowed_hosts: Sequence[str] = (),
         extra_get_routes: Mapping[str, ExtraRoute] | None = None,
         query_get_routes: Mapping[str, QueryRoute] | None = None,
         on_rejected: Callable[[str, int], None] | None = None,
@@ -186,10 +126,8 @@ class ProxyApp:
         self.model_aliases = tuple(model_aliases)
         self._health = health
         self._usage_sinks = tuple(usage_sinks)
-        self._route_check = route_check
-        self._journal = journal
-        self._api_key = api_key
-        self._allowed_hosts = LOOPBACK_HOST_NAMES | {h.lower() for h in allowed_hosts}
+        self._mode = mode
+        self._counter = PromptCounter(client, limits.retry_after_s)
         self._extra_get_routes = dict(extra_get_routes or {})
         self._query_get_routes = dict(query_get_routes or {})
         # Told (path, status) of each request refused before reaching llama-server: such
@@ -236,14 +174,13 @@ class ProxyApp:
         headers = _headers(scope)
         request_id = _client_request_id(headers)
         try:
-            self._check_origin(headers, body_expected=False)
-            self._check_api_key(headers)
+            self._mode.admit_listing(headers)
             target = self._ready_target()
         except ApiError as exc:
             await _send_error(send, exc, request_id)
             return
         try:
-            response = await self._client.send("GET", target.base_url + "/v1/models", _upstream_headers(target), None)
+            response = await self._client.send("GET", target.base_url + "/v1/models", upstream_headers(target), None)
             try:
                 body = await response.read()
             finally:
@@ -267,17 +204,12 @@ class ProxyApp:
             if self.admission.draining:
                 raise self._unavailable("This node is draining for shutdown; retry on another node")
             # Who may send a body is settled before a byte of it is read.
-            grant = RouteGrant()
-            if self._route_check is not None:
-                grant = self._route_check.check_token(headers, path)
-                request_id = grant.request_id or request_id
+            grant = self._mode.admit(headers, path)
+            if grant.request_id is not None:  # a route names the id the request is billed under
+                request_id = grant.request_id
                 request_id_var.set(request_id)
-            else:
-                self._check_origin(headers, body_expected=True)
-                self._check_api_key(headers)
             body = await self._read_body(headers, receive)
-            if self._route_check is not None:
-                self._route_check.check_body(grant, body)
+            self._mode.check_body(grant, body)
             payload = parse_json_object(body)
             required = INFERENCE_ROUTES[path]
             if required not in payload:
@@ -288,32 +220,16 @@ class ProxyApp:
             release = self.admission.try_acquire(1)
             if release is None:
                 raise self._unavailable(f"All {self.admission.slots} slots of this node are busy; retry shortly")
-            # With a ledger, the row opened before forwarding carries the prompt, so a node killed
-            # mid-answer still bills it: count first. Standalone, nothing is billed from a row,
-            # so the prompt is counted beside the generation and costs no time to first token.
-            count_first = self._journal is not None
-            prompt_tokens = await self._counted_prompt(target, path, payload, body) if count_first else 0
-            # From here the request is going to run: its route is used up, durably, before
-            # llama-server sees it, so no crash can let the same route run twice.
-            if self._route_check is not None:
-                self._route_check.claim(grant)
             meter = RequestMeter(
                 request_id=request_id,
                 path=path,
                 stream=path in STREAMING_ROUTES and payload.get("stream") is True,
                 started_at=time.time(),
                 started=time.perf_counter(),
-                prompt_counted=prompt_tokens,
             )
-            if self._journal is not None:
-                try:
-                    with anyio.CancelScope(shield=True):  # written whole even if the client leaves now
-                        opened = await self._journal.open(meter.usage_record(self.model_name), grant.expires_at)
-                except Exception as exc:  # a full or broken disk: serve nothing that cannot be billed
-                    log.error("request %s: could not write its ledger row, not forwarded: %s", request_id, exc)
-                    raise self._unavailable("This node cannot record requests right now; retry on another node") from None
-                if not opened:
-                    raise ApiError(403, "route_replayed", f"request {request_id} was already served by this node")
+            # From here the request is going to run: the mode uses up its grant (durably, on a
+            # meshed node) before llama-server sees it, so no crash can let the same route run twice.
+            await self._mode.commit(grant, partial(meter.usage_record, self.model_name), body)
         except ApiError as exc:
             if release is not None:
                 release()
@@ -323,84 +239,21 @@ class ProxyApp:
             return
 
         meter.release = release
-        count = None if count_first else PromptCount()
+        # The prompt is counted beside the generation; the mode says whether the answer waits for the count.
+        count = PromptCount(eager=self._mode.prompt_before_answer, on_counted=partial(self._mode.prompt_counted, request_id))
         try:
             upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
             async with anyio.create_task_group() as tg:
-                if count is not None:
-                    tg.start_soon(count.run, partial(self._counted_prompt, target, path, payload, body))
+                tg.start_soon(count.run, partial(self._counter.count, target, path, payload, body))
                 try:
                     await self._forward(meter, target, upstream_body, receive, send, count)
                 finally:
-                    if count is not None:
-                        count.start()  # answered, cut short or refused: the count is wanted now
+                    count.start()  # answered, cut short or refused: the count is wanted now
         finally:
             release()
             with anyio.CancelScope(shield=True):
-                if count is not None:
-                    meter.prompt_counted = await count.settled()
+                meter.prompt_counted = await count.settled()
                 await self._record(meter)
-
-    async def _counted_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
-        try:
-            return await self._count_prompt(target, path, payload, body)
-        except _NoCounter as missing:
-            # A llama-server build without the endpoint: the prompt is billed from its usage only.
-            log.warning("llama-server has no %s; prompts are counted only when an answer completes", missing)
-            return 0
-
-    async def _count_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
-        """The prompt's token count, from llama-server's own template and tokenizer, before
-        generation starts: a request cut short at any moment is still billed its prompt.
-
-        llama-server answering 4xx/5xx here means it cannot parse this body (the chat
-        parser throws on shapes the node does not check, such as a tool list it cannot
-        read); nothing ran, so the client gets a 400 with llama-server's reason.
-        """
-        if path == "/v1/chat/completions":
-            rendered = await self._ask_upstream(target, "/apply-template", body)
-            prompt: Any = rendered.get("prompt")
-            if not isinstance(prompt, str):
-                raise ApiError(400, "invalid_request", "llama-server could not render this chat with its template")
-        else:
-            prompt = single_prompt(path, payload)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        if isinstance(prompt, list):  # several embedding inputs: each is tokenized on its own
-            counts = [await self._count_text(target, p) for p in prompt]
-            return sum(counts)
-        return await self._count_text(target, prompt)
-
-    async def _count_text(self, target: UpstreamTarget, prompt: Any) -> int:
-        if isinstance(prompt, list):
-            return len(prompt)
-        request = json.dumps({"content": prompt, "add_special": True, "parse_special": True}).encode()
-        tokens = (await self._ask_upstream(target, "/tokenize", request)).get("tokens")
-        if not isinstance(tokens, list):
-            raise ApiError(400, "invalid_request", "llama-server could not tokenize this prompt")
-        return len(tokens)
-
-    async def _ask_upstream(self, target: UpstreamTarget, route: str, body: bytes) -> dict[str, Any]:
-        try:
-            response = await self._client.send("POST", target.base_url + route, _upstream_headers(target), body)
-            try:
-                raw = await response.read()
-            finally:
-                await response.aclose()
-        except UpstreamError as exc:
-            raise self._unavailable(f"llama-server is not answering: {exc}") from None
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            answer = None
-        if response.status == 404:
-            raise _NoCounter(route)
-        if response.status >= 400 or not isinstance(answer, dict):
-            reason = _upstream_error_message(answer) or f"status {response.status}"
-            if response.status in (401, 403) or response.status >= 502:
-                raise self._unavailable(f"llama-server did not prepare the request ({reason}); retry shortly")
-            raise ApiError(400, "invalid_request", f"llama-server cannot read this request: {reason}")
-        return answer
 
     async def _forward(
         self,
@@ -409,7 +262,7 @@ class ProxyApp:
         body: bytes,
         receive: Receive,
         send: Send,
-        count: PromptCount | None = None,
+        count: PromptCount,
     ) -> None:
         disconnected = False
         async with anyio.create_task_group() as tg:
@@ -438,12 +291,10 @@ class ProxyApp:
             meter.finish_reason = "cancelled"
             meter.status = CLIENT_CLOSED_STATUS
 
-    async def _exchange(
-        self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send, count: PromptCount | None
-    ) -> None:
+    async def _exchange(self, meter: RequestMeter, target: UpstreamTarget, body: bytes, send: Send, count: PromptCount) -> None:
         url = target.base_url + meter.path
         try:
-            response = await self._client.send("POST", url, _upstream_headers(target, stream=meter.stream), body)
+            response = await self._client.send("POST", url, upstream_headers(target, stream=meter.stream), body)
         except UpstreamError as exc:
             meter.finish_reason = "error"
             meter.status = 503
@@ -460,9 +311,7 @@ class ProxyApp:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
 
-    async def _forward_whole(
-        self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount | None
-    ) -> None:
+    async def _forward_whole(self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount) -> None:
         try:
             body = await response.read()
         except UpstreamError as exc:
@@ -470,7 +319,7 @@ class ProxyApp:
             meter.status = 502
             await _send_error(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), meter.request_id)
             return
-        if response.status >= 500 and count is not None and (refusal := await count.refusal()) is not None:
+        if response.status >= 500 and (refusal := await count.refusal()) is not None:
             # llama-server's template could not read this chat (its counting answered 400 and
             # its generation a 500): the client's error, said as one, like a counted-first request.
             meter.finish_reason, meter.status, meter.refused_upstream = "error", refusal.status, True
@@ -493,13 +342,12 @@ class ProxyApp:
             (_PROMPT_TOKENS_KEY, str(meter.prompt_tokens).encode()),
             (_COMPLETION_TOKENS_KEY, str(meter.completion_tokens).encode()),
         ]
+        await count.before_answer()
         meter.release()
         meter.answered = True
         await _respond(send, response.status, body, headers)
 
-    async def _forward_stream(
-        self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount | None
-    ) -> None:
+    async def _forward_stream(self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount) -> None:
         meter.status = 200
         await send(
             {
@@ -510,14 +358,17 @@ class ProxyApp:
         )
         relay = StreamMeter(meter)
         done_sent = False
+        answering = False
         try:
             async for chunk in response.iter_chunks():
                 body, done = relay.feed(chunk)
                 done_sent = done_sent or done
                 if body:
+                    if not answering:
+                        await count.before_answer()
+                        answering = True
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-                    if count is not None:
-                        count.start()
+                    count.start()
         except UpstreamError as exc:
             log.warning("request %s: llama-server stream broke: %s", meter.request_id, exc)
             meter.finish_reason = "error"
@@ -528,8 +379,7 @@ class ProxyApp:
             error = json.dumps(
                 {"error": {"message": "llama-server stopped mid-answer", "type": "server_error", "code": 502}}
             ).encode()
-            if count is not None:
-                meter.prompt_counted = await count.settled()  # the usage comment below bills it
+            meter.prompt_counted = await count.settled()  # the usage comment below bills it
             await send(
                 {
                     "type": "http.response.body",
@@ -562,14 +412,6 @@ class ProxyApp:
                     return b"".join(chunks)
         raise ApiError(408, "body_timeout", f"Request body not received within {BODY_READ_TIMEOUT_S:.0f} s")
 
-    def _check_api_key(self, headers: Mapping[str, str]) -> None:
-        if self._api_key is None:
-            return
-        given = headers.get("authorization", "").encode("latin-1")
-        # Constant time: the comparison must not tell an attacker how much of a guess was right.
-        if not hmac.compare_digest(given, f"Bearer {self._api_key}".encode("latin-1", "replace")):
-            raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
-
     def _check_model(self, requested: object) -> None:
         """A request naming a model this node does not serve gets OpenAI's 404, not another model's answer."""
         if requested is None or requested == "":
@@ -595,22 +437,6 @@ class ProxyApp:
         given = [cap for cap in caps if cap is not None]
         return min(given) if given else None
 
-    def _check_origin(self, headers: Mapping[str, str], *, body_expected: bool) -> None:
-        """A standalone node answers only requests addressed to it and sent as JSON.
-
-        A web page in the operator's browser can reach loopback: with a rebound DNS name
-        (the Host header then carries that name) or with a form post (which cannot carry
-        Content-Type: application/json without a CORS preflight this node never grants).
-        """
-        if self._route_check is not None:
-            return  # routed requests are signed for this node; the tracker is the client
-        if not _host_allowed(headers.get("host", ""), self._allowed_hosts):
-            raise ApiError(403, "host_not_allowed", "Host header names neither this machine's loopback nor a configured name")
-        if body_expected:
-            content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if content_type != JSON_CONTENT_TYPE:
-                raise ApiError(415, "unsupported_media_type", f"Content-Type must be {JSON_CONTENT_TYPE}")
-
     def _ready_target(self) -> UpstreamTarget:
         target = self._upstream()
         if target is None:
@@ -619,7 +445,7 @@ class ProxyApp:
         return target
 
     def _unavailable(self, message: str) -> ApiError:
-        return ApiError(503, "unavailable", message, headers={"retry-after": str(self.limits.retry_after_s)})
+        return unavailable(message, self.limits.retry_after_s)
 
     async def _record(self, meter: RequestMeter) -> None:
         record = meter.usage_record(self.model_name)
@@ -631,50 +457,6 @@ class ProxyApp:
 
 
 # --- request shaping --------------------------------------------------------
-class _NoCounter(Exception):
-    """llama-server answered 404 for the endpoint the prompt count needs."""
-
-
-class PromptCount:
-    """A prompt counted beside its generation: the count, or llama-server's refusal to read it.
-
-    The count starts once the first bytes of the answer are on their way (`start()`), or
-    when someone needs it: on 2 cores, llama-server tokenizing while it prefills would
-    delay the very first token the count is meant not to delay.
-    """
-
-    def __init__(self) -> None:
-        self._go = anyio.Event()
-        self._done = anyio.Event()
-        self._tokens = 0
-        self._refusal: ApiError | None = None
-
-    def start(self) -> None:
-        self._go.set()
-
-    async def run(self, counting: Callable[[], Awaitable[int]]) -> None:
-        try:
-            await self._go.wait()
-            with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
-                self._tokens = await counting()
-        except ApiError as exc:
-            if exc.status == 400:
-                self._refusal = exc
-        finally:
-            self._done.set()
-
-    async def settled(self) -> int:
-        """The count (0 when llama-server could not give it in time)."""
-        self.start()
-        with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
-            await self._done.wait()
-        return self._tokens
-
-    async def refusal(self) -> ApiError | None:
-        await self.settled()
-        return self._refusal
-
-
 def _prepare_upstream_body(payload: dict[str, Any], body: bytes, max_tokens: int | None) -> bytes:
     """The body llama-server gets: the client's own bytes, with the route's token cap when it has one.
 
@@ -692,39 +474,6 @@ def _prepare_upstream_body(payload: dict[str, Any], body: bytes, max_tokens: int
             if not isinstance(asked, int) or asked <= 0 or asked > max_tokens:
                 changes[key] = max_tokens
     return rewrite_top_level(body, changes) if changes else body
-
-
-def _upstream_error_message(answer: Any) -> str | None:
-    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
-        message = answer["error"].get("message")
-        return str(message) if message else None
-    return None
-
-
-def _host_allowed(host: str, allowed: frozenset[str] | set[str]) -> bool:
-    name = host.strip().lower()
-    if name.startswith("["):  # [v6]:port
-        name = name[1 : name.find("]")] if "]" in name else ""
-    elif name.count(":") == 1:
-        name = name.split(":", 1)[0]
-    if not name:
-        return False
-    if name in allowed or name.endswith(".localhost"):
-        return True
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
-
-
-def _upstream_headers(target: UpstreamTarget, *, stream: bool = False) -> dict[str, str]:
-    headers = {"authorization": f"Bearer {target.api_key}", "content-type": "application/json"}
-    if stream:
-        # llama-server closes the connection after every streamed answer; saying so up
-        # front keeps the pool from handing that dead connection to the next request.
-        headers["connection"] = "close"
-    return headers
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -763,13 +512,4 @@ async def _refuse_lifespan(receive: Receive, send: Send) -> None:
             return
 
 
-__all__ = [
-    "ProxyApp",
-    "ProxyLimits",
-    "RequestJournal",
-    "RouteGrant",
-    "RouteCheck",
-    "UpstreamTarget",
-    "UsageSink",
-    "openai_error_body",
-]
+__all__ = ["ProxyApp", "ProxyLimits", "QueryRoute", "RouteGrant", "UpstreamTarget", "UsageSink", "openai_error_body"]

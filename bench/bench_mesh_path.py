@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""The four ways a request reaches a model, side by side in one run, each against the same llama-server reached directly.
+
+    .venv/bin/python bench/bench_mesh_path.py                   # tiny generated model, fast settings
+    .venv/bin/python bench/bench_mesh_path.py --model M.gguf --pairs 40 --decode-rounds 4 --gpu-layers all
+
+Three real nodes (`meshnet-gguf serve`, `--parallel 8`), each with its own llama-server,
+a reference tracker and a reference relay, all on loopback:
+
+- **standalone**: client -> node S (no tracker);
+- **route**: client -> node M with a route token the bench signs with the tracker's key
+  (the meshed node's own path: route check, durable ledger row, prompt count; no tracker hop);
+- **tracker**: client -> tracker -> node M;
+- **tracker+relay**: client -> tracker -> relay -> node R (which dials out to the relay).
+
+Every figure is paired: each request through a path alternates (ABBA) with the same
+request sent straight to that path's node's own llama-server (its port or socket and
+internal key read from /proc), so drift hits both alike. Each prompt starts with a fresh
+number, so llama-server's prompt cache never serves one request from another's work.
+Reported per path: added TTFT (median of the pairs' differences, and p90/p99) on a
+short and a ~1,500-token prompt; client-side tokens/s at c=1 and c=8 against direct;
+the node process's CPU per request (on the short-prompt pairs) and per 1,000 streamed
+tokens (on the decode rounds). M and R serve the same file under two names (hard links),
+so the tracker's choice of node is the model the request names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_proxy import CHAT_PATH, Conn, Node, Stream, pct  # noqa: E402
+
+from meshnet_gguf.common.ports import free_local_port  # noqa: E402
+from meshnet_gguf.contract.protocol import ROUTE_HEADER, WELL_KNOWN_PATH  # noqa: E402
+from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for  # noqa: E402
+from meshnet_gguf.models.tiny_model import write_tiny_model  # noqa: E402
+
+SERVICE_START_TIMEOUT_S = 30.0
+ROUTABLE_TIMEOUT_S = 120.0
+ROUTE_LIFETIME_S = 60
+ENROLMENT_SECRET = "bench-mesh-path-enrolment-secret"
+PATHS = ("standalone", "route", "tracker", "tracker+relay")
+
+
+class RoutedConn(Conn):
+    """A `Conn` whose requests may carry extra headers (the route token of the next request)."""
+
+    def __init__(self, port: int | str, key: str | None = None, *, fresh: bool = False) -> None:
+        super().__init__(port, key, fresh=fresh)
+        self.headers: dict[str, str] = {}
+
+    def _request_bytes(self, method: str, path: str, body: bytes) -> bytes:
+        raw = super()._request_bytes(method, path, body)
+        if not self.headers:
+            return raw
+        head, rest = raw.split(b"\r\n", 1)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items()).encode()
+        return head + b"\r\n" + extra + rest
+
+
+class Service:
+    """A `meshnet-gguf dev tracker|relay` child on a free loopback port, stopped by its PID."""
+
+    def __init__(self, work: Path, name: str, args: list[str], env: dict[str, str]) -> None:
+        self.port = free_local_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = (work / f"{name}.log").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "meshnet_gguf", "dev", name, "--port", str(self.port), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{name} did not start")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class RouteMinter:
+    """Signs routes for node M as the tracker would (the tracker's own key, read from its state dir)."""
+
+    def __init__(self, tracker_state: Path, node: dict[str, Any]) -> None:
+        self.key = load_or_create_private_key(tracker_state / "tracker_key.pem")  # the tracker made it: only read
+        self.node = node
+        self.n = 0
+
+    def token(self, body: bytes) -> str:
+        now = int(time.time())
+        self.n += 1
+        node = self.node
+        claims = {
+            "iss": tracker_issuer_for(self.key.public_key()), "sub": node["node_id"], "jti": f"bench-{now}-{self.n}",
+            "iat": now, "exp": now + ROUTE_LIFETIME_S, "path": CHAT_PATH, "model": node["model_id"],
+            "hops": [{"node_id": node["node_id"], "first_layer": 0, "last_layer": node["total_layers"] - 1}],
+            "body_sha256": body_sha256(body),
+        }  # fmt: skip
+        return encode_token(claims, self.key)
+
+
+def body_for(model: str, prompt: str, max_tokens: int, n: int) -> bytes:
+    """A streamed chat; the leading number makes each prompt new to llama-server's prompt cache."""
+    content = f"{n} {prompt}"
+    return json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+         "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    ).encode()
+
+
+def long_prompt(llama: Node, target_tokens: int) -> tuple[str, int]:
+    """Words repeated until llama-server's own tokenizer counts about `target_tokens`."""
+    unit = "the quick brown fox jumps over the lazy dog and keeps on running. "
+
+    def count(text: str) -> int:
+        transport = httpx.HTTPTransport(uds=llama.llama_port) if isinstance(llama.llama_port, str) else None
+        base = "http://localhost" if transport else f"http://127.0.0.1:{llama.llama_port}"
+        with httpx.Client(transport=transport, timeout=30, trust_env=False) as http:
+            answer = http.post(base + "/tokenize", json={"content": text}, headers={"authorization": f"Bearer {llama.llama_key}"})
+        return len(answer.json()["tokens"])
+
+    per_unit = max(1, count(unit * 10) // 10)
+    text = unit * max(1, target_tokens // per_unit)
+    return text, count(text)
+
+
+class PathUnderTest:
+    def __init__(self, name: str, node: Node, conn: RoutedConn, model: str, minter: RouteMinter | None = None) -> None:
+        self.name, self.node, self.conn, self.model, self.minter = name, node, conn, model, minter
+        self.direct = Conn(node.llama_port, node.llama_key, fresh=True)
+        self.extra = [RoutedConn(conn.port) for _ in range(7)]  # the other streams at c=8
+
+    async def send(self, conn: RoutedConn, body: bytes) -> Stream:
+        conn.headers = {ROUTE_HEADER: self.minter.token(body)} if self.minter else {}
+        return await conn.request("POST", CHAT_PATH, body)
+
+
+async def ttft_pairs(p: PathUnderTest, prompt: str, pairs: int, start: int) -> dict[str, Any]:
+    diffs: list[float] = []
+    direct: list[float] = []
+    errors = 0
+    cpu = 0.0
+    for i in range(pairs):
+        body = body_for(p.model, prompt, 2, start + i)
+        order = ("direct", "path") if i % 2 == 0 else ("path", "direct")
+        got: dict[str, Stream] = {}
+        for which in order:
+            if which == "direct":
+                got[which] = await p.direct.request("POST", CHAT_PATH, body_for(p.model, prompt, 2, start + pairs + i))
+            else:
+                before = p.node.cpu_s()
+                got[which] = await p.send(p.conn, body)
+                cpu += p.node.cpu_s() - before
+        if all(s.ok and s.ttft is not None for s in got.values()):
+            diffs.append(got["path"].ttft - got["direct"].ttft)  # type: ignore[operator]
+            direct.append(got["direct"].ttft)  # type: ignore[arg-type]
+        else:
+            errors += 1
+            bad = [s for s in got.values() if not s.ok]
+            if bad:
+                print(f"[{p.name}] error: {bad[0].status} {bad[0].error} {bad[0].body_head[:200]!r}", flush=True)
+    return {
+        "added_p50": pct(diffs, 50), "added_p90": pct(diffs, 90), "added_p99": pct(diffs, 99),
+        "direct_p50": pct(direct, 50), "pairs": len(diffs), "errors": errors, "cpu_ms_per_request": cpu * 1000 / max(1, pairs),
+    }  # fmt: skip
+
+
+async def decode(p: PathUnderTest, c: int, rounds: int, tokens: int, start: int) -> dict[str, Any]:
+    """Rounds of c streams, in the order direct, path, path, direct; each path round is paired with
+    the direct round beside it, and the ratio is the median of the pairs' ratios."""
+    rates: list[tuple[str, float]] = []
+    cpu, streamed, errors = 0.0, 0, 0
+    directs = [p.direct] + [Conn(p.node.llama_port, p.node.llama_key, fresh=True) for _ in range(c - 1)]
+    conns = [p.conn, *p.extra][:c]
+    n = start
+    for i in range(rounds * 2):
+        which = ("direct", "path", "path", "direct")[i % 4]
+        bodies = [body_for(p.model, "Tell me a long story.", tokens, n + k) for k in range(c)]
+        n += c
+        before = p.node.cpu_s()
+        if which == "direct":
+            streams = await asyncio.gather(*(conn.request("POST", CHAT_PATH, b) for conn, b in zip(directs, bodies)))
+        else:
+            streams = await asyncio.gather(*(p.send(conn, b) for conn, b in zip(conns, bodies)))
+            cpu += p.node.cpu_s() - before
+            streamed += sum(s.n_content for s in streams)
+        ok = [s for s in streams if s.ok and s.t_first_content is not None and s.t_last_content is not None and s.n_content > 1]
+        errors += len(streams) - len(ok)
+        if len(ok) != c:
+            rates.append((which, float("nan")))
+            continue
+        first = min(s.t_first_content for s in ok)  # type: ignore[type-var]
+        last = max(s.t_last_content for s in ok)  # type: ignore[type-var]
+        produced = sum(s.n_content for s in ok) - c
+        rates.append((which, produced / (last - first) if last > first else float("nan")))
+    pairs = []
+    for k in range(0, len(rates) - 1, 2):  # (direct, path) then (path, direct)
+        (a, ra), (_, rb) = rates[k], rates[k + 1]
+        d, q = (ra, rb) if a == "direct" else (rb, ra)
+        if d == d and q == q and d > 0:
+            pairs.append(q / d)
+    return {
+        "direct_tok_s": statistics.median(r for w, r in rates if w == "direct" and r == r) if any(w == "direct" and r == r for w, r in rates) else float("nan"),
+        "ratio": statistics.median(pairs) if pairs else float("nan"),
+        "pairs": len(pairs),
+        "errors": errors,
+        "cpu_ms_per_1k_tokens": cpu * 1e6 / streamed if streamed else float("nan"),
+    }
+
+
+def wait_routable(tracker: Service, models: set[str]) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + ROUTABLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        served = {m["id"] for m in httpx.get(tracker.url + "/v1/models", timeout=2, trust_env=False).json().get("data", [])}
+        if models <= served:
+            return httpx.get(tracker.url + "/v1/nodes", timeout=2, trust_env=False).json()
+        time.sleep(0.3)
+    raise RuntimeError(f"the tracker never listed {models}")
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="meshnet-mesh-path-"))
+    source = Path(args.model) if args.model else write_tiny_model(work / "tiny.gguf")
+    models = {}
+    for suffix in ("s", "m", "r"):
+        linked = work / f"{source.stem}-{suffix}.gguf"
+        try:
+            os.link(source, linked)
+        except OSError:
+            linked.symlink_to(source.resolve())
+        models[suffix] = linked
+    node_args = ["--parallel", "8", "--ctx-size", str(args.ctx_size), *(["--n-gpu-layers", args.gpu_layers] if args.gpu_layers else [])]
+    tracker = Service(work, "tracker", ["--state-dir", str(work / "tracker"), "--heartbeat-interval", "2",
+                                        "--health-poll-interval", "1"], {"MESHNET_TRACKER_ENROLMENT_SECRET": ENROLMENT_SECRET})  # fmt: skip
+    relay = Service(work, "relay", [], {})
+    key = httpx.get(tracker.url + WELL_KNOWN_PATH, timeout=5, trust_env=False).json()["public_key"]
+    mesh = ["--tracker", tracker.url, "--tracker-public-key", key]
+    secret = {"MESHNET_ENROLMENT_SECRET": ENROLMENT_SECRET}
+    nodes = {
+        "s": Node("path-s", ["--gguf", str(models["s"]), *node_args]),
+        "m": Node("path-m", ["--gguf", str(models["m"]), *node_args, *mesh], secret),
+        "r": Node("path-r", ["--gguf", str(models["r"]), *node_args, *mesh, "--relay", relay.url], secret),
+    }
+    results: dict[str, Any] = {"paths": {}}
+    try:
+        for node in nodes.values():
+            await node.wait_ready()
+        registered = wait_routable(tracker, {models["m"].stem, models["r"].stem})
+        node_m = next(n["announcement"] | {"node_id": n["node_id"]} for n in registered if n["model"] == models["m"].stem)
+        prompt, prompt_tokens = long_prompt(nodes["s"], args.long_tokens)
+        results["long_prompt_tokens"] = prompt_tokens
+        minter = RouteMinter(work / "tracker", node_m)
+        paths = [
+            PathUnderTest("standalone", nodes["s"], RoutedConn(nodes["s"].port), models["s"].stem),
+            PathUnderTest("route", nodes["m"], RoutedConn(nodes["m"].port), models["m"].stem, minter),
+            PathUnderTest("tracker", nodes["m"], RoutedConn(tracker.port), models["m"].stem),
+            PathUnderTest("tracker+relay", nodes["r"], RoutedConn(tracker.port), models["r"].stem),
+        ]
+        n = 0
+        for p in paths:  # warm-up: connections, caches, the relay's idle work connections
+            for _ in range(3):
+                await p.send(p.conn, body_for(p.model, "warm up", 4, n))
+                await p.direct.request("POST", CHAT_PATH, body_for(p.model, "warm up", 4, n + 1))
+                n += 2
+        for p in paths:
+            r: dict[str, Any] = {}
+            r["short"] = await ttft_pairs(p, "Say hello.", args.pairs, n)
+            n += 2 * args.pairs
+            r["long"] = await ttft_pairs(p, prompt, args.pairs, n)
+            n += 2 * args.pairs
+            for c in (1, 8):
+                r[f"c{c}"] = await decode(p, c, args.decode_rounds, args.decode_tokens, n)
+                n += 2 * args.decode_rounds * c
+            results["paths"][p.name] = r
+            print(f"[{p.name}] short +{r['short']['added_p50'] * 1000:.2f} ms, long +{r['long']['added_p50'] * 1000:.2f} ms, "
+                  f"c1 {r['c1']['ratio']:.3f}, c8 {r['c8']['ratio']:.3f}, cpu/req {r['short']['cpu_ms_per_request']:.2f} ms", flush=True)  # fmt: skip
+    finally:
+        for node in nodes.values():
+            node.close()
+        relay.close()
+        tracker.close()
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"| path | added TTFT, short prompt: p50 (p90, p99) | added TTFT, ~{results['long_prompt_tokens']:,}-token prompt: p50 (p90, p99) "
+        "| tok/s vs direct, c=1 | tok/s vs direct, c=8 | node CPU per request | node CPU per 1,000 streamed tokens (c=8) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in PATHS:
+        r = results["paths"].get(name)
+        if r is None:
+            continue
+        s, lg = r["short"], r["long"]
+        lines.append(
+            f"| {name} | +{s['added_p50'] * 1000:.2f} ms ({s['added_p90'] * 1000:.2f}, {s['added_p99'] * 1000:.2f}) "
+            f"| +{lg['added_p50'] * 1000:.2f} ms ({lg['added_p90'] * 1000:.2f}, {lg['added_p99'] * 1000:.2f}) "
+            f"| {r['c1']['ratio'] * 100:.1f} % | {r['c8']['ratio'] * 100:.1f} % | {s['cpu_ms_per_request']:.2f} ms "
+            f"| {r['c8']['cpu_ms_per_1k_tokens']:.0f} ms |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a GGUF file (default: the tiny generated model)")
+    parser.add_argument("--pairs", type=int, default=20, help="TTFT pairs per path and prompt (default 20)")
+    parser.add_argument("--long-tokens", type=int, default=1500, help="the long prompt's length in tokens")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens per stream in the tokens/s rounds")
+    parser.add_argument("--decode-rounds", type=int, default=4, help="rounds per path and concurrency (each direct + path twice)")
+    parser.add_argument("--ctx-size", type=int, default=16384, help="node context (split over 8 slots)")
+    parser.add_argument("--gpu-layers", help="passed to the nodes as --n-gpu-layers")
+    parser.add_argument("--json", type=Path, help="write the raw figures here")
+    args = parser.parse_args()
+    started = time.time()
+    results = asyncio.run(amain(args))
+    results["args"] = vars(args) | {"json": str(args.json) if args.json else None}
+    results["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    results["seconds"] = time.time() - started
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print()
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The meshed way of admitting a request (the serving `AdmissionMode`): only tracker-signed routes
+get through, and each request's ledger row is on disk before llama-server sees it.
+
+The route's token is checked before the body is read, the body's hash once it is, and at
+commit the route's one-time id is claimed and the in-flight row written durably, with the
+request body, so a replayed route is refused even across a crash. The prompt is counted
+beside the generation; its count goes into the row before the answer's first byte
+leaves, and a node killed before that still bills the prompt: the restart counts it from
+the body kept in the row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import anyio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.protocol import UsageRecord
+from meshnet_gguf.mesh.receipts import LedgerUsageSink
+from meshnet_gguf.mesh.route_auth import ReplayCache, RouteRejected, RouteVerifier
+from meshnet_gguf.serving.admission_modes import RouteGrant, check_api_key, unavailable
+
+log = logging.getLogger(__name__)
+
+# Retry-After while the tracker key is still unknown: the first-contact retry runs about this often.
+KEY_UNKNOWN_RETRY_AFTER_S = 5
+
+
+class RouteGate:
+    """The proxy's route verifier: verifies `X-Meshnet-Route` and says what the route allows.
+
+    Until a tracker key is known (first contact not made yet, no key configured)
+    every request is refused with 503: serving unrouted requests is never the fallback.
+    """
+
+    def __init__(self, node_id: str, model_id: str, total_layers: int, key: Ed25519PublicKey | None) -> None:
+        self._node_id, self._model_id, self._total_layers = node_id, model_id, total_layers
+        self.replay_cache = ReplayCache()
+        self._verifier: RouteVerifier | None = None
+        if key is not None:
+            self.set_tracker_key(key)
+
+    @property
+    def issuer(self) -> str | None:
+        return self._verifier.issuer if self._verifier else None
+
+    def set_tracker_key(self, key: Ed25519PublicKey) -> None:
+        self._verifier = RouteVerifier(
+            key,
+            node_id=self._node_id,
+            model_id=self._model_id,
+            total_layers=self._total_layers,
+            replay_cache=self.replay_cache,
+        )
+
+    def _ready_verifier(self) -> RouteVerifier:
+        if self._verifier is None:
+            raise ApiError(
+                503, "route_key_unavailable", "this node has not learnt its tracker's key yet; retry shortly",
+                headers={"retry-after": str(KEY_UNKNOWN_RETRY_AFTER_S)},
+            )  # fmt: skip
+        return self._verifier
+
+    def check_token(self, headers: Mapping[str, str], path: str) -> RouteGrant:
+        try:
+            claims = self._ready_verifier().check_token(headers, path)
+        except RouteRejected as exc:
+            raise ApiError(exc.status, exc.code, exc.message) from None
+        return RouteGrant(request_id=claims.jti, max_tokens=claims.max_tokens, expires_at=claims.exp, body_sha256=claims.body_sha256)
+
+    def check_body(self, grant: RouteGrant, body: bytes) -> None:
+        try:
+            RouteVerifier.check_body(grant.body_sha256 or "", body)
+        except RouteRejected as exc:
+            raise ApiError(exc.status, exc.code, exc.message) from None
+
+    def claim(self, grant: RouteGrant) -> None:
+        assert grant.request_id is not None and grant.expires_at is not None
+        try:
+            self._ready_verifier().claim(grant.request_id, grant.expires_at)
+        except RouteRejected as exc:
+            raise ApiError(exc.status, exc.code, exc.message) from None
+
+
+class MeshedMode:
+    """Signed routes in, a durable ledger row per request before forwarding."""
+
+    # The answer waits for the prompt's count to be in the row: a client never holds output
+    # whose prompt the ledger could not bill without llama-server.
+    prompt_before_answer = True
+
+    def __init__(self, gate: RouteGate, journal: LedgerUsageSink, *, retry_after_s: int, api_key: str | None = None) -> None:
+        self._gate = gate
+        self._journal = journal
+        self._retry_after_s = retry_after_s
+        self._api_key = api_key
+
+    def admit_listing(self, headers: Mapping[str, str]) -> None:
+        # Listing runs nothing: the operator's API key, when set, is all it takes.
+        check_api_key(headers, self._api_key)
+
+    def admit(self, headers: Mapping[str, str], path: str) -> RouteGrant:
+        # Routed requests are signed for this node; the tracker is the client, so no Host or key check.
+        return self._gate.check_token(headers, path)
+
+    def check_body(self, grant: RouteGrant, body: bytes) -> None:
+        self._gate.check_body(grant, body)
+
+    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
+        self._gate.claim(grant)
+        record = usage()
+        try:
+            with anyio.CancelScope(shield=True):  # written whole even if the client leaves now
+                opened = await self._journal.open(record, grant.expires_at, body)
+        except Exception as exc:  # a full or broken disk: serve nothing that cannot be billed
+            log.error("request %s: could not write its ledger row, not forwarded: %s", record.request_id, exc)
+            raise unavailable("This node cannot record requests right now; retry on another node", self._retry_after_s) from None
+        if not opened:
+            raise ApiError(403, "route_replayed", f"request {record.request_id} was already served by this node")
+
+    async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
+        await self._journal.note_prompt(request_id, prompt_tokens)
+
+
+__all__ = ["KEY_UNKNOWN_RETRY_AFTER_S", "MeshedMode", "RouteGate"]

@@ -1,0 +1,143 @@
+"""How a request earns its way to llama-server: one small interface, one object per way of running.
+
+A standalone node admits by API key (when one is set) and refuses what a web page in the
+operator's browser could send it. A meshed node admits only tracker-signed routes and
+records each request durably before forwarding it; that mode lives with the mesh
+(`mesh/meshed_mode.py`) and implements `AdmissionMode` below. The proxy calls the same
+three steps either way, in this order, so nothing costly happens for a request that is
+refused, and nothing is used up by a request refused for another reason:
+
+1. `admit(headers, path)`, before a byte of the body is read;
+2. `check_body(grant, body)`, once it is;
+3. `commit(grant, usage, body)`, just before forwarding: from here the request runs;
+4. `prompt_counted(request_id, tokens)`, when the prompt's count (beside the generation) lands.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.protocol import UsageRecord
+
+# Host names a standalone node always answers to; any IP literal is accepted too (DNS
+# rebinding needs a name that resolves to this machine, and a literal is not one).
+LOOPBACK_HOST_NAMES = frozenset({"localhost", "localhost.localdomain"})
+JSON_CONTENT_TYPE = "application/json"
+
+
+@dataclass(frozen=True)
+class RouteGrant:
+    """What a route allows: the request id to bill under, a completion-token cap, and until when
+    the route could be presented (its id must stay refused that long, across restarts too)."""
+
+    request_id: str | None = None
+    max_tokens: int | None = None
+    expires_at: float | None = None
+    body_sha256: str | None = None
+
+
+class AdmissionMode(Protocol):
+    """The way this node admits requests; each step raises `ApiError` to refuse."""
+
+    @property
+    def prompt_before_answer(self) -> bool:
+        """True when the answer's first byte must wait until `prompt_counted` has recorded the
+        prompt's count (which then starts with the generation rather than after its first bytes)."""
+        ...
+
+    def admit_listing(self, headers: Mapping[str, str]) -> None:
+        """`GET /v1/models`: may this caller list the model?"""
+
+    def admit(self, headers: Mapping[str, str], path: str) -> RouteGrant:
+        """May this request send a body? Decided from its headers alone."""
+        ...
+
+    def check_body(self, grant: RouteGrant, body: bytes) -> None:
+        """Is this the body the grant was given for?"""
+
+    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
+        """The request is about to be forwarded: use up its grant, and record it (`usage()`, and the
+        body its prompt can be counted from) where billing needs it."""
+
+    async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
+        """The prompt's count landed: record it where billing needs it."""
+
+
+def unavailable(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(503, "unavailable", message, headers={"retry-after": str(retry_after_s)})
+
+
+def check_api_key(headers: Mapping[str, str], api_key: str | None) -> None:
+    if api_key is None:
+        return
+    given = headers.get("authorization", "").encode("latin-1")
+    # Constant time: the comparison must not tell an attacker how much of a guess was right.
+    if not hmac.compare_digest(given, f"Bearer {api_key}".encode("latin-1", "replace")):
+        raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
+
+
+class StandaloneMode:
+    """A node on its own: an optional API key, and only requests addressed to it, sent as JSON.
+
+    A web page in the operator's browser can reach loopback: with a rebound DNS name (the
+    Host header then carries that name) or with a form post (which cannot carry
+    Content-Type: application/json without a CORS preflight this node never grants).
+    Nothing is recorded before forwarding, so the prompt is counted once the answer's first
+    bytes are on their way and costs no time to first token.
+    """
+
+    prompt_before_answer = False
+
+    def __init__(self, *, api_key: str | None = None, allowed_hosts: Sequence[str] = ()) -> None:
+        self._api_key = api_key
+        self._allowed_hosts = LOOPBACK_HOST_NAMES | {h.lower() for h in allowed_hosts}
+
+    def admit_listing(self, headers: Mapping[str, str]) -> None:
+        self._check_host(headers)
+        check_api_key(headers, self._api_key)
+
+    def admit(self, headers: Mapping[str, str], path: str) -> RouteGrant:
+        self._check_host(headers)
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != JSON_CONTENT_TYPE:
+            raise ApiError(415, "unsupported_media_type", f"Content-Type must be {JSON_CONTENT_TYPE}")
+        check_api_key(headers, self._api_key)
+        return RouteGrant()
+
+    def check_body(self, grant: RouteGrant, body: bytes) -> None:
+        return None
+
+    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
+        return None
+
+    async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
+        return None
+
+    def _check_host(self, headers: Mapping[str, str]) -> None:
+        if not host_allowed(headers.get("host", ""), self._allowed_hosts):
+            raise ApiError(403, "host_not_allowed", "Host header names neither this machine's loopback nor a configured name")
+
+
+def host_allowed(host: str, allowed: frozenset[str] | set[str]) -> bool:
+    name = host.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1 : name.find("]")] if "]" in name else ""
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    if not name:
+        return False
+    if name in allowed or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+__all__ = ["AdmissionMode", "RouteGrant", "StandaloneMode", "check_api_key", "host_allowed", "unavailable"]

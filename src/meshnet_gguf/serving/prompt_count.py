@@ -1,0 +1,189 @@
+"""Counting a prompt's tokens with llama-server's own template and tokenizer.
+
+The count bills the prompt of a request cut short at any moment. `PromptCounter`
+asks llama-server (`/apply-template` for a chat, then `/tokenize`); `PromptCount`
+runs that count beside the generation, so it adds no round trip before forwarding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
+from meshnet_gguf.serving.admission_modes import unavailable
+from meshnet_gguf.serving.request_validation import parse_json_object, single_prompt
+from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_headers
+
+log = logging.getLogger(__name__)
+
+# llama-server's template and tokenizer answer in milliseconds, so a count this late
+# means it is wedged: bill 0 then.
+PROMPT_COUNT_TIMEOUT_S = 10.0
+# How often a count of a stored request body looks whether llama-server is ready yet.
+UPSTREAM_READY_POLL_S = 0.5
+
+
+class _NoCounter(Exception):
+    """llama-server answered 404 for the endpoint the prompt count needs."""
+
+
+class PromptCounter:
+    """Asks llama-server how many tokens a request's prompt is."""
+
+    def __init__(self, client: UpstreamClient, retry_after_s: int) -> None:
+        self._client = client
+        self._retry_after_s = retry_after_s
+
+    async def count(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
+        """The count, or 0 from a llama-server build without the counting endpoints."""
+        try:
+            return await self._count_prompt(target, path, payload, body)
+        except _NoCounter as missing:
+            # A llama-server build without the endpoint: the prompt is billed from its usage only.
+            log.warning("llama-server has no %s; prompts are counted only when an answer completes", missing)
+            return 0
+
+    async def _count_prompt(self, target: UpstreamTarget, path: str, payload: dict[str, Any], body: bytes) -> int:
+        """llama-server answering 4xx/5xx here means it cannot parse this body (the chat
+        parser throws on shapes the node does not check, such as a tool list it cannot
+        read); nothing ran, so the client gets a 400 with llama-server's reason.
+        """
+        if path == "/v1/chat/completions":
+            rendered = await self._ask_upstream(target, "/apply-template", body)
+            prompt: Any = rendered.get("prompt")
+            if not isinstance(prompt, str):
+                raise ApiError(400, "invalid_request", "llama-server could not render this chat with its template")
+        else:
+            prompt = single_prompt(path, payload)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        if isinstance(prompt, list):  # several embedding inputs: each is tokenized on its own
+            counts = [await self._count_text(target, p) for p in prompt]
+            return sum(counts)
+        return await self._count_text(target, prompt)
+
+    async def _count_text(self, target: UpstreamTarget, prompt: Any) -> int:
+        if isinstance(prompt, list):
+            return len(prompt)
+        request = json.dumps({"content": prompt, "add_special": True, "parse_special": True}).encode()
+        tokens = (await self._ask_upstream(target, "/tokenize", request)).get("tokens")
+        if not isinstance(tokens, list):
+            raise ApiError(400, "invalid_request", "llama-server could not tokenize this prompt")
+        return len(tokens)
+
+    async def _ask_upstream(self, target: UpstreamTarget, route: str, body: bytes) -> dict[str, Any]:
+        try:
+            response = await self._client.send("POST", target.base_url + route, upstream_headers(target), body)
+            try:
+                raw = await response.read()
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            raise unavailable(f"llama-server is not answering: {exc}", self._retry_after_s) from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if response.status == 404:
+            raise _NoCounter(route)
+        if response.status >= 400 or not isinstance(answer, dict):
+            reason = _upstream_error_message(answer) or f"status {response.status}"
+            if response.status in (401, 403) or response.status >= 502:
+                raise unavailable(f"llama-server did not prepare the request ({reason}); retry shortly", self._retry_after_s)
+            raise ApiError(400, "invalid_request", f"llama-server cannot read this request: {reason}")
+        return answer
+
+
+def stored_prompt_counter(
+    upstream: Callable[[], UpstreamTarget | None], counter: PromptCounter
+) -> Callable[[str, bytes], Awaitable[int]]:
+    """`count(route, body)` for a request body kept on disk (a restart bills a prompt its node
+    died before counting): waits until llama-server is ready, then counts as for a live request."""
+
+    async def count(route: str, body: bytes) -> int:
+        while (target := upstream()) is None:
+            await anyio.sleep(UPSTREAM_READY_POLL_S)
+        return await counter.count(target, route, parse_json_object(body), body)
+
+    return count
+
+
+class PromptCount:
+    """A prompt counted beside its generation: the count, or llama-server's refusal to read it.
+
+    Lazy (a standalone node): the count starts once the first bytes of the answer are on
+    their way (`start()`), or when someone needs it: on 2 cores, llama-server tokenizing
+    while it prefills would delay the very first token the count is meant not to delay.
+
+    Eager (a node that bills from a record written before forwarding): the count starts
+    with the generation, `on_counted` records it, and the answer's first bytes wait for
+    that (`before_answer()`), so no client holds output whose prompt is not in the record.
+    The count then runs during llama-server's prompt processing instead of before it.
+    `on_counted` is told only a count llama-server gave (or its refusal to read the prompt,
+    as 0): when it went away or was wedged, the record keeps what it needs to count later.
+    """
+
+    def __init__(self, *, eager: bool = False, on_counted: Callable[[int], Awaitable[None]] | None = None) -> None:
+        self._eager = eager
+        self._on_counted = on_counted
+        self._go = anyio.Event()
+        if eager:
+            self._go.set()
+        self._done = anyio.Event()
+        self._tokens = 0
+        self._refusal: ApiError | None = None
+
+    def start(self) -> None:
+        self._go.set()
+
+    async def before_answer(self) -> None:
+        """The answer's first bytes are about to leave: an eager count is waited for (bounded)."""
+        if self._eager:
+            await self.settled()
+
+    async def run(self, counting: Callable[[], Awaitable[int]]) -> None:
+        landed = False
+        try:
+            await self._go.wait()
+            with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+                self._tokens = await counting()
+                landed = True
+        except ApiError as exc:
+            if exc.status == 400:
+                self._refusal = exc
+                landed = True
+        finally:
+            if self._on_counted is not None and landed:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+                    try:
+                        await self._on_counted(self._tokens)
+                    except Exception:  # the record keeps what it needs to count the prompt later
+                        log.exception("could not record a prompt count of %d tokens", self._tokens)
+            self._done.set()
+
+    async def settled(self) -> int:
+        """The count (0 when llama-server could not give it in time)."""
+        self.start()
+        with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+            await self._done.wait()
+        return self._tokens
+
+    async def refusal(self) -> ApiError | None:
+        await self.settled()
+        return self._refusal
+
+
+def _upstream_error_message(answer: Any) -> str | None:
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        message = answer["error"].get("message")
+        return str(message) if message else None
+    return None
+
+
+__all__ = ["PROMPT_COUNT_TIMEOUT_S", "PromptCount", "PromptCounter", "stored_prompt_counter"]

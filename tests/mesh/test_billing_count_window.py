@@ -1,0 +1,135 @@
+"""A meshed node counts the prompt beside the generation, so there is a window in which a request
+reached llama-server and its prompt is not counted yet. A node killed in that window still bills
+the prompt, exactly once: the ledger row opened before forwarding keeps the request body, and the
+restarted node counts it once llama-server is up, then settles the row into one receipt. And when
+it is llama-server that goes away in that window, the row waits (parked, with its body) until the
+restarted llama-server counts the prompt, then settles once."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import threading
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from meshnet_gguf.contract.protocol import ROUTE_HEADER
+from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.mesh.ledger import LEDGER_FILE
+from support.billing_harness import LlamaChild, Tracker, serve_front
+from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F401
+
+CONTENT = "count me after the crash"
+# The fake llama-server renders a chat as "<role>content" and counts one token per character.
+EXPECTED_PROMPT_TOKENS = len(f"<user>{CONTENT}")
+# Long enough that the kill surely lands before the count does.
+COUNT_DELAY_S = 60
+
+
+def ledger_rows(state_dir: Path) -> list[dict[str, object]]:
+    db = sqlite3.connect(f"file:{state_dir / LEDGER_FILE}?mode=ro", uri=True)
+    try:
+        rows = db.execute(
+            "SELECT request_id, in_flight, prompt_tokens, finish_reason, receipt != '', prompt_body IS NOT NULL, reported_at FROM usage"
+        ).fetchall()
+    finally:
+        db.close()
+    keys = ("request_id", "in_flight", "prompt", "finish_reason", "has_receipt", "has_body", "reported_at")
+    return [dict(zip(keys, row)) for row in rows]
+
+
+def start(start_node, tracker: TrackerProcess, gguf: Path, fake_llama_path: Path, workdir: Path, **env: str):  # type: ignore[no-untyped-def]
+    workdir.mkdir(parents=True, exist_ok=True)
+    node = start_node(
+        "--gguf", str(gguf), "--llama-server", str(fake_llama_path), "--tracker", tracker.url, "--parallel", "2",
+        env={**tracker.enrolment(), "MESHNET_TRACKER_PUBLIC_KEY": tracker.public_key(), **env}, workdir=workdir,
+    )  # fmt: skip
+    node.wait_ready()
+    wait_for(lambda: tracker.models() == [gguf.stem], "the node to become routable", node.log_path)
+    return node
+
+
+def test_a_node_killed_after_forwarding_and_before_the_count_bills_the_prompt_once_after_restart(  # type: ignore[no-untyped-def]
+    tracker, tiny_gguf, fake_llama_path, start_node, tmp_path
+) -> None:
+    workdir = tmp_path / "node"
+    forwarded = tmp_path / "forwarded.jsonl"
+    node = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir,
+                 FAKE_LLAMA_COUNT_DELAY_S=str(COUNT_DELAY_S), FAKE_LLAMA_REQUEST_LOG=str(forwarded))  # fmt: skip
+    chat = {"model": tiny_gguf.stem, "messages": [{"role": "user", "content": CONTENT}], "stream": True, "max_tokens": 8}
+    outcome: list[str] = []
+
+    def client() -> None:
+        try:
+            with httpx.Client(timeout=30) as http, http.stream("POST", tracker.url + "/v1/chat/completions", json=chat) as answer:
+                outcome.append(answer.read().decode(errors="replace"))
+        except httpx.HTTPError as exc:
+            outcome.append(type(exc).__name__)
+
+    asker = threading.Thread(target=client)
+    asker.start()
+    # llama-server has the request; the count is held back: the kill lands between the two.
+    wait_for(lambda: forwarded.exists() and forwarded.read_text().strip() != "", "the request forwarded", node.log_path)
+    [row] = ledger_rows(node.state_dir)
+    assert row["in_flight"] == 1 and row["prompt"] == 0 and row["has_body"]  # on disk before forwarding, with its body
+    node.signal(signal.SIGKILL)
+    node.wait_exit()
+    asker.join(60)
+    assert outcome and '"content"' not in outcome[0]  # no output left the node before the count was recorded
+
+    restarted = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir)
+    wait_for(lambda: ledger_rows(restarted.state_dir)[0]["reported_at"] is not None, "the receipt delivered", restarted.log_path)
+    [row] = ledger_rows(restarted.state_dir)
+    assert row["in_flight"] == 0 and row["has_receipt"] and not row["has_body"]
+    assert row["prompt"] == EXPECTED_PROMPT_TOKENS and row["finish_reason"] == "error"
+    # Billed exactly once: one receipt at the tracker, for the request it forwarded, with the prompt.
+    assert tracker.receipt_rows() == [row["request_id"]]
+    [usage] = [u for u in tracker.usage() if u["request_id"] == row["request_id"]]
+    assert usage["node"]["prompt_tokens"] == EXPECTED_PROMPT_TOKENS
+
+
+@pytest.mark.anyio
+async def test_llama_server_gone_after_forwarding_and_before_the_count_still_bills_the_prompt_once(
+    fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    forwarded = tmp_path / "forwarded.jsonl"
+    slow = {"FAKE_LLAMA_COUNT_DELAY_S": str(COUNT_DELAY_S), "FAKE_LLAMA_TOKEN_DELAY_S": "1", "FAKE_LLAMA_REQUEST_LOG": str(forwarded)}
+    child = LlamaChild(fake_llama, tiny_gguf, env=slow)  # killed mid-answer, its count held back
+    restarted: LlamaChild | None = None
+    tracker = Tracker()
+    state = tmp_path / "state"
+    try:
+        async with serve_front(child.url, tracker=tracker, state_dir=state) as front, httpx.AsyncClient(timeout=30) as http:
+            assert front.identity is not None
+            body = f'{{"model": "tiny", "messages": [{{"role": "user", "content": "{CONTENT}"}}], "stream": true}}'.encode()
+            headers = {"content-type": "application/json", ROUTE_HEADER: tracker.route(front.identity.node_id, "/v1/chat/completions", body)}
+
+            async def ask() -> None:
+                await http.post(front.url + "/v1/chat/completions", content=body, headers=headers)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask)
+                with anyio.fail_after(10):
+                    while not (forwarded.exists() and forwarded.read_text().strip()):
+                        await anyio.sleep(0.02)
+                child.kill()  # llama-server had the request; its count never comes
+                restarted = LlamaChild(fake_llama, tiny_gguf)
+                front.upstream_url[0] = restarted.url  # the supervisor's restart, as the proxy sees it
+            [record] = await front.sink.wait_for(1)
+            assert record.prompt_tokens == 0  # the request itself ended without its prompt counted
+
+            def settled() -> list[dict[str, object]]:
+                return [r for r in ledger_rows(state) if r["in_flight"] == 0]
+
+            with anyio.fail_after(30):
+                while not settled():
+                    await anyio.sleep(0.05)
+            [row] = ledger_rows(state)
+            assert row["has_receipt"] and not row["has_body"] and row["prompt"] == EXPECTED_PROMPT_TOKENS
+    finally:
+        child.close()
+        if restarted is not None:
+            restarted.close()
