@@ -10,16 +10,16 @@ from pathlib import Path
 import anyio
 import psutil
 import pytest
+from support.supervisor_policies import QUICK
 
-from meshnet_gguf.llama.supervisor import (
+from meshnet_gguf.llama.child import (
     SOCKET_DIR_NAME,
     SOCKET_NAME,
     ChildFailed,
     ChildSpec,
-    Supervisor,
     supports_unix_socket,
 )
-from support.supervisor_policies import QUICK
+from meshnet_gguf.llama.supervisor import Supervisor
 
 pytestmark = pytest.mark.anyio
 OTHER_UID = 65534  # nobody

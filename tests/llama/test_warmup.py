@@ -10,9 +10,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-
-from meshnet_gguf.llama.supervisor import ChildSpec, Supervisor, WarmupPolicy
 from support.supervisor_policies import QUICK
+
+from meshnet_gguf.llama.child import ChildSpec
+from meshnet_gguf.llama.supervisor import Supervisor
+from meshnet_gguf.llama.warmup import WarmupPolicy
 
 pytestmark = pytest.mark.anyio
 POLICY = QUICK

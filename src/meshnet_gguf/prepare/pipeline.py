@@ -29,8 +29,8 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.common.units import format_bytes
 from meshnet_gguf.hardware.report import HardwareReport, probe_configured
 from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, find_llama_server
+from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.cpu_compat import kernel_support
-from meshnet_gguf.llama.supervisor import ChildSpec
 from meshnet_gguf.models.catalog import DEMO_ID, load_catalog, model_aliases
 from meshnet_gguf.models.download import HubAccess
 from meshnet_gguf.models.gguf_convert import dequantize_to_f16
