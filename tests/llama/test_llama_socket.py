@@ -10,7 +10,6 @@ from pathlib import Path
 import anyio
 import psutil
 import pytest
-from support.supervisor_policies import QUICK
 
 from meshnet_gguf.llama.child import (
     SOCKET_DIR_NAME,
@@ -20,6 +19,7 @@ from meshnet_gguf.llama.child import (
     supports_unix_socket,
 )
 from meshnet_gguf.llama.supervisor import Supervisor
+from support.supervisor_policies import QUICK
 
 pytestmark = pytest.mark.anyio
 OTHER_UID = 65534  # nobody

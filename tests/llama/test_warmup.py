@@ -10,11 +10,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support.supervisor_policies import QUICK
 
 from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.supervisor import Supervisor
 from meshnet_gguf.llama.warmup import WarmupPolicy
+from support.supervisor_policies import QUICK
 
 pytestmark = pytest.mark.anyio
 POLICY = QUICK
