@@ -100,6 +100,10 @@ class TrackerLedger:
                 if column not in have:
                     self._db.execute(f"ALTER TABLE relayed ADD COLUMN {column} {kind}")
 
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await anyio.to_thread.run_sync(fn, *args)
 
