@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 ENV_PREFIX = "MESHNET_"
 # After SIGTERM, llama-server gets this long to exit before SIGKILL (a big model unmaps for seconds).
@@ -100,6 +100,14 @@ class NodeSettings(BaseSettings):
         1.0, ge=0, description="Usage receipts go to the tracker in batches, at most this often"
     )
 
+    # --- a LAN pool behind this node -----------------------------------------
+    # Each `HOST:PORT[=BUDGET]` is a `meshnet-gguf worker` (llama.cpp's ggml-rpc-server) on another
+    # box of this LAN; the node checks them before launch and splits the model over them.
+    # MESHNET_POOL_WORKERS takes them comma-separated; the TOML file a list.
+    pool_workers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Pool worker HOST:PORT[=BUDGET] (repeatable): hold the model across boxes"
+    )
+
     # --- diagnosis ---------------------------------------------------------
     # A testing and diagnosis aid, not for serving: plan for a recorded machine (a
     # folder laid out like tests/fixtures/hardware/<box>: `root/` with the sysfs and
@@ -113,6 +121,13 @@ class NodeSettings(BaseSettings):
     # --- logs --------------------------------------------------------------
     log_format: Literal["auto", "text", "json"] = "auto"
     log_level: str = "INFO"
+
+    @field_validator("pool_workers", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @classmethod
     def settings_customise_sources(
