@@ -35,6 +35,7 @@ def register(app: typer.Typer) -> None:
         import anyio
         import uvicorn
 
+        from meshnet_gguf.common.logs import configure_logging
         from meshnet_gguf.common.units import parse_bytes
         from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
         from meshnet_gguf.llama.binary import BinaryNotFound, find_llama_server
@@ -54,6 +55,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from exc
         if warning:
             typer.echo(f"warning: {warning}", err=True)
+        configure_logging("auto", "INFO")
         config = WorkerConfig(
             binary=rpc, host=host, port=port, devices=tuple(device or ()), threads=threads,
             cache_dir=None if no_cache else (cache_dir or default_cache_dir()), cache_limit_bytes=limit,

@@ -210,6 +210,7 @@ def pooled_plan(plan: LaunchPlan, members: Sequence[PoolMember], local_budget: i
         plan,
         argv=(*argv, *pool_args),
         device=",".join(s.device for s in shares),
+        backend=plan.backend if local_device is not None else "rpc",
         gpu_layers=plan.total_layers,
         cpu_only=False,
         fits=fits,
