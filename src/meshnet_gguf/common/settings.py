@@ -75,6 +75,9 @@ class NodeSettings(BaseSettings):
     restart_stable_after_s: float = Field(120.0, gt=0)
     max_quick_crashes: int = Field(5, ge=1, description="Crashes before stability before giving up into `failed`")
     stop_timeout_s: float = Field(LLAMA_STOP_TIMEOUT_S, gt=0, description="SIGTERM -> SIGKILL grace for llama-server")
+    # With a pool: llama-server stuck this long inside one batch (a stopped worker) is ended and restarted.
+    # One batch of a big model's prefill takes seconds, so two minutes never cuts real work short.
+    busy_stall_timeout_s: float = Field(120.0, gt=0, description="Pool: end llama-server stuck this long inside one batch")
 
     # --- proxy limits ------------------------------------------------------
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)")

@@ -10,6 +10,7 @@ stop() -> draining/stopped. Only `run()` changes the child; everyone else reads
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import signal
@@ -78,6 +79,10 @@ class SupervisorPolicy:
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
     warmup: WarmupPolicy | None = CPU_WARMUP
+    # The progress watchdog: llama-server's /slots shows each busy slot's prompt tokens processed
+    # and tokens decoded; busy slots whose numbers stay still this long mean a batch that never
+    # ends (a pool worker stopped, or its link cut, while /health still says 200). None: off.
+    busy_stall_timeout_s: float | None = None
 
     @classmethod
     def from_settings(cls, settings: NodeSettings, warmup: WarmupPolicy | None) -> SupervisorPolicy:
@@ -90,6 +95,8 @@ class SupervisorPolicy:
             max_quick_crashes=settings.max_quick_crashes,
             stop_timeout_s=settings.stop_timeout_s,
             warmup=warmup,
+            # A single box has no worker to lose; with a pool, a stopped worker stalls generation silently.
+            busy_stall_timeout_s=settings.busy_stall_timeout_s if settings.pool_workers else None,
         )
 
 
@@ -330,10 +337,57 @@ class Supervisor(BasePart):
                 await self._stop_requested.wait()
                 tg.cancel_scope.cancel()
 
+            async def progress() -> None:
+                nonlocal outcome
+                bound = self.policy.busy_stall_timeout_s
+                assert bound is not None
+                last: object = None
+                still_since = time.monotonic()
+                while True:
+                    await anyio.sleep(self.policy.liveness_interval_s)
+                    with anyio.move_on_after(bound):
+                        seen = await self._slot_progress(http)
+                    if seen is None or seen != last:
+                        # Idle, or something moved: the stall clock starts again.
+                        last, still_since = seen, time.monotonic()
+                    elif time.monotonic() - still_since >= bound:
+                        outcome = "stuck"
+                        tg.cancel_scope.cancel()
+                        return
+
             tg.start_soon(exited)
             tg.start_soon(liveness)
             tg.start_soon(stop_requested)
+            if self.policy.busy_stall_timeout_s is not None:
+                tg.start_soon(progress)
         return outcome
+
+    async def _slot_progress(self, http: RawUpstream) -> object:
+        """What the busy slots have done so far (per slot: its task, prompt tokens processed, tokens
+        decoded), from GET /slots; None when no slot is busy or the answer cannot be read. A stopped
+        pool worker freezes these numbers while /health still answers 200."""
+        try:
+            response = await http.send("GET", f"{self.base_url}/slots", {"authorization": f"Bearer {self.api_key}"}, None)
+            try:
+                body = await response.read()
+            finally:
+                await response.aclose()
+            slots = json.loads(body) if response.status == 200 else None
+        except (UpstreamError, ValueError):
+            return None
+        if not isinstance(slots, list):
+            return None
+        busy = tuple(
+            (
+                slot.get("id"),
+                slot.get("id_task"),
+                slot.get("n_prompt_tokens_processed"),
+                tuple(t.get("n_decoded") for t in slot.get("next_token") or () if isinstance(t, dict)),
+            )
+            for slot in slots
+            if isinstance(slot, dict) and slot.get("is_processing")
+        )
+        return busy or None
 
     async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         await terminate(proc, self.policy.stop_timeout_s)
@@ -350,6 +404,11 @@ class Supervisor(BasePart):
     def _describe_end(self, outcome: str, proc: asyncio.subprocess.Process) -> str:
         if outcome == "stalled":
             return f"llama-server printed nothing for {self.policy.load_stall_timeout_s:.0f} s while loading"
+        if outcome == "stuck":
+            return (
+                f"llama-server made no progress for {self.policy.busy_stall_timeout_s:.0f} s "
+                "with requests in flight (a pool worker stopped, or its link is down?)"
+            )
         if outcome == "unresponsive":
             return f"llama-server stopped answering /health ({self.policy.liveness_failures} probes failed)"
         if proc.returncode == -signal.SIGILL:
