@@ -11,11 +11,6 @@ import typer
 NODE_KEY_ENV = "MESHNET_NODE_PUBLIC_KEY"
 
 
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/meshnet/rpc-cache` (usually `~/.cache/meshnet/rpc-cache`)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshnet" / "rpc-cache"
-
-
 def register(app: typer.Typer) -> None:
     @app.command("worker")
     def worker(
@@ -40,7 +35,14 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
         from meshnet_gguf.llama.binary import BinaryNotFound, find_llama_server
         from meshnet_gguf.llama.rpc_status import status_app
-        from meshnet_gguf.llama.rpc_worker import RpcWorker, UnsafeBindAddress, WorkerConfig, check_bind_address, find_rpc_server
+        from meshnet_gguf.llama.rpc_worker import (
+            RpcWorker,
+            UnsafeBindAddress,
+            WorkerConfig,
+            check_bind_address,
+            default_cache_dir,
+            find_rpc_server,
+        )
 
         try:
             warning = check_bind_address(host, force)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import re
 import shutil
 import time
@@ -47,6 +48,11 @@ _BANNER_ENDPOINT = re.compile(r"^\s*endpoint\s*:\s*(?P<endpoint>\S+)")
 _BANNER_CACHE = re.compile(r"^\s*local cache\s*:\s*(?P<cache>.+?)\s*$")
 _BANNER_DEVICE = re.compile(r"^\s+(?P<name>[A-Za-z]+\d*):\s+(?P<desc>.*?)\s+\((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$")
 MIB = 1024 * 1024
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/meshnet/rpc-cache` (usually `~/.cache/meshnet/rpc-cache`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshnet" / "rpc-cache"
 
 
 class UnsafeBindAddress(ValueError):
