@@ -26,8 +26,10 @@ from meshnet_gguf.contract.node_part import NodePart
 from meshnet_gguf.contract.protocol import HardwareSummary, HealthReport, ShardDigest
 from meshnet_gguf.hardware.report import probe_hardware
 from meshnet_gguf.llama.load_progress import model_file_bytes
-from meshnet_gguf.llama.supervisor import CPU_WARMUP, GPU_WARMUP, Supervisor, SupervisorPolicy, WarmupPolicy
-from meshnet_gguf.llama.upstream import UpstreamClient, make_upstream_client
+from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
+from meshnet_gguf.llama.upstream import UpstreamClient
+from meshnet_gguf.llama.upstream.choice import make_upstream_client
+from meshnet_gguf.llama.warmup import CPU_WARMUP, GPU_WARMUP, WarmupPolicy
 from meshnet_gguf.models.gguf_info import GGUFError
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from meshnet_gguf.cli import app
 from meshnet_gguf.contract.protocol import model_answers_to
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.supervisor import PIDFILE_NAME, reap_stale_child
+from meshnet_gguf.llama.child import PIDFILE_NAME, reap_stale_child
 from meshnet_gguf.models.catalog import load_catalog, model_aliases
 
 # Chat-template control tokens of the common formats: none may reach a client as text.

@@ -5,7 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_gguf.llama.binary import BINARY_ENV_VAR, BinaryInfo, BinaryNotFound, find_llama_server
+from meshnet_gguf.llama.binary import (
+    BINARY_ENV_VAR,
+    BinaryInfo,
+    BinaryNotFound,
+    find_llama_server,
+)
 
 
 def _env_without_binaries(**extra: str) -> dict[str, str]:

@@ -11,14 +11,14 @@ import anyio
 import psutil
 import pytest
 
-from meshnet_gguf.llama.supervisor import (
+from meshnet_gguf.llama.child import (
     SOCKET_DIR_NAME,
     SOCKET_NAME,
     ChildFailed,
     ChildSpec,
-    Supervisor,
     supports_unix_socket,
 )
+from meshnet_gguf.llama.supervisor import Supervisor
 from support.supervisor_policies import QUICK
 
 pytestmark = pytest.mark.anyio

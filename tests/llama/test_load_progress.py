@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.load_progress import TENSORS_END, TENSORS_START, LoadProgressTracker
+from meshnet_gguf.llama.load_progress import (
+    TENSORS_END,
+    TENSORS_START,
+    LoadProgressTracker,
+)
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "llama_logs"
 

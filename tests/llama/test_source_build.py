@@ -16,8 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_gguf.llama.binary import BINARY_ENV_VAR, BUILD_INFO_FILE, BUILT_SOURCE, find_llama_server
-from meshnet_gguf.llama.source_build import BuildError, build_llama_server, cmake_flags, vulkan_buildable
+from meshnet_gguf.llama.binary import (
+    BINARY_ENV_VAR,
+    BUILD_INFO_FILE,
+    BUILT_SOURCE,
+    find_llama_server,
+)
+from meshnet_gguf.llama.source_build import (
+    BuildError,
+    build_llama_server,
+    cmake_flags,
+    vulkan_buildable,
+)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cmake") is None or shutil.which("cc") is None, reason="needs cmake and a C compiler (apt-get install cmake g++)"

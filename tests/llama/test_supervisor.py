@@ -16,15 +16,15 @@ import psutil
 import pytest
 
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.supervisor import (
+from meshnet_gguf.llama.child import (
     API_KEY_ENV,
     PIDFILE_NAME,
     ChildFailed,
     ChildSpec,
-    Supervisor,
-    SupervisorPolicy,
     reap_stale_child,
+    reap_stale_child_in_thread,
 )
+from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
 
 pytestmark = pytest.mark.anyio
 
@@ -186,6 +186,35 @@ def test_stale_child_from_pidfile_is_ended_but_a_recycled_pid_is_not(tmp_path: P
         pidfile.write_text(json.dumps({"pid": victim.pid, "create_time": psutil.Process(victim.pid).create_time()}))
         assert reap_stale_child(pidfile) is True
         assert victim.wait(timeout=5) is not None
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+
+
+async def test_the_stale_child_reap_leaves_the_event_loop_free(tmp_path: Path) -> None:
+    # A leftover that ignores SIGTERM makes the reaper wait its whole grace before SIGKILL:
+    # the node's event loop must keep running meanwhile (the reaper waits in a worker thread).
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    victim = subprocess.Popen([sys.executable, "-c", ignore_term], stdout=subprocess.PIPE)
+    try:
+        assert victim.stdout is not None and victim.stdout.readline()
+        pidfile = tmp_path / PIDFILE_NAME
+        pidfile.write_text(json.dumps({"pid": victim.pid, "create_time": psutil.Process(victim.pid).create_time()}))
+        ticks = 0
+        reaping = True
+
+        async def tick() -> None:
+            nonlocal ticks
+            while reaping:
+                await anyio.sleep(0.02)
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            assert await reap_stale_child_in_thread(pidfile, timeout_s=0.5) is True
+            reaping = False
+        assert victim.wait(timeout=5) is not None  # psutil reaped it: Popen sees no status of its own
+        assert ticks >= 5, f"the event loop ran {ticks} times while the reaper waited"
     finally:
         if victim.poll() is None:
             victim.kill()

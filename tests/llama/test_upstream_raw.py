@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_gguf.llama import upstream as upstream_http
-from meshnet_gguf.llama.upstream import RawUpstream, UpstreamError, unix_socket_url
+from meshnet_gguf.llama.upstream import UpstreamError, unix_socket_url
+from meshnet_gguf.llama.upstream import raw as raw_upstream
+from meshnet_gguf.llama.upstream.raw import RawUpstream
 
 pytestmark = pytest.mark.anyio
 
@@ -113,7 +114,7 @@ async def test_a_pooled_connection_closed_by_the_server_is_retried_on_a_fresh_on
 
 
 async def test_silence_and_a_cut_answer_are_errors_not_hangs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(upstream_http, "READ_IDLE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(raw_upstream, "READ_IDLE_TIMEOUT_S", 0.3)
 
     async def silent(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
         await asyncio.sleep(5)

@@ -11,7 +11,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from meshnet_gguf.llama.supervisor import ChildSpec, Supervisor, WarmupPolicy
+from meshnet_gguf.llama.child import ChildSpec
+from meshnet_gguf.llama.supervisor import Supervisor
+from meshnet_gguf.llama.warmup import WarmupPolicy
 from support.supervisor_policies import QUICK
 
 pytestmark = pytest.mark.anyio

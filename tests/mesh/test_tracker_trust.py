@@ -43,7 +43,7 @@ from meshnet_gguf.reference.node_address import AddressPolicy, UnsafeNodeURL, pi
 from meshnet_gguf.reference.tracker import Tracker, TrackerConfig, load_or_create_enrolment_secret
 from support.loopback import serve_asgi
 from support.mesh_node import MODEL, FakeLlama, MeshNode, mesh_link
-from support.mesh_tracker import SECRET, models, start_tracker, tracker_key_text, wait_until
+from support.mesh_tracker import SECRET, models, start_tracker, tracker_key, wait_until
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -485,7 +485,7 @@ def test_no_trust_on_first_use_over_plain_http_to_another_machine(tmp_path: Path
 
     with pytest.raises(MeshSetupError, match="MESHNET_TRACKER_PUBLIC_KEY"):
         link("http://192.0.2.10:8000")  # TEST-NET: nothing is sent, the link refuses at setup
-    pinned = tracker_key_text(tmp_path / "t")
+    pinned = tracker_key(tmp_path / "t")
     assert link("http://192.0.2.10:8000", pinned).route_gate.issuer is not None
     for fine in ("https://tracker.example", "http://127.0.0.1:8000", "http://localhost:8000"):
         assert link(fine).route_gate.issuer is None  # learnt on first contact, which is safe there
@@ -493,7 +493,7 @@ def test_no_trust_on_first_use_over_plain_http_to_another_machine(tmp_path: Path
 
 async def test_a_node_whose_pinned_key_is_not_the_trackers_says_so_and_stays_off_line(tracker, tmp_path: Path, tiny_gguf: Path, llama) -> None:  # type: ignore[no-untyped-def]
     service, url = tracker
-    other = tracker_key_text(tmp_path / "other")
+    other = tracker_key(tmp_path / "other")
     mesh = MeshNode(tmp_path / "n", tiny_gguf, llama, tracker_url=url, tracker_key=other, enrolment_secret=SECRET)
     async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
         async def problem() -> bool:
@@ -520,7 +520,7 @@ async def test_shutdown_with_a_dead_tracker_is_bounded(tmp_path: Path, tiny_gguf
 
     server = await asyncio.start_server(swallow, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    key = tracker_key_text(tmp_path / "t")
+    key = tracker_key(tmp_path / "t")
     settings = NodeSettings(state_dir=tmp_path / "n", tracker=f"http://127.0.0.1:{port}", tracker_public_key=key, advertised_url="http://127.0.0.1:1")
     link = mesh_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
     record = UsageRecord(request_id="req-pending", route=CHAT, model=MODEL, status=200, stream=False, started_at=0)
@@ -549,7 +549,7 @@ async def test_doctor_names_a_tracker_key_mismatch_and_an_unsafe_first_contact(t
     from meshnet_gguf.ops.doctor import DoctorEnvironment, check_tracker_key
 
     service, url = tracker
-    other = tracker_key_text(tmp_path / "other")
+    other = tracker_key(tmp_path / "other")
 
     def check(**settings: Any):  # type: ignore[no-untyped-def]
         return check_tracker_key(DoctorEnvironment(NodeSettings(state_dir=tmp_path / "n", **settings)))[0]

@@ -7,9 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from meshnet_gguf.llama import binary as binary_module
-from meshnet_gguf.models import source as model_source
 from meshnet_gguf.models.catalog import CatalogError, featured, load_catalog, parse_catalog
-from meshnet_gguf.models.gguf_names import quant_of, shard_position
+from meshnet_gguf.models.gguf_names import shard_position
+from meshnet_gguf.models.quants import quant_of
 
 GB = 1000**3
 

@@ -31,7 +31,7 @@ from meshnet_gguf.models.download import (
     fetch_files,
     list_repo,
 )
-from meshnet_gguf.models.gguf_names import group_quants, select_quant
+from meshnet_gguf.models.quants import group_quants, select_quant
 from support.local_hub_fixtures import GATED, GOOD_TOKEN, ROOT_SPLIT, access, hub, hub_root  # noqa: F401
 
 # A killed download must leave its partial bytes on disk within this long.

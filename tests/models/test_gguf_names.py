@@ -5,18 +5,8 @@ from dataclasses import dataclass
 import pytest
 
 from meshnet_gguf.common.units import format_bytes
-from meshnet_gguf.models.gguf_names import (
-    AmbiguousQuant,
-    QuantNotFound,
-    QuantRequired,
-    ShardPosition,
-    group_quants,
-    quant_of,
-    select_quant,
-    shard_file_name,
-    shard_position,
-    split_base,
-)
+from meshnet_gguf.models.gguf_names import ShardPosition, shard_file_name, shard_position, split_base
+from meshnet_gguf.models.quants import AmbiguousQuant, QuantNotFound, QuantRequired, group_quants, quant_of, select_quant
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.contract.protocol import UsageRecord
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.ops.metrics import (
     LLAMACPP_PREFIX,
     NodeMetrics,

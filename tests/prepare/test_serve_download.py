@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from meshnet_gguf.devtools.hf_server import LocalHub
-from meshnet_gguf.llama.supervisor import PIDFILE_NAME
+from meshnet_gguf.llama.child import PIDFILE_NAME
 from meshnet_gguf.models.download import PART_SUFFIX, HubAccess, RemoteFile, list_repo
-from meshnet_gguf.models.gguf_names import group_quants, select_quant
+from meshnet_gguf.models.quants import group_quants, select_quant
 from support.local_hub_fixtures import ROOT_SPLIT, hub, hub_root  # noqa: F401
 from support.node_process import NodeProcess
 

@@ -5,7 +5,9 @@ rules (docs/protocol.md, "What a tracker must check") are in test_tracker_trust.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +86,21 @@ def test_registry_ttl_selection_and_re_registration() -> None:
 
 
 async def test_well_known_key_is_persisted_and_pinnable(tmp_path: Path) -> None:
-    first = Tracker(TrackerConfig(state_dir=tmp_path, open_enrolment=True))
-    again = Tracker(TrackerConfig(state_dir=tmp_path, open_enrolment=True))
-    again.ledger.close()
-    assert first.public_key_text == again.public_key_text and first.issuer == again.issuer
-    port = free_port()
-    async with serve_asgi(first.app(), port, lifespan="on"), httpx.AsyncClient() as http:
-        info = (await http.get(f"http://127.0.0.1:{port}{WELL_KNOWN_PATH}")).json()
-    first.ledger.close()
+    with closing(Tracker(TrackerConfig(state_dir=tmp_path, open_enrolment=True))) as first:
+        with closing(Tracker(TrackerConfig(state_dir=tmp_path, open_enrolment=True))) as again:
+            assert first.public_key_text == again.public_key_text and first.issuer == again.issuer
+        port = free_port()
+        async with serve_asgi(first.app(), port, lifespan="on"), httpx.AsyncClient() as http:
+            info = (await http.get(f"http://127.0.0.1:{port}{WELL_KNOWN_PATH}")).json()
     assert info["public_key"] == first.public_key_text and info["issuer"] == first.issuer
     parse_public_key(info["public_key"])
+
+
+async def test_the_tracker_fixture_closes_its_ledger(tmp_path: Path) -> None:
+    async with start_tracker(tmp_path) as (service, _url):
+        assert await service.ledger.usage("none") is None
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        await service.ledger.usage("none")
 
 
 async def test_registration_is_authenticated(tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:

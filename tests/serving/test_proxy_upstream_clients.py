@@ -16,7 +16,7 @@ import pytest
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.contract.protocol import USAGE_COMMENT_PREFIX
-from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from support.proxy_harness import CHAT, INTERNAL_KEY, build_proxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("client_kind", ["aiohttp", "httpx"])]

@@ -16,7 +16,7 @@ import pytest
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.supervisor import child_environment
+from meshnet_gguf.llama.child import child_environment
 from meshnet_gguf.serving import admission_modes, http_server, proxy
 from meshnet_gguf.serving.request_validation import MAX_JSON_DEPTH, parse_json_object, rewrite_top_level, validate_request
 from support.billing_harness import LlamaChild, Tracker, serve_front
@@ -238,7 +238,9 @@ def test_llama_server_does_not_inherit_the_nodes_settings() -> None:
 def test_supervisor_spawns_llama_server_without_meshnet_variables(fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real spawn path: the fake llama-server writes down the environment it was given."""
     from meshnet_gguf.common.settings import NodeSettings
-    from meshnet_gguf.llama.supervisor import CPU_WARMUP, ChildSpec, Supervisor, SupervisorPolicy
+    from meshnet_gguf.llama.child import ChildSpec
+    from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
+    from meshnet_gguf.llama.warmup import CPU_WARMUP
 
     policy = SupervisorPolicy.from_settings(NodeSettings(), CPU_WARMUP)
 

@@ -27,7 +27,7 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
 from meshnet_gguf.contract.signing import body_sha256, encode_token, tracker_issuer_for
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
 from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate

@@ -22,7 +22,7 @@ import httpx
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport, NodeState
-from meshnet_gguf.llama.upstream import make_upstream_client
+from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.link import MeshnetLink, ServedModel
 from meshnet_gguf.node import build_mesh_link, build_proxy

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +32,13 @@ async def start_tracker(tmp_path: Path, name: str = "tracker", **over: Any) -> A
         async with serve_asgi(service.app(), port, lifespan="on"):
             yield service, f"http://127.0.0.1:{port}"
     finally:
-        service.ledger.close()
+        service.close()
 
 
-def tracker_key_text(state_dir: Path) -> str:
-    """The public key of a reference tracker with this state dir (created on first use); its ledger closed again."""
-    service = Tracker(TrackerConfig(state_dir=state_dir, open_enrolment=True))
-    service.ledger.close()
-    return service.public_key_text
+def tracker_key(state_dir: Path) -> str:
+    """The public key of a tracker with this state dir (made on first use); its ledger is closed at once."""
+    with closing(Tracker(TrackerConfig(state_dir=state_dir, open_enrolment=True))) as service:
+        return service.public_key_text
 
 
 async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:

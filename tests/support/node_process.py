@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from meshnet_gguf.common.ports import free_local_port as free_port
-from meshnet_gguf.llama.supervisor import PIDFILE_NAME, reap_stale_child
+from meshnet_gguf.llama.child import PIDFILE_NAME, reap_stale_child
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0

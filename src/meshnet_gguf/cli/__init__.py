@@ -46,6 +46,7 @@ _COMMAND_MODULES = [
     "service",
     "doctor",
     "build",
+    "worker",
 ]
 
 for _name in _COMMAND_MODULES:

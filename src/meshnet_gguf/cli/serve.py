@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -50,6 +51,7 @@ def register(app: typer.Typer) -> None:
         max_tokens_cap: Annotated[Optional[int], typer.Option(help="Most completion tokens one request may produce; larger max_tokens are lowered to it")] = None,
         upstream_client: Annotated[Optional[str], typer.Option(help="raw (default), aiohttp or httpx for the llama-server hop")] = None,
         log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
+        pool_worker: Annotated[Optional[list[str]], typer.Option(help="A `meshnet-gguf worker` on this LAN to hold part of the model: HOST:PORT[=BUDGET] (repeatable)")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
     ) -> None:
         """Serve a GGUF model through llama-server on an OpenAI-compatible port."""
@@ -67,7 +69,7 @@ def register(app: typer.Typer) -> None:
                 state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
                 tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay_url,
                 drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
-                max_tokens_cap=max_tokens_cap,
+                max_tokens_cap=max_tokens_cap, pool_workers=pool_worker,
             )  # fmt: skip
         except ValidationError as exc:
             typer.echo(f"error: {_first_problem(exc)}", err=True)
@@ -76,7 +78,7 @@ def register(app: typer.Typer) -> None:
         try:
             # Under systemd a first download can outlast TimeoutStartSec: say what is happening, and extend it.
             with SystemdNotifier.from_environment().extending_start("preparing the model (download and checks)"):
-                launch = prepare_launch(settings, dry_run=dry_run)
+                launch = prepare_launch(settings, dry_run=dry_run, pool_token=_pool_token(settings))
         except NodeSetupError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
@@ -92,6 +94,18 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         raise typer.Exit(code)
+
+
+def _pool_token(settings: NodeSettings) -> Callable[[], str] | None:
+    """Status tokens for the pool workers, signed by this node's key (whose public half the workers were given)."""
+    if not settings.pool_workers:
+        return None
+    from meshnet_gguf.llama.rpc_status import status_token
+    from meshnet_gguf.mesh.identity import NodeIdentity
+
+    identity = NodeIdentity.load_or_create(settings.state_dir)
+    typer.echo(f"pool: this node's public key for `meshnet-gguf worker --node-key`: {identity.public_key_text}", err=True)
+    return lambda: status_token(identity.private_key)
 
 
 def _uvloop_available() -> bool:

@@ -24,7 +24,7 @@ HEALTH_TIMEOUT_S = 3.0
 # `serve` options that are not node settings (they only steer the command itself).
 _SERVE_ONLY_OPTIONS = frozenset({"dry_run"})
 # `serve` option names that differ from the NodeSettings field they set.
-_SERVE_OPTION_FIELDS = {"llama_arg": "llama_args"}
+_SERVE_OPTION_FIELDS = {"llama_arg": "llama_args", "pool_worker": "pool_workers"}
 
 
 class ServeArgsError(ValueError):
@@ -54,6 +54,16 @@ def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSet
     return NodeSettings(**given)
 
 
+def _check_worker_args(ctx: typer.Context, args: Sequence[str]) -> None:
+    """Parse `args` as `meshnet-gguf worker` would: a bad option fails now, not at the first boot."""
+    root = ctx.find_root().command
+    get_command = getattr(root, "get_command", None)
+    command = get_command(ctx, "worker") if get_command is not None else None
+    if command is None:
+        raise ServeArgsError("this installation has no `worker` command to install as a service")
+    command.make_context("worker", list(args), parent=ctx)
+
+
 def register(app: typer.Typer) -> None:
     service_app = typer.Typer(
         help="Run the node as a systemd service (start at boot, readiness, watchdog, drain on stop).",
@@ -69,16 +79,23 @@ def register(app: typer.Typer) -> None:
         user: Annotated[bool, typer.Option("--user", help="Install a user unit (systemctl --user) instead of a system one")] = False,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the files and commands, change nothing")] = False,
         start: Annotated[bool, typer.Option("--start/--no-start", help="Start the service now (it is enabled at boot either way)")] = True,
+        worker: Annotated[bool, typer.Option("--worker", help="Install a pool worker (`worker` options follow) instead of a node")] = False,
     ) -> None:
         """Write a systemd unit and a config file for these `serve` settings, then enable it."""
         from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_install
+        from meshnet_gguf.ops.worker_unit import plan_worker_install
 
+        settings = None
         try:
-            settings = settings_from_serve_args(ctx, ctx.args)
+            if worker:
+                _check_worker_args(ctx, ctx.args)
+                plan = plan_worker_install(ctx.args, user_mode=user, start=start)
+            else:
+                settings = settings_from_serve_args(ctx, ctx.args)
+                plan = plan_install(settings, user_mode=user, start=start)
         except ServeArgsError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
-        plan = plan_install(settings, user_mode=user, start=start)
         if dry_run:
             typer.echo(plan.describe(settings), nl=False)
             return
@@ -93,6 +110,10 @@ def register(app: typer.Typer) -> None:
         for warning in plan.warnings:
             typer.echo(f"warning: {warning}", err=True)
         scope = "--user " if user else ""
+        if worker:
+            typer.echo(f"installed {plan.layout.unit_path}")
+            typer.echo(f"follow it with: journalctl {scope}-u {plan.layout.unit_path.stem} -f")
+            return
         typer.echo(f"installed {plan.layout.unit_path} with settings in {plan.layout.config_path}")
         typer.echo(f"follow it with: journalctl {scope}-u meshnet-gguf -f   ·   meshnet-gguf service status{' --user' if user else ''}")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 ENV_PREFIX = "MESHNET_"
 # After SIGTERM, llama-server gets this long to exit before SIGKILL (a big model unmaps for seconds).
@@ -75,6 +75,9 @@ class NodeSettings(BaseSettings):
     restart_stable_after_s: float = Field(120.0, gt=0)
     max_quick_crashes: int = Field(5, ge=1, description="Crashes before stability before giving up into `failed`")
     stop_timeout_s: float = Field(LLAMA_STOP_TIMEOUT_S, gt=0, description="SIGTERM -> SIGKILL grace for llama-server")
+    # With a pool: llama-server stuck this long inside one batch (a stopped worker) is ended and restarted.
+    # One batch of a big model's prefill takes seconds, so two minutes never cuts real work short.
+    busy_stall_timeout_s: float = Field(120.0, gt=0, description="Pool: end llama-server stuck this long inside one batch")
 
     # --- proxy limits ------------------------------------------------------
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)")
@@ -100,6 +103,14 @@ class NodeSettings(BaseSettings):
         1.0, ge=0, description="Usage receipts go to the tracker in batches, at most this often"
     )
 
+    # --- a LAN pool behind this node -----------------------------------------
+    # Each `HOST:PORT[=BUDGET]` is a `meshnet-gguf worker` (llama.cpp's ggml-rpc-server) on another
+    # box of this LAN; the node checks them before launch and splits the model over them.
+    # MESHNET_POOL_WORKERS takes them comma-separated; the TOML file a list.
+    pool_workers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Pool worker HOST:PORT[=BUDGET] (repeatable): hold the model across boxes"
+    )
+
     # --- diagnosis ---------------------------------------------------------
     # A testing and diagnosis aid, not for serving: plan for a recorded machine (a
     # folder laid out like tests/fixtures/hardware/<box>: `root/` with the sysfs and
@@ -113,6 +124,13 @@ class NodeSettings(BaseSettings):
     # --- logs --------------------------------------------------------------
     log_format: Literal["auto", "text", "json"] = "auto"
     log_level: str = "INFO"
+
+    @field_validator("pool_workers", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @classmethod
     def settings_customise_sources(

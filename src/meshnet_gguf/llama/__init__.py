@@ -1,5 +1,6 @@
 """The llama-server child: finding the binary, its CPU compatibility, building one from source, the
-supervisor (spawn, warm-up, restart), its load progress, and the clients that talk to it.
+child process, its warm-up and its restart loop, its load progress, and the clients that talk to it;
+and the pool worker (`rpc_worker`, `rpc_status`): llama.cpp's ggml-rpc-server on a helper box.
 
 May import: common, contract, models.
 """

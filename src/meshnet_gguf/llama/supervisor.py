@@ -1,75 +1,62 @@
-"""The llama-server child process: one owner task for its life, its states and its restarts.
+"""The restart loop around the llama-server child: one owner task for its life, its states and its restarts.
 
 States: starting -> loading -> ready; a crash after ready -> restarting (with
 exponential backoff) -> loading -> ready; too many quick crashes -> failed;
 stop() -> draining/stopped. Only `run()` changes the child; everyone else reads
-`state`, `upstream()` and the log ring, or asks for `stop()`.
+`state`, `upstream()` and the log ring, or asks for `stop()`. The child process itself
+(spawn, stop, reap, socket folder) is `child`; the generations before `ready` are `warmup`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
-import os
 import secrets
 import signal
-import stat
-import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import anyio
-import psutil
 
 from meshnet_gguf.common.logs import LLAMA_LOGGER, llama_log_level
 from meshnet_gguf.common.ports import free_local_port
-from meshnet_gguf.common.settings import LLAMA_STOP_TIMEOUT_S, NodeSettings
+from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.contract.protocol import NodeState
-from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.upstream import RawUpstream, UpstreamError, unix_socket_url
+from meshnet_gguf.llama.child import (
+    API_KEY_ENV,
+    PIDFILE_NAME,
+    ChildFailed,
+    ChildSpec,
+    child_environment,
+    prepare_socket_dir,
+    reap_stale_child_in_thread,
+    socket_path_for,
+    spawn,
+    terminate,
+    write_pidfile,
+)
+from meshnet_gguf.llama.upstream import UpstreamError, unix_socket_url
+from meshnet_gguf.llama.upstream.raw import RawUpstream
+from meshnet_gguf.llama.warmup import CPU_WARMUP, WarmupPolicy, warm_up
 
 log = logging.getLogger(__name__)
 child_log = logging.getLogger(LLAMA_LOGGER)
 
-API_KEY_ENV = "LLAMA_API_KEY"  # llama-server reads its key from here: never on argv, never in logs
-# The node's own settings (the enrolment secret, the API key among them) are not llama-server's business.
-NODE_ENV_PREFIX = "MESHNET_"
 LOG_RING_LINES = 400
 FAILURE_TAIL_LINES = 25
 # Of that tail, a failure message quotes at most this many lines (its error lines first).
 FAILURE_QUOTED_LINES = 10
-# After SIGTERM, llama-server gets this long to exit before SIGKILL: the node's setting's default.
-STOP_TIMEOUT_S = LLAMA_STOP_TIMEOUT_S
 HEALTH_REQUEST_TIMEOUT_S = 2.0
 # After ready: a /health probe this often; this many failures in a row means wedged.
 LIVENESS_INTERVAL_S = 5.0
 LIVENESS_FAILURES = 3
 OUTPUT_READ_SIZE = 16 * 1024
-PIDFILE_NAME = "llama-server.pid"
-# llama-server listens on a UNIX socket in this private folder of the state dir, so only
-# this user can reach it (a loopback port can be raced for, and reached, by any local user).
-SOCKET_DIR_NAME = "run"
-SOCKET_NAME = "llama-server.sock"
-SOCKET_DIR_MODE = 0o700
-# sun_path holds 108 bytes with its terminating NUL; a longer path falls back to loopback TCP.
-MAX_SOCKET_PATH_BYTES = 107
-# A build that can listen on a UNIX socket says so in its --host help line.
-_UNIX_SOCKET_HELP_MARK = "unix socket"
-# The warm-up's prompt is this word repeated: about one token per word with a subword
-# vocabulary (a byte-level toy vocabulary makes it a few tokens per word).
-WARMUP_WORD = " the"
-# Marks the warm-up's requests, so llama-server's log (and a test's fake) can tell them from clients'.
-WARMUP_HEADER = "x-meshnet-warmup"
-# create_time from /proc has 10 ms resolution; anything closer is the same process.
-_CREATE_TIME_TOLERANCE_S = 0.05
-_PR_SET_PDEATHSIG = 1
 ILLEGAL_INSTRUCTION_HINT = (
     "this llama-server build uses CPU instructions this processor lacks (it was compiled for a newer CPU). "
     "Build one for this machine from PyPI's llama.cpp source: meshnet-gguf build-llama-server (about 6 minutes; "
@@ -77,39 +64,6 @@ ILLEGAL_INSTRUCTION_HINT = (
     "--llama-server PATH; offloading every layer to a GPU also avoids the CPU kernels"
 )
 _ERROR_MARKERS = ("error", "failed", "fatal", "abort", "exception", "what():", "cannot", "unable")
-
-
-@dataclass(frozen=True)
-class WarmupPolicy:
-    """Generations run after load and before `ready`, so the first real request does not pay
-    for first-use work: GPU kernels built per shape on first use, the chat template's first
-    rendering, model pages read in from the mmap. One streamed chat completion per prompt
-    length, each `max_tokens` long."""
-
-    prompt_words: tuple[int, ...] = (16,)
-    max_tokens: int = 4
-    timeout_s: float = 180.0
-
-
-# On a GPU each prompt size picks other kernels (vector kernels for a few tokens; small,
-# medium and large matrix tiles above, each aligned or not): one prompt per size class.
-# Measured on an H200 (Vulkan): ~10 s the first time on a machine, while the driver builds
-# its pipelines; ~0.2 s once its on-disk pipeline cache holds them. Largest first: the slot
-# keeps the last prompt, and llama-server copies a slot's old prompt out to its RAM cache
-# before reusing the slot, so a large last prompt cost the first user request ~40 ms.
-GPU_WARMUP = WarmupPolicy(prompt_words=(600, 150, 40, 12, 2), max_tokens=8)
-CPU_WARMUP = WarmupPolicy()
-
-
-class ChildFailed(RuntimeError):
-    """llama-server could not be brought (back) to ready; the message carries its last log lines."""
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    binary: BinaryInfo
-    args: Sequence[str]  # everything but host, port and key, which the supervisor owns
-    env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -125,6 +79,10 @@ class SupervisorPolicy:
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
     warmup: WarmupPolicy | None = CPU_WARMUP
+    # The progress watchdog: llama-server's /slots shows each busy slot's prompt tokens processed
+    # and tokens decoded; busy slots whose numbers stay still this long mean a batch that never
+    # ends (a pool worker stopped, or its link cut, while /health still says 200). None: off.
+    busy_stall_timeout_s: float | None = None
 
     @classmethod
     def from_settings(cls, settings: NodeSettings, warmup: WarmupPolicy | None) -> SupervisorPolicy:
@@ -137,6 +95,8 @@ class SupervisorPolicy:
             max_quick_crashes=settings.max_quick_crashes,
             stop_timeout_s=settings.stop_timeout_s,
             warmup=warmup,
+            # A single box has no worker to lose; with a pool, a stopped worker stalls generation silently.
+            busy_stall_timeout_s=settings.busy_stall_timeout_s if settings.pool_workers else None,
         )
 
 
@@ -167,7 +127,7 @@ class Supervisor(BasePart):
         self.detail: str | None = None
         self.restarts = 0
         self.port: int | None = None
-        self.socket_path: Path | None = _socket_path(spec.binary, state_dir) if state_dir is not None else None
+        self.socket_path: Path | None = socket_path_for(spec.binary, state_dir) if state_dir is not None else None
         self.warmup_s: float | None = None
         self.pid: int | None = None
         self.api_key = secrets.token_urlsafe(32)
@@ -223,7 +183,7 @@ class Supervisor(BasePart):
             self._stopped.set()
 
     async def _run(self) -> None:
-        reap_stale_child(self._pidfile, self.policy.stop_timeout_s)
+        await reap_stale_child_in_thread(self._pidfile, self.policy.stop_timeout_s)
         backoff = self.policy.restart_backoff_initial_s
         quick_crashes = 0
         ever_ready = False
@@ -273,7 +233,7 @@ class Supervisor(BasePart):
     # --- one child's life -------------------------------------------------
     async def _spawn(self) -> asyncio.subprocess.Process:
         if self.socket_path is not None:
-            _prepare_socket_dir(self.socket_path)
+            prepare_socket_dir(self.socket_path)
             listen = ["--host", str(self.socket_path)]
         else:
             self.port = free_local_port()
@@ -284,15 +244,7 @@ class Supervisor(BasePart):
         self._set_state("starting" if self.restarts == 0 else "restarting", "launching llama-server")
         log.info("launching %s", " ".join(argv))
         self._last_activity = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # own process group: stop() signals llama-server and anything it spawned
-            preexec_fn=_die_with_parent(os.getpid()),
-        )
+        proc = await spawn(argv, env)
         self._proc = proc
         self.pid = proc.pid
         self._write_pidfile(proc.pid)
@@ -335,65 +287,14 @@ class Supervisor(BasePart):
         return False
 
     async def _warm_up(self, proc: asyncio.subprocess.Process, http: RawUpstream, policy: WarmupPolicy) -> str:
-        """Run the warm-up generations; "ready" when done (or when they cannot run), else why not."""
         self.detail = "warming up"
         started = time.monotonic()
-        outcome = "ready"
-        async with anyio.create_task_group() as tg:
-            # Whichever ends first ends the warm-up: the child exiting, a stop, or the generations.
-
-            async def exited() -> None:
-                nonlocal outcome
-                await proc.wait()
-                outcome = "exited"
-                tg.cancel_scope.cancel()
-
-            async def stop() -> None:
-                nonlocal outcome
-                await self._stop_requested.wait()
-                outcome = "stopping"
-                tg.cancel_scope.cancel()
-
-            async def generate() -> None:
-                with anyio.move_on_after(policy.timeout_s) as deadline:
-                    for words in policy.prompt_words:
-                        await self._warmup_request(http, words, policy.max_tokens)
-                if deadline.cancelled_caught:
-                    log.warning("llama-server warm-up took over %.0f s; reporting ready without it", policy.timeout_s)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(exited)
-            tg.start_soon(stop)
-            tg.start_soon(generate)
+        assert self.base_url is not None
+        outcome = await warm_up(proc, http, self.base_url, self.api_key, self._stop_requested, policy)
         self.warmup_s = time.monotonic() - started
         if outcome == "ready":
             log.info("llama-server warmed up in %.2f s", self.warmup_s)
         return outcome
-
-    async def _warmup_request(self, http: RawUpstream, words: int, max_tokens: int) -> None:
-        body = json.dumps(
-            {
-                "messages": [{"role": "user", "content": WARMUP_WORD * words}],
-                "max_tokens": max_tokens,
-                "stream": True,
-                "temperature": 0,
-                # The warm-up must not leave its prompt behind as a cache hit for a real request.
-                "cache_prompt": False,
-            }
-        ).encode()
-        headers = {"authorization": f"Bearer {self.api_key}", "content-type": "application/json", WARMUP_HEADER: "1"}
-        try:
-            response = await http.send("POST", f"{self.base_url}/v1/chat/completions", headers, body)
-            try:
-                answer = await response.read()
-            finally:
-                await response.aclose()
-        except UpstreamError as exc:
-            log.info("llama-server warm-up request failed (%s); going on", exc)
-            return
-        if response.status != 200:
-            # An embedding-only model, say: nothing to warm through this route.
-            log.info("llama-server warm-up answered %s (%s); going on", response.status, answer[:200])
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process, http: RawUpstream) -> str:
         while True:
@@ -436,21 +337,60 @@ class Supervisor(BasePart):
                 await self._stop_requested.wait()
                 tg.cancel_scope.cancel()
 
+            async def progress() -> None:
+                nonlocal outcome
+                bound = self.policy.busy_stall_timeout_s
+                assert bound is not None
+                last: object = None
+                still_since = time.monotonic()
+                while True:
+                    await anyio.sleep(self.policy.liveness_interval_s)
+                    with anyio.move_on_after(bound):
+                        seen = await self._slot_progress(http)
+                    if seen is None or seen != last:
+                        # Idle, or something moved: the stall clock starts again.
+                        last, still_since = seen, time.monotonic()
+                    elif time.monotonic() - still_since >= bound:
+                        outcome = "stuck"
+                        tg.cancel_scope.cancel()
+                        return
+
             tg.start_soon(exited)
             tg.start_soon(liveness)
             tg.start_soon(stop_requested)
+            if self.policy.busy_stall_timeout_s is not None:
+                tg.start_soon(progress)
         return outcome
 
+    async def _slot_progress(self, http: RawUpstream) -> object:
+        """What the busy slots have done so far (per slot: its task, prompt tokens processed, tokens
+        decoded), from GET /slots; None when no slot is busy or the answer cannot be read. A stopped
+        pool worker freezes these numbers while /health still answers 200."""
+        try:
+            response = await http.send("GET", f"{self.base_url}/slots", {"authorization": f"Bearer {self.api_key}"}, None)
+            try:
+                body = await response.read()
+            finally:
+                await response.aclose()
+            slots = json.loads(body) if response.status == 200 else None
+        except (UpstreamError, ValueError):
+            return None
+        if not isinstance(slots, list):
+            return None
+        busy = tuple(
+            (
+                slot.get("id"),
+                slot.get("id_task"),
+                slot.get("n_prompt_tokens_processed"),
+                tuple(t.get("n_decoded") for t in slot.get("next_token") or () if isinstance(t, dict)),
+            )
+            for slot in slots
+            if isinstance(slot, dict) and slot.get("is_processing")
+        )
+        return busy or None
+
     async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
-        if proc.returncode is None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            with anyio.move_on_after(self.policy.stop_timeout_s):
-                await proc.wait()
-            if proc.returncode is None:
-                log.warning("llama-server (pid %s) ignored SIGTERM for %.0f s; killing", proc.pid, self.policy.stop_timeout_s)
-        # Also after a crash: helpers it left in its group must not linger.
-        _signal_group(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        await terminate(proc, self.policy.stop_timeout_s)
         self._remove_pidfile()
 
     # --- bookkeeping -----------------------------------------------------------
@@ -464,6 +404,11 @@ class Supervisor(BasePart):
     def _describe_end(self, outcome: str, proc: asyncio.subprocess.Process) -> str:
         if outcome == "stalled":
             return f"llama-server printed nothing for {self.policy.load_stall_timeout_s:.0f} s while loading"
+        if outcome == "stuck":
+            return (
+                f"llama-server made no progress for {self.policy.busy_stall_timeout_s:.0f} s "
+                "with requests in flight (a pool worker stopped, or its link is down?)"
+            )
         if outcome == "unresponsive":
             return f"llama-server stopped answering /health ({self.policy.liveness_failures} probes failed)"
         if proc.returncode == -signal.SIGILL:
@@ -479,152 +424,11 @@ class Supervisor(BasePart):
         return reason + ("; its last log lines:\n  " + "\n  ".join(shown) if shown else "; it printed nothing")
 
     def _write_pidfile(self, pid: int) -> None:
-        if self._pidfile is None:
-            return
-        try:
-            created = psutil.Process(pid).create_time()
-        except psutil.Error:
-            return
-        self._pidfile.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "pid": pid,
-            "create_time": created,
-            "binary": str(self.spec.binary.path),
-            # The node that owns this child: a later run may end the child only once this node is gone.
-            "owner_pid": os.getpid(),
-            "owner_create_time": _OWN_CREATE_TIME,
-        }
-        self._pidfile.write_text(json.dumps(record))
+        if self._pidfile is not None:
+            write_pidfile(self._pidfile, pid, self.spec.binary.path)
 
     def _remove_pidfile(self) -> None:
         if self._pidfile is not None:
             self._pidfile.unlink(missing_ok=True)
 
 
-def supports_unix_socket(binary: BinaryInfo) -> bool:
-    """Whether this llama-server build can listen on a UNIX socket (`--host PATH.sock`)."""
-    return _UNIX_SOCKET_HELP_MARK in binary.help_text.lower()
-
-
-def _socket_path(binary: BinaryInfo, state_dir: Path | None) -> Path | None:
-    """Where llama-server should listen, or None for loopback TCP (no state dir, an older
-    build, or a path too long for a socket address)."""
-    if state_dir is None or not supports_unix_socket(binary):
-        return None
-    path = Path(state_dir).absolute() / SOCKET_DIR_NAME / SOCKET_NAME
-    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
-        log.info("state dir path too long for a UNIX socket; llama-server listens on loopback TCP")
-        return None
-    return path
-
-
-def _prepare_socket_dir(socket_path: Path) -> None:
-    """Make the socket's folder ours alone, and remove a socket a killed run left behind
-    (llama-server cannot bind over it). Refuses a folder someone else could have planted."""
-    folder = socket_path.parent
-    folder.mkdir(mode=SOCKET_DIR_MODE, parents=True, exist_ok=True)
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise ChildFailed(f"{folder} is not a folder owned by this user; refusing to put llama-server's socket there")
-    if info.st_mode & 0o077:
-        os.chmod(folder, SOCKET_DIR_MODE)
-    socket_path.unlink(missing_ok=True)
-
-
-def child_environment(inherited: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
-    """llama-server's environment: the node's, without the node's own `MESHNET_*` settings, plus `extra`."""
-    env = {k: v for k, v in inherited.items() if not k.upper().startswith(NODE_ENV_PREFIX)}
-    env.update(extra)
-    return env
-
-
-def reap_stale_child(pidfile: Path | None, timeout_s: float = STOP_TIMEOUT_S) -> bool:
-    """End the llama-server an earlier, killed run left behind; True when one was ended.
-
-    Identified by pid AND start time from our pidfile, so a recycled pid that now
-    belongs to another process is never touched. A child whose owning node is
-    still alive (another process) is never touched either: it is that node's,
-    serving, not a leftover.
-    """
-    if pidfile is None or not pidfile.exists():
-        return False
-    try:
-        record = json.loads(pidfile.read_text())
-        proc = psutil.Process(int(record["pid"]))
-        same = _same_process(proc, record["create_time"])
-    except (ValueError, KeyError, TypeError, psutil.Error, OSError):
-        same = False
-    if not same:
-        pidfile.unlink(missing_ok=True)
-        return False
-    owner = _live_owner(record)
-    if owner is not None:
-        log.warning(
-            "llama-server pid %s belongs to node pid %s, which is still running: leaving it alone", proc.pid, owner
-        )
-        return False
-    log.warning("ending llama-server pid %s left by an earlier run", proc.pid)
-    for stop in (proc.terminate, proc.kill):
-        try:
-            stop()
-            proc.wait(timeout=timeout_s)
-            break
-        except psutil.NoSuchProcess:
-            break
-        except psutil.TimeoutExpired:
-            continue
-    else:
-        # A zombie is dead already; anything else still holds memory and must be reported.
-        if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-            log.error("llama-server pid %s from an earlier run survived SIGKILL", proc.pid)
-    pidfile.unlink(missing_ok=True)
-    return True
-
-
-def _same_process(proc: psutil.Process, recorded_create_time: object) -> bool:
-    return abs(proc.create_time() - float(recorded_create_time)) < _CREATE_TIME_TOLERANCE_S  # type: ignore[arg-type]
-
-
-def _live_owner(record: dict[str, object]) -> int | None:
-    """The pid of the node that wrote `record`, when that node is alive and is not this process."""
-    owner_pid = record.get("owner_pid")
-    if not isinstance(owner_pid, int) or owner_pid == os.getpid():
-        return None
-    try:
-        owner = psutil.Process(owner_pid)
-        alive = _same_process(owner, record.get("owner_create_time")) and owner.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, TypeError, ValueError):
-        return None
-    return owner_pid if alive else None
-
-
-def _own_create_time() -> float | None:
-    try:
-        return psutil.Process().create_time()
-    except psutil.Error:
-        return None
-
-
-_OWN_CREATE_TIME = _own_create_time()
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
-    """Linux: have the kernel SIGKILL the child when the node dies, even by kill -9."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def set_parent_death_signal() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        # The parent may have died between fork and prctl: then nobody would kill us.
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return set_parent_death_signal

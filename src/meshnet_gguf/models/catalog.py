@@ -22,7 +22,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Callable
 
-from meshnet_gguf.models.gguf_names import normalize_quant, strip_dynamic_prefix
+from meshnet_gguf.models.quants import normalize_quant, strip_dynamic_prefix
 
 if sys.version_info >= (3, 11):
     import tomllib

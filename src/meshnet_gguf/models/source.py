@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.common.units import format_bytes
@@ -32,7 +32,6 @@ from meshnet_gguf.models.download import (
     FreeBytes,
     HubAccess,
     NotEnoughDiskSpace,
-    RemoteFile,
     RepoListing,
     VerifiedState,
     default_free_bytes,
@@ -45,19 +44,17 @@ from meshnet_gguf.models.download import (
     verify_file,
 )
 from meshnet_gguf.models.gguf_info import GGUFError, GGUFInfo, check_shard_set
-from meshnet_gguf.models.gguf_names import (
-    GGUF_SUFFIX,
+from meshnet_gguf.models.gguf_names import GGUF_SUFFIX, is_gguf, shard_file_name, sibling_shards, split_base
+from meshnet_gguf.models.quants import (
+    FileT,
     QuantGroup,
-    QuantRequired,
     QuantSelectionError,
     group_quants,
-    is_gguf,
     normalize_quant,
+    pick_group,
     quant_of,
-    select_quant,
-    shard_file_name,
-    sibling_shards,
-    split_base,
+    scan_dir,
+    selection_message,
 )
 
 log = logging.getLogger(__name__)
@@ -65,8 +62,6 @@ log = logging.getLogger(__name__)
 # owner/name as the hub allows them (letters, digits, '-', '_', '.'), with an optional :QUANT.
 REPO_ID_RE = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?::(?P<quant>[\w.-]+))?$")
 CATALOG_SPEC_RE = re.compile(r"^(?P<id>[a-z0-9][a-z0-9._-]*)(?::(?P<quant>[\w.-]+))?$", re.IGNORECASE)
-# Folders we keep beside downloaded files; never part of a model.
-_PRIVATE_DIRS = (".meshnet", ".cache", ".git")
 
 SourceKind = Literal["file", "directory", "hub", "package"]
 
@@ -107,32 +102,6 @@ class ResolvedModel:
         if self.repo_id:
             return f"{self.repo_id}:{self.quant}" if self.quant else self.repo_id
         return str(self.first_shard)
-
-
-@dataclass(frozen=True)
-class _LocalFile:
-    path: str  # relative to the directory being scanned, "/"-separated
-    size: int
-
-
-# ---- messages -------------------------------------------------------------------------
-def describe_candidates(groups: Sequence[QuantGroup], budget_bytes: int | None = None) -> str:  # type: ignore[type-arg]
-    lines = []
-    for g in groups:
-        fit = ""
-        if budget_bytes is not None:
-            fit = "fits this machine" if g.total_bytes <= budget_bytes else "too big for this machine"
-        lines.append(f"  {g.describe(fit)}")
-    return "\n".join(lines)
-
-
-def _selection_message(exc: QuantSelectionError, where: str, budget_bytes: int | None) -> str:
-    offered = describe_candidates(exc.candidates, budget_bytes)
-    if isinstance(exc, QuantRequired):
-        return f"{where} offers several quants; choose one with --quant (or {where}:QUANT):\n{offered}"
-    if not exc.candidates:
-        return f"{where}: no GGUF model files found"
-    return f"{where}: {exc}. Offered:\n{offered}"
 
 
 # ---- entry points ---------------------------------------------------------------------------
@@ -231,22 +200,9 @@ def _unverified(shards: Sequence[Path], source: SourceKind, quant: str | None, n
     )
 
 
-def _scan_dir(directory: Path) -> list[_LocalFile]:
-    files = []
-    for p in sorted(directory.rglob(f"*{GGUF_SUFFIX}")):
-        rel = p.relative_to(directory)
-        if any(part in _PRIVATE_DIRS for part in rel.parts) or not p.is_file():
-            continue
-        files.append(_LocalFile(PurePosixPath(*rel.parts).as_posix(), p.stat().st_size))
-    return files
-
-
 def _resolve_local_dir(directory: Path, quant: str | None, progress: bool) -> ResolvedModel:
-    groups = group_quants(_scan_dir(directory))
-    try:
-        group = select_quant(groups, quant)
-    except QuantSelectionError as exc:
-        raise ModelResolutionError(_selection_message(exc, str(directory), None)) from exc
+    groups = group_quants(scan_dir(directory))
+    group = _choose_quant(groups, quant, None, str(directory), None)
     _require_complete(group, str(directory))
     shards = [directory / f.path for f in group.files]
     # A folder we downloaded into keeps the hub's listing: verify against it rather than trust.
@@ -324,20 +280,13 @@ def _listing(repo_id: str, download_dir: Path, access: HubAccess) -> RepoListing
     return listing
 
 
-def _pick_group(
-    groups: list[QuantGroup[RemoteFile]], quant: str | None, files_glob: str | None, where: str, budget: int | None
-) -> QuantGroup[RemoteFile]:
-    if files_glob is not None:
-        from fnmatch import fnmatchcase
-
-        matching = [g for g in groups if all(fnmatchcase(f.path, files_glob) for f in g.files)]
-        if len(matching) == 1:
-            return matching[0]
-        log.warning("%s: the catalog pattern %s matches %d models; selecting by quant name", where, files_glob, len(matching))
+def _choose_quant(
+    groups: Sequence[QuantGroup[FileT]], quant: str | None, files_glob: str | None, where: str, budget: int | None
+) -> QuantGroup[FileT]:
     try:
-        return select_quant(groups, quant)
+        return pick_group(groups, quant, files_glob, where)
     except QuantSelectionError as exc:
-        raise ModelResolutionError(_selection_message(exc, where, budget)) from exc
+        raise ModelResolutionError(selection_message(exc, where, budget)) from exc
 
 
 def _resolve_repo(
@@ -354,7 +303,7 @@ def _resolve_repo(
     listing = _listing(repo_id, download_dir, access)
     if listing is None:
         local = repo_local_dir(download_dir, repo_id)
-        if local.is_dir() and _scan_dir(local):
+        if local.is_dir() and scan_dir(local):
             log.warning("offline and %s was never listed from the hub: its files in %s cannot be sha256-verified", repo_id, local)
             return _resolve_local_dir(local, quant, progress)
         raise ModelResolutionError(
@@ -363,7 +312,7 @@ def _resolve_repo(
         )
     groups = group_quants(listing.files)
     budget = None if quant else budget_of()
-    group = _pick_group(groups, quant, files_glob, repo_id, budget)
+    group = _choose_quant(groups, quant, files_glob, repo_id, budget)
     _require_complete(group, repo_id)
     count = ByteCount()
     try:
@@ -488,11 +437,8 @@ def find_on_disk(spec: ModelSpec, download_dir: Path) -> ResolvedModel | None:
 
 
 def _local_dir_unverified(directory: Path, quant: str | None) -> ResolvedModel:
-    groups = group_quants(_scan_dir(directory))
-    try:
-        group = select_quant(groups, quant)
-    except QuantSelectionError as exc:
-        raise ModelResolutionError(_selection_message(exc, str(directory), None)) from exc
+    groups = group_quants(scan_dir(directory))
+    group = _choose_quant(groups, quant, None, str(directory), None)
     _require_complete(group, str(directory))
     return _unverified([directory / f.path for f in group.files], "directory", group.quant)
 
@@ -511,7 +457,7 @@ def _shards_on_disk(spec: ModelSpec, download_dir: Path) -> tuple[Path, ...] | N
         return None
     curated = spec.curated.quant(quant) if spec.curated is not None else None
     try:
-        group = _pick_group(group_quants(_scan_dir(directory)), quant, curated.files if curated else None, spec.repo_id, None)
+        group = _choose_quant(group_quants(scan_dir(directory)), quant, curated.files if curated else None, spec.repo_id, None)
     except ModelResolutionError:
         return None
     if not group.complete:
@@ -544,7 +490,7 @@ def offered_quants(spec: str, download_dir: Path, *, access: HubAccess, catalog:
     """
     path = Path(spec).expanduser().absolute()
     if path.is_dir():
-        return Offered(str(path), _offered(group_quants(_scan_dir(path))), "directory")
+        return Offered(str(path), _offered(group_quants(scan_dir(path))), "directory")
     entry = catalog.get(spec)
     if entry is not None:
         return _offered_by_catalog(entry)

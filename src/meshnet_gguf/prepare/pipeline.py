@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -29,8 +30,8 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.common.units import format_bytes
 from meshnet_gguf.hardware.report import HardwareReport, probe_configured
 from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, find_llama_server
+from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.cpu_compat import kernel_support
-from meshnet_gguf.llama.supervisor import ChildSpec
 from meshnet_gguf.models.catalog import DEMO_ID, load_catalog, model_aliases
 from meshnet_gguf.models.download import HubAccess
 from meshnet_gguf.models.gguf_convert import dequantize_to_f16
@@ -47,6 +48,15 @@ from meshnet_gguf.models.source import (
 )
 from meshnet_gguf.prepare.memory import ModelFacts
 from meshnet_gguf.prepare.plan import BinaryCapabilities, LaunchPlan, OperatorChoiceError, OperatorChoices, plan_launch
+from meshnet_gguf.prepare.pool import (
+    PoolError,
+    PoolMember,
+    check_pool,
+    http_status_fetch,
+    local_rpc_protocol,
+    parse_pool_worker,
+    pooled_plan,
+)
 from meshnet_gguf.prepare.quant_advisor import (
     QuantAdvice,
     QuantDoesNotFit,
@@ -142,15 +152,30 @@ class ModelOnDisk:
 # --------------------------------------------------------------------------- the pipeline
 
 
-def prepare_launch(settings: NodeSettings, *, dry_run: bool = False) -> PreparedLaunch:
-    """Run the pipeline for `serve`. A dry run downloads nothing, and logs nothing it then prints."""
+def prepare_launch(settings: NodeSettings, *, dry_run: bool = False, pool_token: Callable[[], str] | None = None) -> PreparedLaunch:
+    """Run the pipeline for `serve`. A dry run downloads nothing, and logs nothing it then prints.
+    `pool_token` gives a status token signed by the node's key, for the pool workers' check."""
     request = read_request(settings)
     binary = find_binary(settings.llama_server)
     hardware = probe(binary, settings.hardware_fixture)
-    launch = prepare_with(request, settings, binary, hardware, dry_run=dry_run)
+    pool = check_pool_workers(settings, binary, pool_token)
+    launch = prepare_with(request, settings, binary, hardware, dry_run=dry_run, pool=pool)
     if not dry_run:
         _log_launch(launch)
     return launch
+
+
+def check_pool_workers(settings: NodeSettings, binary: BinaryInfo, token: Callable[[], str] | None) -> list[PoolMember]:
+    """Step 3b: every `--pool-worker` reachable, on this build's RPC protocol, with its budget free."""
+    if not settings.pool_workers:
+        return []
+    if token is None:
+        raise NodeSetupError("pool workers need the node's key to read their status")
+    try:
+        specs = [parse_pool_worker(text) for text in settings.pool_workers]
+        return check_pool(specs, http_status_fetch(token), local_rpc_protocol(binary))
+    except (ValueError, PoolError) as exc:
+        raise NodeSetupError(f"{exc}; not starting") from exc
 
 
 def read_request(settings: NodeSettings) -> LaunchRequest:
@@ -189,16 +214,20 @@ def prepare_with(
     hardware: HardwareReport,
     *,
     dry_run: bool,
+    pool: Sequence[PoolMember] = (),
 ) -> PreparedLaunch:
-    """Steps 4 to 7, for a binary and hardware already known."""
+    """Steps 4 to 7, for a binary and hardware already known (and a pool already checked)."""
     force = settings.force
     access = HubAccess.from_environment(offline=settings.offline)
-    choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=force)
+    # With a pool, fitting this box alone is not the question: the pooled plan's check decides.
+    choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=force or bool(pool))
     if dry_run:
         model = _demo_as_served(find_model(choice, settings.download_dir), binary)
     else:
         model = get_model(choice.spec, settings.download_dir, access, binary, hardware)
-    plan = checked_plan(model, hardware, request.operator, binary, force=force)
+    plan = checked_plan(model, hardware, request.operator, binary, force=force or bool(pool))
+    if pool:
+        plan = checked_pool_plan(plan, pool, model, hardware, force=force)
     operator_alias = request.operator.alias
     # llama-server answers to the operator's alias when one is given; so must the proxy.
     name = operator_alias or model.name
@@ -348,6 +377,16 @@ def checked_plan(
             f"--parallel, or pass --force to try anyway.\n{plan.describe()}"
         )
     return plan
+
+
+def checked_pool_plan(plan: LaunchPlan, pool: Sequence[PoolMember], model: ModelOnDisk, hardware: HardwareReport, *, force: bool) -> LaunchPlan:
+    """Step 7b: the plan spread over the pool; refused when the pool cannot hold it (unless `force`)."""
+    facts = model.facts
+    to_place = facts.total_bytes + int(facts.kv_bytes_per_token() * (plan.ctx_size or facts.context_length))
+    pooled = pooled_plan(plan, pool, hardware.capacity().gpu_bytes, to_place)
+    if not pooled.fits and not force:
+        raise NodeSetupError(f"{model.name}: {'; '.join(pooled.warnings)}. Choose a smaller quant or pass --force.\n{pooled.describe()}")
+    return pooled
 
 
 # --------------------------------------------------------------------------- step helpers

@@ -200,6 +200,10 @@ class Tracker:
         self._dialer: NodeDialer | None = None
         self._poll_wake = anyio.Event()
 
+    def close(self) -> None:
+        """Close the ledger; the app must not be serving any more."""
+        self.ledger.close()
+
     def info(self) -> TrackerInfo:
         return TrackerInfo(
             issuer=self.issuer,

@@ -1,0 +1,107 @@
+"""The warm-up: a few generations after load and before `ready`, so the first real request
+does not pay for first-use work (GPU kernels built per shape, the chat template's first
+rendering, model pages read in from the mmap)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import anyio
+
+from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
+
+log = logging.getLogger(__name__)
+
+# The warm-up's prompt is this word repeated: about one token per word with a subword
+# vocabulary (a byte-level toy vocabulary makes it a few tokens per word).
+WARMUP_WORD = " the"
+# Marks the warm-up's requests, so llama-server's log (and a test's fake) can tell them from clients'.
+WARMUP_HEADER = "x-meshnet-warmup"
+
+
+@dataclass(frozen=True)
+class WarmupPolicy:
+    """One streamed chat completion per prompt length, each `max_tokens` long, all within `timeout_s`."""
+
+    prompt_words: tuple[int, ...] = (16,)
+    max_tokens: int = 4
+    timeout_s: float = 180.0
+
+
+# On a GPU each prompt size picks other kernels (vector kernels for a few tokens; small,
+# medium and large matrix tiles above, each aligned or not): one prompt per size class.
+# Measured on an H200 (Vulkan): ~10 s the first time on a machine, while the driver builds
+# its pipelines; ~0.2 s once its on-disk pipeline cache holds them. Largest first: the slot
+# keeps the last prompt, and llama-server copies a slot's old prompt out to its RAM cache
+# before reusing the slot, so a large last prompt cost the first user request ~40 ms.
+GPU_WARMUP = WarmupPolicy(prompt_words=(600, 150, 40, 12, 2), max_tokens=8)
+CPU_WARMUP = WarmupPolicy()
+
+
+async def warm_up(
+    proc: asyncio.subprocess.Process,
+    http: UpstreamClient,
+    base_url: str,
+    api_key: str,
+    stop_requested: anyio.Event,
+    policy: WarmupPolicy,
+) -> str:
+    """Run the warm-up generations; "ready" when done (or when they cannot run), else why not
+    ("exited": the child died; "stopping": a stop was asked for)."""
+    outcome = "ready"
+    async with anyio.create_task_group() as tg:
+        # Whichever ends first ends the warm-up: the child exiting, a stop, or the generations.
+
+        async def exited() -> None:
+            nonlocal outcome
+            await proc.wait()
+            outcome = "exited"
+            tg.cancel_scope.cancel()
+
+        async def stop() -> None:
+            nonlocal outcome
+            await stop_requested.wait()
+            outcome = "stopping"
+            tg.cancel_scope.cancel()
+
+        async def generate() -> None:
+            with anyio.move_on_after(policy.timeout_s) as deadline:
+                for words in policy.prompt_words:
+                    await _warmup_request(http, base_url, api_key, words, policy.max_tokens)
+            if deadline.cancelled_caught:
+                log.warning("llama-server warm-up took over %.0f s; reporting ready without it", policy.timeout_s)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(exited)
+        tg.start_soon(stop)
+        tg.start_soon(generate)
+    return outcome
+
+
+async def _warmup_request(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> None:
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": WARMUP_WORD * words}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+            # The warm-up must not leave its prompt behind as a cache hit for a real request.
+            "cache_prompt": False,
+        }
+    ).encode()
+    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", WARMUP_HEADER: "1"}
+    try:
+        response = await http.send("POST", f"{base_url}/v1/chat/completions", headers, body)
+        try:
+            answer = await response.read()
+        finally:
+            await response.aclose()
+    except UpstreamError as exc:
+        log.info("llama-server warm-up request failed (%s); going on", exc)
+        return
+    if response.status != 200:
+        # An embedding-only model, say: nothing to warm through this route.
+        log.info("llama-server warm-up answered %s (%s); going on", response.status, answer[:200])
