@@ -422,7 +422,7 @@ async def test_only_allow_listed_node_headers_reach_the_client(tracker, tmp_path
         assert answer.headers["x-meshnet-usage-prompt-tokens"] == "7" and answer.headers["content-type"] == "application/json"
 
 
-async def test_a_stream_without_line_ends_is_relayed_but_not_buffered_without_bound(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+async def test_a_stream_without_line_ends_is_forwarded_but_not_buffered_without_bound(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     service, url = tracker
     node = HostileNode(tmp_path / "h", service, url)
     endless_line = 4 * MAX_METERED_EVENT_BYTES
@@ -450,8 +450,8 @@ async def test_a_stream_without_line_ends_is_relayed_but_not_buffered_without_bo
     assert tiny.feed(b"data: 1\n") == [] and tiny.feed(b"\ndata: 2\r\n\r\n") == [b"data: 1\n\n", b"data: 2\r\n\r\n"]
 
 
-async def test_a_relay_that_never_ends_is_cut_at_the_total_time_limit(tmp_path: Path) -> None:
-    async with start_tracker(tmp_path, relay_total_timeout_s=1.0) as (service, url):
+async def test_a_forward_that_never_ends_is_cut_at_the_total_time_limit(tmp_path: Path) -> None:
+    async with start_tracker(tmp_path, forward_total_timeout_s=1.0) as (service, url):
         node = HostileNode(tmp_path / "h", service, url)
 
         async def trickle(request: Request) -> Response:

@@ -1,4 +1,4 @@
-"""The tracker's own count of a request's tokens, taken from the bytes it relays.
+"""The tracker's own count of a request's tokens, taken from the bytes it forwards.
 
 It reads a copy and never changes what is forwarded. Sources, best first: the
 `usage` object llama-server produced (the usage chunk of a stream, or the body
@@ -8,7 +8,7 @@ those passed) the completion tokens it saw go by, one per content event.
 
 A node chooses what it sends, so the copy is bounded: an event longer than
 `MAX_METERED_EVENT_BYTES` ends the metering of that stream (the bytes are still
-relayed), and the event search never rescans bytes it has already searched.
+forwarded), and the event search never rescans bytes it has already searched.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class BoundedEventSplitter:
         return events
 
 
-class RelayMeter:
+class ForwardMeter:
     def __init__(self, event_stream: bool) -> None:
         self.event_stream = event_stream
         self._splitter = BoundedEventSplitter() if event_stream else None
@@ -93,7 +93,7 @@ class RelayMeter:
             self._meter_event(event)
 
     def counts(self, headers: Mapping[str, str]) -> UsageCounts | None:
-        """The best count seen, or None when the relayed bytes carried none."""
+        """The best count seen, or None when the forwarded bytes carried none."""
         if self._splitter is None and not self._body_too_big and self._body:
             self._usage = _usage_of(_json(bytes(self._body))) or self._usage
         if self._usage is not None:

@@ -1,5 +1,5 @@
 """Reference Meshnet tracker: registers nodes, routes each OpenAI request to one whole-model node
-with a signed single-hop route, relays the answer unbuffered, and keeps its own usage ledger.
+with a signed single-hop route, forwards the answer unbuffered, and keeps its own usage ledger.
 
 It speaks only the contract in `docs/protocol.md` (through `meshnet_gguf.contract.protocol`
 and the floor-1 helpers); it knows nothing of how a node works inside.
@@ -77,11 +77,11 @@ from meshnet_gguf.contract.signing import (
     tracker_issuer_for,
     unverified_claims,
 )
-from meshnet_gguf.reference.metering import RelayMeter
+from meshnet_gguf.reference.metering import ForwardMeter
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
 from meshnet_gguf.reference.relay_dialer import NodeDialer
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, RelayedRequest, TrackerLedger
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, ForwardedRequest, Outcome, TrackerLedger
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +103,17 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS_CAP = 4096
 # A node that refuses the connection never saw the request, so one more node may be tried.
 MAX_ROUTE_ATTEMPTS = 2
-RELAY_CONNECT_TIMEOUT_S = 5.0
+FORWARD_CONNECT_TIMEOUT_S = 5.0
 # Between two chunks of an answer: a 100 GB model may prefill a long prompt for minutes.
-RELAY_READ_TIMEOUT_S = 600.0
+FORWARD_READ_TIMEOUT_S = 600.0
 # Shorter than a node's idle keep-alive (uvicorn closes after 5 s): httpcore skips connections
 # it sees closed, but a close racing the reuse still fails the POST, which cannot be retried.
-RELAY_KEEPALIVE_EXPIRY_S = 2.0
+FORWARD_KEEPALIVE_EXPIRY_S = 2.0
 # Registration bodies are small; anything bigger is not a node talking.
 MAX_CONTROL_BODY_BYTES = 1024 * 1024
-# Longest any relayed request may take, first byte to last: a stuck node frees the relay.
+# Longest any forwarded request may take, first byte to last: a stuck node frees the tracker.
 # An hour covers a 32k-token answer at 10 tokens/s with room to spare.
-DEFAULT_RELAY_TOTAL_TIMEOUT_S = 3600.0
+DEFAULT_FORWARD_TOTAL_TIMEOUT_S = 3600.0
 # All request headers together (names and values). Clients send well under 8 KiB; a route
 # token and an auth header are under 2 KiB each.
 MAX_REQUEST_HEADER_BYTES = 32 * 1024
@@ -131,7 +131,7 @@ FUTURE_RECEIPT_RETRY_WINDOW_S = 300
 # prompt cannot hold more tokens than its body has bytes plus this.
 PROMPT_TEMPLATE_ALLOWANCE_TOKENS = 2048
 # The only node response headers a client sees: the answer's type and the Meshnet accounting.
-RELAYED_RESPONSE_HEADERS = frozenset(
+FORWARDED_RESPONSE_HEADERS = frozenset(
     {
         "content-type",
         "cache-control",
@@ -158,7 +158,7 @@ class TrackerConfig:
     health_poll_interval_s: float = DEFAULT_HEALTH_POLL_INTERVAL_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
-    relay_total_timeout_s: float = DEFAULT_RELAY_TOTAL_TIMEOUT_S
+    forward_total_timeout_s: float = DEFAULT_FORWARD_TOTAL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not 0 < self.route_lifetime_s <= MAX_ROUTE_LIFETIME_S:
@@ -210,7 +210,7 @@ class Tracker:
 
     # --- app ---------------------------------------------------------------
     def app(self) -> Starlette:
-        relay = _RelayEndpoint(self)
+        forward = _ForwardEndpoint(self)
         routes = [
             Route(WELL_KNOWN_PATH, self._well_known, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
@@ -222,14 +222,14 @@ class Tracker:
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/usage", self._usage_list, methods=["GET"]),
             Route("/v1/usage/{request_id}", self._usage, methods=["GET"]),
-            *(Route(path, relay, methods=["POST"]) for path in INFERENCE_PATHS),
+            *(Route(path, forward, methods=["POST"]) for path in INFERENCE_PATHS),
         ]
         return _BoundedHeaders(Starlette(routes=routes, lifespan=self._lifespan))  # type: ignore[return-value]
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(RELAY_READ_TIMEOUT_S, connect=RELAY_CONNECT_TIMEOUT_S, pool=None)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=RELAY_KEEPALIVE_EXPIRY_S)
+        timeout = httpx.Timeout(FORWARD_READ_TIMEOUT_S, connect=FORWARD_CONNECT_TIMEOUT_S, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=FORWARD_KEEPALIVE_EXPIRY_S)
         # The dialer is the client's transport: direct to most nodes, through its relay to a relayed one.
         self._dialer = NodeDialer(limits)
         async with httpx.AsyncClient(timeout=timeout, transport=self._dialer, trust_env=False) as http:
@@ -491,17 +491,17 @@ class Tracker:
             raise ApiError(400, "wrong_node", f"receipt signed for node {claims.iss}")
         if not (claims.jti == claims.usage.request_id == receipt.request_id):
             raise ApiError(400, "malformed", "receipt request ids disagree")
-        relayed = await self.ledger.relayed(receipt.request_id)
-        if relayed is None:
+        forwarded = await self.ledger.forwarded(receipt.request_id)
+        if forwarded is None:
             raise ApiError(400, "unknown_request", "this tracker never routed that request")
-        if relayed.node_id != node_id:
-            raise ApiError(400, "wrong_node", f"request was routed to {relayed.node_id}")
-        _check_plausible(claims.usage, relayed)
+        if forwarded.node_id != node_id:
+            raise ApiError(400, "wrong_node", f"request was routed to {forwarded.node_id}")
+        _check_plausible(claims.usage, forwarded)
         if await self.ledger.store_receipt(node_id, claims.usage, receipt.token):
             await self.flag_mismatch(receipt.request_id)
 
     async def flag_mismatch(self, request_id: str) -> None:
-        """Flag the node when its signed figures differ from what this tracker relayed beyond the
+        """Flag the node when its signed figures differ from what this tracker forwarded beyond the
         tolerance (both must be in). The bill is the smaller figure either way."""
         usage = await self.ledger.usage(request_id)
         if usage is not None and usage.flagged and await self.ledger.mark_flagged(request_id):
@@ -556,7 +556,7 @@ class Tracker:
         return min([*asked, self.config.max_tokens_cap])
 
 
-class _RelayEndpoint:
+class _ForwardEndpoint:
     """Pure ASGI for the inference routes: full control of streaming, disconnects and clean-up."""
 
     def __init__(self, tracker: Tracker) -> None:
@@ -570,9 +570,9 @@ class _RelayEndpoint:
             model = payload.get("model")
             if not isinstance(model, str) or not model:
                 raise ApiError(400, "missing_model", "'model' is required")
-            # One deadline for the whole relay, first byte to last: a node that trickles forever
-            # does not hold a relay (and a client) for longer than this.
-            deadline = anyio.current_time() + self.tracker.config.relay_total_timeout_s
+            # One deadline for the whole forward, first byte to last: a node that trickles forever
+            # does not hold the tracker (and a client) for longer than this.
+            deadline = anyio.current_time() + self.tracker.config.forward_total_timeout_s
             with anyio.move_on_at(deadline) as opening:
                 upstream, node, request_id = await self._open(scope["path"], model, payload, body)
             if opening.cancelled_caught:
@@ -580,13 +580,13 @@ class _RelayEndpoint:
         except ApiError as refusal:
             await _error_response(refusal)(scope, receive, send)
             return
-        meter = RelayMeter(upstream.headers.get("content-type", "").startswith("text/event-stream"))
+        meter = ForwardMeter(upstream.headers.get("content-type", "").startswith("text/event-stream"))
         outcome: Outcome = "cancelled"
         try:
             headers = [
                 (k.encode("latin-1"), v.encode("latin-1"))
                 for k, v in upstream.headers.items()
-                if k.lower() in RELAYED_RESPONSE_HEADERS
+                if k.lower() in FORWARDED_RESPONSE_HEADERS
             ]
             await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
             async with anyio.create_task_group() as tg:
@@ -597,11 +597,11 @@ class _RelayEndpoint:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
-                with anyio.move_on_at(deadline) as relaying:
+                with anyio.move_on_at(deadline) as forwarding:
                     outcome = await self._pump(upstream, meter, send)
-                if relaying.cancelled_caught:
+                if forwarding.cancelled_caught:
                     outcome = "timed_out"
-                    log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.tracker.config.relay_total_timeout_s)
+                    log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.tracker.config.forward_total_timeout_s)
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
         except OSError:
@@ -642,7 +642,7 @@ class _RelayEndpoint:
             )  # fmt: skip
             headers = {
                 "content-type": "application/json",
-                "accept-encoding": "identity",  # relay bytes as the node wrote them
+                "accept-encoding": "identity",  # forward bytes as the node wrote them
                 ROUTE_HEADER: token,
                 REQUEST_ID_HEADER: request_id,
                 "x-request-id": request_id,
@@ -671,13 +671,13 @@ class _RelayEndpoint:
             headers={"retry-after": str(max(1, int(tracker.config.heartbeat_interval_s)))},
         )
 
-    async def _pump(self, upstream: httpx.Response, meter: RelayMeter, send: Any) -> Outcome:
+    async def _pump(self, upstream: httpx.Response, meter: ForwardMeter, send: Any) -> Outcome:
         try:
             async for chunk in upstream.aiter_raw():
                 meter.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
-            log.warning("relay from node broke: %s", exc)
+            log.warning("forward from node broke: %s", exc)
             # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
             tail = _stream_error_event(f"the node's answer broke off: {exc}") if meter.event_stream else b""
             await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -711,19 +711,19 @@ def _choices(payload: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
-def _check_plausible(usage: Any, relayed: RelayedRequest) -> None:
+def _check_plausible(usage: Any, forwarded: ForwardedRequest) -> None:
     """A signed receipt still cannot claim more than the route allowed or the body could hold."""
-    if usage.route != relayed.path or usage.model != relayed.model:
+    if usage.route != forwarded.path or usage.model != forwarded.model:
         raise ApiError(400, "malformed", "receipt names another path or model than the route")
-    ceiling = (relayed.max_tokens or 0) * relayed.choices
+    ceiling = (forwarded.max_tokens or 0) * forwarded.choices
     if usage.completion_tokens > ceiling:
         raise ApiError(
             400, "implausible", f"receipt claims {usage.completion_tokens} completion tokens; the route allowed {ceiling}"
         )
-    prompt_ceiling = relayed.body_bytes + PROMPT_TEMPLATE_ALLOWANCE_TOKENS
+    prompt_ceiling = forwarded.body_bytes + PROMPT_TEMPLATE_ALLOWANCE_TOKENS
     if usage.prompt_tokens > prompt_ceiling:
         raise ApiError(
-            400, "implausible", f"receipt claims {usage.prompt_tokens} prompt tokens; a {relayed.body_bytes}-byte body holds fewer"
+            400, "implausible", f"receipt claims {usage.prompt_tokens} prompt tokens; a {forwarded.body_bytes}-byte body holds fewer"
         )
     if usage.cached_tokens > usage.prompt_tokens:
         raise ApiError(400, "implausible", "receipt claims more cached tokens than prompt tokens")

@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     public_key  TEXT NOT NULL,
     first_seen  REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS relayed (
+CREATE TABLE IF NOT EXISTS forwarded (
     request_id        TEXT PRIMARY KEY,
     node_id           TEXT NOT NULL,
     model             TEXT NOT NULL,
@@ -75,7 +75,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class RelayedRequest:
+class ForwardedRequest:
     request_id: str
     node_id: str
     model: str
@@ -94,11 +94,12 @@ class TrackerLedger:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         with self._lock:
+            _rename_old_table(self._db)
             self._db.executescript(_SCHEMA)
-            have = {row[1] for row in self._db.execute("PRAGMA table_info(relayed)")}
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(forwarded)")}
             for column, kind in _ADDED_COLUMNS.items():
                 if column not in have:
-                    self._db.execute(f"ALTER TABLE relayed ADD COLUMN {column} {kind}")
+                    self._db.execute(f"ALTER TABLE forwarded ADD COLUMN {column} {kind}")
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await anyio.to_thread.run_sync(fn, *args)
@@ -123,7 +124,7 @@ class TrackerLedger:
         rows = await self._run(self._read, "SELECT public_key FROM nodes WHERE node_id = ?", (node_id,))
         return rows[0][0] if rows else None
 
-    # --- relayed requests -----------------------------------------------
+    # --- forwarded requests -----------------------------------------------
     async def open_request(
         self,
         request_id: str,
@@ -140,7 +141,7 @@ class TrackerLedger:
         checkable against what the route allowed (token cap, choices, body size)."""
         await self._run(
             self._write,
-            "INSERT INTO relayed (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes)"
+            "INSERT INTO forwarded (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (request_id, node_id, model, path, int(stream), time.time(), max_tokens, choices, body_bytes),
         )
@@ -149,26 +150,26 @@ class TrackerLedger:
         counts = counts or UsageCounts()
         await self._run(
             self._write,
-            "UPDATE relayed SET status = ?, outcome = ?, prompt_tokens = ?, completion_tokens = ?, finished_at = ?"
+            "UPDATE forwarded SET status = ?, outcome = ?, prompt_tokens = ?, completion_tokens = ?, finished_at = ?"
             " WHERE request_id = ?",
             (status, outcome, counts.prompt_tokens, counts.completion_tokens, time.time(), request_id),
         )
 
-    async def relayed(self, request_id: str) -> RelayedRequest | None:
+    async def forwarded(self, request_id: str) -> ForwardedRequest | None:
         rows = await self._run(
             self._read,
-            "SELECT request_id, node_id, model, path, max_tokens, choices, body_bytes FROM relayed WHERE request_id = ?",
+            "SELECT request_id, node_id, model, path, max_tokens, choices, body_bytes FROM forwarded WHERE request_id = ?",
             (request_id,),
         )
-        return RelayedRequest(*rows[0]) if rows else None
+        return ForwardedRequest(*rows[0]) if rows else None
 
     async def mark_flagged(self, request_id: str) -> bool:
         """True the first time a request is flagged (so a node's flag count counts it once)."""
-        changed = await self._run(self._write, "UPDATE relayed SET flagged = 1 WHERE request_id = ? AND flagged = 0", (request_id,))
+        changed = await self._run(self._write, "UPDATE forwarded SET flagged = 1 WHERE request_id = ? AND flagged = 0", (request_id,))
         return changed == 1
 
     async def flags_by_node(self) -> dict[str, int]:
-        rows = await self._run(self._read, "SELECT node_id, count(*) FROM relayed WHERE flagged = 1 GROUP BY node_id", ())
+        rows = await self._run(self._read, "SELECT node_id, count(*) FROM forwarded WHERE flagged = 1 GROUP BY node_id", ())
         return {node_id: count for node_id, count in rows}
 
     # --- receipts -----------------------------------------------------------
@@ -202,11 +203,18 @@ class TrackerLedger:
             self._read,
             "SELECT r.request_id, r.node_id, r.model, r.stream, r.status, r.outcome, r.prompt_tokens,"
             " r.completion_tokens, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.request_id IS NOT NULL"
-            f" FROM relayed r LEFT JOIN receipts c ON c.request_id = r.request_id {where}"
+            f" FROM forwarded r LEFT JOIN receipts c ON c.request_id = r.request_id {where}"
             " ORDER BY r.issued_at DESC LIMIT ?",
             (*params, limit),
         )
         return [_usage_row(row) for row in rows]
+
+
+def _rename_old_table(db: sqlite3.Connection) -> None:
+    """Ledgers written before the table was named for what it holds (forwarded requests) keep their rows."""
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "relayed" in tables and "forwarded" not in tables:
+        db.execute("ALTER TABLE relayed RENAME TO forwarded")
 
 
 def _usage_row(row: tuple) -> TrackerUsage:
@@ -232,7 +240,7 @@ def _usage_row(row: tuple) -> TrackerUsage:
 def billed(outcome: str, tracker: UsageCounts, node: UsageCounts | None) -> UsageCounts | None:
     """What the tracker bills: per field the smaller of its own count and the receipt.
 
-    A figure the tracker could not count (the relay was cut before any count passed) comes from
+    A figure the tracker could not count (the forward was cut before any count passed) comes from
     the receipt alone, which was already checked against what the route allowed. A request the
     node refused (an error status before any answer) bills nothing. None until both sides are in.
     """
@@ -267,7 +275,7 @@ def agreement(tracker: UsageCounts, node: UsageCounts | None) -> UsageAgreement:
     if node is None:
         return "awaiting_receipt"
     if tracker.prompt_tokens is None or tracker.completion_tokens is None:
-        return "unmetered"  # the relay was cut before any count passed; the receipt is the only figure
+        return "unmetered"  # the forward was cut before any count passed; the receipt is the only figure
     same = (tracker.prompt_tokens, tracker.completion_tokens) == (node.prompt_tokens, node.completion_tokens)
     return "agree" if same else "mismatch"
 
