@@ -370,23 +370,27 @@ class Relay:
         if work.peer is None:
             return
         try:
-            # A tracker starts its TLS handshake at once; one that says nothing only holds the node's connection.
-            await _splice(work.peer, stream, first_byte_timeout_s=self.config.handshake_timeout_s)
+            # A tracker starts its TLS handshake at once and the node answers it at once: until both have
+            # spoken, a CONNECT that says nothing (or too little for the node to answer) only holds the
+            # node's connection, so that stretch is bounded.
+            await _splice(work.peer, stream, first_bytes_timeout_s=self.config.handshake_timeout_s)
         finally:
             work.done.set()
 
 
-async def _splice(a: ByteStream, b: ByteStream, *, first_byte_timeout_s: float | None = None) -> None:
+async def _splice(a: ByteStream, b: ByteStream, *, first_bytes_timeout_s: float | None = None) -> None:
     """Copy both ways as bytes arrive, until either side ends; then close both.
 
-    With `first_byte_timeout_s`, `a` must send its first bytes within that time or the splice ends.
+    With `first_bytes_timeout_s`, each side must have sent its first bytes within that time of the
+    splice's start, or the splice ends.
     """
+    started = anyio.current_time()
     async with anyio.create_task_group() as tg:
 
         async def pump(source: ByteStream, sink: ByteStream, first_timeout: float | None) -> None:
             try:
                 if first_timeout is not None:
-                    with anyio.fail_after(first_timeout):
+                    with anyio.fail_at(started + first_timeout):
                         chunk = await source.receive(SPLICE_CHUNK_BYTES)
                     await sink.send(chunk)
                 while True:
@@ -396,8 +400,8 @@ async def _splice(a: ByteStream, b: ByteStream, *, first_byte_timeout_s: float |
                 pass
             tg.cancel_scope.cancel()
 
-        tg.start_soon(pump, a, b, first_byte_timeout_s)
-        tg.start_soon(pump, b, a, None)
+        tg.start_soon(pump, a, b, first_bytes_timeout_s)
+        tg.start_soon(pump, b, a, first_bytes_timeout_s)
     with anyio.CancelScope(shield=True):
         for side in (a, b):
             try:
