@@ -18,6 +18,7 @@ Run it with `meshnet-gguf dev relay`.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import secrets
@@ -65,6 +66,14 @@ HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_MAX_TUNNELS = 10_000
 # Bytes read per splice step: one TLS record is at most ~16 kB, so a read carries a few.
 SPLICE_CHUNK_BYTES = 64 * 1024
+# Connections still in their head or attach handshake (nothing proved yet), per source address and in
+# all: each may take HANDSHAKE_TIMEOUT_S, so without a bound a stranger holds every descriptor the relay has.
+DEFAULT_MAX_PENDING_PER_PEER = 64
+DEFAULT_MAX_PENDING = 2048
+# accept() failing for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM): the relay keeps
+# serving what it holds and tries again after this pause, rather than spinning or exiting.
+ACCEPT_BACKOFF_S = 0.1
+_ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,8 @@ class RelayConfig:
     work_wait_timeout_s: float = WORK_WAIT_TIMEOUT_S
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
     max_tunnels: int = DEFAULT_MAX_TUNNELS
+    max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
+    max_pending: int = DEFAULT_MAX_PENDING
 
 
 class _Refusal(Exception):
@@ -148,11 +159,51 @@ class _Tunnel:
             work.idle_scope.cancel()
 
 
+class _Pending:
+    """Counts connections that have proved nothing yet, per source address and in all."""
+
+    def __init__(self, per_peer: int, total: int) -> None:
+        self.per_peer, self.total = per_peer, total
+        self.by_peer: dict[str, int] = {}
+        self.count = 0
+
+    def enter(self, peer: str) -> bool:
+        if self.count >= self.total or self.by_peer.get(peer, 0) >= self.per_peer:
+            return False
+        self.count += 1
+        self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        self.count -= 1
+        left = self.by_peer[peer] - 1
+        if left:
+            self.by_peer[peer] = left
+        else:
+            del self.by_peer[peer]  # the map holds only peers with a connection pending: it cannot grow without bound
+
+
+@dataclass(eq=False)
+class _PendingSlot:
+    """One connection's place among the pending; given back once, when it has proved itself or ended."""
+
+    pending: _Pending
+    peer: str
+    held: bool = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.pending.leave(self.peer)
+
+
 class Relay:
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
         self.tunnels: dict[str, _Tunnel] = {}
         self.port: int | None = None
+        self.pending = _Pending(config.max_pending_per_peer, config.max_pending)
+        self.accept_errors = 0
 
     # --- serving ------------------------------------------------------------
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -160,8 +211,23 @@ class Relay:
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         log.info("relay listening on %s:%s", self.config.host, self.port)
         task_status.started(self.port)
-        async with listener:
-            await listener.serve(self._handle)
+        async with listener, anyio.create_task_group() as tg:
+            for one in listener.listeners:
+                tg.start_soon(self._accept_loop, one, tg)
+
+    async def _accept_loop(self, listener: anyio.abc.Listener[SocketStream], tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            try:
+                raw = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_RESOURCE_ERRORS:
+                    raise
+                self.accept_errors += 1
+                if self.accept_errors == 1 or self.accept_errors % 1000 == 0:
+                    log.warning("accept failed (%s, %d times so far); serving the tunnels held, retrying", exc.strerror, self.accept_errors)
+                await anyio.sleep(ACCEPT_BACKOFF_S)
+                continue
+            tg.start_soon(self._handle, raw)
 
     def stats(self) -> dict[str, int]:
         tunnels = list(self.tunnels.values())
@@ -177,12 +243,27 @@ class Relay:
         buffered = BufferedByteReceiveStream(raw)
         stream = StapledByteStream(raw, buffered)
         try:
+            peer = str(raw.extra(anyio.abc.SocketAttribute.remote_address)[0])
+        except (OSError, IndexError, TypeError, anyio.TypedAttributeLookupError):
+            peer = "?"
+        try:
             async with raw:
-                await self._dispatch(raw, buffered, stream)
+                if not self.pending.enter(peer):
+                    # Said and closed at once: the answer fits any socket buffer, so a full one costs nothing here.
+                    with anyio.move_on_after(0):
+                        await raw.send(_http_error(503, "too_many_pending", "too many unfinished connections; retry later"))
+                    return
+                slot = _PendingSlot(self.pending, peer)
+                try:
+                    await self._dispatch(raw, buffered, stream, slot)
+                finally:
+                    slot.release()
         except Exception as exc:  # noqa: BLE001 - a peer's failure is logged, never raised
             log.debug("connection ended: %r", exc)
 
-    async def _dispatch(self, raw: SocketStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream) -> None:
+    async def _dispatch(
+        self, raw: SocketStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream, slot: _PendingSlot
+    ) -> None:
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 head = await buffered.receive_until(b"\r\n\r\n", MAX_RELAY_HEAD_BYTES)
@@ -202,6 +283,7 @@ class Relay:
         method, target = request.method.decode("latin-1"), request.target.decode("latin-1")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         if method == "CONNECT":
+            slot.release()
             await self._connect(target, raw, stream)
         elif method == "GET" and target == RELAY_TUNNEL_PATH:
             if headers.get("upgrade", "").lower() != RELAY_UPGRADE_PROTOCOL:
@@ -211,7 +293,7 @@ class Relay:
                 b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                 + f"Upgrade: {RELAY_UPGRADE_PROTOCOL}\r\n\r\n".encode("latin-1")
             )
-            await self._attach(stream, buffered)
+            await self._attach(stream, buffered, slot)
         elif method == "GET" and target == "/health":
             body = json.dumps({"status": "ok", **self.stats()}).encode()
             await raw.send(_http_response(200, body))
@@ -244,13 +326,14 @@ class Relay:
             log.debug("stream to %s closed after %.1f s", node_id, time.monotonic() - started)
 
     # --- node side -------------------------------------------------------------
-    async def _attach(self, stream: StapledByteStream, buffered: BufferedByteReceiveStream) -> None:
+    async def _attach(self, stream: StapledByteStream, buffered: BufferedByteReceiveStream, slot: _PendingSlot) -> None:
         nonce = secrets.token_urlsafe(32)
         await _send_message(stream, RelayChallenge(nonce=nonce))
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 attach = _parse(RelayAttach, await _receive_line(buffered))
             self._verify(attach, nonce)
+            slot.release()  # proved: no longer a stranger's connection
             if attach.role == "control" and attach.node_id not in self.tunnels and len(self.tunnels) >= self.config.max_tunnels:
                 raise _Refusal("too_many_tunnels", f"this relay holds its limit of {self.config.max_tunnels} tunnels")
             tunnel = self.tunnels.get(attach.node_id)
@@ -356,6 +439,11 @@ class Relay:
         work = _ParkedWork(stream)
         if tunnel.closed.is_set():
             return
+        # Checked again here, with no await between check and park: many attaches in flight at once all
+        # passed the check before `attached`, and only this one holds.
+        if len(tunnel.idle) >= self.config.max_idle_work:
+            log.warning("node %s: work connection closed, %d already idle", tunnel.node_id, len(tunnel.idle))
+            return
         tunnel.park(work)
         with work.idle_scope:
             # A node sends nothing on an idle work connection: any byte or EOF ends it.
@@ -429,7 +517,7 @@ async def _send_message(stream: ByteStream, message: BaseModel) -> None:
 
 
 def _http_response(status: int, body: bytes, *, reason: str = "") -> bytes:
-    reason = reason or {200: "OK", 400: "Bad Request", 404: "Not Found", 426: "Upgrade Required",
+    reason = reason or {200: "OK", 400: "Bad Request", 404: "Not Found", 407: "Proxy Authentication Required", 426: "Upgrade Required",
                         431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "Error")  # fmt: skip
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
