@@ -155,15 +155,17 @@ async def read_answer(buffered: Any) -> dict[str, Any]:
     return json.loads(await buffered.receive_until(b"\n", 65536))
 
 
-def attach_message(identity: NodeIdentity, nonce: str, *, role: str = "control", node_id: str | None = None,
-                   public_key: str | None = None, signer: Any = None, aud: str = "meshnet-relay") -> bytes:
+def attach_message(identity: NodeIdentity, nonce: str, *, to: str, role: str = "control", node_id: str | None = None,
+                   public_key: str | None = None, signer: Any = None, aud: str | None = None) -> bytes:
+    """An attach line for the relay at URL `to` (its proof names that relay unless `aud` says otherwise)."""
     import time as _time
 
+    from meshnet_gguf.contract.protocol import relay_audience
     from meshnet_gguf.contract.signing import encode_token
 
     now = int(_time.time())
     node_id = node_id or identity.node_id
-    claims = {"iss": node_id, "aud": aud, "nonce": nonce, "role": role, "iat": now, "exp": now + 30}
+    claims = {"iss": node_id, "aud": aud or relay_audience(to), "nonce": nonce, "role": role, "iat": now, "exp": now + 30}
     proof = encode_token(claims, signer or identity.private_key)
     message = {"type": "attach", "role": role, "node_id": node_id, "public_key": public_key or identity.public_key_text, "proof": proof}
     return json.dumps(message).encode() + b"\n"

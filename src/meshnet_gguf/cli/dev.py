@@ -96,17 +96,49 @@ def relay(
     port: Annotated[int, typer.Option(help="Port to listen on")] = DEFAULT_RELAY_PORT,
     ping_interval: Annotated[float, typer.Option(help="Seconds between a node's pings (at most 20)", max=20)] = 10.0,  # protocol.RELAY_PING_INTERVAL_S, a literal for the same reason (checked by the same test)
     max_idle_work: Annotated[Optional[int], typer.Option(help="Idle work connections kept per node [default: 16]", min=1)] = None,
+    trust_tracker_key: Annotated[
+        Optional[list[str]],
+        typer.Option("--trust-tracker-key", help="Public key of a tracker whose CONNECT tokens this relay honours (repeatable)"),
+    ] = None,
+    open_relay: Annotated[
+        bool, typer.Option("--open", help="Trust no tracker: anyone may CONNECT and attach (local experiments)")
+    ] = False,
+    public_url: Annotated[
+        Optional[str], typer.Option(help="The URL nodes and trackers know this relay by [default: http://HOST:PORT]")
+    ] = None,
+    tls_certificate: Annotated[Optional[Path], typer.Option(help="Serve https: PEM certificate chain for the relay's host name")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option(help="The key of --tls-certificate (PEM)")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
     """Run the reference relay: nodes behind NAT dial in; trackers reach them with CONNECT <node_id>:443."""
     import anyio
 
+    from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
     from meshnet_gguf.reference.relay import Relay, RelayConfig
 
+    keys = tuple(trust_tracker_key or ())
+    if bool(keys) == open_relay:
+        typer.echo("error: give --trust-tracker-key KEY (the tracker prints it at start), or --open", err=True)
+        raise typer.Exit(2)
+    for key in keys:
+        try:
+            parse_public_key(key)
+        except KeyFormatError as exc:
+            typer.echo(f"error: --trust-tracker-key {key!r}: {exc}", err=True)
+            raise typer.Exit(2) from exc
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     extra = {} if max_idle_work is None else {"max_idle_work": max_idle_work}
-    config = RelayConfig(host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval, **extra)  # type: ignore[arg-type]
-    typer.echo(f"relay on http://{host}:{port}: start a node with meshnet-gguf serve --relay http://{host}:{port} ...")
+    config = RelayConfig(
+        host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval,
+        trusted_tracker_keys=keys, public_url=public_url, **extra,  # type: ignore[arg-type]
+        tls_certificate_file=str(tls_certificate) if tls_certificate else None, tls_key_file=str(tls_key) if tls_key else None,
+    )  # fmt: skip
+    url = public_url or f"{'https' if tls_certificate else 'http'}://{host}:{port}"
+    typer.echo(f"relay on {url}: start a node with meshnet-gguf serve --relay {url} ...")
+    if keys:
+        typer.echo(f"CONNECT and tunnels: only for {len(keys)} trusted tracker key(s)")
+    else:
+        typer.echo("CONNECT and tunnels: OPEN (--open): anyone who reaches this relay may use it")
     try:
         anyio.run(Relay(config).serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
     except KeyboardInterrupt:

@@ -44,7 +44,6 @@ from meshnet_gguf.contract.node_tls import certificate_pem, certificate_text, no
 from meshnet_gguf.contract.protocol import (
     MAX_RELAY_HEAD_BYTES,
     MAX_RELAY_MESSAGE_BYTES,
-    RELAY_ATTACH_AUDIENCE,
     RELAY_PROOF_LIFETIME_S,
     RELAY_TUNNEL_PATH,
     RELAY_UPGRADE_PROTOCOL,
@@ -60,6 +59,7 @@ from meshnet_gguf.contract.protocol import (
     RelayReady,
     RelayRefused,
     RelayRole,
+    relay_audience,
 )
 from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
@@ -386,7 +386,7 @@ class RelayLink(BasePart):
     def _attach_message(self, role: RelayRole, nonce: str) -> RelayAttach:
         now = int(time.time())
         claims = RelayAttachClaims(
-            iss=self.identity.node_id, aud=RELAY_ATTACH_AUDIENCE, nonce=nonce, role=role,
+            iss=self.identity.node_id, aud=relay_audience(self.endpoint.url), nonce=nonce, role=role,
             iat=now, exp=now + RELAY_PROOF_LIFETIME_S,
         )  # fmt: skip
         return RelayAttach(

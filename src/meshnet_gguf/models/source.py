@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.common.units import format_bytes

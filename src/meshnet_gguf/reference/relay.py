@@ -22,6 +22,7 @@ import errno
 import json
 import logging
 import secrets
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,13 +33,15 @@ import jwt
 from anyio.abc import ByteStream, SocketStream, TaskStatus
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import StapledByteStream
+from anyio.streams.tls import TLSStream
 from pydantic import BaseModel, ValidationError
 
 from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
+    MAX_RELAY_CONNECT_TOKEN_LIFETIME_S,
     MAX_RELAY_HEAD_BYTES,
     MAX_RELAY_MESSAGE_BYTES,
-    RELAY_ATTACH_AUDIENCE,
+    RELAY_CONNECT_AUTH_SCHEME,
     RELAY_PING_INTERVAL_S,
     RELAY_PING_TIMEOUT_S,
     RELAY_PROOF_LIFETIME_S,
@@ -50,8 +53,9 @@ from meshnet_gguf.contract.protocol import (
     RelayPing,
     RelayReady,
     RelayRefused,
+    relay_audience,
 )
-from meshnet_gguf.contract.signing import KeyFormatError, decode_token, node_id_for, parse_public_key
+from meshnet_gguf.contract.signing import KeyFormatError, decode_token, node_id_for, parse_public_key, tracker_issuer_for
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,18 @@ DEFAULT_MAX_PENDING = 2048
 # accept() failing for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM): the relay keeps
 # serving what it holds and tries again after this pause, rather than spinning or exiting.
 ACCEPT_BACKOFF_S = 0.1
+# A tunnel is provisional until a trusted tracker CONNECTs to its node with a signed token, which a
+# tracker does only for a node that presented its enrolment secret and signed registration (its control
+# proof goes through the tunnel). Provisional tunnels are few and short-lived: a stranger's fresh keys
+# can hold at most this many, each for at most the window, and never a slot among the admitted.
+DEFAULT_MAX_PROVISIONAL_TUNNELS = 256
+ADMISSION_WINDOW_S = 60.0
+# New control connections per source address: a node reconnects a few times a minute at worst; a
+# NAT with many nodes behind it gets the burst.
+TUNNEL_ATTACHES_PER_S = 2.0
+TUNNEL_ATTACH_BURST = 20
+# Source addresses whose rate is remembered; past this, the ones with full buckets are forgotten.
+MAX_RATE_LIMITED_PEERS = 100_000
 _ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -88,6 +104,19 @@ class RelayConfig:
     max_tunnels: int = DEFAULT_MAX_TUNNELS
     max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
     max_pending: int = DEFAULT_MAX_PENDING
+    # Public keys (base64url) of the trackers whose CONNECT tokens this relay honours. Empty: an open
+    # relay (local experiments): CONNECT needs no token and every tunnel is admitted at once.
+    trusted_tracker_keys: tuple[str, ...] = ()
+    # The URL nodes and trackers know this relay by (the audience of their tokens) [default: http://host:port].
+    public_url: str | None = None
+    max_provisional_tunnels: int = DEFAULT_MAX_PROVISIONAL_TUNNELS
+    admission_window_s: float = ADMISSION_WINDOW_S
+    tunnel_attaches_per_s: float = TUNNEL_ATTACHES_PER_S
+    tunnel_attach_burst: int = TUNNEL_ATTACH_BURST
+    # Serve https: a certificate chain (PEM) for the relay's host name and its key. Nodes and trackers check it
+    # against the name in the relay's URL.
+    tls_certificate_file: str | None = None
+    tls_key_file: str | None = None
 
 
 class _Refusal(Exception):
@@ -123,6 +152,7 @@ class _Tunnel:
     closed: anyio.Event = field(default_factory=anyio.Event)
     streams_active: int = 0
     streams_total: int = 0
+    admitted: anyio.Event = field(default_factory=anyio.Event)
     _arrival: anyio.Event = field(default_factory=anyio.Event)
 
     def park(self, work: _ParkedWork) -> None:
@@ -197,6 +227,27 @@ class _PendingSlot:
             self.pending.leave(self.peer)
 
 
+class _RateLimit:
+    """A token bucket per source address, with a bounded memory of addresses."""
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        self.per_s, self.burst = per_s, burst
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, peer: str) -> bool:
+        now = time.monotonic()
+        tokens, at = self._buckets.get(peer, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.per_s)
+        if tokens < 1:
+            self._buckets[peer] = (tokens, now)
+            return False
+        self._buckets[peer] = (tokens - 1, now)
+        if len(self._buckets) > MAX_RATE_LIMITED_PEERS:
+            refill_s = self.burst / self.per_s
+            self._buckets = {p: (n, a) for p, (n, a) in self._buckets.items() if now - a < refill_s}
+        return True
+
+
 class Relay:
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
@@ -204,12 +255,31 @@ class Relay:
         self.port: int | None = None
         self.pending = _Pending(config.max_pending_per_peer, config.max_pending)
         self.accept_errors = 0
+        self.attach_rate = _RateLimit(config.tunnel_attaches_per_s, config.tunnel_attach_burst)
+        self._trackers = [(tracker_issuer_for(key), key) for key in map(parse_public_key, config.trusted_tracker_keys)]
+        self._connect_tokens_seen: dict[str, float] = {}  # jti -> expiry: each token opens one connection
+        self._tls: ssl.SSLContext | None = None
+        if config.tls_certificate_file:
+            self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self._tls.load_cert_chain(config.tls_certificate_file, config.tls_key_file)
+
+    @property
+    def url(self) -> str:
+        """The relay's name in the tokens meant for it."""
+        scheme = "https" if self.config.tls_certificate_file else "http"
+        return relay_audience(self.config.public_url or f"{scheme}://{self.config.host}:{self.port or self.config.port}")
+
+    @property
+    def open(self) -> bool:
+        return not self._trackers
 
     # --- serving ------------------------------------------------------------
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host=self.config.host, local_port=self.config.port)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        log.info("relay listening on %s:%s", self.config.host, self.port)
+        log.info("relay listening on %s:%s as %s", self.config.host, self.port, self.url)
+        if self.open:
+            log.warning("no tracker key trusted: CONNECT needs no token and every tunnel is admitted (an open relay)")
         task_status.started(self.port)
         async with listener, anyio.create_task_group() as tg:
             for one in listener.listeners:
@@ -233,36 +303,40 @@ class Relay:
         tunnels = list(self.tunnels.values())
         return {
             "tunnels": len(tunnels),
+            "provisional": sum(not t.admitted.is_set() for t in tunnels),
             "idle_work": sum(len(t.idle) for t in tunnels),
             "streams_active": sum(t.streams_active for t in tunnels),
             "streams_total": sum(t.streams_total for t in tunnels),
         }
 
-    async def _handle(self, raw: SocketStream) -> None:
+    async def _handle(self, socket_stream: SocketStream) -> None:
         # The listener's task group must never see an exception: one bad peer cannot stop the relay.
-        buffered = BufferedByteReceiveStream(raw)
-        stream = StapledByteStream(raw, buffered)
         try:
-            peer = str(raw.extra(anyio.abc.SocketAttribute.remote_address)[0])
+            peer = str(socket_stream.extra(anyio.abc.SocketAttribute.remote_address)[0])
         except (OSError, IndexError, TypeError, anyio.TypedAttributeLookupError):
             peer = "?"
         try:
-            async with raw:
+            async with socket_stream:
                 if not self.pending.enter(peer):
                     # Said and closed at once: the answer fits any socket buffer, so a full one costs nothing here.
                     with anyio.move_on_after(0):
-                        await raw.send(_http_error(503, "too_many_pending", "too many unfinished connections; retry later"))
+                        await socket_stream.send(_http_error(503, "too_many_pending", "too many unfinished connections; retry later"))
                     return
                 slot = _PendingSlot(self.pending, peer)
                 try:
-                    await self._dispatch(raw, buffered, stream, slot)
+                    raw: ByteStream = socket_stream
+                    if self._tls is not None:
+                        with anyio.fail_after(self.config.handshake_timeout_s):
+                            raw = await TLSStream.wrap(socket_stream, server_side=True, ssl_context=self._tls, standard_compatible=False)
+                    buffered = BufferedByteReceiveStream(raw)
+                    await self._dispatch(raw, buffered, StapledByteStream(raw, buffered), slot)
                 finally:
                     slot.release()
         except Exception as exc:  # noqa: BLE001 - a peer's failure is logged, never raised
             log.debug("connection ended: %r", exc)
 
     async def _dispatch(
-        self, raw: SocketStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream, slot: _PendingSlot
+        self, raw: ByteStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream, slot: _PendingSlot
     ) -> None:
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
@@ -283,6 +357,12 @@ class Relay:
         method, target = request.method.decode("latin-1"), request.target.decode("latin-1")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         if method == "CONNECT":
+            try:
+                self._authorise_connect(target, headers.get("proxy-authorization", ""))
+            except _Refusal as refusal:
+                log.info("CONNECT %s refused: %s", target, refusal.message)
+                await raw.send(_http_error(407, refusal.code, refusal.message, extra=f"Proxy-Authenticate: {RELAY_CONNECT_AUTH_SCHEME}\r\n"))
+                return
             slot.release()
             await self._connect(target, raw, stream)
         elif method == "GET" and target == RELAY_TUNNEL_PATH:
@@ -301,12 +381,47 @@ class Relay:
             await raw.send(_http_error(404, "not_found", f"{method} {target}: the relay serves CONNECT and {RELAY_TUNNEL_PATH}"))
 
     # --- tracker side ----------------------------------------------------------
-    async def _connect(self, target: str, raw: SocketStream, stream: StapledByteStream) -> None:
+    def _authorise_connect(self, target: str, authorization: str) -> None:
+        """A CONNECT must carry a fresh token from a trusted tracker for this relay and this node, used once."""
+        if self.open:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme != RELAY_CONNECT_AUTH_SCHEME or not token:
+            raise _Refusal("connect_unauthorised", f"CONNECT needs Proxy-Authorization: {RELAY_CONNECT_AUTH_SCHEME} <tracker token>")
+        node_id = target.rsplit(":", 1)[0]
+        for issuer, key in self._trackers:
+            try:
+                claims = decode_token(
+                    token.strip(), key, required=["iss", "aud", "sub", "jti", "iat", "exp"],
+                    leeway=CLOCK_SKEW_S, issuer=issuer, audience=self.url,
+                )  # fmt: skip
+            except jwt.InvalidSignatureError:
+                continue  # another trusted tracker's, maybe
+            except jwt.InvalidTokenError as exc:
+                raise _Refusal("connect_unauthorised", f"CONNECT token refused: {exc}") from None
+            if claims["sub"] != node_id:
+                raise _Refusal("connect_unauthorised", "CONNECT token is for another node")
+            if claims["exp"] - claims["iat"] > MAX_RELAY_CONNECT_TOKEN_LIFETIME_S:
+                raise _Refusal("connect_unauthorised", "CONNECT token lives too long")
+            now = time.time()
+            if len(self._connect_tokens_seen) > 1024:
+                self._connect_tokens_seen = {j: e for j, e in self._connect_tokens_seen.items() if e + CLOCK_SKEW_S >= now}
+            jti = str(claims["jti"])
+            if jti in self._connect_tokens_seen:
+                raise _Refusal("connect_unauthorised", "CONNECT token already used")
+            self._connect_tokens_seen[jti] = float(claims["exp"])
+            return
+        raise _Refusal("connect_unauthorised", "CONNECT token is not signed by a tracker this relay trusts")
+
+    async def _connect(self, target: str, raw: ByteStream, stream: StapledByteStream) -> None:
         node_id = target.rsplit(":", 1)[0]
         tunnel = self.tunnels.get(node_id)
         if tunnel is None:
             await raw.send(_http_error(404, "node_not_attached", f"no tunnel from {node_id} on this relay"))
             return
+        if not tunnel.admitted.is_set():
+            log.info("node %s admitted: a trusted tracker reaches it", node_id)
+            tunnel.admitted.set()
         work = await tunnel.take_work(self.config.work_wait_timeout_s)
         if work is None:
             await raw.send(_http_error(503, "no_work_connection", f"{node_id} has no free work connection; retry"))
@@ -332,10 +447,15 @@ class Relay:
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 attach = _parse(RelayAttach, await _receive_line(buffered))
+            if attach.role == "control" and not self.attach_rate.allow(slot.peer):
+                raise _Refusal("rate_limited", f"at most {self.config.tunnel_attaches_per_s:g} new tunnels per second from one address")
             self._verify(attach, nonce)
             slot.release()  # proved: no longer a stranger's connection
-            if attach.role == "control" and attach.node_id not in self.tunnels and len(self.tunnels) >= self.config.max_tunnels:
-                raise _Refusal("too_many_tunnels", f"this relay holds its limit of {self.config.max_tunnels} tunnels")
+            if attach.role == "control" and attach.node_id not in self.tunnels:
+                if len(self.tunnels) >= self.config.max_tunnels:
+                    raise _Refusal("too_many_tunnels", f"this relay holds its limit of {self.config.max_tunnels} tunnels")
+                if self.stats()["provisional"] >= self.config.max_provisional_tunnels:
+                    raise _Refusal("too_many_provisional", "too many tunnels wait for a tracker to admit them; retry later")
             tunnel = self.tunnels.get(attach.node_id)
             if attach.role == "work":
                 if tunnel is None or tunnel.public_key != attach.public_key:
@@ -377,7 +497,7 @@ class Relay:
         try:
             claims = decode_token(
                 attach.proof, key, required=["iss", "aud", "nonce", "role", "iat", "exp"],
-                leeway=CLOCK_SKEW_S, audience=RELAY_ATTACH_AUDIENCE,
+                leeway=CLOCK_SKEW_S, audience=self.url,
             )  # fmt: skip
         except jwt.InvalidTokenError as exc:
             raise _Refusal("bad_proof", f"attach proof is not valid for this key: {exc}") from None
@@ -393,6 +513,8 @@ class Relay:
     ) -> None:
         tunnel = _Tunnel(node_id=attach.node_id, public_key=attach.public_key)
         previous = self.tunnels.get(attach.node_id)
+        if self.open or (previous is not None and previous.admitted.is_set()):
+            tunnel.admitted.set()  # the same key, already admitted: a reconnect keeps its standing
         self.tunnels[attach.node_id] = tunnel
         if previous is not None:
             # Same node id means same key (the id is the key's fingerprint, and the proof checked it).
@@ -408,7 +530,16 @@ class Relay:
                     await tunnel.closed.wait()
                     tg.cancel_scope.cancel()
 
+                async def end_unless_admitted() -> None:
+                    with anyio.move_on_after(self.config.admission_window_s):
+                        await tunnel.admitted.wait()
+                    if not tunnel.admitted.is_set():
+                        log.info("node %s: no trusted tracker reached it in %.0f s; tunnel dropped", attach.node_id,
+                                 self.config.admission_window_s)  # fmt: skip
+                        tg.cancel_scope.cancel()
+
                 tg.start_soon(end_when_replaced)
+                tg.start_soon(end_unless_admitted)
                 ending = await self._control_loop(stream, buffered)
                 log.info("node %s: %s; tunnel dropped", attach.node_id, ending)
                 tg.cancel_scope.cancel()
@@ -516,19 +647,19 @@ async def _send_message(stream: ByteStream, message: BaseModel) -> None:
     await stream.send(message.model_dump_json().encode() + b"\n")
 
 
-def _http_response(status: int, body: bytes, *, reason: str = "") -> bytes:
+def _http_response(status: int, body: bytes, *, reason: str = "", extra: str = "") -> bytes:
     reason = reason or {200: "OK", 400: "Bad Request", 404: "Not Found", 407: "Proxy Authentication Required", 426: "Upgrade Required",
                         431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "Error")  # fmt: skip
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
     )
     return head.encode("latin-1") + body
 
 
-def _http_error(status: int, code: str, message: str) -> bytes:
+def _http_error(status: int, code: str, message: str, *, extra: str = "") -> bytes:
     body = json.dumps({"error": {"message": message, "type": "relay_error", "param": None, "code": code}}).encode()
-    return _http_response(status, body)
+    return _http_response(status, body, extra=extra)
 
 
 async def run_relay(config: RelayConfig, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:

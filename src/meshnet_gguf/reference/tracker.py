@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -80,7 +81,7 @@ from meshnet_gguf.contract.signing import (
 from meshnet_gguf.reference.metering import ForwardMeter
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
-from meshnet_gguf.reference.relay_dialer import NodeDialer
+from meshnet_gguf.reference.relay_dialer import NodeDialer, RelayedNodeTarget, new_connect_claims
 from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, ForwardedRequest, Outcome, TrackerLedger
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 # Half the contract's ceiling: plenty for a request to reach its node, little to replay.
 DEFAULT_ROUTE_LIFETIME_S = 30
+# A CONNECT token opens one connection to one node through one relay, at once (contract ceiling: 60 s).
+CONNECT_TOKEN_LIFETIME_S = 30
 # Health polls catch a node that heartbeats but cannot serve (llama-server restarting).
 DEFAULT_HEALTH_POLL_INTERVAL_S = 5.0
 HEALTH_POLL_TIMEOUT_S = 2.0
@@ -159,6 +162,8 @@ class TrackerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
     forward_total_timeout_s: float = DEFAULT_FORWARD_TOTAL_TIMEOUT_S
+    # How https relays are checked [default: the system's CAs]; the relay's host name is always checked.
+    relay_tls: ssl.SSLContext | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.route_lifetime_s <= MAX_ROUTE_LIFETIME_S:
@@ -231,7 +236,7 @@ class Tracker:
         timeout = httpx.Timeout(FORWARD_READ_TIMEOUT_S, connect=FORWARD_CONNECT_TIMEOUT_S, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=FORWARD_KEEPALIVE_EXPIRY_S)
         # The dialer is the client's transport: direct to most nodes, through its relay to a relayed one.
-        self._dialer = NodeDialer(limits)
+        self._dialer = NodeDialer(limits, self.sign_connect, relay_tls=self.config.relay_tls)
         async with httpx.AsyncClient(timeout=timeout, transport=self._dialer, trust_env=False) as http:
             self._http = http
             async with anyio.create_task_group() as tg:
@@ -263,6 +268,7 @@ class Tracker:
             self._poll_wake = anyio.Event()
             for node_id in self.registry.expire():
                 log.warning("node %s missed its heartbeats for %.0f s; dropped", node_id, self.config.ttl_s)
+            await self.dialer.forget_all_but(entry.node_id for entry in self.registry.all())
             async with anyio.create_task_group() as tg:
                 for entry in self.registry.all():
                     tg.start_soon(self._poll_health, entry)
@@ -342,10 +348,18 @@ class Tracker:
                 raise ApiError(422, "unsafe_advertised_url", str(exc)) from None
             if announcement.relay is not None:  # reached only through its relay, TLS pinned to its certificate
                 target = await self.dialer.through_relay(announcement, self.config.addresses)  # type: ignore[assignment]
-            await self._prove_control(target, announcement.node_id, key)
+            try:
+                await self._prove_control(target, announcement.node_id, key)
+            except BaseException:
+                if isinstance(target, RelayedNodeTarget):
+                    with anyio.CancelScope(shield=True):
+                        await self.dialer.discard(target)  # a failed registration keeps nothing
+                raise
         except ApiError as refusal:
             log.warning("registration refused (%s): %s", refusal.code, refusal.message)
             return _error_response(refusal)
+        if isinstance(target, RelayedNodeTarget):
+            self.dialer.adopt(target)
         await self.ledger.remember_node(announcement.node_id, announcement.public_key)
         _, displaced = self.registry.register(announcement, target)
         for node_id in displaced:
@@ -548,6 +562,10 @@ class Tracker:
             max_tokens=max_tokens,
         )
         return encode_token(claims.model_dump(), self._key)
+
+    def sign_connect(self, relay_url: str, node_id: str) -> str:
+        """A CONNECT token for one connection to `node_id` through the relay at `relay_url`."""
+        return encode_token(new_connect_claims(self.issuer, relay_url, node_id, CONNECT_TOKEN_LIFETIME_S), self._key)
 
     def route_max_tokens(self, path: str, payload: dict[str, Any]) -> int | None:
         if path not in GENERATING_PATHS:
