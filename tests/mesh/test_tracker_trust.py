@@ -38,7 +38,7 @@ from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.link import MeshnetLink, MeshSetupError, ServedModel
 from meshnet_gguf.mesh.tracker_client import NodePresence, TrackerClient, TrackerRefused
-from meshnet_gguf.reference.metering import MAX_METERED_EVENT_BYTES, BoundedEventSplitter
+from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS, MAX_METERED_EVENT_BYTES, BoundedEventSplitter
 from meshnet_gguf.reference.node_address import AddressPolicy, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.tracker import Tracker, TrackerConfig, load_or_create_enrolment_secret
 from support.loopback import serve_asgi
@@ -335,7 +335,8 @@ async def test_receipts_are_validated_and_billed_as_the_smaller_count(tracker, t
         }  # fmt: skip
         assert sorted(ack.accepted) == sorted([honest_more, honest])
         more = (await http.get(f"{url}/v1/usage/{honest_more}")).json()
-        assert more["billed"] == {"prompt_tokens": 7, "completion_tokens": 3} and more["flagged"]
+        # The answer carried 3 bytes of text ("xyz"): the receipt's 8 are billed as at most 3 + the slack, and flagged.
+        assert more["billed"] == {"prompt_tokens": 7, "completion_tokens": 3 + COMPLETION_SLACK_TOKENS} and more["flagged"]
         same = (await http.get(f"{url}/v1/usage/{honest}")).json()
         assert same["billed"] == {"prompt_tokens": 7, "completion_tokens": 3} and not same["flagged"]
         [listed] = (await http.get(url + "/v1/nodes")).json()
@@ -560,3 +561,78 @@ async def test_doctor_names_a_tracker_key_mismatch_and_an_unsafe_first_contact(t
     assert same.status == "ok"
     unsafe = check(tracker="http://192.0.2.10:8000")  # nothing is sent: no key to compare
     assert unsafe.status == "fail" and "MESHNET_TRACKER_PUBLIC_KEY" in unsafe.explanation + unsafe.fix
+
+
+# --- the tracker bills what it saw; no row left behind ---------------------------------------------
+
+
+async def test_a_lying_node_is_billed_only_what_went_by_and_flagged(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from meshnet_gguf.contract.protocol import USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
+    from meshnet_gguf.reference.metering import prompt_ceiling
+
+    service, url = tracker
+    node = HostileNode(tmp_path / "h", service, url)
+    lie = {"prompt_tokens": 2000, "completion_tokens": 4096, "total_tokens": 6096}
+
+    async def one_word_with_inflated_usage(request: Request) -> Response:
+        # One content event ("hi"), then usage, comment and headers that all claim far more.
+        events = [
+            {"choices": [{"delta": {"role": "assistant"}, "index": 0}]},
+            {"choices": [{"delta": {"content": "hi"}, "index": 0}]},
+            {"choices": [{"delta": {}, "finish_reason": "stop", "index": 0}]},
+            {"choices": [], "usage": lie},
+        ]
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        body += b": meshnet-usage " + json.dumps(lie).encode() + b"\n\ndata: [DONE]\n\n"
+        headers = {USAGE_PROMPT_TOKENS_HEADER: "2000", USAGE_COMPLETION_TOKENS_HEADER: "4096"}
+        return Response(body, media_type="text/event-stream", headers=headers)
+
+    node.answer = one_word_with_inflated_usage
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with node.running(), httpx.AsyncClient(timeout=10) as http:
+        await wait_until(lambda: routable(http, url))
+        answer = await http.post(url + CHAT, json=request)
+        assert answer.status_code == 200
+        [usage] = (await http.get(url + "/v1/usage?limit=1")).json()
+        rid = usage["request_id"]
+        # The receipt is within what T7 lets through (the body's bytes + allowance, the route's 4096 cap)...
+        ack = await node.client.send_receipts([node.receipt(rid, **{k: lie[k] for k in ("prompt_tokens", "completion_tokens")})])
+        assert ack.accepted == [rid]
+        usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
+        # ...but billed only what the tracker saw: one content event (+ slack), the prompt the request can hold.
+        assert usage["tracker"]["completion_tokens"] == 1
+        assert usage["billed"]["completion_tokens"] <= 1 + COMPLETION_SLACK_TOKENS
+        assert usage["billed"]["prompt_tokens"] <= prompt_ceiling(request) < 200
+        assert usage["flagged"] and usage["agreement"] == "mismatch"
+        [listed] = (await http.get(url + "/v1/nodes")).json()
+        assert listed["receipt_flags"] == 1
+
+
+async def test_a_request_in_flight_when_the_tracker_died_is_settled_at_start_and_billed_within_its_route(tmp_path: Path) -> None:
+    import sqlite3
+
+    from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+
+    async with start_tracker(tmp_path) as (service, url):
+        node = HostileNode(tmp_path / "h", service, url)
+        async with node.running(), httpx.AsyncClient(timeout=10) as http:
+            await wait_until(lambda: routable(http, url))
+            assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})).status_code == 200
+            [usage] = (await http.get(url + "/v1/usage?limit=1")).json()
+    rid = usage["request_id"]
+    # What a kill -9 mid-forward leaves: the row opened, never finished.
+    db = sqlite3.connect(tmp_path / "tracker" / TRACKER_LEDGER_FILE)
+    with db:
+        db.execute("UPDATE forwarded SET outcome = 'in_flight', status = NULL, prompt_tokens = NULL, completion_tokens = NULL,"
+                   " completion_ceiling = NULL WHERE request_id = ?", (rid,))  # fmt: skip
+    db.close()
+    async with start_tracker(tmp_path) as (service, url), httpx.AsyncClient(timeout=10) as http:
+        usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
+        assert usage["outcome"] == "interrupted" and usage["flagged"]
+        node = HostileNode(tmp_path / "h", service, url)
+        ack = await node.client.send_receipts([node.receipt(rid, prompt_tokens=7, completion_tokens=8)])
+        assert ack.accepted == [rid]
+        usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
+        # Billed from the receipt, within what the route allowed (8 tokens) and the request could hold.
+        assert usage["billed"] == {"prompt_tokens": 7, "completion_tokens": 8} and usage["flagged"]
+        await node.client.aclose()

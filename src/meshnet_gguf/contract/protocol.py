@@ -342,15 +342,18 @@ class TrackerUsage(_Wire):
     model: str
     stream: bool
     status: int | None = None
-    outcome: str | None = Field(None, description="complete, cancelled, upstream_error, in_flight")
+    outcome: str | None = Field(None, description="complete, cancelled, upstream_error, timed_out, refused, interrupted, in_flight")
     tracker: UsageCounts
     node: UsageCounts | None = None
     node_finish_reason: FinishReason | None = None
     agreement: UsageAgreement
     billed: UsageCounts | None = Field(
-        None, description="What the tracker bills: the smaller of its own count and the receipt, per field"
+        None, description="What the tracker bills: the receipt, capped per field by the tracker's ceiling"
     )
-    flagged: bool = Field(False, description="Tracker count and receipt differ beyond the tolerance")
+    flagged: bool = Field(False, description="The receipt claims more than the tracker's ceilings, or the request was interrupted")
+    ceiling: UsageCounts | None = Field(
+        None, description="The most the tracker bills, from the request it received and the bytes it forwarded"
+    )
 
 
 # --- relay (docs/protocol.md, "Relay") ----------------------------------------

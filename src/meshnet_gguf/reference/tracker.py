@@ -78,7 +78,7 @@ from meshnet_gguf.contract.signing import (
     tracker_issuer_for,
     unverified_claims,
 )
-from meshnet_gguf.reference.metering import ForwardMeter
+from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
 from meshnet_gguf.reference.relay_dialer import NodeDialer, RelayedNodeTarget, new_connect_claims
@@ -237,6 +237,8 @@ class Tracker:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=FORWARD_KEEPALIVE_EXPIRY_S)
         # The dialer is the client's transport: direct to most nodes, through its relay to a relayed one.
         self._dialer = NodeDialer(limits, self.sign_connect, relay_tls=self.config.relay_tls)
+        for request_id in await self.ledger.settle_interrupted():
+            log.warning("request %s was in flight when this tracker stopped: settled as interrupted, flagged", request_id)
         async with httpx.AsyncClient(timeout=timeout, transport=self._dialer, trust_env=False) as http:
             self._http = http
             async with anyio.create_task_group() as tg:
@@ -599,6 +601,7 @@ class _ForwardEndpoint:
             await _error_response(refusal)(scope, receive, send)
             return
         meter = ForwardMeter(upstream.headers.get("content-type", "").startswith("text/event-stream"))
+        route_ceiling = (self.tracker.route_max_tokens(scope["path"], payload) or 0) * _choices(payload)
         outcome: Outcome = "cancelled"
         try:
             headers = [
@@ -630,12 +633,16 @@ class _ForwardEndpoint:
                 await upstream.aclose()
                 if upstream.status_code >= 400:
                     outcome = "refused"
-                counts = meter.counts(upstream.headers)
-                await self.tracker.ledger.finish_request(request_id, upstream.status_code, outcome, counts)
-                log.info(
-                    "request %s -> %s: %s %s, %s", request_id, node.node_id, upstream.status_code, outcome,
-                    counts.model_dump() if counts else "no usage seen",
+                # Only what went by counts: the node's own usage figures are its receipt's business.
+                counts = meter.counted()
+                completion_ceiling = 0 if outcome == "refused" else meter.completion_ceiling(route_ceiling)
+                await self.tracker.ledger.finish_request(
+                    request_id, upstream.status_code, outcome, counts, completion_ceiling=completion_ceiling
                 )
+                log.info(
+                    "request %s -> %s: %s %s, %s content events, completion ceiling %d", request_id, node.node_id,
+                    upstream.status_code, outcome, counts.completion_tokens, completion_ceiling,
+                )  # fmt: skip
                 await self.tracker.flag_mismatch(request_id)
 
     async def _open(
@@ -656,7 +663,7 @@ class _ForwardEndpoint:
             token = tracker.sign_route(node, request_id, path, model, body, max_tokens)
             await tracker.ledger.open_request(
                 request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
-                max_tokens=max_tokens, choices=_choices(payload), body_bytes=len(body),
+                max_tokens=max_tokens, choices=_choices(payload), body_bytes=len(body), prompt_ceiling=prompt_ceiling(payload),
             )  # fmt: skip
             headers = {
                 "content-type": "application/json",
