@@ -636,3 +636,47 @@ async def test_a_request_in_flight_when_the_tracker_died_is_settled_at_start_and
         # Billed from the receipt, within what the route allowed (8 tokens) and the request could hold.
         assert usage["billed"] == {"prompt_tokens": 7, "completion_tokens": 8} and usage["flagged"]
         await node.client.aclose()
+
+
+async def test_failed_registrations_relayed_or_not_leave_the_tracker_flat(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import logging
+    import tracemalloc
+
+    from meshnet_gguf.contract.node_tls import certificate_text, node_certificate
+    from meshnet_gguf.contract.protocol import RelayAttachment
+    from meshnet_gguf.reference.relay import Relay, RelayConfig
+    from support.relay_harness import running_relay
+
+    service, url = tracker
+    async with running_relay(Relay(RelayConfig(port=0))) as relay_url:
+        node = HostileNode(tmp_path / "h", service, url)  # never attached to the relay: every control proof fails
+        relayed = node.announcement(
+            advertised_url=relay_url,
+            relay=RelayAttachment(url=relay_url, tls_certificate=certificate_text(node_certificate(node.identity.private_key))),
+        )
+        direct = node.announcement(advertised_url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+
+        async def flood(n: int) -> None:
+            for i in range(n):
+                with pytest.raises(TrackerRefused) as refused:
+                    await node.client.register(relayed if i % 2 else direct)
+                assert refused.value.code == "control_unproven"
+
+        await flood(20)  # warm-up: caches, lazily imported modules
+        quiet = logging.getLogger("meshnet_gguf")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # the test's log capture would keep every refusal's line
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            await flood(200)
+            after = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+            quiet.setLevel(level)
+        grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+        assert service.dialer.held() == (0, 0)  # no transport built for a registration that failed
+        assert len(service.registry) == 0
+        # Caches that fill once (re, the event loop) stay well under this; a transport per failure was ~17 KiB each.
+        assert grown < 2048 * 200, f"{grown} bytes kept by 200 failed registrations"
+        await node.client.aclose()
