@@ -28,6 +28,7 @@ from meshnet_gguf.llama.load_progress import model_file_bytes
 from meshnet_gguf.llama.supervisor import CPU_WARMUP, GPU_WARMUP, Supervisor, SupervisorPolicy, WarmupPolicy
 from meshnet_gguf.llama.upstream import make_upstream_client
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
+from meshnet_gguf.ops.metrics_access import MetricsAccess
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
 from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
@@ -84,7 +85,7 @@ def build_node(launch: PreparedLaunch) -> Node:
         state_dir=settings.state_dir,
         listeners=[operations],
     )
-    for secret in (supervisor.api_key, settings.api_key, settings.enrolment_secret):
+    for secret in (supervisor.api_key, settings.api_key, settings.enrolment_secret, settings.metrics_key):
         register_secret(secret)
 
     def upstream() -> UpstreamTarget | None:
@@ -139,7 +140,10 @@ def build_node(launch: PreparedLaunch) -> Node:
         on_rejected=metrics.count_request,
     )
     try:
-        http = HttpServerPart(proxy, settings.host, settings.port)
+        # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
+        guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=relay.is_relayed if relay else lambda peer: False,
+                                operator_key=settings.metrics_key)  # fmt: skip
+        http = HttpServerPart(guarded, settings.host, settings.port)
     except ListenError as exc:
         raise NodeSetupError(str(exc)) from exc
 

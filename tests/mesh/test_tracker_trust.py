@@ -680,3 +680,53 @@ async def test_failed_registrations_relayed_or_not_leave_the_tracker_flat(tracke
         # Caches that fill once (re, the event loop) stay well under this; a transport per failure was ~17 KiB each.
         assert grown < 2048 * 200, f"{grown} bytes kept by 200 failed registrations"
         await node.client.aclose()
+
+
+# --- private stays private: modes, and secrets that are never printed ---------------------------------
+
+
+def test_state_dirs_ledgers_and_keys_are_their_owners_only(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
+    from meshnet_gguf.ops.state_lock import StateDirLock
+    from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    old_umask = os.umask(0o022)  # the common default: without care, dirs 0755 and files 0644
+    try:
+        node_dir = tmp_path / "node"
+        node_dir.mkdir(mode=0o755)  # one an earlier version left open
+        (node_dir / LEDGER_FILE).touch(mode=0o644)
+        lock = StateDirLock(node_dir, host="127.0.0.1", port=1)
+        ledger = UsageLedger(node_dir / LEDGER_FILE)
+        NodeIdentity.load_or_create(node_dir)
+        tracker = Tracker(TrackerConfig(state_dir=tmp_path / "tracker", enrolment_secret=SECRET))
+        tracker_dir = tmp_path / "tracker"
+        assert mode(node_dir) == mode(tracker_dir) == 0o700
+        private = [node_dir / LEDGER_FILE, tracker_dir / TRACKER_LEDGER_FILE, tracker_dir / "tracker_key.pem",
+                   *node_dir.glob("*.pem"), *node_dir.glob("*-wal"), *tracker_dir.glob("*-wal")]  # fmt: skip
+        assert {str(p.relative_to(tmp_path)): oct(mode(p)) for p in private} == {str(p.relative_to(tmp_path)): "0o600" for p in private}
+        del tracker, ledger, lock
+    finally:
+        os.umask(old_umask)
+
+
+def test_the_tracker_never_prints_an_enrolment_secret_it_was_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from meshnet_gguf.cli import app
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    given = "operator-chosen-secret-81f2c"
+    result = CliRunner().invoke(app, ["dev", "tracker", "--state-dir", str(tmp_path / "t1")], env={"MESHNET_TRACKER_ENROLMENT_SECRET": given})
+    assert result.exit_code == 0, result.output
+    assert given not in result.output and "MESHNET_ENROLMENT_SECRET=<the secret you set>" in result.output
+    # A generated one is kept 0600 and named by where it is: not printed into a log (this output is no terminal).
+    result = CliRunner().invoke(app, ["dev", "tracker", "--state-dir", str(tmp_path / "t2")], env={"MESHNET_TRACKER_ENROLMENT_SECRET": ""})
+    stored = (tmp_path / "t2" / "enrolment_secret").read_text().strip()
+    assert result.exit_code == 0 and stored not in result.output and str(tmp_path / "t2" / "enrolment_secret") in result.output

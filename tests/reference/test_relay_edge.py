@@ -406,3 +406,18 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
         await link.drain()
         await link.close()
         tg.cancel_scope.cancel()
+
+
+# --- private stays private ----------------------------------------------------------------------------
+
+
+async def test_metrics_answer_local_scrapes_and_the_operator_key_never_a_relayed_stranger(tmp_path: Path) -> None:
+    async with mesh(tmp_path, metrics_key="operator-key-1") as m, m.client() as stranger:
+        # Through the relay: a CONNECT, TLS with the node, GET /metrics without a route. Not found, as any unknown path.
+        relayed = await stranger.get(m.node_url + "/metrics")
+        assert relayed.status_code == 404
+        assert (await stranger.get(m.node_url + "/health")).status_code == 200  # what 9.5 lists stays public
+        keyed = await stranger.get(m.node_url + "/metrics", headers={"authorization": "Bearer operator-key-1"})
+        assert keyed.status_code == 200
+        async with httpx.AsyncClient(trust_env=False) as local:  # a scrape on this machine
+            assert (await local.get(f"http://127.0.0.1:{m.app_port}/metrics")).status_code == 200

@@ -19,6 +19,7 @@ from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_
 from meshnet_gguf.contract.signing import parse_public_key
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
+from meshnet_gguf.ops.metrics_access import MetricsAccess
 from meshnet_gguf.reference.relay import Relay, RelayConfig
 from support.loopback import serve_asgi
 
@@ -111,12 +112,18 @@ async def running_relay(relay: Relay) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def mesh(tmp_path: Path, *, relay_config: RelayConfig | None = None, relay: Relay | None = None) -> AsyncIterator[Mesh]:
+async def mesh(
+    tmp_path: Path, *, relay_config: RelayConfig | None = None, relay: Relay | None = None, metrics_key: str | None = None
+) -> AsyncIterator[Mesh]:
+    """The relay, a node's link and its stand-in app, whose `/metrics` is guarded as the node guards its own."""
     app = StreamApp()
     app_port = free_local_port()
     relay = relay or Relay(relay_config or RelayConfig(port=0))
-    async with serve_asgi(app, app_port), running_relay(relay) as relay_url:
+    links: list[RelayLink] = []
+    guarded = MetricsAccess(app, "/metrics", is_relayed=lambda peer: any(link.is_relayed(peer) for link in links), operator_key=metrics_key)
+    async with serve_asgi(guarded, app_port), running_relay(relay) as relay_url:
         link = build_relay_link(relay_url, tmp_path / "node", local_address_for("127.0.0.1", app_port))
+        links.append(link)
         async with anyio.create_task_group() as tg:
             tg.start_soon(link.run)
             m = Mesh(relay, relay_url, link, app, app_port, link.identity)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -49,6 +50,7 @@ def tracker(
     from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
     from meshnet_gguf.reference.node_address import AddressPolicy
     from meshnet_gguf.reference.tracker import (
+        ENROLMENT_SECRET_FILE,
         MAX_REQUEST_HEADER_BYTES,
         Tracker,
         TrackerConfig,
@@ -60,6 +62,8 @@ def tracker(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     extra = {} if health_poll_interval is None else {"health_poll_interval_s": health_poll_interval}
     state = state_dir or default_state_dir() / "tracker"
+    secret_path = state / ENROLMENT_SECRET_FILE
+    generated_now = not open_enrolment and not enrolment_secret and not secret_path.exists()
     secret = None if open_enrolment else (enrolment_secret or load_or_create_enrolment_secret(state))
     config = TrackerConfig(
         state_dir=state,
@@ -74,12 +78,24 @@ def tracker(
     typer.echo(f"tracker public key: {service.public_key_text}  (also at {url}{WELL_KNOWN_PATH})")
     if secret is None:
         typer.echo("enrolment: OPEN (--open): anyone who can reach this tracker may register a node")
+    elif enrolment_secret:
+        typer.echo("enrolment: nodes must present the enrolment secret you gave this tracker (not printed)")
     else:
-        typer.echo("enrolment: nodes must present the enrolment secret (MESHNET_ENROLMENT_SECRET in the line below)")
+        typer.echo(f"enrolment: nodes must present the enrolment secret kept in {secret_path} (mode 0600)")
     allowed = [kind for kind, on in (("loopback", allow_loopback), ("private", allow_private)) if on]
     typer.echo(f"node addresses: public{''.join(', ' + kind for kind in allowed)} allowed"
                + (" (loopback is for a mesh on this machine)" if allow_loopback else ""))
-    env = f"MESHNET_TRACKER_PUBLIC_KEY={service.public_key_text}" + (f" MESHNET_ENROLMENT_SECRET={secret}" if secret else "")
+    # A secret is printed at most once: when it was made just now and the output is a terminal, not a log.
+    if secret is None:
+        shown = ""
+    elif enrolment_secret:
+        shown = " MESHNET_ENROLMENT_SECRET=<the secret you set>"
+    elif generated_now and sys.stdout.isatty():
+        shown = f" MESHNET_ENROLMENT_SECRET={secret}"
+        typer.echo(f"a new enrolment secret was made and stored in {secret_path}; it is shown below this once")
+    else:
+        shown = f' MESHNET_ENROLMENT_SECRET="$(cat {secret_path})"'
+    env = f"MESHNET_TRACKER_PUBLIC_KEY={service.public_key_text}" + shown
     typer.echo("start a node with:")
     typer.echo(f"  {env} meshnet-gguf serve --tracker {url} --port {_SUGGESTED_NODE_PORT} --demo")
     # Lifespan on: it runs the health poller and the relay's HTTP client. h11 bounds the request

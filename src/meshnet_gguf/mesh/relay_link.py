@@ -143,6 +143,13 @@ class RelayLink(BasePart):
         self._draining = False
         self._session_scope: anyio.CancelScope | None = None
         self._streams_group: anyio.abc.TaskGroup | None = None
+        # (host, port) of each connection this link opened to the node's own listener: what arrives from
+        # them came through the relay, though it comes from loopback.
+        self._local_peers: set[tuple[str, int]] = set()
+
+    def is_relayed(self, peer: tuple[str, int]) -> bool:
+        """Whether a connection to the node's listener from `peer` carries a relayed stream."""
+        return (peer[0], peer[1]) in self._local_peers
 
     # --- what the node and the mesh link read -------------------------------
     def attachment(self) -> RelayAttachment:
@@ -311,15 +318,22 @@ class RelayLink(BasePart):
     async def _serve_stream(self, ssl_transport: asyncio.BaseTransport, tls_side: _Pipe, writer: asyncio.StreamWriter) -> None:
         # `writer` is held until the stream ends: a collected StreamWriter closes the socket under the TLS layer.
         local_side: _Pipe | None = None
+        peer: tuple[str, int] | None = None
         try:
             host, port = self._local_address()
             _, local_side = await asyncio.get_running_loop().create_connection(_Pipe, host, port)
+            sockname = local_side.transport.get_extra_info("sockname") if local_side.transport else None
+            if sockname:
+                peer = (str(sockname[0]), int(sockname[1]))
+                self._local_peers.add(peer)
             _Pipe.join(tls_side, local_side)
             await tls_side.closed
             await local_side.closed
         except Exception as exc:  # noqa: BLE001 - one stream's failure never touches another
             log.debug("relayed stream ended: %r", exc, exc_info=True)
         finally:
+            if peer is not None:
+                self._local_peers.discard(peer)
             self.streams_active -= 1
             ssl_transport.close()
             del writer

@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from meshnet_gguf.common.private_files import private_dir
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
@@ -196,6 +197,7 @@ def load_or_create_enrolment_secret(state_dir: Path) -> str:
 class Tracker:
     def __init__(self, config: TrackerConfig) -> None:
         self.config = config
+        private_dir(Path(config.state_dir))
         self._key = load_or_create_private_key(Path(config.state_dir) / TRACKER_KEY_FILE)
         self.public_key_text = public_key_text(self._key.public_key())
         self.issuer = tracker_issuer_for(self._key.public_key())

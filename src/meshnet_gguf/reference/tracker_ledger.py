@@ -17,6 +17,7 @@ from typing import Literal, TypeVar
 
 import anyio
 
+from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
 
 TRACKER_LEDGER_FILE = "tracker.sqlite3"
@@ -87,7 +88,8 @@ class ForwardedRequest:
 class TrackerLedger:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
+        private_sqlite(self.path)  # every node's and client's traffic: the operator's only
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
