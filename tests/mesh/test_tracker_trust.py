@@ -730,3 +730,20 @@ def test_the_tracker_never_prints_an_enrolment_secret_it_was_given(tmp_path: Pat
     result = CliRunner().invoke(app, ["dev", "tracker", "--state-dir", str(tmp_path / "t2")], env={"MESHNET_TRACKER_ENROLMENT_SECRET": ""})
     stored = (tmp_path / "t2" / "enrolment_secret").read_text().strip()
     assert result.exit_code == 0 and stored not in result.output and str(tmp_path / "t2" / "enrolment_secret") in result.output
+
+
+async def test_a_captured_node_token_is_refused_the_second_time(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from meshnet_gguf.contract.protocol import Heartbeat
+
+    service, url = tracker
+    node = HostileNode(tmp_path / "h", service, url)
+    async with node.running(), httpx.AsyncClient(timeout=10) as http:
+        await wait_until(lambda: routable(http, url))
+        path = f"/v1/nodes/{node.identity.node_id}/heartbeat"
+        body = Heartbeat(node_id=node.identity.node_id, state="online", load=NodeLoad(slots_total=2)).model_dump_json().encode()
+        # One heartbeat as seen on the wire (plain http): the same bytes, sent again by whoever captured them.
+        captured = {"authorization": "Bearer " + node.identity.request_auth("POST", path, body, service.issuer),
+                    "content-type": "application/json"}  # fmt: skip
+        assert (await http.post(url + path, content=body, headers=captured)).status_code == 200
+        replayed = await http.post(url + path, content=body, headers=captured)
+        assert replayed.status_code == 401 and "already used" in replayed.json()["error"]["message"]

@@ -270,6 +270,7 @@ class NodeAuthClaims(_Wire):
     htm: str = Field(description="HTTP method of the call")
     htu: str = Field(description="Path of the call, e.g. /v1/nodes/node-x/heartbeat")
     body_sha256: str
+    jti: str = Field(description="Fresh per call: the tracker remembers it for the token's lifetime and refuses it again")
 
 
 class NodeControlClaims(_Wire):

@@ -124,6 +124,9 @@ MAX_REQUEST_HEADER_BYTES = 32 * 1024
 # `GET /v1/usage?limit=N`: N is 1..this.
 MAX_USAGE_LIST_LIMIT = 10_000
 DEFAULT_USAGE_LIST_LIMIT = 100
+# Node tokens remembered at once (each for its lifetime, at most a minute): far more calls a minute than
+# a fleet's heartbeats and receipts make, and a few MB at most.
+MAX_REMEMBERED_NODE_TOKENS = 200_000
 # The node's answer to a control challenge: one small JSON object, quickly.
 CONTROL_PROOF_TIMEOUT_S = 5.0
 MAX_CONTROL_PROOF_BYTES = 16 * 1024
@@ -206,6 +209,7 @@ class Tracker:
         self._http: httpx.AsyncClient | None = None
         self._dialer: NodeDialer | None = None
         self._poll_wake = anyio.Event()
+        self.used_node_tokens = _UsedNodeTokens()
 
     def info(self) -> TrackerInfo:
         return TrackerInfo(
@@ -340,7 +344,7 @@ class Tracker:
                 raise ApiError(400, "bad_public_key", str(exc)) from None
             if node_id_for(key) != announcement.node_id:
                 raise ApiError(400, "node_id_mismatch", "node_id is not derived from public_key")
-            _verify_node_call(request, body, announcement.node_id, key, self.issuer)
+            _verify_node_call(request, body, announcement.node_id, key, self.issuer, self.used_node_tokens)
             if not announcement.full_coverage:
                 raise ApiError(
                     422, "partial_coverage_unsupported", "this tracker routes single-hop only; a node must hold every layer"
@@ -430,7 +434,7 @@ class Tracker:
         try:
             entry = self._registered(node_id)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer)
+            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer, self.used_node_tokens)
             beat = _parse(Heartbeat, body)
         except ApiError as refusal:
             return _error_response(refusal)
@@ -446,7 +450,7 @@ class Tracker:
         try:
             entry = self._registered(node_id)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer)
+            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer, self.used_node_tokens)
             reason = _parse(Deregistration, body).reason
         except ApiError as refusal:
             return _error_response(refusal)
@@ -470,7 +474,7 @@ class Tracker:
                 raise ApiError(404, "unknown_node", f"node {node_id} never registered here")
             key = parse_public_key(key_text)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, key, self.issuer)
+            _verify_node_call(request, body, node_id, key, self.issuer, self.used_node_tokens)
             batch = _parse(ReceiptBatch, body)
             if batch.node_id != node_id:
                 raise ApiError(400, "wrong_node", "batch node_id differs from the path")
@@ -803,7 +807,27 @@ async def _control_body(request: Request) -> bytes:
     return await _limited_body(request, MAX_CONTROL_BODY_BYTES)
 
 
-def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519PublicKey, issuer: str) -> None:
+class _UsedNodeTokens:
+    """The `jti` of every node token accepted, kept until the token expires (plus skew): each is good once."""
+
+    def __init__(self, max_entries: int = MAX_REMEMBERED_NODE_TOKENS) -> None:
+        self._max = max_entries
+        self._expiry: dict[str, float] = {}
+
+    def use(self, jti: str, expires_at: float) -> None:
+        now = time.time()
+        if len(self._expiry) >= self._max:
+            self._expiry = {j: e for j, e in self._expiry.items() if e > now}
+            if len(self._expiry) >= self._max:
+                raise ApiError(503, "busy", "too many node calls in the last minute; retry shortly", headers={"retry-after": "5"})
+        if self._expiry.get(jti, 0) > now:
+            raise ApiError(401, "bad_node_auth", "node token already used (replayed?)")
+        self._expiry[jti] = expires_at + CLOCK_SKEW_S
+
+
+def _verify_node_call(
+    request: Request, body: bytes, node_id: str, key: Ed25519PublicKey, issuer: str, seen: _UsedNodeTokens
+) -> None:
     """Check the node's bearer token: its key signed this very method, path and body, for this tracker, moments ago."""
     auth = request.headers.get("authorization", "")
     if not auth.startswith("Bearer "):
@@ -812,7 +836,7 @@ def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519P
         claims = decode_token(
             auth[len("Bearer ") :],
             key,
-            required=["iss", "aud", "iat", "exp", "htm", "htu", "body_sha256"],
+            required=["iss", "aud", "iat", "exp", "htm", "htu", "body_sha256", "jti"],
             leeway=CLOCK_SKEW_S,
             audience=issuer,
         )
@@ -826,6 +850,7 @@ def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519P
         raise ApiError(401, "bad_node_auth", "node token is for another call")
     if claims["body_sha256"] != body_sha256(body):
         raise ApiError(401, "bad_node_auth", "body differs from the one the node signed")
+    seen.use(str(claims["jti"]), float(claims["exp"]))
 
 
 def create_app(config: TrackerConfig) -> Starlette:
