@@ -136,6 +136,10 @@ def relay(
     if bool(keys) == open_relay:
         typer.echo("error: give --trust-tracker-key KEY (the tracker prints it at start), or --open", err=True)
         raise typer.Exit(2)
+    if host in ("0.0.0.0", "::", "") and not public_url:
+        # Attach proofs and CONNECT tokens name the relay by the URL nodes dial; a wildcard address is no such URL.
+        typer.echo(f"error: listening on {host or 'every address'}, give --public-url (the URL nodes and trackers dial)", err=True)
+        raise typer.Exit(2)
     for key in keys:
         try:
             parse_public_key(key)
