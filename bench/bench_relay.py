@@ -191,7 +191,7 @@ def run_part1(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = write_tiny_model(work / "tiny.gguf")
     relay_port, node_port = free_local_port(), free_local_port()
     relay_url = f"http://127.0.0.1:{relay_port}"
-    relay = start(["-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--log-level", "WARNING"], work / "relay1.log")
+    relay = start(["-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--open", "--log-level", "WARNING"], work / "relay1.log")
     state = work / "node-state"
     node = start([
         "-m", "meshnet_gguf", "serve", "--gguf", str(model), "--port", str(node_port), "--state-dir", str(state),
@@ -315,7 +315,7 @@ def run_part2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     relay_port = free_local_port()
     relay_url = f"http://127.0.0.1:{relay_port}"
-    relay = start(["-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--log-level", "WARNING"], work / "relay2.log")
+    relay = start(["-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--open", "--log-level", "WARNING"], work / "relay2.log")
     nodes: list[subprocess.Popen[bytes]] = []
     try:
         wait_http(relay_url + "/health", relay, work / "relay2.log")

@@ -32,6 +32,7 @@ from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.llama.warmup import CPU_WARMUP, GPU_WARMUP, WarmupPolicy
 from meshnet_gguf.models.gguf_info import GGUFError
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
+from meshnet_gguf.ops.metrics_access import MetricsAccess
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
 from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
@@ -92,7 +93,7 @@ def build_node(launch: PreparedLaunch) -> Node:
         state_dir=settings.state_dir,
         listeners=[operations],
     )
-    for secret in (supervisor.api_key, settings.api_key, settings.enrolment_secret):
+    for secret in (supervisor.api_key, settings.api_key, settings.enrolment_secret, settings.metrics_key):
         register_secret(secret)
 
     def upstream() -> UpstreamTarget | None:
@@ -149,7 +150,10 @@ def build_node(launch: PreparedLaunch) -> Node:
         on_rejected=metrics.count_request,
     )
     try:
-        http = HttpServerPart(proxy, settings.host, settings.port)
+        # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
+        guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=relay.is_relayed if relay else lambda peer: False,
+                                operator_key=settings.metrics_key)  # fmt: skip
+        http = HttpServerPart(guarded, settings.host, settings.port)
     except ListenError as exc:
         raise NodeSetupError(str(exc)) from exc
 

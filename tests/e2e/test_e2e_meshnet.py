@@ -83,7 +83,7 @@ def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, track
     assert set(usage) == set(ledger) and plain_id in ledger
     for rid, row in ledger.items():
         assert usage[rid]["agreement"] == "agree", usage[rid]
-        assert usage[rid]["tracker"] == {"prompt_tokens": row["prompt"], "completion_tokens": row["completion"]}
+        assert usage[rid]["billed"] == {"prompt_tokens": row["prompt"], "completion_tokens": row["completion"]}
     assert sorted(tracker.receipt_rows()) == sorted(ledger)
     assert httpx.get(f"{tracker.url}/v1/usage/{plain_id}").json()["node"]["completion_tokens"] == 8
     # Every receipt acknowledged: the node's own /metrics says its outbox is empty.

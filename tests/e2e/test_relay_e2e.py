@@ -63,7 +63,7 @@ class RelayedMesh:
 @pytest.fixture
 def relayed(real_llama, tiny_gguf, start_node, tmp_path) -> Iterator[RelayedMesh]:  # type: ignore[no-untyped-def]
     tracker = tracker_process(tmp_path).start()
-    relay = relay_process(tmp_path).start()
+    relay = relay_process(tmp_path, tracker).start()
     node = start_node(
         "--gguf", str(tiny_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
         "--relay", relay.url, "--parallel", "2", "--ctx-size", "2048", "--drain-grace", "2", env=node_env(tracker),

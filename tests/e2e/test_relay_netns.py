@@ -63,7 +63,7 @@ def test_a_node_nothing_can_dial_serves_the_openai_sdk_through_the_relay(real_ll
     name, host_ip, ns_ip = namespace
     # The relay's address is private (10.x): the tracker must be told to accept it.
     tracker = tracker_process(tmp_path, host=host_ip, allow_private=True).start()
-    relay = relay_process(tmp_path, host=host_ip).start()
+    relay = relay_process(tmp_path, tracker, host=host_ip).start()
     node_port = free_local_port()
     node_log = tmp_path / "node.log"
     argv = [

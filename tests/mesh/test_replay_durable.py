@@ -131,3 +131,41 @@ async def test_a_served_route_is_kept_to_its_own_expiry_and_an_unwritable_ledger
     finally:
         child.close()
     assert len(request_log.read_text().splitlines()) == 1
+
+
+@pytest.mark.anyio
+async def test_a_replayed_route_is_refused_before_its_prompt_is_counted_or_a_slot_taken(
+    fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshnet_gguf.serving.admission import Admission
+    from meshnet_gguf.serving.proxy import ProxyApp
+
+    work: list[str] = []
+    counted, acquire = ProxyApp._counted_prompt, Admission.try_acquire
+
+    async def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        work.append("prompt counted")
+        return await counted(self, *args, **kwargs)
+
+    def acquiring(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        work.append("slot taken")
+        return acquire(self, *args, **kwargs)
+
+    monkeypatch.setattr(ProxyApp, "_counted_prompt", counting)
+    monkeypatch.setattr(Admission, "try_acquire", acquiring)
+    child = LlamaChild(fake_llama, tiny_gguf)
+    tracker = Tracker()
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    try:
+        async with serve_front(child.url, tracker=tracker, state_dir=tmp_path / "state") as front:
+            assert front.identity is not None
+            token = tracker.route(front.identity.node_id, "/v1/chat/completions", body)
+            async with httpx.AsyncClient(base_url=front.url, timeout=30) as client:
+                assert (await client.post("/v1/chat/completions", content=body, headers={**JSON, ROUTE_HEADER: token})).status_code == 200
+                done_by_first = list(work)
+                assert "prompt counted" in done_by_first and "slot taken" in done_by_first
+                again = await client.post("/v1/chat/completions", content=body, headers={**JSON, ROUTE_HEADER: token})
+            assert (again.status_code, again.json()["error"]["code"]) == (403, "route_replayed")
+            assert work == done_by_first  # the replay cost the node no count and no slot
+    finally:
+        child.close()

@@ -38,7 +38,7 @@ from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.link import MeshnetLink, MeshSetupError
 from meshnet_gguf.mesh.tracker_client import NodePresence, TrackerClient, TrackerRefused
-from meshnet_gguf.reference.metering import MAX_METERED_EVENT_BYTES, BoundedEventSplitter
+from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS, MAX_METERED_EVENT_BYTES, BoundedEventSplitter
 from meshnet_gguf.reference.node_address import AddressPolicy, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.tracker import Tracker, TrackerConfig, load_or_create_enrolment_secret
 from support.loopback import serve_asgi
@@ -335,7 +335,8 @@ async def test_receipts_are_validated_and_billed_as_the_smaller_count(tracker, t
         }  # fmt: skip
         assert sorted(ack.accepted) == sorted([honest_more, honest])
         more = (await http.get(f"{url}/v1/usage/{honest_more}")).json()
-        assert more["billed"] == {"prompt_tokens": 7, "completion_tokens": 3} and more["flagged"]
+        # The answer carried 3 bytes of text ("xyz"): the receipt's 8 are billed as at most 3 + the slack, and flagged.
+        assert more["billed"] == {"prompt_tokens": 7, "completion_tokens": 3 + COMPLETION_SLACK_TOKENS} and more["flagged"]
         same = (await http.get(f"{url}/v1/usage/{honest}")).json()
         assert same["billed"] == {"prompt_tokens": 7, "completion_tokens": 3} and not same["flagged"]
         [listed] = (await http.get(url + "/v1/nodes")).json()
@@ -422,7 +423,7 @@ async def test_only_allow_listed_node_headers_reach_the_client(tracker, tmp_path
         assert answer.headers["x-meshnet-usage-prompt-tokens"] == "7" and answer.headers["content-type"] == "application/json"
 
 
-async def test_a_stream_without_line_ends_is_relayed_but_not_buffered_without_bound(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+async def test_a_stream_without_line_ends_is_forwarded_but_not_buffered_without_bound(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     service, url = tracker
     node = HostileNode(tmp_path / "h", service, url)
     endless_line = 4 * MAX_METERED_EVENT_BYTES
@@ -450,8 +451,8 @@ async def test_a_stream_without_line_ends_is_relayed_but_not_buffered_without_bo
     assert tiny.feed(b"data: 1\n") == [] and tiny.feed(b"\ndata: 2\r\n\r\n") == [b"data: 1\n\n", b"data: 2\r\n\r\n"]
 
 
-async def test_a_relay_that_never_ends_is_cut_at_the_total_time_limit(tmp_path: Path) -> None:
-    async with start_tracker(tmp_path, relay_total_timeout_s=1.0) as (service, url):
+async def test_a_forward_that_never_ends_is_cut_at_the_total_time_limit(tmp_path: Path) -> None:
+    async with start_tracker(tmp_path, forward_total_timeout_s=1.0) as (service, url):
         node = HostileNode(tmp_path / "h", service, url)
 
         async def trickle(request: Request) -> Response:
@@ -560,3 +561,189 @@ async def test_doctor_names_a_tracker_key_mismatch_and_an_unsafe_first_contact(t
     assert same.status == "ok"
     unsafe = check(tracker="http://192.0.2.10:8000")  # nothing is sent: no key to compare
     assert unsafe.status == "fail" and "MESHNET_TRACKER_PUBLIC_KEY" in unsafe.explanation + unsafe.fix
+
+
+# --- the tracker bills what it saw; no row left behind ---------------------------------------------
+
+
+async def test_a_lying_node_is_billed_only_what_went_by_and_flagged(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from meshnet_gguf.contract.protocol import USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
+    from meshnet_gguf.reference.metering import prompt_ceiling
+
+    service, url = tracker
+    node = HostileNode(tmp_path / "h", service, url)
+    lie = {"prompt_tokens": 2000, "completion_tokens": 4096, "total_tokens": 6096}
+
+    async def one_word_with_inflated_usage(request: Request) -> Response:
+        # One content event ("hi"), then usage, comment and headers that all claim far more.
+        events = [
+            {"choices": [{"delta": {"role": "assistant"}, "index": 0}]},
+            {"choices": [{"delta": {"content": "hi"}, "index": 0}]},
+            {"choices": [{"delta": {}, "finish_reason": "stop", "index": 0}]},
+            {"choices": [], "usage": lie},
+        ]
+        body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+        body += b": meshnet-usage " + json.dumps(lie).encode() + b"\n\ndata: [DONE]\n\n"
+        headers = {USAGE_PROMPT_TOKENS_HEADER: "2000", USAGE_COMPLETION_TOKENS_HEADER: "4096"}
+        return Response(body, media_type="text/event-stream", headers=headers)
+
+    node.answer = one_word_with_inflated_usage
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with node.running(), httpx.AsyncClient(timeout=10) as http:
+        await wait_until(lambda: routable(http, url))
+        answer = await http.post(url + CHAT, json=request)
+        assert answer.status_code == 200
+        [usage] = (await http.get(url + "/v1/usage?limit=1")).json()
+        rid = usage["request_id"]
+        # The receipt is within what T7 lets through (the body's bytes + allowance, the route's 4096 cap)...
+        ack = await node.client.send_receipts([node.receipt(rid, **{k: lie[k] for k in ("prompt_tokens", "completion_tokens")})])
+        assert ack.accepted == [rid]
+        usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
+        # ...but billed only what the tracker saw: one content event (+ slack), the prompt the request can hold.
+        assert usage["tracker"]["completion_tokens"] == 1
+        assert usage["billed"]["completion_tokens"] <= 1 + COMPLETION_SLACK_TOKENS
+        assert usage["billed"]["prompt_tokens"] <= prompt_ceiling(request) < 200
+        assert usage["flagged"] and usage["agreement"] == "mismatch"
+        [listed] = (await http.get(url + "/v1/nodes")).json()
+        assert listed["receipt_flags"] == 1
+
+
+async def test_a_request_in_flight_when_the_tracker_died_is_settled_at_start_and_billed_within_its_route(tmp_path: Path) -> None:
+    import sqlite3
+
+    from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+
+    async with start_tracker(tmp_path) as (service, url):
+        node = HostileNode(tmp_path / "h", service, url)
+        async with node.running(), httpx.AsyncClient(timeout=10) as http:
+            await wait_until(lambda: routable(http, url))
+            assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})).status_code == 200
+            [usage] = (await http.get(url + "/v1/usage?limit=1")).json()
+    rid = usage["request_id"]
+    # What a kill -9 mid-forward leaves: the row opened, never finished.
+    db = sqlite3.connect(tmp_path / "tracker" / TRACKER_LEDGER_FILE)
+    with db:
+        db.execute("UPDATE forwarded SET outcome = 'in_flight', status = NULL, prompt_tokens = NULL, completion_tokens = NULL,"
+                   " completion_ceiling = NULL WHERE request_id = ?", (rid,))  # fmt: skip
+    db.close()
+    async with start_tracker(tmp_path) as (service, url), httpx.AsyncClient(timeout=10) as http:
+        usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
+        assert usage["outcome"] == "interrupted" and usage["flagged"]
+        node = HostileNode(tmp_path / "h", service, url)
+        ack = await node.client.send_receipts([node.receipt(rid, prompt_tokens=7, completion_tokens=8)])
+        assert ack.accepted == [rid]
+        usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
+        # Billed from the receipt, within what the route allowed (8 tokens) and the request could hold.
+        assert usage["billed"] == {"prompt_tokens": 7, "completion_tokens": 8} and usage["flagged"]
+        await node.client.aclose()
+
+
+async def test_failed_registrations_relayed_or_not_leave_the_tracker_flat(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import logging
+    import tracemalloc
+
+    from meshnet_gguf.contract.node_tls import certificate_text, node_certificate
+    from meshnet_gguf.contract.protocol import RelayAttachment
+    from meshnet_gguf.reference.relay import Relay, RelayConfig
+    from support.relay_harness import running_relay
+
+    service, url = tracker
+    async with running_relay(Relay(RelayConfig(port=0))) as relay_url:
+        node = HostileNode(tmp_path / "h", service, url)  # never attached to the relay: every control proof fails
+        relayed = node.announcement(
+            advertised_url=relay_url,
+            relay=RelayAttachment(url=relay_url, tls_certificate=certificate_text(node_certificate(node.identity.private_key))),
+        )
+        direct = node.announcement(advertised_url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+
+        async def flood(n: int) -> None:
+            for i in range(n):
+                with pytest.raises(TrackerRefused) as refused:
+                    await node.client.register(relayed if i % 2 else direct)
+                assert refused.value.code == "control_unproven"
+
+        await flood(20)  # warm-up: caches, lazily imported modules
+        quiet = logging.getLogger("meshnet_gguf")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # the test's log capture would keep every refusal's line
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            await flood(200)
+            after = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+            quiet.setLevel(level)
+        grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+        assert service.dialer.held() == (0, 0)  # no transport built for a registration that failed
+        assert len(service.registry) == 0
+        # Caches that fill once (re, the event loop) stay well under this; a transport per failure was ~17 KiB each.
+        assert grown < 2048 * 200, f"{grown} bytes kept by 200 failed registrations"
+        await node.client.aclose()
+
+
+# --- private stays private: modes, and secrets that are never printed ---------------------------------
+
+
+def test_state_dirs_ledgers_and_keys_are_their_owners_only(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
+    from meshnet_gguf.ops.state_lock import StateDirLock
+    from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    old_umask = os.umask(0o022)  # the common default: without care, dirs 0755 and files 0644
+    try:
+        node_dir = tmp_path / "node"
+        node_dir.mkdir(mode=0o755)  # one an earlier version left open
+        (node_dir / LEDGER_FILE).touch(mode=0o644)
+        lock = StateDirLock(node_dir, host="127.0.0.1", port=1)
+        ledger = UsageLedger(node_dir / LEDGER_FILE)
+        NodeIdentity.load_or_create(node_dir)
+        tracker = Tracker(TrackerConfig(state_dir=tmp_path / "tracker", enrolment_secret=SECRET))
+        tracker_dir = tmp_path / "tracker"
+        assert mode(node_dir) == mode(tracker_dir) == 0o700
+        private = [node_dir / LEDGER_FILE, tracker_dir / TRACKER_LEDGER_FILE, tracker_dir / "tracker_key.pem",
+                   *node_dir.glob("*.pem"), *node_dir.glob("*-wal"), *tracker_dir.glob("*-wal")]  # fmt: skip
+        assert {str(p.relative_to(tmp_path)): oct(mode(p)) for p in private} == {str(p.relative_to(tmp_path)): "0o600" for p in private}
+        del tracker, ledger, lock
+    finally:
+        os.umask(old_umask)
+
+
+def test_the_tracker_never_prints_an_enrolment_secret_it_was_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from meshnet_gguf.cli import app
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    given = "operator-chosen-secret-81f2c"
+    result = CliRunner().invoke(app, ["dev", "tracker", "--state-dir", str(tmp_path / "t1")], env={"MESHNET_TRACKER_ENROLMENT_SECRET": given})
+    assert result.exit_code == 0, result.output
+    assert given not in result.output and "MESHNET_ENROLMENT_SECRET=<the secret you set>" in result.output
+    # A generated one is kept 0600 and named by where it is: not printed into a log (this output is no terminal).
+    result = CliRunner().invoke(app, ["dev", "tracker", "--state-dir", str(tmp_path / "t2")], env={"MESHNET_TRACKER_ENROLMENT_SECRET": ""})
+    stored = (tmp_path / "t2" / "enrolment_secret").read_text().strip()
+    assert result.exit_code == 0 and stored not in result.output and str(tmp_path / "t2" / "enrolment_secret") in result.output
+
+
+async def test_a_captured_node_token_is_refused_the_second_time(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from meshnet_gguf.contract.protocol import Heartbeat
+
+    service, url = tracker
+    node = HostileNode(tmp_path / "h", service, url)
+    async with node.running(), httpx.AsyncClient(timeout=10) as http:
+        await wait_until(lambda: routable(http, url))
+        path = f"/v1/nodes/{node.identity.node_id}/heartbeat"
+        body = Heartbeat(node_id=node.identity.node_id, state="online", load=NodeLoad(slots_total=2)).model_dump_json().encode()
+        # One heartbeat as seen on the wire (plain http): the same bytes, sent again by whoever captured them.
+        captured = {"authorization": "Bearer " + node.identity.request_auth("POST", path, body, service.issuer),
+                    "content-type": "application/json"}  # fmt: skip
+        assert (await http.post(url + path, content=body, headers=captured)).status_code == 200
+        replayed = await http.post(url + path, content=body, headers=captured)
+        assert replayed.status_code == 401 and "already used" in replayed.json()["error"]["message"]

@@ -20,6 +20,7 @@ from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH, NodeAnnouncement, No
 from meshnet_gguf.contract.signing import parse_public_key
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.tracker_client import NodeUnknown, TrackerClient, TrackerRefused
+from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS
 from meshnet_gguf.reference.node_address import NodeTarget
 from meshnet_gguf.reference.registry import NodeRegistry
 from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
@@ -197,7 +198,10 @@ async def test_relay_streams_unbuffered_through_the_real_proxy_and_both_ledgers_
             for request_id in (rid, plain.headers["x-meshnet-request-id"]):
                 await wait_until(lambda: _agreement(http, url, request_id, "agree"))
             usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
-            assert usage["tracker"] == usage["node"] == usage["billed"] == {"prompt_tokens": 7, "completion_tokens": 5}
+            assert usage["node"] == usage["billed"] == {"prompt_tokens": 7, "completion_tokens": 5}
+            # The tracker's own count: the five content events it forwarded (the route capped it at 5 too); no prompt tokens.
+            assert usage["tracker"] == {"prompt_tokens": None, "completion_tokens": 5}
+            assert usage["ceiling"]["completion_tokens"] == min(5, 5 + COMPLETION_SLACK_TOKENS) and usage["ceiling"]["prompt_tokens"] >= 7
             assert usage["outcome"] == "complete" and usage["node_id"] == mesh.node_id and not usage["flagged"]
             assert (await http.get(f"{url}/v1/usage/req-nope")).status_code == 404
     finally:

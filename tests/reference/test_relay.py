@@ -52,9 +52,9 @@ async def test_a_node_with_a_wrong_or_foreign_key_is_refused_and_never_exposed(t
     async with running_relay(relay) as relay_url:
         cases = {
             # the victim's id with the attacker's own key
-            "node_id_mismatch": lambda nonce: attach_message(attacker, nonce, node_id=victim.node_id),
+            "node_id_mismatch": lambda nonce: attach_message(attacker, nonce, to=relay_url, node_id=victim.node_id),
             # the victim's id and public key, but signed by the attacker
-            "bad_proof": lambda nonce: attach_message(victim, nonce, signer=attacker.private_key),
+            "bad_proof": lambda nonce: attach_message(victim, nonce, to=relay_url, signer=attacker.private_key),
         }
         for code, forge in cases.items():
             stream, buffered, challenge = await raw_tunnel(relay_url)
@@ -65,7 +65,7 @@ async def test_a_node_with_a_wrong_or_foreign_key_is_refused_and_never_exposed(t
         # A genuine proof for one connection does not open another (the nonce is per connection).
         stream, buffered, challenge = await raw_tunnel(relay_url)
         async with stream:
-            await stream.send(attach_message(victim, "a-nonce-from-an-earlier-connection"))
+            await stream.send(attach_message(victim, "a-nonce-from-an-earlier-connection", to=relay_url))
             assert (await read_answer(buffered))["code"] == "bad_proof"
         assert victim.node_id not in relay.tunnels
         assert await _connect_status(relay_url, victim.node_id) == 404
@@ -77,14 +77,14 @@ async def test_a_second_tunnel_replaces_the_first_only_with_the_same_key(tmp_pat
         stranger = NodeIdentity.from_private_key(Ed25519PrivateKey.generate())
         stream, buffered, challenge = await raw_tunnel(m.relay_url)
         async with stream:
-            await stream.send(attach_message(m.identity, challenge["nonce"], public_key=stranger.public_key_text, signer=stranger.private_key))
+            await stream.send(attach_message(m.identity, challenge["nonce"], to=m.relay_url, public_key=stranger.public_key_text, signer=stranger.private_key))
             assert (await read_answer(buffered))["type"] == "refused"
         assert m.relay.tunnels[m.identity.node_id] is first  # untouched
         # The same key on a new control connection takes over; the node notices and attaches again.
         connects = m.link.connects
         stream, buffered, challenge = await raw_tunnel(m.relay_url)
         async with stream:
-            await stream.send(attach_message(m.identity, challenge["nonce"]))
+            await stream.send(attach_message(m.identity, challenge["nonce"], to=m.relay_url))
             assert (await read_answer(buffered))["type"] == "attached"
             assert m.relay.tunnels[m.identity.node_id] is not first
         with anyio.fail_after(5):
@@ -363,7 +363,7 @@ async def test_garbage_on_a_live_control_connection_drops_only_that_tunnel(tmp_p
         other = NodeIdentity.from_private_key(Ed25519PrivateKey.generate())
         stream, buffered, challenge = await raw_tunnel(m.relay_url)
         async with stream:
-            await stream.send(attach_message(other, challenge["nonce"]))
+            await stream.send(attach_message(other, challenge["nonce"], to=m.relay_url))
             assert (await read_answer(buffered))["type"] == "attached"
             assert other.node_id in m.relay.tunnels
             await stream.send(b"\x00garbage that is no ping\n")
@@ -421,7 +421,7 @@ def _announcement(identity: NodeIdentity, relay: RelayAttachment) -> NodeAnnounc
 
 async def test_the_tracker_transport_reaches_a_relayed_node_and_refuses_a_foreign_certificate(tmp_path: Path) -> None:
     async with mesh(tmp_path) as m:
-        dialer = NodeDialer(httpx.Limits())
+        dialer = NodeDialer(httpx.Limits(), lambda relay_url, node_id: "an open relay asks for no token")
         async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=10) as http:
             policy = AddressPolicy(allow_loopback=True)
             target = await dialer.through_relay(_announcement(m.identity, m.link.attachment()), policy)

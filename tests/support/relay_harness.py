@@ -19,6 +19,7 @@ from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_
 from meshnet_gguf.contract.signing import parse_public_key
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
+from meshnet_gguf.ops.metrics_access import MetricsAccess
 from meshnet_gguf.reference.relay import Relay, RelayConfig
 from support.loopback import serve_asgi
 
@@ -111,12 +112,18 @@ async def running_relay(relay: Relay) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def mesh(tmp_path: Path, *, relay_config: RelayConfig | None = None, relay: Relay | None = None) -> AsyncIterator[Mesh]:
+async def mesh(
+    tmp_path: Path, *, relay_config: RelayConfig | None = None, relay: Relay | None = None, metrics_key: str | None = None
+) -> AsyncIterator[Mesh]:
+    """The relay, a node's link and its stand-in app, whose `/metrics` is guarded as the node guards its own."""
     app = StreamApp()
     app_port = free_local_port()
     relay = relay or Relay(relay_config or RelayConfig(port=0))
-    async with serve_asgi(app, app_port), running_relay(relay) as relay_url:
+    links: list[RelayLink] = []
+    guarded = MetricsAccess(app, "/metrics", is_relayed=lambda peer: any(link.is_relayed(peer) for link in links), operator_key=metrics_key)
+    async with serve_asgi(guarded, app_port), running_relay(relay) as relay_url:
         link = build_relay_link(relay_url, NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port))
+        links.append(link)
         async with anyio.create_task_group() as tg:
             tg.start_soon(link.run)
             m = Mesh(relay, relay_url, link, app, app_port, link.identity)
@@ -155,15 +162,17 @@ async def read_answer(buffered: Any) -> dict[str, Any]:
     return json.loads(await buffered.receive_until(b"\n", 65536))
 
 
-def attach_message(identity: NodeIdentity, nonce: str, *, role: str = "control", node_id: str | None = None,
-                   public_key: str | None = None, signer: Any = None, aud: str = "meshnet-relay") -> bytes:
+def attach_message(identity: NodeIdentity, nonce: str, *, to: str, role: str = "control", node_id: str | None = None,
+                   public_key: str | None = None, signer: Any = None, aud: str | None = None) -> bytes:
+    """An attach line for the relay at URL `to` (its proof names that relay unless `aud` says otherwise)."""
     import time as _time
 
+    from meshnet_gguf.contract.protocol import relay_audience
     from meshnet_gguf.contract.signing import encode_token
 
     now = int(_time.time())
     node_id = node_id or identity.node_id
-    claims = {"iss": node_id, "aud": aud, "nonce": nonce, "role": role, "iat": now, "exp": now + 30}
+    claims = {"iss": node_id, "aud": aud or relay_audience(to), "nonce": nonce, "role": role, "iat": now, "exp": now + 30}
     proof = encode_token(claims, signer or identity.private_key)
     message = {"type": "attach", "role": role, "node_id": node_id, "public_key": public_key or identity.public_key_text, "proof": proof}
     return json.dumps(message).encode() + b"\n"

@@ -91,9 +91,12 @@ def node_env(tracker: ServiceProcess) -> dict[str, str]:
     return {"MESHNET_ENROLMENT_SECRET": tracker.env["MESHNET_TRACKER_ENROLMENT_SECRET"]}
 
 
-def relay_process(workdir: Path, host: str = "127.0.0.1", port: int | None = None) -> ServiceProcess:
+def relay_process(workdir: Path, tracker: ServiceProcess, host: str = "127.0.0.1", port: int | None = None) -> ServiceProcess:
+    """The reference relay, trusting `tracker` (already started) and no one else."""
     port = port or free_local_port()
-    return ServiceProcess("relay", ["dev", "relay", "--host", host, "--port", str(port), "--ping-interval", "2"], workdir, port=port, host=host)
+    return ServiceProcess("relay", [
+        "dev", "relay", "--host", host, "--port", str(port), "--ping-interval", "2", "--trust-tracker-key", tracker_key(tracker),
+    ], workdir, port=port, host=host)  # fmt: skip
 
 
 def tracker_key(tracker: ServiceProcess) -> str:

@@ -42,6 +42,9 @@ class TrackerProcess(ServiceProcess):
         lines = [line for line in self.log_path.read_text().splitlines() if " meshnet-gguf serve " in line]
         words = shlex.split(lines[-1])
         env = dict(w.split("=", 1) for w in words if re.fullmatch(r"MESHNET_[A-Z_]+=.*", w))
+        for name, value in env.items():  # a secret the banner names by its file (it prints one only on a terminal)
+            if (kept := re.fullmatch(r"\$\(cat (.+)\)", value)) is not None:
+                env[name] = Path(kept.group(1)).read_text().strip()
         argv = words[words.index("serve") + 1 :]
         assert argv[argv.index("--tracker") + 1] == self.url
         return env

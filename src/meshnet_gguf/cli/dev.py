@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -49,6 +50,7 @@ def tracker(
     from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
     from meshnet_gguf.reference.node_address import AddressPolicy
     from meshnet_gguf.reference.tracker import (
+        ENROLMENT_SECRET_FILE,
         MAX_REQUEST_HEADER_BYTES,
         Tracker,
         TrackerConfig,
@@ -60,6 +62,8 @@ def tracker(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     extra = {} if health_poll_interval is None else {"health_poll_interval_s": health_poll_interval}
     state = state_dir or default_state_dir() / "tracker"
+    secret_path = state / ENROLMENT_SECRET_FILE
+    generated_now = not open_enrolment and not enrolment_secret and not secret_path.exists()
     secret = None if open_enrolment else (enrolment_secret or load_or_create_enrolment_secret(state))
     config = TrackerConfig(
         state_dir=state,
@@ -74,12 +78,24 @@ def tracker(
     typer.echo(f"tracker public key: {service.public_key_text}  (also at {url}{WELL_KNOWN_PATH})")
     if secret is None:
         typer.echo("enrolment: OPEN (--open): anyone who can reach this tracker may register a node")
+    elif enrolment_secret:
+        typer.echo("enrolment: nodes must present the enrolment secret you gave this tracker (not printed)")
     else:
-        typer.echo("enrolment: nodes must present the enrolment secret (MESHNET_ENROLMENT_SECRET in the line below)")
+        typer.echo(f"enrolment: nodes must present the enrolment secret kept in {secret_path} (mode 0600)")
     allowed = [kind for kind, on in (("loopback", allow_loopback), ("private", allow_private)) if on]
     typer.echo(f"node addresses: public{''.join(', ' + kind for kind in allowed)} allowed"
                + (" (loopback is for a mesh on this machine)" if allow_loopback else ""))
-    env = f"MESHNET_TRACKER_PUBLIC_KEY={service.public_key_text}" + (f" MESHNET_ENROLMENT_SECRET={secret}" if secret else "")
+    # A secret is printed at most once: when it was made just now and the output is a terminal, not a log.
+    if secret is None:
+        shown = ""
+    elif enrolment_secret:
+        shown = " MESHNET_ENROLMENT_SECRET=<the secret you set>"
+    elif generated_now and sys.stdout.isatty():
+        shown = f" MESHNET_ENROLMENT_SECRET={secret}"
+        typer.echo(f"a new enrolment secret was made and stored in {secret_path}; it is shown below this once")
+    else:
+        shown = f' MESHNET_ENROLMENT_SECRET="$(cat {secret_path})"'
+    env = f"MESHNET_TRACKER_PUBLIC_KEY={service.public_key_text}" + shown
     typer.echo("start a node with:")
     typer.echo(f"  {env} meshnet-gguf serve --tracker {url} --port {_SUGGESTED_NODE_PORT} --demo")
     # Lifespan on: it runs the health poller and the relay's HTTP client. h11 bounds the request
@@ -96,17 +112,53 @@ def relay(
     port: Annotated[int, typer.Option(help="Port to listen on")] = DEFAULT_RELAY_PORT,
     ping_interval: Annotated[float, typer.Option(help="Seconds between a node's pings (at most 20)", max=20)] = 10.0,  # protocol.RELAY_PING_INTERVAL_S, a literal for the same reason (checked by the same test)
     max_idle_work: Annotated[Optional[int], typer.Option(help="Idle work connections kept per node [default: 16]", min=1)] = None,
+    trust_tracker_key: Annotated[
+        Optional[list[str]],
+        typer.Option("--trust-tracker-key", help="Public key of a tracker whose CONNECT tokens this relay honours (repeatable)"),
+    ] = None,
+    open_relay: Annotated[
+        bool, typer.Option("--open", help="Trust no tracker: anyone may CONNECT and attach (local experiments)")
+    ] = False,
+    public_url: Annotated[
+        Optional[str], typer.Option(help="The URL nodes and trackers know this relay by [default: http://HOST:PORT]")
+    ] = None,
+    tls_certificate: Annotated[Optional[Path], typer.Option(help="Serve https: PEM certificate chain for the relay's host name")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option(help="The key of --tls-certificate (PEM)")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
     """Run the reference relay: nodes behind NAT dial in; trackers reach them with CONNECT <node_id>:443."""
     import anyio
 
+    from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
     from meshnet_gguf.reference.relay import Relay, RelayConfig
 
+    keys = tuple(trust_tracker_key or ())
+    if bool(keys) == open_relay:
+        typer.echo("error: give --trust-tracker-key KEY (the tracker prints it at start), or --open", err=True)
+        raise typer.Exit(2)
+    if host in ("0.0.0.0", "::", "") and not public_url:
+        # Attach proofs and CONNECT tokens name the relay by the URL nodes dial; a wildcard address is no such URL.
+        typer.echo(f"error: listening on {host or 'every address'}, give --public-url (the URL nodes and trackers dial)", err=True)
+        raise typer.Exit(2)
+    for key in keys:
+        try:
+            parse_public_key(key)
+        except KeyFormatError as exc:
+            typer.echo(f"error: --trust-tracker-key {key!r}: {exc}", err=True)
+            raise typer.Exit(2) from exc
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     extra = {} if max_idle_work is None else {"max_idle_work": max_idle_work}
-    config = RelayConfig(host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval, **extra)  # type: ignore[arg-type]
-    typer.echo(f"relay on http://{host}:{port}: start a node with meshnet-gguf serve --relay http://{host}:{port} ...")
+    config = RelayConfig(
+        host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval,
+        trusted_tracker_keys=keys, public_url=public_url, **extra,  # type: ignore[arg-type]
+        tls_certificate_file=str(tls_certificate) if tls_certificate else None, tls_key_file=str(tls_key) if tls_key else None,
+    )  # fmt: skip
+    url = public_url or f"{'https' if tls_certificate else 'http'}://{host}:{port}"
+    typer.echo(f"relay on {url}: start a node with meshnet-gguf serve --relay {url} ...")
+    if keys:
+        typer.echo(f"CONNECT and tunnels: only for {len(keys)} trusted tracker key(s)")
+    else:
+        typer.echo("CONNECT and tunnels: OPEN (--open): anyone who reaches this relay may use it")
     try:
         anyio.run(Relay(config).serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
     except KeyboardInterrupt:

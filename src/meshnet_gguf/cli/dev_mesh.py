@@ -146,12 +146,15 @@ def run_mesh(
             "dev", "tracker", "--port", str(tracker_port), "--state-dir", str(root / "tracker"),
             "--heartbeat-interval", str(MESH_HEARTBEAT_S), "--health-poll-interval", str(MESH_HEALTH_POLL_S),
         ], root, {"MESHNET_TRACKER_ENROLMENT_SECRET": secret}))  # fmt: skip
-        children.append(_start("relay", ["dev", "relay", "--port", str(relay_port)], root, {}))
         _wait_for(lambda: _get(tracker_url + "/health").status_code == 200, "the tracker", SERVICE_START_TIMEOUT_S, children, stop)
-        _wait_for(lambda: _get(relay_url + "/health").status_code == 200, "the relay", SERVICE_START_TIMEOUT_S, children, stop)
         if stop.is_set():
             return 0
         tracker_key = _get(tracker_url + WELL_KNOWN_PATH).json()["public_key"]
+        # The relay honours CONNECTs from this tracker only, and keeps tunnels only for nodes it admits.
+        children.append(_start("relay", ["dev", "relay", "--port", str(relay_port), "--trust-tracker-key", tracker_key], root, {}))
+        _wait_for(lambda: _get(relay_url + "/health").status_code == 200, "the relay", SERVICE_START_TIMEOUT_S, children, stop)
+        if stop.is_set():
+            return 0
         node_args = [
             "serve", *model_args, "--port", str(node_port), "--state-dir", str(root / "node"),
             "--tracker", tracker_url, "--tracker-public-key", tracker_key, "--relay", relay_url,

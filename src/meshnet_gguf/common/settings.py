@@ -51,6 +51,7 @@ class NodeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = Field(None, description="Standalone mode: require this bearer key from local clients")
+    metrics_key: str | None = Field(None, description="Bearer key that lets a caller from elsewhere read /metrics (loopback needs none)")
     advertised_url: str | None = Field(None, description="URL the tracker should use to reach this node")
 
     # --- llama-server ------------------------------------------------------

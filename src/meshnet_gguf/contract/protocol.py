@@ -270,6 +270,7 @@ class NodeAuthClaims(_Wire):
     htm: str = Field(description="HTTP method of the call")
     htu: str = Field(description="Path of the call, e.g. /v1/nodes/node-x/heartbeat")
     body_sha256: str
+    jti: str = Field(description="Fresh per call: the tracker remembers it for the token's lifetime and refuses it again")
 
 
 class NodeControlClaims(_Wire):
@@ -342,22 +343,28 @@ class TrackerUsage(_Wire):
     model: str
     stream: bool
     status: int | None = None
-    outcome: str | None = Field(None, description="complete, cancelled, upstream_error, in_flight")
+    outcome: str | None = Field(None, description="complete, cancelled, upstream_error, timed_out, refused, interrupted, in_flight")
     tracker: UsageCounts
     node: UsageCounts | None = None
     node_finish_reason: FinishReason | None = None
     agreement: UsageAgreement
     billed: UsageCounts | None = Field(
-        None, description="What the tracker bills: the smaller of its own count and the receipt, per field"
+        None, description="What the tracker bills: the receipt, capped per field by the tracker's ceiling"
     )
-    flagged: bool = Field(False, description="Tracker count and receipt differ beyond the tolerance")
+    flagged: bool = Field(False, description="The receipt claims more than the tracker's ceilings, or the request was interrupted")
+    ceiling: UsageCounts | None = Field(
+        None, description="The most the tracker bills, from the request it received and the bytes it forwarded"
+    )
 
 
 # --- relay (docs/protocol.md, "Relay") ----------------------------------------
 # A node dials the relay and upgrades one HTTP/1.1 connection per role to this protocol.
 RELAY_TUNNEL_PATH = "/v1/relay/tunnel"
 RELAY_UPGRADE_PROTOCOL = "meshnet-relay/1"
-RELAY_ATTACH_AUDIENCE = "meshnet-relay"
+# A tracker's CONNECT carries `Proxy-Authorization: Bearer <token>` (RelayConnectClaims), good for one
+# connection to one node through one relay, and short-lived.
+RELAY_CONNECT_AUTH_SCHEME = "Bearer"
+MAX_RELAY_CONNECT_TOKEN_LIFETIME_S = 60
 # Trackers ask the relay for `CONNECT <node_id>:443`; the port is nominal, the node id picks the tunnel.
 RELAY_CONNECT_PORT = 443
 # The most a node may wait between pings; a tunnel silent for ping interval + timeout is dead.
@@ -379,11 +386,16 @@ class RelayChallenge(_Wire):
     nonce: str = Field(description="base64url of 32 random bytes, fresh per connection")
 
 
+def relay_audience(url: str) -> str:
+    """How a relay is named in the tokens meant for it: its base URL as nodes dial it, without a trailing slash."""
+    return url.strip().rstrip("/").lower()
+
+
 class RelayAttachClaims(_Wire):
     """Claims of the attach proof (EdDSA JWT signed with the node key)."""
 
     iss: str = Field(description="Node id")
-    aud: str = RELAY_ATTACH_AUDIENCE
+    aud: str = Field(description="The relay this proof is for: relay_audience(its URL)")
     nonce: str = Field(description="The relay's challenge on this very connection")
     role: RelayRole
     iat: int
@@ -409,6 +421,17 @@ class RelayAttached(_Wire):
     ping_interval_s: float = Field(RELAY_PING_INTERVAL_S, gt=0, le=RELAY_PING_INTERVAL_S * 2)
     ping_timeout_s: float = Field(RELAY_PING_TIMEOUT_S, gt=0)
     max_idle_work: int = Field(gt=0, description="Idle work connections the relay keeps for this node")
+
+
+class RelayConnectClaims(_Wire):
+    """Claims of a tracker's CONNECT token (EdDSA JWT signed with the tracker key)."""
+
+    iss: str = Field(description="Tracker issuer (tracker_issuer_for its key)")
+    aud: str = Field(description="The relay: relay_audience(the URL the node announced)")
+    sub: str = Field(description="The node id the CONNECT names")
+    jti: str = Field(description="Fresh per token: the relay accepts each once")
+    iat: int
+    exp: int
 
 
 class RelayReady(_Wire):

@@ -7,6 +7,7 @@ thing (request auth, usage receipts) against it.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,7 @@ class NodeIdentity:
             "htm": method.upper(),
             "htu": path,
             "body_sha256": body_sha256(body),
+            "jti": secrets.token_urlsafe(16),  # fresh per call: the tracker accepts each token once
         }
         return encode_token(claims, self.private_key)
 

@@ -36,6 +36,7 @@ from typing import TypeVar
 
 import anyio
 
+from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
 
 LEDGER_FILE = "usage.sqlite3"
@@ -109,7 +110,8 @@ class UsageLedger:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
+        private_sqlite(self.path)  # what the node served and earned: its owner's only
         # One connection, serialised by a lock: SQLite allows one writer anyway, and the
         # lock lets any worker thread use it (check_same_thread=False).
         self._lock = threading.Lock()

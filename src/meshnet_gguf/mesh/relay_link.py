@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -42,7 +44,6 @@ from meshnet_gguf.contract.node_tls import certificate_pem, certificate_text, no
 from meshnet_gguf.contract.protocol import (
     MAX_RELAY_HEAD_BYTES,
     MAX_RELAY_MESSAGE_BYTES,
-    RELAY_ATTACH_AUDIENCE,
     RELAY_PROOF_LIFETIME_S,
     RELAY_TUNNEL_PATH,
     RELAY_UPGRADE_PROTOCOL,
@@ -58,6 +59,7 @@ from meshnet_gguf.contract.protocol import (
     RelayReady,
     RelayRefused,
     RelayRole,
+    relay_audience,
 )
 from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
@@ -75,7 +77,10 @@ DIAL_TIMEOUT_S = 10.0
 DEFAULT_IDLE_WORK = 4
 # A work connection that failed to attach is not retried faster than this, so a refusing relay is not hammered.
 WORK_RETRY_DELAY_S = 0.5
-# The TLS handshake of a work connection in use; the tracker starts it at once after CONNECT.
+# The TLS handshake of a work connection, counted from the first byte the relay forwards on it: a
+# tracker sends its whole ClientHello at once, so a peer that trickles or stops mid-handshake only
+# holds the node's connection, and loses it after this long. The connection counts as used from that
+# first byte, so a replacement is dialled at once.
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 # An idle work connection is renewed after this long, so none lingers forever half-open.
 IDLE_WORK_LIFETIME_S = 3600.0
@@ -138,6 +143,13 @@ class RelayLink(BasePart):
         self._draining = False
         self._session_scope: anyio.CancelScope | None = None
         self._streams_group: anyio.abc.TaskGroup | None = None
+        # (host, port) of each connection this link opened to the node's own listener: what arrives from
+        # them came through the relay, though it comes from loopback.
+        self._local_peers: set[tuple[str, int]] = set()
+
+    def is_relayed(self, peer: tuple[str, int]) -> bool:
+        """Whether a connection to the node's listener from `peer` carries a relayed stream."""
+        return (peer[0], peer[1]) in self._local_peers
 
     # --- what the node and the mesh link read -------------------------------
     def attachment(self) -> RelayAttachment:
@@ -269,18 +281,24 @@ class RelayLink(BasePart):
             transport.pause_reading()
             writer.write(RelayReady().model_dump_json().encode() + b"\n")
             tls_side = _Pipe()
-            # Idle until a tracker's handshake completes (or the relay drops the connection).
+            # Idle until the relay forwards a first byte (or drops the connection); renewed after a while.
+            with anyio.move_on_after(IDLE_WORK_LIFETIME_S) as idle_wait:
+                await _wait_readable(transport)
+            if idle_wait.cancelled_caught:
+                return
+            # Used from here on, whoever sent that byte: the pool gets a replacement now, not after a handshake
+            # that a stranger may never finish.
+            in_use = True
+            self._idle -= 1
+            self._pool_change()
             ssl_transport = await asyncio.get_running_loop().start_tls(
-                transport, tls_side, self._tls, server_side=True, ssl_handshake_timeout=IDLE_WORK_LIFETIME_S
+                transport, tls_side, self._tls, server_side=True, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S
             )
             # start_tls does not call connection_made: the app protocol learns its transport here.
             tls_side.transport = ssl_transport  # type: ignore[assignment]
             ssl_transport.pause_reading()  # until the local side is connected
-            in_use = True
-            self._idle -= 1
             self.streams_active += 1
             self.streams_total += 1
-            self._pool_change()
             if self._streams_group is not None:
                 # The stream lives in the streams group, beyond this control session.
                 self._streams_group.start_soon(self._serve_stream, ssl_transport, tls_side, writer)
@@ -300,15 +318,22 @@ class RelayLink(BasePart):
     async def _serve_stream(self, ssl_transport: asyncio.BaseTransport, tls_side: _Pipe, writer: asyncio.StreamWriter) -> None:
         # `writer` is held until the stream ends: a collected StreamWriter closes the socket under the TLS layer.
         local_side: _Pipe | None = None
+        peer: tuple[str, int] | None = None
         try:
             host, port = self._local_address()
             _, local_side = await asyncio.get_running_loop().create_connection(_Pipe, host, port)
+            sockname = local_side.transport.get_extra_info("sockname") if local_side.transport else None
+            if sockname:
+                peer = (str(sockname[0]), int(sockname[1]))
+                self._local_peers.add(peer)
             _Pipe.join(tls_side, local_side)
             await tls_side.closed
             await local_side.closed
         except Exception as exc:  # noqa: BLE001 - one stream's failure never touches another
             log.debug("relayed stream ended: %r", exc, exc_info=True)
         finally:
+            if peer is not None:
+                self._local_peers.discard(peer)
             self.streams_active -= 1
             ssl_transport.close()
             del writer
@@ -375,7 +400,7 @@ class RelayLink(BasePart):
     def _attach_message(self, role: RelayRole, nonce: str) -> RelayAttach:
         now = int(time.time())
         claims = RelayAttachClaims(
-            iss=self.identity.node_id, aud=RELAY_ATTACH_AUDIENCE, nonce=nonce, role=role,
+            iss=self.identity.node_id, aud=relay_audience(self.endpoint.url), nonce=nonce, role=role,
             iat=now, exp=now + RELAY_PROOF_LIFETIME_S,
         )  # fmt: skip
         return RelayAttach(
@@ -462,6 +487,19 @@ class _Pipe(asyncio.Protocol):
         for side in (self, self.peer):
             if side is not None and side.transport is not None:
                 side.transport.close()
+
+
+async def _wait_readable(transport: asyncio.BaseTransport) -> None:
+    """Wait until the peer sends a byte (or closes) without reading it, so the TLS layer reads it all.
+
+    The transport owns its descriptor in the event loop; a duplicate of it is watched instead.
+    """
+    own = transport.get_extra_info("socket")
+    watcher = socket.socket(fileno=os.dup(own.fileno()))
+    try:
+        await anyio.wait_readable(watcher)
+    finally:
+        watcher.close()
 
 
 async def _receive_line(buffered: BufferedByteReceiveStream) -> bytes:

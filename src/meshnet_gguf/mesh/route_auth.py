@@ -56,6 +56,11 @@ class ReplayCache:
                 break
             self._expiry.popitem(last=False)
 
+    def seen(self, request_id: str, now: float) -> bool:
+        """Whether this id was used already (and its route is still live): looked up, nothing recorded."""
+        expires = self._expiry.get(request_id)
+        return expires is not None and expires > now
+
     def remember(self, request_id: str, expires_at: float, now: float) -> None:
         """Record a first sighting; raises `RouteRejected` on a second one."""
         self._prune(now)
@@ -125,6 +130,10 @@ class RouteVerifier:
         self._check_hops(claims)
         if claims.path != path:
             raise RouteRejected("route_wrong_path", f"route is for {claims.path}, not {path}")
+        # A route already used is refused here, before its body is read, its prompt counted or a slot taken; the
+        # id is still claimed only at the last moment (`claim`), so a route refused for another reason keeps it.
+        if self._replay.seen(claims.jti, self._clock()):
+            raise RouteRejected("route_replayed", f"route for request {claims.jti} was already used")
         return claims
 
     @staticmethod

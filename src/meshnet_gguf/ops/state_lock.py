@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet_gguf.common.private_files import private_dir
 from meshnet_gguf.contract.node_part import BasePart
 
 LOCK_FILE_NAME = "node.lock"
@@ -48,7 +49,7 @@ class StateDirLock(BasePart):
 
     def __init__(self, state_dir: Path, *, host: str, port: int) -> None:
         self.path = state_dir / LOCK_FILE_NAME
-        state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(state_dir)  # keys, ledger and logs of one node: its owner's only
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,38 +1,38 @@
-"""The tracker's own count of a request's tokens, taken from the bytes it relays.
+"""The tracker's own count of a request's tokens, from what it forwarded and the request it received.
 
-It reads a copy and never changes what is forwarded. Sources, best first: the
-`usage` object llama-server produced (the usage chunk of a stream, or the body
-of a plain answer), then the node's in-band `: meshnet-usage {...}` comment,
-then the node's `X-Meshnet-Usage-*` headers, and last (a stream cut before any of
-those passed) the completion tokens it saw go by, one per content event.
+Nothing the node says about its usage counts here: not the `usage` object, not
+the `: meshnet-usage` comment, not the `X-Meshnet-Usage-*` headers. A node that
+lies there would otherwise be compared with itself. Instead (docs/protocol.md,
+section 11, T13):
+
+- completion tokens are bounded by what went by: one per content event of a
+  stream (llama-server sends one token per event), or one per byte of generated
+  text in a whole answer, plus `COMPLETION_SLACK_TOKENS`, and never more than
+  the route allowed;
+- prompt tokens are bounded by the request: `PROMPT_BASE_ALLOWANCE_TOKENS`, plus
+  `PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS` per message (or input), plus one per
+  byte of the request's text (a token id in a pre-tokenized prompt counts one).
+
+These are ceilings: the bill is the node's signed receipt, capped by them.
 
 A node chooses what it sends, so the copy is bounded: an event longer than
 `MAX_METERED_EVENT_BYTES` ends the metering of that stream (the bytes are still
-relayed), and the event search never rescans bytes it has already searched.
+forwarded, and the completion ceiling falls back to the route's), and the
+event search never rescans bytes it has already searched.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
 from typing import Any
 
-from meshnet_gguf.contract.protocol import (
-    USAGE_COMMENT_PREFIX,
-    USAGE_COMPLETION_TOKENS_HEADER,
-    USAGE_PROMPT_TOKENS_HEADER,
-    UsageCounts,
-)
+from meshnet_gguf.contract.protocol import UsageCounts
 from meshnet_gguf.contract.sse import DONE_DATA, event_data, is_comment
 
-# A plain (non-streamed) answer is parsed for its `usage` only up to this size;
-# bigger ones (large embedding batches) are counted from the node's headers.
-MAX_METERED_BODY_BYTES = 16 * 1024 * 1024
 # One SSE event of llama-server is a token chunk or the usage chunk, well under 4 KiB; a tool
 # call's arguments may be longer. A node sending more without a blank line is not metered further.
 MAX_METERED_EVENT_BYTES = 256 * 1024
-_COMMENT_PREFIX = b": " + USAGE_COMMENT_PREFIX.encode()
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 # The longest event terminator less one: a terminator split across two chunks is still found.
 _TERMINATOR_OVERLAP = 3
@@ -69,15 +69,62 @@ class BoundedEventSplitter:
         return events
 
 
-class RelayMeter:
+# A whole answer is read for its generated text only up to this size; past it, the route's cap bounds it.
+MAX_METERED_BODY_BYTES = 16 * 1024 * 1024
+# What a chat template adds around a prompt: BOS, a default system prompt, the generation prompt.
+PROMPT_BASE_ALLOWANCE_TOKENS = 128
+# Role markers and separators a template puts around each message (or each embeddings input).
+PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS = 16
+# Tokens an honest node may count beyond the content events the tracker saw (a stop token, a token held
+# back as an incomplete UTF-8 sequence). A node that lies is billed at most this much above the truth.
+COMPLETION_SLACK_TOKENS = 2
+# The request fields a prompt is made of; every string leaf counts its bytes, every number one token.
+_PROMPT_FIELDS = ("messages", "prompt", "input", "tools", "functions", "system")
+# Bounds the walk over a request's JSON (it is already depth-limited by the parser).
+_MAX_WALK_ITEMS = 1_000_000
+
+
+def prompt_ceiling(payload: dict[str, Any]) -> int:
+    """The most prompt tokens the request can hold, whatever the tokenizer."""
+    pieces = 0
+    for field in ("messages", "input", "prompt"):
+        value = payload.get(field)
+        if isinstance(value, list):
+            pieces += len(value)
+        elif value is not None:
+            pieces += 1
+    return PROMPT_BASE_ALLOWANCE_TOKENS + PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS * pieces + sum(
+        _text_size(payload[f]) for f in _PROMPT_FIELDS if f in payload
+    )
+
+
+def _text_size(value: Any) -> int:
+    size, stack, seen = 0, [value], 0
+    while stack and seen < _MAX_WALK_ITEMS:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, str):
+            size += len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, (int, float)):
+            size += 1
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return size
+
+
+class ForwardMeter:
+    """Counts what the tracker forwards: content events of a stream, or the generated text of a whole answer."""
+
     def __init__(self, event_stream: bool) -> None:
         self.event_stream = event_stream
         self._splitter = BoundedEventSplitter() if event_stream else None
-        self._content_events = 0
+        self.content_events = 0
         self._body = bytearray()
         self._body_too_big = False
-        self._usage: UsageCounts | None = None
-        self._comment: UsageCounts | None = None
         self.done = False
         self.error = False
 
@@ -92,26 +139,24 @@ class RelayMeter:
         for event in self._splitter.feed(chunk) or ():
             self._meter_event(event)
 
-    def counts(self, headers: Mapping[str, str]) -> UsageCounts | None:
-        """The best count seen, or None when the relayed bytes carried none."""
-        if self._splitter is None and not self._body_too_big and self._body:
-            self._usage = _usage_of(_json(bytes(self._body))) or self._usage
-        if self._usage is not None:
-            return self._usage
-        if self._comment is not None:
-            return self._comment
-        prompt = headers.get(USAGE_PROMPT_TOKENS_HEADER.lower()) or headers.get(USAGE_PROMPT_TOKENS_HEADER)
-        completion = headers.get(USAGE_COMPLETION_TOKENS_HEADER.lower()) or headers.get(USAGE_COMPLETION_TOKENS_HEADER)
-        if prompt is not None and completion is not None and prompt.isdigit() and completion.isdigit():
-            return UsageCounts(prompt_tokens=int(prompt), completion_tokens=int(completion))
-        if self._content_events:
-            return UsageCounts(prompt_tokens=None, completion_tokens=self._content_events)
-        return None
+    def completion_ceiling(self, route_ceiling: int) -> int:
+        """The most completion tokens what went by can hold, within the route's own ceiling."""
+        if self._splitter is not None:
+            if self._splitter.overflowed:
+                return route_ceiling
+            seen = self.content_events
+        else:
+            if self._body_too_big:
+                return route_ceiling
+            seen = _generated_text_bytes(_json(bytes(self._body)))
+        return min(route_ceiling, seen + COMPLETION_SLACK_TOKENS)
+
+    def counted(self) -> UsageCounts:
+        """What the tracker itself counted: content events of a stream; it counts no prompt tokens."""
+        return UsageCounts(prompt_tokens=None, completion_tokens=self.content_events if self.event_stream else None)
 
     def _meter_event(self, event: bytes) -> None:
         if is_comment(event):
-            if event.startswith(_COMMENT_PREFIX):
-                self._comment = _usage_of(_json(event[len(_COMMENT_PREFIX) :]), nested=False) or self._comment
             return
         data = event_data(event)
         if data is None:
@@ -123,9 +168,8 @@ class RelayMeter:
         if isinstance(chunk, dict):
             if "error" in chunk:
                 self.error = True
-            self._usage = _usage_of(chunk) or self._usage
             if _carries_a_token(chunk):
-                self._content_events += 1
+                self.content_events += 1
 
 
 def _json(raw: bytes) -> Any:
@@ -133,6 +177,21 @@ def _json(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError):
         return None
+
+
+def _generated_text_bytes(answer: Any) -> int:
+    """Bytes of the text a whole answer generated: message content, reasoning, tool calls, completion text."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        return 0
+    total = 0
+    for choice in answer["choices"]:
+        if not isinstance(choice, dict):
+            continue
+        message = choice.get("message")
+        if isinstance(message, dict):
+            total += _text_size([message.get("content"), message.get("reasoning_content"), message.get("tool_calls")])
+        total += _text_size(choice.get("text"))
+    return total
 
 
 def _carries_a_token(chunk: dict[str, Any]) -> bool:
@@ -143,19 +202,8 @@ def _carries_a_token(chunk: dict[str, Any]) -> bool:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")):
             return True
         if choice.get("text"):
             return True
     return False
-
-
-def _usage_of(obj: Any, nested: bool = True) -> UsageCounts | None:
-    usage = obj.get("usage") if nested and isinstance(obj, dict) else obj
-    if not isinstance(usage, dict):
-        return None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if not isinstance(prompt, int):
-        return None
-    # Embeddings answers carry only prompt (and total) tokens.
-    return UsageCounts(prompt_tokens=prompt, completion_tokens=completion if isinstance(completion, int) else 0)

@@ -18,9 +18,11 @@ Run it with `meshnet-gguf dev relay`.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import secrets
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,13 +33,15 @@ import jwt
 from anyio.abc import ByteStream, SocketStream, TaskStatus
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import StapledByteStream
+from anyio.streams.tls import TLSStream
 from pydantic import BaseModel, ValidationError
 
 from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
+    MAX_RELAY_CONNECT_TOKEN_LIFETIME_S,
     MAX_RELAY_HEAD_BYTES,
     MAX_RELAY_MESSAGE_BYTES,
-    RELAY_ATTACH_AUDIENCE,
+    RELAY_CONNECT_AUTH_SCHEME,
     RELAY_PING_INTERVAL_S,
     RELAY_PING_TIMEOUT_S,
     RELAY_PROOF_LIFETIME_S,
@@ -49,8 +53,9 @@ from meshnet_gguf.contract.protocol import (
     RelayPing,
     RelayReady,
     RelayRefused,
+    relay_audience,
 )
-from meshnet_gguf.contract.signing import KeyFormatError, decode_token, node_id_for, parse_public_key
+from meshnet_gguf.contract.signing import KeyFormatError, decode_token, node_id_for, parse_public_key, tracker_issuer_for
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,26 @@ HANDSHAKE_TIMEOUT_S = 10.0
 DEFAULT_MAX_TUNNELS = 10_000
 # Bytes read per splice step: one TLS record is at most ~16 kB, so a read carries a few.
 SPLICE_CHUNK_BYTES = 64 * 1024
+# Connections still in their head or attach handshake (nothing proved yet), per source address and in
+# all: each may take HANDSHAKE_TIMEOUT_S, so without a bound a stranger holds every descriptor the relay has.
+DEFAULT_MAX_PENDING_PER_PEER = 64
+DEFAULT_MAX_PENDING = 2048
+# accept() failing for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM): the relay keeps
+# serving what it holds and tries again after this pause, rather than spinning or exiting.
+ACCEPT_BACKOFF_S = 0.1
+# A tunnel is provisional until a trusted tracker CONNECTs to its node with a signed token, which a
+# tracker does only for a node that presented its enrolment secret and signed registration (its control
+# proof goes through the tunnel). Provisional tunnels are few and short-lived: a stranger's fresh keys
+# can hold at most this many, each for at most the window, and never a slot among the admitted.
+DEFAULT_MAX_PROVISIONAL_TUNNELS = 256
+ADMISSION_WINDOW_S = 60.0
+# New control connections per source address: a node reconnects a few times a minute at worst; a
+# NAT with many nodes behind it gets the burst.
+TUNNEL_ATTACHES_PER_S = 2.0
+TUNNEL_ATTACH_BURST = 20
+# Source addresses whose rate is remembered; past this, the ones with full buckets are forgotten.
+MAX_RATE_LIMITED_PEERS = 100_000
+_ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,21 @@ class RelayConfig:
     work_wait_timeout_s: float = WORK_WAIT_TIMEOUT_S
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
     max_tunnels: int = DEFAULT_MAX_TUNNELS
+    max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
+    max_pending: int = DEFAULT_MAX_PENDING
+    # Public keys (base64url) of the trackers whose CONNECT tokens this relay honours. Empty: an open
+    # relay (local experiments): CONNECT needs no token and every tunnel is admitted at once.
+    trusted_tracker_keys: tuple[str, ...] = ()
+    # The URL nodes and trackers know this relay by (the audience of their tokens) [default: http://host:port].
+    public_url: str | None = None
+    max_provisional_tunnels: int = DEFAULT_MAX_PROVISIONAL_TUNNELS
+    admission_window_s: float = ADMISSION_WINDOW_S
+    tunnel_attaches_per_s: float = TUNNEL_ATTACHES_PER_S
+    tunnel_attach_burst: int = TUNNEL_ATTACH_BURST
+    # Serve https: a certificate chain (PEM) for the relay's host name and its key. Nodes and trackers check it
+    # against the name in the relay's URL.
+    tls_certificate_file: str | None = None
+    tls_key_file: str | None = None
 
 
 class _Refusal(Exception):
@@ -112,6 +152,7 @@ class _Tunnel:
     closed: anyio.Event = field(default_factory=anyio.Event)
     streams_active: int = 0
     streams_total: int = 0
+    admitted: anyio.Event = field(default_factory=anyio.Event)
     _arrival: anyio.Event = field(default_factory=anyio.Event)
 
     def park(self, work: _ParkedWork) -> None:
@@ -148,41 +189,155 @@ class _Tunnel:
             work.idle_scope.cancel()
 
 
+class _Pending:
+    """Counts connections that have proved nothing yet, per source address and in all."""
+
+    def __init__(self, per_peer: int, total: int) -> None:
+        self.per_peer, self.total = per_peer, total
+        self.by_peer: dict[str, int] = {}
+        self.count = 0
+
+    def enter(self, peer: str) -> bool:
+        if self.count >= self.total or self.by_peer.get(peer, 0) >= self.per_peer:
+            return False
+        self.count += 1
+        self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        self.count -= 1
+        left = self.by_peer[peer] - 1
+        if left:
+            self.by_peer[peer] = left
+        else:
+            del self.by_peer[peer]  # the map holds only peers with a connection pending: it cannot grow without bound
+
+
+@dataclass(eq=False)
+class _PendingSlot:
+    """One connection's place among the pending; given back once, when it has proved itself or ended."""
+
+    pending: _Pending
+    peer: str
+    held: bool = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.pending.leave(self.peer)
+
+
+class _RateLimit:
+    """A token bucket per source address, with a bounded memory of addresses."""
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        self.per_s, self.burst = per_s, burst
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, peer: str) -> bool:
+        now = time.monotonic()
+        tokens, at = self._buckets.get(peer, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.per_s)
+        if tokens < 1:
+            self._buckets[peer] = (tokens, now)
+            return False
+        self._buckets[peer] = (tokens - 1, now)
+        if len(self._buckets) > MAX_RATE_LIMITED_PEERS:
+            refill_s = self.burst / self.per_s
+            self._buckets = {p: (n, a) for p, (n, a) in self._buckets.items() if now - a < refill_s}
+        return True
+
+
 class Relay:
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
         self.tunnels: dict[str, _Tunnel] = {}
         self.port: int | None = None
+        self.pending = _Pending(config.max_pending_per_peer, config.max_pending)
+        self.accept_errors = 0
+        self.attach_rate = _RateLimit(config.tunnel_attaches_per_s, config.tunnel_attach_burst)
+        self._trackers = [(tracker_issuer_for(key), key) for key in map(parse_public_key, config.trusted_tracker_keys)]
+        self._connect_tokens_seen: dict[str, float] = {}  # jti -> expiry: each token opens one connection
+        self._tls: ssl.SSLContext | None = None
+        if config.tls_certificate_file:
+            self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self._tls.load_cert_chain(config.tls_certificate_file, config.tls_key_file)
+
+    @property
+    def url(self) -> str:
+        """The relay's name in the tokens meant for it."""
+        scheme = "https" if self.config.tls_certificate_file else "http"
+        return relay_audience(self.config.public_url or f"{scheme}://{self.config.host}:{self.port or self.config.port}")
+
+    @property
+    def open(self) -> bool:
+        return not self._trackers
 
     # --- serving ------------------------------------------------------------
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host=self.config.host, local_port=self.config.port)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        log.info("relay listening on %s:%s", self.config.host, self.port)
+        log.info("relay listening on %s:%s as %s", self.config.host, self.port, self.url)
+        if self.open:
+            log.warning("no tracker key trusted: CONNECT needs no token and every tunnel is admitted (an open relay)")
         task_status.started(self.port)
-        async with listener:
-            await listener.serve(self._handle)
+        async with listener, anyio.create_task_group() as tg:
+            for one in listener.listeners:
+                tg.start_soon(self._accept_loop, one, tg)
+
+    async def _accept_loop(self, listener: anyio.abc.Listener[SocketStream], tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            try:
+                raw = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_RESOURCE_ERRORS:
+                    raise
+                self.accept_errors += 1
+                if self.accept_errors == 1 or self.accept_errors % 1000 == 0:
+                    log.warning("accept failed (%s, %d times so far); serving the tunnels held, retrying", exc.strerror, self.accept_errors)
+                await anyio.sleep(ACCEPT_BACKOFF_S)
+                continue
+            tg.start_soon(self._handle, raw)
 
     def stats(self) -> dict[str, int]:
         tunnels = list(self.tunnels.values())
         return {
             "tunnels": len(tunnels),
+            "provisional": sum(not t.admitted.is_set() for t in tunnels),
             "idle_work": sum(len(t.idle) for t in tunnels),
             "streams_active": sum(t.streams_active for t in tunnels),
             "streams_total": sum(t.streams_total for t in tunnels),
         }
 
-    async def _handle(self, raw: SocketStream) -> None:
+    async def _handle(self, socket_stream: SocketStream) -> None:
         # The listener's task group must never see an exception: one bad peer cannot stop the relay.
-        buffered = BufferedByteReceiveStream(raw)
-        stream = StapledByteStream(raw, buffered)
         try:
-            async with raw:
-                await self._dispatch(raw, buffered, stream)
+            peer = str(socket_stream.extra(anyio.abc.SocketAttribute.remote_address)[0])
+        except (OSError, IndexError, TypeError, anyio.TypedAttributeLookupError):
+            peer = "?"
+        try:
+            async with socket_stream:
+                if not self.pending.enter(peer):
+                    # Said and closed at once: the answer fits any socket buffer, so a full one costs nothing here.
+                    with anyio.move_on_after(0):
+                        await socket_stream.send(_http_error(503, "too_many_pending", "too many unfinished connections; retry later"))
+                    return
+                slot = _PendingSlot(self.pending, peer)
+                try:
+                    raw: ByteStream = socket_stream
+                    if self._tls is not None:
+                        with anyio.fail_after(self.config.handshake_timeout_s):
+                            raw = await TLSStream.wrap(socket_stream, server_side=True, ssl_context=self._tls, standard_compatible=False)
+                    buffered = BufferedByteReceiveStream(raw)
+                    await self._dispatch(raw, buffered, StapledByteStream(raw, buffered), slot)
+                finally:
+                    slot.release()
         except Exception as exc:  # noqa: BLE001 - a peer's failure is logged, never raised
             log.debug("connection ended: %r", exc)
 
-    async def _dispatch(self, raw: SocketStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream) -> None:
+    async def _dispatch(
+        self, raw: ByteStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream, slot: _PendingSlot
+    ) -> None:
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 head = await buffered.receive_until(b"\r\n\r\n", MAX_RELAY_HEAD_BYTES)
@@ -202,6 +357,13 @@ class Relay:
         method, target = request.method.decode("latin-1"), request.target.decode("latin-1")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
         if method == "CONNECT":
+            try:
+                self._authorise_connect(target, headers.get("proxy-authorization", ""))
+            except _Refusal as refusal:
+                log.info("CONNECT %s refused: %s", target, refusal.message)
+                await raw.send(_http_error(407, refusal.code, refusal.message, extra=f"Proxy-Authenticate: {RELAY_CONNECT_AUTH_SCHEME}\r\n"))
+                return
+            slot.release()
             await self._connect(target, raw, stream)
         elif method == "GET" and target == RELAY_TUNNEL_PATH:
             if headers.get("upgrade", "").lower() != RELAY_UPGRADE_PROTOCOL:
@@ -211,7 +373,7 @@ class Relay:
                 b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
                 + f"Upgrade: {RELAY_UPGRADE_PROTOCOL}\r\n\r\n".encode("latin-1")
             )
-            await self._attach(stream, buffered)
+            await self._attach(stream, buffered, slot)
         elif method == "GET" and target == "/health":
             body = json.dumps({"status": "ok", **self.stats()}).encode()
             await raw.send(_http_response(200, body))
@@ -219,12 +381,47 @@ class Relay:
             await raw.send(_http_error(404, "not_found", f"{method} {target}: the relay serves CONNECT and {RELAY_TUNNEL_PATH}"))
 
     # --- tracker side ----------------------------------------------------------
-    async def _connect(self, target: str, raw: SocketStream, stream: StapledByteStream) -> None:
+    def _authorise_connect(self, target: str, authorization: str) -> None:
+        """A CONNECT must carry a fresh token from a trusted tracker for this relay and this node, used once."""
+        if self.open:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme != RELAY_CONNECT_AUTH_SCHEME or not token:
+            raise _Refusal("connect_unauthorised", f"CONNECT needs Proxy-Authorization: {RELAY_CONNECT_AUTH_SCHEME} <tracker token>")
+        node_id = target.rsplit(":", 1)[0]
+        for issuer, key in self._trackers:
+            try:
+                claims = decode_token(
+                    token.strip(), key, required=["iss", "aud", "sub", "jti", "iat", "exp"],
+                    leeway=CLOCK_SKEW_S, issuer=issuer, audience=self.url,
+                )  # fmt: skip
+            except jwt.InvalidSignatureError:
+                continue  # another trusted tracker's, maybe
+            except jwt.InvalidTokenError as exc:
+                raise _Refusal("connect_unauthorised", f"CONNECT token refused: {exc}") from None
+            if claims["sub"] != node_id:
+                raise _Refusal("connect_unauthorised", "CONNECT token is for another node")
+            if claims["exp"] - claims["iat"] > MAX_RELAY_CONNECT_TOKEN_LIFETIME_S:
+                raise _Refusal("connect_unauthorised", "CONNECT token lives too long")
+            now = time.time()
+            if len(self._connect_tokens_seen) > 1024:
+                self._connect_tokens_seen = {j: e for j, e in self._connect_tokens_seen.items() if e + CLOCK_SKEW_S >= now}
+            jti = str(claims["jti"])
+            if jti in self._connect_tokens_seen:
+                raise _Refusal("connect_unauthorised", "CONNECT token already used")
+            self._connect_tokens_seen[jti] = float(claims["exp"])
+            return
+        raise _Refusal("connect_unauthorised", "CONNECT token is not signed by a tracker this relay trusts")
+
+    async def _connect(self, target: str, raw: ByteStream, stream: StapledByteStream) -> None:
         node_id = target.rsplit(":", 1)[0]
         tunnel = self.tunnels.get(node_id)
         if tunnel is None:
             await raw.send(_http_error(404, "node_not_attached", f"no tunnel from {node_id} on this relay"))
             return
+        if not tunnel.admitted.is_set():
+            log.info("node %s admitted: a trusted tracker reaches it", node_id)
+            tunnel.admitted.set()
         work = await tunnel.take_work(self.config.work_wait_timeout_s)
         if work is None:
             await raw.send(_http_error(503, "no_work_connection", f"{node_id} has no free work connection; retry"))
@@ -244,15 +441,21 @@ class Relay:
             log.debug("stream to %s closed after %.1f s", node_id, time.monotonic() - started)
 
     # --- node side -------------------------------------------------------------
-    async def _attach(self, stream: StapledByteStream, buffered: BufferedByteReceiveStream) -> None:
+    async def _attach(self, stream: StapledByteStream, buffered: BufferedByteReceiveStream, slot: _PendingSlot) -> None:
         nonce = secrets.token_urlsafe(32)
         await _send_message(stream, RelayChallenge(nonce=nonce))
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 attach = _parse(RelayAttach, await _receive_line(buffered))
+            if attach.role == "control" and not self.attach_rate.allow(slot.peer):
+                raise _Refusal("rate_limited", f"at most {self.config.tunnel_attaches_per_s:g} new tunnels per second from one address")
             self._verify(attach, nonce)
-            if attach.role == "control" and attach.node_id not in self.tunnels and len(self.tunnels) >= self.config.max_tunnels:
-                raise _Refusal("too_many_tunnels", f"this relay holds its limit of {self.config.max_tunnels} tunnels")
+            slot.release()  # proved: no longer a stranger's connection
+            if attach.role == "control" and attach.node_id not in self.tunnels:
+                if len(self.tunnels) >= self.config.max_tunnels:
+                    raise _Refusal("too_many_tunnels", f"this relay holds its limit of {self.config.max_tunnels} tunnels")
+                if self.stats()["provisional"] >= self.config.max_provisional_tunnels:
+                    raise _Refusal("too_many_provisional", "too many tunnels wait for a tracker to admit them; retry later")
             tunnel = self.tunnels.get(attach.node_id)
             if attach.role == "work":
                 if tunnel is None or tunnel.public_key != attach.public_key:
@@ -294,7 +497,7 @@ class Relay:
         try:
             claims = decode_token(
                 attach.proof, key, required=["iss", "aud", "nonce", "role", "iat", "exp"],
-                leeway=CLOCK_SKEW_S, audience=RELAY_ATTACH_AUDIENCE,
+                leeway=CLOCK_SKEW_S, audience=self.url,
             )  # fmt: skip
         except jwt.InvalidTokenError as exc:
             raise _Refusal("bad_proof", f"attach proof is not valid for this key: {exc}") from None
@@ -310,6 +513,8 @@ class Relay:
     ) -> None:
         tunnel = _Tunnel(node_id=attach.node_id, public_key=attach.public_key)
         previous = self.tunnels.get(attach.node_id)
+        if self.open or (previous is not None and previous.admitted.is_set()):
+            tunnel.admitted.set()  # the same key, already admitted: a reconnect keeps its standing
         self.tunnels[attach.node_id] = tunnel
         if previous is not None:
             # Same node id means same key (the id is the key's fingerprint, and the proof checked it).
@@ -325,7 +530,16 @@ class Relay:
                     await tunnel.closed.wait()
                     tg.cancel_scope.cancel()
 
+                async def end_unless_admitted() -> None:
+                    with anyio.move_on_after(self.config.admission_window_s):
+                        await tunnel.admitted.wait()
+                    if not tunnel.admitted.is_set():
+                        log.info("node %s: no trusted tracker reached it in %.0f s; tunnel dropped", attach.node_id,
+                                 self.config.admission_window_s)  # fmt: skip
+                        tg.cancel_scope.cancel()
+
                 tg.start_soon(end_when_replaced)
+                tg.start_soon(end_unless_admitted)
                 ending = await self._control_loop(stream, buffered)
                 log.info("node %s: %s; tunnel dropped", attach.node_id, ending)
                 tg.cancel_scope.cancel()
@@ -356,6 +570,11 @@ class Relay:
         work = _ParkedWork(stream)
         if tunnel.closed.is_set():
             return
+        # Checked again here, with no await between check and park: many attaches in flight at once all
+        # passed the check before `attached`, and only this one holds.
+        if len(tunnel.idle) >= self.config.max_idle_work:
+            log.warning("node %s: work connection closed, %d already idle", tunnel.node_id, len(tunnel.idle))
+            return
         tunnel.park(work)
         with work.idle_scope:
             # A node sends nothing on an idle work connection: any byte or EOF ends it.
@@ -370,23 +589,27 @@ class Relay:
         if work.peer is None:
             return
         try:
-            # A tracker starts its TLS handshake at once; one that says nothing only holds the node's connection.
-            await _splice(work.peer, stream, first_byte_timeout_s=self.config.handshake_timeout_s)
+            # A tracker starts its TLS handshake at once and the node answers it at once: until both have
+            # spoken, a CONNECT that says nothing (or too little for the node to answer) only holds the
+            # node's connection, so that stretch is bounded.
+            await _splice(work.peer, stream, first_bytes_timeout_s=self.config.handshake_timeout_s)
         finally:
             work.done.set()
 
 
-async def _splice(a: ByteStream, b: ByteStream, *, first_byte_timeout_s: float | None = None) -> None:
+async def _splice(a: ByteStream, b: ByteStream, *, first_bytes_timeout_s: float | None = None) -> None:
     """Copy both ways as bytes arrive, until either side ends; then close both.
 
-    With `first_byte_timeout_s`, `a` must send its first bytes within that time or the splice ends.
+    With `first_bytes_timeout_s`, each side must have sent its first bytes within that time of the
+    splice's start, or the splice ends.
     """
+    started = anyio.current_time()
     async with anyio.create_task_group() as tg:
 
         async def pump(source: ByteStream, sink: ByteStream, first_timeout: float | None) -> None:
             try:
                 if first_timeout is not None:
-                    with anyio.fail_after(first_timeout):
+                    with anyio.fail_at(started + first_timeout):
                         chunk = await source.receive(SPLICE_CHUNK_BYTES)
                     await sink.send(chunk)
                 while True:
@@ -396,8 +619,8 @@ async def _splice(a: ByteStream, b: ByteStream, *, first_byte_timeout_s: float |
                 pass
             tg.cancel_scope.cancel()
 
-        tg.start_soon(pump, a, b, first_byte_timeout_s)
-        tg.start_soon(pump, b, a, None)
+        tg.start_soon(pump, a, b, first_bytes_timeout_s)
+        tg.start_soon(pump, b, a, first_bytes_timeout_s)
     with anyio.CancelScope(shield=True):
         for side in (a, b):
             try:
@@ -424,19 +647,19 @@ async def _send_message(stream: ByteStream, message: BaseModel) -> None:
     await stream.send(message.model_dump_json().encode() + b"\n")
 
 
-def _http_response(status: int, body: bytes, *, reason: str = "") -> bytes:
-    reason = reason or {200: "OK", 400: "Bad Request", 404: "Not Found", 426: "Upgrade Required",
+def _http_response(status: int, body: bytes, *, reason: str = "", extra: str = "") -> bytes:
+    reason = reason or {200: "OK", 400: "Bad Request", 404: "Not Found", 407: "Proxy Authentication Required", 426: "Upgrade Required",
                         431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "Error")  # fmt: skip
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
     )
     return head.encode("latin-1") + body
 
 
-def _http_error(status: int, code: str, message: str) -> bytes:
+def _http_error(status: int, code: str, message: str, *, extra: str = "") -> bytes:
     body = json.dumps({"error": {"message": message, "type": "relay_error", "param": None, "code": code}}).encode()
-    return _http_response(status, body)
+    return _http_response(status, body, extra=extra)
 
 
 async def run_relay(config: RelayConfig, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -1,33 +1,114 @@
 """How the tracker reaches a node through its relay.
 
 A node that announced a relay (`NodeAnnouncement.relay`) is reached at
-`https://<node_id>` through the relay used as an HTTP CONNECT proxy, with TLS
-1.3 that trusts only the certificate the node registered, after checking that
+`https://<node_id>` through the relay: the tracker dials the relay at the
+address it pinned (with TLS checked against the relay's own host name, SNI
+sent, when the relay URL is https), asks `CONNECT <node_id>:443` with a fresh
+tracker-signed token in `Proxy-Authorization`, and speaks TLS 1.3 inside that
+trusts only the certificate the node registered, after checking that
 certificate carries the node's registered key. The relay therefore splices
 bytes it cannot read; a relay that alters them breaks the TLS record MACs and
 the request fails.
 
-`NodeDialer` is the tracker's HTTP transport: a request for a relayed node's id
-goes through that node's own transport (its relay, its pinned certificate);
-every other request goes out directly. `RelayedNodeTarget` is what the registry
-keeps for such a node in place of its advertised URL, with the same shape, so
-the tracker builds its requests the same way for both.
+`NodeDialer` is the tracker's HTTP transport: a request built by a
+`RelayedNodeTarget` goes through that target's own transport (its relay, its
+pinned certificate); every other request goes out directly. A target's
+transport is kept only once the tracker `adopt`s it (after the control proof);
+a failed registration's is closed at once, and a replaced or forgotten one is
+closed when its last request has finished, so failed or repeated registrations
+leave nothing behind.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import ssl
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
+import httpcore
 import httpx
 
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.node_tls import NodeCertificateError, certificate_from_text, pinned_client_context
-from meshnet_gguf.contract.protocol import NodeAnnouncement
+from meshnet_gguf.contract.protocol import (
+    MAX_RELAY_HEAD_BYTES,
+    RELAY_CONNECT_AUTH_SCHEME,
+    RELAY_CONNECT_PORT,
+    NodeAnnouncement,
+    RelayConnectClaims,
+    relay_audience,
+)
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 
 log = logging.getLogger(__name__)
+
+# The request extension that carries a relayed target's transport to the dialer.
+_TRANSPORT_EXTENSION = "meshnet_relay_transport"
+
+# Signs a CONNECT token: (relay URL as announced, node id) -> token.
+ConnectSigner = Callable[[str, str], str]
+
+
+class _RelayNetwork(httpcore.AsyncNetworkBackend):
+    """Every connection httpcore opens "to the node" is a CONNECT through its relay, with a fresh token.
+
+    httpcore then runs the node's TLS inside the stream this returns.
+    """
+
+    def __init__(self, relay: NodeTarget, node_id: str, sign: ConnectSigner, relay_tls: ssl.SSLContext) -> None:
+        self._relay, self._node_id, self._sign, self._relay_tls = relay, node_id, sign, relay_tls
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self, host: str, port: int, timeout: float | None = None, local_address: str | None = None, socket_options: Iterable[object] | None = None
+    ) -> httpcore.AsyncNetworkStream:
+        relay = self._relay
+        stream = await self._inner.connect_tcp(str(relay.address), relay.port, timeout=timeout, local_address=local_address)
+        try:
+            if relay.scheme == "https":  # the pinned address dialled, the relay's own name checked and sent as SNI
+                stream = await stream.start_tls(self._relay_tls, server_hostname=relay.host, timeout=timeout)
+            target = f"{self._node_id}:{RELAY_CONNECT_PORT}"
+            token = self._sign(relay.url, self._node_id)
+            head = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {RELAY_CONNECT_AUTH_SCHEME} {token}\r\n\r\n"
+            await stream.write(head.encode("latin-1"), timeout=timeout)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = await stream.read(MAX_RELAY_HEAD_BYTES, timeout=timeout)
+                if not chunk:
+                    raise httpcore.ProxyError("the relay closed the CONNECT without an answer")
+                answer += chunk
+                if len(answer) > MAX_RELAY_HEAD_BYTES:
+                    raise httpcore.ProxyError("the relay's answer to CONNECT is too long")
+            status_line = answer.split(b"\r\n", 1)[0].decode("latin-1", "replace")
+            if status_line.split(" ")[1:2] != ["200"] or not answer.endswith(b"\r\n\r\n"):
+                raise httpcore.ProxyError(f"the relay answered CONNECT with {status_line!r}")
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+def _relayed_transport(
+    relay: NodeTarget, node_id: str, node_tls: ssl.SSLContext, limits: httpx.Limits, sign: ConnectSigner, relay_tls: ssl.SSLContext
+) -> httpx.AsyncHTTPTransport:
+    transport = httpx.AsyncHTTPTransport(verify=node_tls, limits=limits)
+    # httpx has no public hook for the network backend; its pool is swapped for one whose every connection is a
+    # token-carrying CONNECT (httpx's request mapping and error translation stay as they are).
+    transport._pool = httpcore.AsyncConnectionPool(
+        ssl_context=node_tls,
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=limits.keepalive_expiry,
+        network_backend=_RelayNetwork(relay, node_id, sign, relay_tls),
+    )
+    return transport
 
 
 @dataclass(frozen=True)
@@ -36,6 +117,8 @@ class RelayedNodeTarget:
 
     node_id: str
     relay: NodeTarget  # the relay's URL, checked against the address policy and pinned like a node's
+    certificate: str
+    transport: httpx.AsyncHTTPTransport = field(compare=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -56,25 +139,24 @@ class RelayedNodeTarget:
         headers: dict[str, str] | None = None,
         content: bytes | None = None,
     ) -> httpx.Request:
-        return http.build_request(method, f"https://{self.node_id}{path}", params=params, headers=headers, content=content)
-
-
-@dataclass(frozen=True)
-class _Relayed:
-    proxy: str
-    certificate: str
-    transport: httpx.AsyncHTTPTransport
+        return http.build_request(
+            method, f"https://{self.node_id}{path}", params=params, headers=headers, content=content,
+            extensions={_TRANSPORT_EXTENSION: self.transport},
+        )  # fmt: skip
 
 
 class NodeDialer(httpx.AsyncBaseTransport):
-    def __init__(self, limits: httpx.Limits) -> None:
+    def __init__(self, limits: httpx.Limits, sign_connect: ConnectSigner, *, relay_tls: ssl.SSLContext | None = None) -> None:
         self._limits = limits
+        self._sign = sign_connect
+        self._relay_tls = relay_tls or ssl.create_default_context()
         self.direct = httpx.AsyncHTTPTransport(limits=limits)
-        self._relayed: dict[str, _Relayed] = {}
+        self._adopted: dict[str, RelayedNodeTarget] = {}
         self._retired: list[httpx.AsyncHTTPTransport] = []
 
     async def through_relay(self, announcement: NodeAnnouncement, policy: AddressPolicy) -> RelayedNodeTarget:
-        """Check a relayed node's announcement and make it reachable; refusals are the registration's answer."""
+        """Check a relayed node's announcement and make it reachable (not yet kept: see `adopt`); refusals are the
+        registration's answer."""
         relay = announcement.relay
         assert relay is not None
         try:
@@ -85,28 +167,60 @@ class NodeDialer(httpx.AsyncBaseTransport):
             context = pinned_client_context(certificate_from_text(relay.tls_certificate), parse_public_key(announcement.public_key))
         except (NodeCertificateError, KeyFormatError) as exc:
             raise ApiError(422, "bad_relay_certificate", f"relay.tls_certificate: {exc}") from None
-        address = relay_target.address
-        literal = f"[{address}]" if address.version == 6 else str(address)
-        proxy = f"{relay_target.scheme}://{literal}:{relay_target.port}"  # the pinned address, as for a node
-        known = self._relayed.get(announcement.node_id)
-        if known is None or (known.proxy, known.certificate) != (proxy, relay.tls_certificate):
-            if known is not None:
-                self._retired.append(known.transport)  # requests in flight on it finish; closed with the dialer
-            transport = httpx.AsyncHTTPTransport(proxy=httpx.Proxy(proxy), verify=context, limits=self._limits)
-            self._relayed[announcement.node_id] = _Relayed(proxy, relay.tls_certificate, transport)
-        return RelayedNodeTarget(announcement.node_id, relay_target)
+        known = self._adopted.get(announcement.node_id)
+        if known is not None and (known.relay, known.certificate) == (relay_target, relay.tls_certificate):
+            return known  # the same way in: keep its warm connections
+        transport = _relayed_transport(relay_target, announcement.node_id, context, self._limits, self._sign, self._relay_tls)
+        return RelayedNodeTarget(announcement.node_id, relay_target, relay.tls_certificate, transport)
+
+    def adopt(self, target: RelayedNodeTarget) -> None:
+        """Keep `target` as the way to its node (after the node proved control through it)."""
+        previous = self._adopted.get(target.node_id)
+        self._adopted[target.node_id] = target
+        if previous is not None and previous.transport is not target.transport:
+            self._retired.append(previous.transport)  # requests in flight on it finish first
+
+    async def discard(self, target: RelayedNodeTarget) -> None:
+        """Close a target that was never adopted (its registration failed)."""
+        if self._adopted.get(target.node_id) is not target:
+            await target.transport.aclose()
+
+    async def forget_all_but(self, node_ids: Iterable[str]) -> None:
+        """Retire the ways to nodes no longer registered, and close retired transports with nothing in flight."""
+        keep = set(node_ids)
+        for node_id in [n for n in self._adopted if n not in keep]:
+            self._retired.append(self._adopted.pop(node_id).transport)
+        still_busy = []
+        for transport in self._retired:
+            if any(not c.is_idle() for c in transport._pool.connections):
+                still_busy.append(transport)
+            else:
+                await transport.aclose()
+        self._retired = still_busy
+
+    def held(self) -> tuple[int, int]:
+        """(adopted, retired) transports: what registrations left behind."""
+        return len(self._adopted), len(self._retired)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        relayed = self._relayed.get(request.url.host) if request.url.scheme == "https" else None
+        relayed = request.extensions.get(_TRANSPORT_EXTENSION)
         if relayed is not None:
-            return await relayed.transport.handle_async_request(request)
+            return await relayed.handle_async_request(request)
         return await self.direct.handle_async_request(request)
 
     async def aclose(self) -> None:
-        for transport in [self.direct, *(r.transport for r in self._relayed.values()), *self._retired]:
+        for transport in [self.direct, *(t.transport for t in self._adopted.values()), *self._retired]:
             await transport.aclose()
-        self._relayed.clear()
+        self._adopted.clear()
         self._retired.clear()
 
 
-__all__ = ["NodeDialer", "RelayedNodeTarget"]
+def new_connect_claims(issuer: str, relay_url: str, node_id: str, lifetime_s: int) -> dict[str, object]:
+    """The claims of one CONNECT token (RelayConnectClaims): this relay, this node, once, briefly."""
+    now = int(time.time())
+    return RelayConnectClaims(
+        iss=issuer, aud=relay_audience(relay_url), sub=node_id, jti=uuid.uuid4().hex, iat=now, exp=now + lifetime_s
+    ).model_dump()
+
+
+__all__ = ["NodeDialer", "RelayedNodeTarget", "new_connect_claims"]

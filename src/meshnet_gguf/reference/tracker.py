@@ -1,5 +1,5 @@
 """Reference Meshnet tracker: registers nodes, routes each OpenAI request to one whole-model node
-with a signed single-hop route, relays the answer unbuffered, and keeps its own usage ledger.
+with a signed single-hop route, forwards the answer unbuffered, and keeps its own usage ledger.
 
 It speaks only the contract in `docs/protocol.md` (through `meshnet_gguf.contract.protocol`
 and the floor-1 helpers); it knows nothing of how a node works inside.
@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from meshnet_gguf.common.private_files import private_dir
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
@@ -77,11 +79,11 @@ from meshnet_gguf.contract.signing import (
     tracker_issuer_for,
     unverified_claims,
 )
-from meshnet_gguf.reference.metering import RelayMeter
+from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
-from meshnet_gguf.reference.relay_dialer import NodeDialer
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, Outcome, RelayedRequest, TrackerLedger
+from meshnet_gguf.reference.relay_dialer import NodeDialer, RelayedNodeTarget, new_connect_claims
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, ForwardedRequest, Outcome, TrackerLedger
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 # Half the contract's ceiling: plenty for a request to reach its node, little to replay.
 DEFAULT_ROUTE_LIFETIME_S = 30
+# A CONNECT token opens one connection to one node through one relay, at once (contract ceiling: 60 s).
+CONNECT_TOKEN_LIFETIME_S = 30
 # Health polls catch a node that heartbeats but cannot serve (llama-server restarting).
 DEFAULT_HEALTH_POLL_INTERVAL_S = 5.0
 HEALTH_POLL_TIMEOUT_S = 2.0
@@ -103,23 +107,26 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_TOKENS_CAP = 4096
 # A node that refuses the connection never saw the request, so one more node may be tried.
 MAX_ROUTE_ATTEMPTS = 2
-RELAY_CONNECT_TIMEOUT_S = 5.0
+FORWARD_CONNECT_TIMEOUT_S = 5.0
 # Between two chunks of an answer: a 100 GB model may prefill a long prompt for minutes.
-RELAY_READ_TIMEOUT_S = 600.0
+FORWARD_READ_TIMEOUT_S = 600.0
 # Shorter than a node's idle keep-alive (uvicorn closes after 5 s): httpcore skips connections
 # it sees closed, but a close racing the reuse still fails the POST, which cannot be retried.
-RELAY_KEEPALIVE_EXPIRY_S = 2.0
+FORWARD_KEEPALIVE_EXPIRY_S = 2.0
 # Registration bodies are small; anything bigger is not a node talking.
 MAX_CONTROL_BODY_BYTES = 1024 * 1024
-# Longest any relayed request may take, first byte to last: a stuck node frees the relay.
+# Longest any forwarded request may take, first byte to last: a stuck node frees the tracker.
 # An hour covers a 32k-token answer at 10 tokens/s with room to spare.
-DEFAULT_RELAY_TOTAL_TIMEOUT_S = 3600.0
+DEFAULT_FORWARD_TOTAL_TIMEOUT_S = 3600.0
 # All request headers together (names and values). Clients send well under 8 KiB; a route
 # token and an auth header are under 2 KiB each.
 MAX_REQUEST_HEADER_BYTES = 32 * 1024
 # `GET /v1/usage?limit=N`: N is 1..this.
 MAX_USAGE_LIST_LIMIT = 10_000
 DEFAULT_USAGE_LIST_LIMIT = 100
+# Node tokens remembered at once (each for its lifetime, at most a minute): far more calls a minute than
+# a fleet's heartbeats and receipts make, and a few MB at most.
+MAX_REMEMBERED_NODE_TOKENS = 200_000
 # The node's answer to a control challenge: one small JSON object, quickly.
 CONTROL_PROOF_TIMEOUT_S = 5.0
 MAX_CONTROL_PROOF_BYTES = 16 * 1024
@@ -131,7 +138,7 @@ FUTURE_RECEIPT_RETRY_WINDOW_S = 300
 # prompt cannot hold more tokens than its body has bytes plus this.
 PROMPT_TEMPLATE_ALLOWANCE_TOKENS = 2048
 # The only node response headers a client sees: the answer's type and the Meshnet accounting.
-RELAYED_RESPONSE_HEADERS = frozenset(
+FORWARDED_RESPONSE_HEADERS = frozenset(
     {
         "content-type",
         "cache-control",
@@ -158,7 +165,9 @@ class TrackerConfig:
     health_poll_interval_s: float = DEFAULT_HEALTH_POLL_INTERVAL_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
-    relay_total_timeout_s: float = DEFAULT_RELAY_TOTAL_TIMEOUT_S
+    forward_total_timeout_s: float = DEFAULT_FORWARD_TOTAL_TIMEOUT_S
+    # How https relays are checked [default: the system's CAs]; the relay's host name is always checked.
+    relay_tls: ssl.SSLContext | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.route_lifetime_s <= MAX_ROUTE_LIFETIME_S:
@@ -191,6 +200,7 @@ def load_or_create_enrolment_secret(state_dir: Path) -> str:
 class Tracker:
     def __init__(self, config: TrackerConfig) -> None:
         self.config = config
+        private_dir(Path(config.state_dir))
         self._key = load_or_create_private_key(Path(config.state_dir) / TRACKER_KEY_FILE)
         self.public_key_text = public_key_text(self._key.public_key())
         self.issuer = tracker_issuer_for(self._key.public_key())
@@ -199,6 +209,7 @@ class Tracker:
         self._http: httpx.AsyncClient | None = None
         self._dialer: NodeDialer | None = None
         self._poll_wake = anyio.Event()
+        self.used_node_tokens = _UsedNodeTokens()
 
     def close(self) -> None:
         """Close the ledger; the app must not be serving any more."""
@@ -214,7 +225,7 @@ class Tracker:
 
     # --- app ---------------------------------------------------------------
     def app(self) -> Starlette:
-        relay = _RelayEndpoint(self)
+        forward = _ForwardEndpoint(self)
         routes = [
             Route(WELL_KNOWN_PATH, self._well_known, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
@@ -226,16 +237,18 @@ class Tracker:
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/usage", self._usage_list, methods=["GET"]),
             Route("/v1/usage/{request_id}", self._usage, methods=["GET"]),
-            *(Route(path, relay, methods=["POST"]) for path in INFERENCE_PATHS),
+            *(Route(path, forward, methods=["POST"]) for path in INFERENCE_PATHS),
         ]
         return _BoundedHeaders(Starlette(routes=routes, lifespan=self._lifespan))  # type: ignore[return-value]
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(RELAY_READ_TIMEOUT_S, connect=RELAY_CONNECT_TIMEOUT_S, pool=None)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=RELAY_KEEPALIVE_EXPIRY_S)
+        timeout = httpx.Timeout(FORWARD_READ_TIMEOUT_S, connect=FORWARD_CONNECT_TIMEOUT_S, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=FORWARD_KEEPALIVE_EXPIRY_S)
         # The dialer is the client's transport: direct to most nodes, through its relay to a relayed one.
-        self._dialer = NodeDialer(limits)
+        self._dialer = NodeDialer(limits, self.sign_connect, relay_tls=self.config.relay_tls)
+        for request_id in await self.ledger.settle_interrupted():
+            log.warning("request %s was in flight when this tracker stopped: settled as interrupted, flagged", request_id)
         async with httpx.AsyncClient(timeout=timeout, transport=self._dialer, trust_env=False) as http:
             self._http = http
             async with anyio.create_task_group() as tg:
@@ -267,6 +280,7 @@ class Tracker:
             self._poll_wake = anyio.Event()
             for node_id in self.registry.expire():
                 log.warning("node %s missed its heartbeats for %.0f s; dropped", node_id, self.config.ttl_s)
+            await self.dialer.forget_all_but(entry.node_id for entry in self.registry.all())
             async with anyio.create_task_group() as tg:
                 for entry in self.registry.all():
                     tg.start_soon(self._poll_health, entry)
@@ -334,7 +348,7 @@ class Tracker:
                 raise ApiError(400, "bad_public_key", str(exc)) from None
             if node_id_for(key) != announcement.node_id:
                 raise ApiError(400, "node_id_mismatch", "node_id is not derived from public_key")
-            _verify_node_call(request, body, announcement.node_id, key, self.issuer)
+            _verify_node_call(request, body, announcement.node_id, key, self.issuer, self.used_node_tokens)
             if not announcement.full_coverage:
                 raise ApiError(
                     422, "partial_coverage_unsupported", "this tracker routes single-hop only; a node must hold every layer"
@@ -346,10 +360,18 @@ class Tracker:
                 raise ApiError(422, "unsafe_advertised_url", str(exc)) from None
             if announcement.relay is not None:  # reached only through its relay, TLS pinned to its certificate
                 target = await self.dialer.through_relay(announcement, self.config.addresses)  # type: ignore[assignment]
-            await self._prove_control(target, announcement.node_id, key)
+            try:
+                await self._prove_control(target, announcement.node_id, key)
+            except BaseException:
+                if isinstance(target, RelayedNodeTarget):
+                    with anyio.CancelScope(shield=True):
+                        await self.dialer.discard(target)  # a failed registration keeps nothing
+                raise
         except ApiError as refusal:
             log.warning("registration refused (%s): %s", refusal.code, refusal.message)
             return _error_response(refusal)
+        if isinstance(target, RelayedNodeTarget):
+            self.dialer.adopt(target)
         await self.ledger.remember_node(announcement.node_id, announcement.public_key)
         _, displaced = self.registry.register(announcement, target)
         for node_id in displaced:
@@ -416,7 +438,7 @@ class Tracker:
         try:
             entry = self._registered(node_id)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer)
+            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer, self.used_node_tokens)
             beat = _parse(Heartbeat, body)
         except ApiError as refusal:
             return _error_response(refusal)
@@ -432,7 +454,7 @@ class Tracker:
         try:
             entry = self._registered(node_id)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer)
+            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer, self.used_node_tokens)
             reason = _parse(Deregistration, body).reason
         except ApiError as refusal:
             return _error_response(refusal)
@@ -456,7 +478,7 @@ class Tracker:
                 raise ApiError(404, "unknown_node", f"node {node_id} never registered here")
             key = parse_public_key(key_text)
             body = await _control_body(request)
-            _verify_node_call(request, body, node_id, key, self.issuer)
+            _verify_node_call(request, body, node_id, key, self.issuer, self.used_node_tokens)
             batch = _parse(ReceiptBatch, body)
             if batch.node_id != node_id:
                 raise ApiError(400, "wrong_node", "batch node_id differs from the path")
@@ -495,17 +517,17 @@ class Tracker:
             raise ApiError(400, "wrong_node", f"receipt signed for node {claims.iss}")
         if not (claims.jti == claims.usage.request_id == receipt.request_id):
             raise ApiError(400, "malformed", "receipt request ids disagree")
-        relayed = await self.ledger.relayed(receipt.request_id)
-        if relayed is None:
+        forwarded = await self.ledger.forwarded(receipt.request_id)
+        if forwarded is None:
             raise ApiError(400, "unknown_request", "this tracker never routed that request")
-        if relayed.node_id != node_id:
-            raise ApiError(400, "wrong_node", f"request was routed to {relayed.node_id}")
-        _check_plausible(claims.usage, relayed)
+        if forwarded.node_id != node_id:
+            raise ApiError(400, "wrong_node", f"request was routed to {forwarded.node_id}")
+        _check_plausible(claims.usage, forwarded)
         if await self.ledger.store_receipt(node_id, claims.usage, receipt.token):
             await self.flag_mismatch(receipt.request_id)
 
     async def flag_mismatch(self, request_id: str) -> None:
-        """Flag the node when its signed figures differ from what this tracker relayed beyond the
+        """Flag the node when its signed figures differ from what this tracker forwarded beyond the
         tolerance (both must be in). The bill is the smaller figure either way."""
         usage = await self.ledger.usage(request_id)
         if usage is not None and usage.flagged and await self.ledger.mark_flagged(request_id):
@@ -553,6 +575,10 @@ class Tracker:
         )
         return encode_token(claims.model_dump(), self._key)
 
+    def sign_connect(self, relay_url: str, node_id: str) -> str:
+        """A CONNECT token for one connection to `node_id` through the relay at `relay_url`."""
+        return encode_token(new_connect_claims(self.issuer, relay_url, node_id, CONNECT_TOKEN_LIFETIME_S), self._key)
+
     def route_max_tokens(self, path: str, payload: dict[str, Any]) -> int | None:
         if path not in GENERATING_PATHS:
             return None
@@ -560,7 +586,7 @@ class Tracker:
         return min([*asked, self.config.max_tokens_cap])
 
 
-class _RelayEndpoint:
+class _ForwardEndpoint:
     """Pure ASGI for the inference routes: full control of streaming, disconnects and clean-up."""
 
     def __init__(self, tracker: Tracker) -> None:
@@ -574,9 +600,9 @@ class _RelayEndpoint:
             model = payload.get("model")
             if not isinstance(model, str) or not model:
                 raise ApiError(400, "missing_model", "'model' is required")
-            # One deadline for the whole relay, first byte to last: a node that trickles forever
-            # does not hold a relay (and a client) for longer than this.
-            deadline = anyio.current_time() + self.tracker.config.relay_total_timeout_s
+            # One deadline for the whole forward, first byte to last: a node that trickles forever
+            # does not hold the tracker (and a client) for longer than this.
+            deadline = anyio.current_time() + self.tracker.config.forward_total_timeout_s
             with anyio.move_on_at(deadline) as opening:
                 upstream, node, request_id = await self._open(scope["path"], model, payload, body)
             if opening.cancelled_caught:
@@ -584,13 +610,14 @@ class _RelayEndpoint:
         except ApiError as refusal:
             await _error_response(refusal)(scope, receive, send)
             return
-        meter = RelayMeter(upstream.headers.get("content-type", "").startswith("text/event-stream"))
+        meter = ForwardMeter(upstream.headers.get("content-type", "").startswith("text/event-stream"))
+        route_ceiling = (self.tracker.route_max_tokens(scope["path"], payload) or 0) * _choices(payload)
         outcome: Outcome = "cancelled"
         try:
             headers = [
                 (k.encode("latin-1"), v.encode("latin-1"))
                 for k, v in upstream.headers.items()
-                if k.lower() in RELAYED_RESPONSE_HEADERS
+                if k.lower() in FORWARDED_RESPONSE_HEADERS
             ]
             await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
             async with anyio.create_task_group() as tg:
@@ -601,11 +628,11 @@ class _RelayEndpoint:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(watch_disconnect)
-                with anyio.move_on_at(deadline) as relaying:
+                with anyio.move_on_at(deadline) as forwarding:
                     outcome = await self._pump(upstream, meter, send)
-                if relaying.cancelled_caught:
+                if forwarding.cancelled_caught:
                     outcome = "timed_out"
-                    log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.tracker.config.relay_total_timeout_s)
+                    log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.tracker.config.forward_total_timeout_s)
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
         except OSError:
@@ -616,12 +643,16 @@ class _RelayEndpoint:
                 await upstream.aclose()
                 if upstream.status_code >= 400:
                     outcome = "refused"
-                counts = meter.counts(upstream.headers)
-                await self.tracker.ledger.finish_request(request_id, upstream.status_code, outcome, counts)
-                log.info(
-                    "request %s -> %s: %s %s, %s", request_id, node.node_id, upstream.status_code, outcome,
-                    counts.model_dump() if counts else "no usage seen",
+                # Only what went by counts: the node's own usage figures are its receipt's business.
+                counts = meter.counted()
+                completion_ceiling = 0 if outcome == "refused" else meter.completion_ceiling(route_ceiling)
+                await self.tracker.ledger.finish_request(
+                    request_id, upstream.status_code, outcome, counts, completion_ceiling=completion_ceiling
                 )
+                log.info(
+                    "request %s -> %s: %s %s, %s content events, completion ceiling %d", request_id, node.node_id,
+                    upstream.status_code, outcome, counts.completion_tokens, completion_ceiling,
+                )  # fmt: skip
                 await self.tracker.flag_mismatch(request_id)
 
     async def _open(
@@ -642,11 +673,11 @@ class _RelayEndpoint:
             token = tracker.sign_route(node, request_id, path, model, body, max_tokens)
             await tracker.ledger.open_request(
                 request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
-                max_tokens=max_tokens, choices=_choices(payload), body_bytes=len(body),
+                max_tokens=max_tokens, choices=_choices(payload), body_bytes=len(body), prompt_ceiling=prompt_ceiling(payload),
             )  # fmt: skip
             headers = {
                 "content-type": "application/json",
-                "accept-encoding": "identity",  # relay bytes as the node wrote them
+                "accept-encoding": "identity",  # forward bytes as the node wrote them
                 ROUTE_HEADER: token,
                 REQUEST_ID_HEADER: request_id,
                 "x-request-id": request_id,
@@ -675,13 +706,13 @@ class _RelayEndpoint:
             headers={"retry-after": str(max(1, int(tracker.config.heartbeat_interval_s)))},
         )
 
-    async def _pump(self, upstream: httpx.Response, meter: RelayMeter, send: Any) -> Outcome:
+    async def _pump(self, upstream: httpx.Response, meter: ForwardMeter, send: Any) -> Outcome:
         try:
             async for chunk in upstream.aiter_raw():
                 meter.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as exc:
-            log.warning("relay from node broke: %s", exc)
+            log.warning("forward from node broke: %s", exc)
             # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
             tail = _stream_error_event(f"the node's answer broke off: {exc}") if meter.event_stream else b""
             await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -715,19 +746,19 @@ def _choices(payload: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
-def _check_plausible(usage: Any, relayed: RelayedRequest) -> None:
+def _check_plausible(usage: Any, forwarded: ForwardedRequest) -> None:
     """A signed receipt still cannot claim more than the route allowed or the body could hold."""
-    if usage.route != relayed.path or usage.model != relayed.model:
+    if usage.route != forwarded.path or usage.model != forwarded.model:
         raise ApiError(400, "malformed", "receipt names another path or model than the route")
-    ceiling = (relayed.max_tokens or 0) * relayed.choices
+    ceiling = (forwarded.max_tokens or 0) * forwarded.choices
     if usage.completion_tokens > ceiling:
         raise ApiError(
             400, "implausible", f"receipt claims {usage.completion_tokens} completion tokens; the route allowed {ceiling}"
         )
-    prompt_ceiling = relayed.body_bytes + PROMPT_TEMPLATE_ALLOWANCE_TOKENS
+    prompt_ceiling = forwarded.body_bytes + PROMPT_TEMPLATE_ALLOWANCE_TOKENS
     if usage.prompt_tokens > prompt_ceiling:
         raise ApiError(
-            400, "implausible", f"receipt claims {usage.prompt_tokens} prompt tokens; a {relayed.body_bytes}-byte body holds fewer"
+            400, "implausible", f"receipt claims {usage.prompt_tokens} prompt tokens; a {forwarded.body_bytes}-byte body holds fewer"
         )
     if usage.cached_tokens > usage.prompt_tokens:
         raise ApiError(400, "implausible", "receipt claims more cached tokens than prompt tokens")
@@ -780,7 +811,27 @@ async def _control_body(request: Request) -> bytes:
     return await _limited_body(request, MAX_CONTROL_BODY_BYTES)
 
 
-def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519PublicKey, issuer: str) -> None:
+class _UsedNodeTokens:
+    """The `jti` of every node token accepted, kept until the token expires (plus skew): each is good once."""
+
+    def __init__(self, max_entries: int = MAX_REMEMBERED_NODE_TOKENS) -> None:
+        self._max = max_entries
+        self._expiry: dict[str, float] = {}
+
+    def use(self, jti: str, expires_at: float) -> None:
+        now = time.time()
+        if len(self._expiry) >= self._max:
+            self._expiry = {j: e for j, e in self._expiry.items() if e > now}
+            if len(self._expiry) >= self._max:
+                raise ApiError(503, "busy", "too many node calls in the last minute; retry shortly", headers={"retry-after": "5"})
+        if self._expiry.get(jti, 0) > now:
+            raise ApiError(401, "bad_node_auth", "node token already used (replayed?)")
+        self._expiry[jti] = expires_at + CLOCK_SKEW_S
+
+
+def _verify_node_call(
+    request: Request, body: bytes, node_id: str, key: Ed25519PublicKey, issuer: str, seen: _UsedNodeTokens
+) -> None:
     """Check the node's bearer token: its key signed this very method, path and body, for this tracker, moments ago."""
     auth = request.headers.get("authorization", "")
     if not auth.startswith("Bearer "):
@@ -789,7 +840,7 @@ def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519P
         claims = decode_token(
             auth[len("Bearer ") :],
             key,
-            required=["iss", "aud", "iat", "exp", "htm", "htu", "body_sha256"],
+            required=["iss", "aud", "iat", "exp", "htm", "htu", "body_sha256", "jti"],
             leeway=CLOCK_SKEW_S,
             audience=issuer,
         )
@@ -803,6 +854,7 @@ def _verify_node_call(request: Request, body: bytes, node_id: str, key: Ed25519P
         raise ApiError(401, "bad_node_auth", "node token is for another call")
     if claims["body_sha256"] != body_sha256(body):
         raise ApiError(401, "bad_node_auth", "body differs from the one the node signed")
+    seen.use(str(claims["jti"]), float(claims["exp"]))
 
 
 def create_app(config: TrackerConfig) -> Starlette:

@@ -17,6 +17,7 @@ from typing import Literal, TypeVar
 
 import anyio
 
+from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
 
 TRACKER_LEDGER_FILE = "tracker.sqlite3"
@@ -28,7 +29,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     public_key  TEXT NOT NULL,
     first_seen  REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS relayed (
+CREATE TABLE IF NOT EXISTS forwarded (
     request_id        TEXT PRIMARY KEY,
     node_id           TEXT NOT NULL,
     model             TEXT NOT NULL,
@@ -43,7 +44,9 @@ CREATE TABLE IF NOT EXISTS relayed (
     max_tokens        INTEGER,
     choices           INTEGER NOT NULL DEFAULT 1,
     body_bytes        INTEGER NOT NULL DEFAULT 0,
-    flagged           INTEGER NOT NULL DEFAULT 0
+    flagged           INTEGER NOT NULL DEFAULT 0,
+    prompt_ceiling    INTEGER,
+    completion_ceiling INTEGER
 );
 CREATE TABLE IF NOT EXISTS receipts (
     request_id        TEXT PRIMARY KEY,
@@ -63,19 +66,16 @@ _ADDED_COLUMNS = {
     "choices": "INTEGER NOT NULL DEFAULT 1",
     "body_bytes": "INTEGER NOT NULL DEFAULT 0",
     "flagged": "INTEGER NOT NULL DEFAULT 0",
+    "prompt_ceiling": "INTEGER",
+    "completion_ceiling": "INTEGER",
 }
 
-# An honest node and the tracker read the same llama-server usage, so they agree exactly on a
-# finished request; a request cut short may differ by the token in flight. Beyond this, flag it.
-RECEIPT_TOLERANCE_TOKENS = 2
-RECEIPT_TOLERANCE_FRACTION = 0.02
-
-Outcome = Literal["in_flight", "complete", "cancelled", "upstream_error", "refused", "timed_out"]
+Outcome = Literal["in_flight", "complete", "cancelled", "upstream_error", "refused", "timed_out", "interrupted"]
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class RelayedRequest:
+class ForwardedRequest:
     request_id: str
     node_id: str
     model: str
@@ -88,17 +88,19 @@ class RelayedRequest:
 class TrackerLedger:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
+        private_sqlite(self.path)  # every node's and client's traffic: the operator's only
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         with self._lock:
+            _rename_old_table(self._db)
             self._db.executescript(_SCHEMA)
-            have = {row[1] for row in self._db.execute("PRAGMA table_info(relayed)")}
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(forwarded)")}
             for column, kind in _ADDED_COLUMNS.items():
                 if column not in have:
-                    self._db.execute(f"ALTER TABLE relayed ADD COLUMN {column} {kind}")
+                    self._db.execute(f"ALTER TABLE forwarded ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -127,7 +129,7 @@ class TrackerLedger:
         rows = await self._run(self._read, "SELECT public_key FROM nodes WHERE node_id = ?", (node_id,))
         return rows[0][0] if rows else None
 
-    # --- relayed requests -----------------------------------------------
+    # --- forwarded requests -----------------------------------------------
     async def open_request(
         self,
         request_id: str,
@@ -139,40 +141,59 @@ class TrackerLedger:
         max_tokens: int | None = None,
         choices: int = 1,
         body_bytes: int = 0,
+        prompt_ceiling: int | None = None,
     ) -> None:
         """Written before the request is forwarded: any receipt for it is then recognisable, and
-        checkable against what the route allowed (token cap, choices, body size)."""
+        checkable against what the route allowed (token cap, choices, body size, the prompt's ceiling)."""
         await self._run(
             self._write,
-            "INSERT INTO relayed (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (request_id, node_id, model, path, int(stream), time.time(), max_tokens, choices, body_bytes),
+            "INSERT INTO forwarded (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes,"
+            " prompt_ceiling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (request_id, node_id, model, path, int(stream), time.time(), max_tokens, choices, body_bytes, prompt_ceiling),
         )
 
-    async def finish_request(self, request_id: str, status: int | None, outcome: Outcome, counts: UsageCounts | None) -> None:
+    async def finish_request(
+        self, request_id: str, status: int | None, outcome: Outcome, counts: UsageCounts | None, *, completion_ceiling: int | None = None
+    ) -> None:
         counts = counts or UsageCounts()
         await self._run(
             self._write,
-            "UPDATE relayed SET status = ?, outcome = ?, prompt_tokens = ?, completion_tokens = ?, finished_at = ?"
-            " WHERE request_id = ?",
-            (status, outcome, counts.prompt_tokens, counts.completion_tokens, time.time(), request_id),
+            "UPDATE forwarded SET status = ?, outcome = ?, prompt_tokens = ?, completion_tokens = ?, finished_at = ?,"
+            " completion_ceiling = ? WHERE request_id = ?",
+            (status, outcome, counts.prompt_tokens, counts.completion_tokens, time.time(), completion_ceiling, request_id),
         )
 
-    async def relayed(self, request_id: str) -> RelayedRequest | None:
+    async def settle_interrupted(self) -> list[str]:
+        """Rows a previous run left `in_flight` (it died while forwarding): settled as `interrupted`, flagged, and
+        bounded by what their routes allowed, so the receipt, when it comes, is billed within those bounds."""
+
+        def settle() -> list[str]:
+            with self._lock:
+                rows = self._db.execute("SELECT request_id FROM forwarded WHERE outcome = 'in_flight'").fetchall()
+                self._db.execute(
+                    "UPDATE forwarded SET outcome = 'interrupted', flagged = 1, finished_at = ?,"
+                    " completion_ceiling = COALESCE(max_tokens, 0) * choices WHERE outcome = 'in_flight'",
+                    (time.time(),),
+                )
+            return [row[0] for row in rows]
+
+        return await self._run(settle)
+
+    async def forwarded(self, request_id: str) -> ForwardedRequest | None:
         rows = await self._run(
             self._read,
-            "SELECT request_id, node_id, model, path, max_tokens, choices, body_bytes FROM relayed WHERE request_id = ?",
+            "SELECT request_id, node_id, model, path, max_tokens, choices, body_bytes FROM forwarded WHERE request_id = ?",
             (request_id,),
         )
-        return RelayedRequest(*rows[0]) if rows else None
+        return ForwardedRequest(*rows[0]) if rows else None
 
     async def mark_flagged(self, request_id: str) -> bool:
         """True the first time a request is flagged (so a node's flag count counts it once)."""
-        changed = await self._run(self._write, "UPDATE relayed SET flagged = 1 WHERE request_id = ? AND flagged = 0", (request_id,))
+        changed = await self._run(self._write, "UPDATE forwarded SET flagged = 1 WHERE request_id = ? AND flagged = 0", (request_id,))
         return changed == 1
 
     async def flags_by_node(self) -> dict[str, int]:
-        rows = await self._run(self._read, "SELECT node_id, count(*) FROM relayed WHERE flagged = 1 GROUP BY node_id", ())
+        rows = await self._run(self._read, "SELECT node_id, count(*) FROM forwarded WHERE flagged = 1 GROUP BY node_id", ())
         return {node_id: count for node_id, count in rows}
 
     # --- receipts -----------------------------------------------------------
@@ -205,21 +226,37 @@ class TrackerLedger:
         rows = await self._run(
             self._read,
             "SELECT r.request_id, r.node_id, r.model, r.stream, r.status, r.outcome, r.prompt_tokens,"
-            " r.completion_tokens, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.request_id IS NOT NULL"
-            f" FROM relayed r LEFT JOIN receipts c ON c.request_id = r.request_id {where}"
+            " r.completion_tokens, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.request_id IS NOT NULL,"
+            " r.prompt_ceiling, r.completion_ceiling, r.flagged"
+            f" FROM forwarded r LEFT JOIN receipts c ON c.request_id = r.request_id {where}"
             " ORDER BY r.issued_at DESC LIMIT ?",
             (*params, limit),
         )
         return [_usage_row(row) for row in rows]
 
 
+def _rename_old_table(db: sqlite3.Connection) -> None:
+    """Ledgers written before the table was named for what it holds (forwarded requests) keep their rows."""
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "relayed" in tables and "forwarded" not in tables:
+        db.execute("ALTER TABLE relayed RENAME TO forwarded")
+
+
 def _usage_row(row: tuple) -> TrackerUsage:
-    rid, node_id, model, stream, status, outcome, t_prompt, t_completion, n_prompt, n_completion, finish, has_receipt = row
+    (rid, node_id, model, stream, status, outcome, t_prompt, t_completion, n_prompt, n_completion, finish, has_receipt,
+     prompt_ceiling, completion_ceiling, marked) = row  # fmt: skip
     tracker = UsageCounts(prompt_tokens=t_prompt, completion_tokens=t_completion)
     node = UsageCounts(prompt_tokens=n_prompt, completion_tokens=n_completion) if has_receipt else None
+    ceiling = (
+        UsageCounts(prompt_tokens=prompt_ceiling, completion_tokens=completion_ceiling)
+        if prompt_ceiling is not None and completion_ceiling is not None
+        else None
+    )
     return TrackerUsage(
-        billed=billed(outcome, tracker, node),
-        flagged=disagrees(tracker, node),
+        billed=billed(outcome, ceiling, node),
+        # A stream cut short (client gone, node broken, time limit) may leave tokens the node made but nobody saw:
+        # billed within the ceiling all the same, flagged only when a finished answer claims more than went by.
+        flagged=bool(marked) or (outcome == "complete" and disagrees(ceiling, node)),
         request_id=rid,
         node_id=node_id,
         model=model,
@@ -229,51 +266,36 @@ def _usage_row(row: tuple) -> TrackerUsage:
         tracker=tracker,
         node=node,
         node_finish_reason=finish if has_receipt else None,
-        agreement=agreement(tracker, node),
+        agreement=agreement(ceiling, node),
+        ceiling=ceiling,
     )
 
 
-def billed(outcome: str, tracker: UsageCounts, node: UsageCounts | None) -> UsageCounts | None:
-    """What the tracker bills: per field the smaller of its own count and the receipt.
-
-    A figure the tracker could not count (the relay was cut before any count passed) comes from
-    the receipt alone, which was already checked against what the route allowed. A request the
-    node refused (an error status before any answer) bills nothing. None until both sides are in.
+def billed(outcome: str, ceiling: UsageCounts | None, node: UsageCounts | None) -> UsageCounts | None:
+    """What the tracker bills: the receipt, capped per figure by the tracker's ceiling (what the request could
+    hold and what went by). A request the node refused (an error status before any answer) bills nothing; a
+    request still forwarding, or without a receipt yet, or without ceilings (a row from an older tracker), None.
     """
     if outcome == "refused":
         return UsageCounts(prompt_tokens=0, completion_tokens=0)
-    if node is None or outcome == "in_flight":
+    if node is None or outcome == "in_flight" or ceiling is None:
         return None
-
-    def smaller(ours: int | None, theirs: int | None) -> int:
-        return min(ours, theirs or 0) if ours is not None else (theirs or 0)
-
     return UsageCounts(
-        prompt_tokens=smaller(tracker.prompt_tokens, node.prompt_tokens),
-        completion_tokens=smaller(tracker.completion_tokens, node.completion_tokens),
+        prompt_tokens=min(node.prompt_tokens or 0, ceiling.prompt_tokens or 0),
+        completion_tokens=min(node.completion_tokens or 0, ceiling.completion_tokens or 0),
     )
 
 
-def disagrees(tracker: UsageCounts, node: UsageCounts | None) -> bool:
-    """Tracker count and receipt differ by more than the tolerance on either figure."""
-    if node is None:
+def disagrees(ceiling: UsageCounts | None, node: UsageCounts | None) -> bool:
+    """The receipt claims more than the tracker's ceiling on either figure."""
+    if node is None or ceiling is None:
         return False
-    for ours, theirs in ((tracker.prompt_tokens, node.prompt_tokens), (tracker.completion_tokens, node.completion_tokens)):
-        if ours is None or theirs is None:
-            continue
-        allowed = max(RECEIPT_TOLERANCE_TOKENS, RECEIPT_TOLERANCE_FRACTION * max(ours, theirs))
-        if abs(ours - theirs) > allowed:
-            return True
-    return False
+    return (node.prompt_tokens or 0) > (ceiling.prompt_tokens or 0) or (node.completion_tokens or 0) > (ceiling.completion_tokens or 0)
 
 
-def agreement(tracker: UsageCounts, node: UsageCounts | None) -> UsageAgreement:
+def agreement(ceiling: UsageCounts | None, node: UsageCounts | None) -> UsageAgreement:
     if node is None:
         return "awaiting_receipt"
-    if tracker.prompt_tokens is None or tracker.completion_tokens is None:
-        return "unmetered"  # the relay was cut before any count passed; the receipt is the only figure
-    same = (tracker.prompt_tokens, tracker.completion_tokens) == (node.prompt_tokens, node.completion_tokens)
-    return "agree" if same else "mismatch"
-
-
-
+    if ceiling is None:
+        return "unmetered"  # the forward has not finished (or the row predates ceilings)
+    return "mismatch" if disagrees(ceiling, node) else "agree"

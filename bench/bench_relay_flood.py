@@ -1,0 +1,382 @@
+#!/usr/bin/env python3
+"""Benchmark the relay under a flood of strangers: do honest streams notice?
+
+    PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py --out bench/RESULTS.md
+
+One `meshnet-gguf dev relay` process trusting one tracker key. In this process: a
+node's relay link in front of a local server that streams numbered SSE events
+(`EVENTS` events, one every `EVENT_GAP_S`), and the tracker's side (CONNECT with a
+fresh signed token per connection, TLS pinned to the node's certificate, exactly
+as the reference tracker dials). Eight honest streams run at once, `ROUNDS`
+times: first quiet, then while a second process (this script in `--flood` mode)
+throws at the relay, from other loopback source addresses, for as long as the
+honest streams run:
+
+- anonymous connections opened and closed at once;
+- half-sent heads, held open;
+- CONNECTs with no token and with a forged one (407), and with one byte of TLS held;
+- tunnel attaches by fresh keys (provisional tunnels, then `too_many_provisional`
+  and `rate_limited`), and work attaches for nodes with no control connection.
+
+Bounded: at most `FLOOD_CONCURRENCY` flood connections at a time, for the run's
+duration, loopback only. Reports per run: honest errors, time to first event
+(p50/p95/max), the flood's connections by outcome, and the relay's RSS and CPU.
+Every process listens on 127.0.0.1 and is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import psutil
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.protocol import NodeAnnouncement, relay_audience
+from meshnet_gguf.contract.signing import encode_token, public_key_text, tracker_issuer_for
+from meshnet_gguf.mesh.identity import NodeIdentity
+from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
+from meshnet_gguf.reference.node_address import AddressPolicy
+from meshnet_gguf.reference.relay_dialer import NodeDialer, new_connect_claims
+
+HONEST_STREAMS = 8
+ROUNDS = 5
+EVENTS = 50
+EVENT_GAP_S = 0.02
+FLOOD_CONCURRENCY = 1500
+FLOOD_SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]  # not the tracker's own 127.0.0.1
+START_TIMEOUT_S = 30.0
+HELD_S = 3.0  # how long a flood connection that holds something holds it
+FLOOD_NICE = 19
+# How the tracker's side pools its connections to the node. *cold*: every stream a fresh CONNECT, token and TLS
+# handshake (the hardest case); *warm*: the reference tracker's own pool (kept-alive connections, 2 s expiry).
+POOLS = {
+    "cold": httpx.Limits(max_connections=64, max_keepalive_connections=0),
+    "warm": httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0),
+}
+
+
+# --- the node's stand-in: numbered SSE events -----------------------------------------------------------
+
+
+async def stream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for i in range(EVENTS):
+        await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+        await asyncio.sleep(EVENT_GAP_S)
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+# --- the flood -----------------------------------------------------------------------------------------------
+
+
+async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path) -> None:
+    """Runs in its own process: strangers at the relay for `duration_s`; writes outcome counts as JSON."""
+    outcomes: Counter[str] = Counter()
+    limiter = anyio.Semaphore(FLOOD_CONCURRENCY)
+    deadline = time.monotonic() + duration_s
+    host = "127.0.0.1"
+
+    async def connect(source: str) -> anyio.abc.SocketStream:
+        return await anyio.connect_tcp(host, relay_port, local_host=source)
+
+    async def answer_of(stream: anyio.abc.SocketStream) -> str:
+        try:
+            with anyio.fail_after(HELD_S + 12):
+                data = await stream.receive()
+            return data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1") else "other"
+        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+            return "closed"
+        except TimeoutError:
+            return "no answer"
+
+    async def open_close(source: str) -> str:
+        stream = await connect(source)
+        await stream.aclose()
+        return "opened+closed"
+
+    async def half_head(source: str) -> str:
+        async with await connect(source) as stream:
+            await stream.send(b"GET /health HTTP/1.1\r\nHost: relay\r\n")
+            with anyio.move_on_after(HELD_S):
+                return "half head: " + await answer_of(stream)
+            return "half head: held"
+
+    async def connect_forged(source: str) -> str:
+        async with await connect(source) as stream:
+            auth = "" if source.endswith("2") else "Proxy-Authorization: Bearer eyJhbGciOiJFZERTQSJ9.e30.AAAA\r\n"
+            await stream.send(f"CONNECT {node_id}:443 HTTP/1.1\r\nHost: {node_id}:443\r\n{auth}\r\n".encode())
+            return "CONNECT: " + await answer_of(stream)
+
+    async def connect_one_byte(source: str) -> str:
+        async with await connect(source) as stream:
+            await stream.send(f"CONNECT {node_id}:443 HTTP/1.1\r\nHost: {node_id}:443\r\n\r\n".encode())
+            status = await answer_of(stream)
+            if status == "200":
+                await stream.send(b"\x16")
+                await anyio.sleep(HELD_S)
+            return "CONNECT+1 byte: " + status
+
+    async def attach(source: str, role: str) -> str:
+        identity = NodeIdentity.from_private_key(Ed25519PrivateKey.generate())
+        async with await connect(source) as stream:
+            await stream.send(b"GET /v1/relay/tunnel HTTP/1.1\r\nHost: relay\r\nConnection: Upgrade\r\nUpgrade: meshnet-relay/1\r\n\r\n")
+            buffered = anyio.streams.buffered.BufferedByteReceiveStream(stream)
+            try:
+                with anyio.fail_after(10):
+                    head = await buffered.receive_until(b"\r\n\r\n", 8192)
+                    if not head.startswith(b"HTTP/1.1 101"):
+                        return f"{role} attach: " + head.split(b" ", 2)[1].decode()
+                    challenge = json.loads(await buffered.receive_until(b"\n", 65536))
+                    now = int(time.time())
+                    claims = {"iss": identity.node_id, "aud": relay_audience(f"http://{host}:{relay_port}"), "nonce": challenge["nonce"],
+                              "role": role, "iat": now, "exp": now + 30}  # fmt: skip
+                    message = {"type": "attach", "role": role, "node_id": identity.node_id, "public_key": identity.public_key_text,
+                               "proof": encode_token(claims, identity.private_key)}  # fmt: skip
+                    await stream.send(json.dumps(message).encode() + b"\n")
+                    answer = json.loads(await buffered.receive_until(b"\n", 65536))
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead, OSError):
+                return f"{role} attach: closed"
+            except TimeoutError:
+                return f"{role} attach: no answer"
+            if answer.get("type") == "attached":
+                await anyio.sleep(HELD_S)  # a provisional tunnel, held
+                return f"{role} attach: attached"
+            return f"{role} attach: {answer.get('code')}"
+
+    kinds = [open_close, open_close, half_head, connect_forged, connect_one_byte,
+             lambda s: attach(s, "control"), lambda s: attach(s, "work")]  # fmt: skip
+
+    async def one(i: int) -> None:
+        try:
+            outcomes[await kinds[i % len(kinds)](FLOOD_SOURCES[i % len(FLOOD_SOURCES)])] += 1
+        except OSError as exc:
+            outcomes[f"connect failed: {exc.strerror or exc}"] += 1
+        finally:
+            limiter.release()
+
+    async with anyio.create_task_group() as tg:
+        i = 0
+        while time.monotonic() < deadline:
+            await limiter.acquire()
+            tg.start_soon(one, i)
+            i += 1
+    seed_out.write_text(json.dumps(dict(outcomes)))
+
+
+# --- honest streams ------------------------------------------------------------------------------------------
+
+
+async def honest_round(http: httpx.AsyncClient, target: Any) -> tuple[list[float], int]:
+    ttfts: list[float] = []
+    errors = 0
+
+    async def one() -> None:
+        nonlocal errors
+        started = time.perf_counter()
+        first = None
+        events = 0
+        try:
+            request = target.request(http, "POST", "/v1/chat/completions", content=b"{}", headers={"content-type": "application/json"})
+            response = await http.send(request, stream=True)
+            try:
+                if response.status_code != 200:
+                    errors += 1
+                    return
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        if first is None:
+                            first = time.perf_counter() - started
+                        events += 1
+            finally:
+                await response.aclose()
+        except httpx.HTTPError:
+            errors += 1
+            return
+        if events != EVENTS + 1 or first is None:
+            errors += 1
+        else:
+            ttfts.append(first)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(HONEST_STREAMS):
+            tg.start_soon(one)
+    return ttfts, errors
+
+
+def summary(ttfts: list[float]) -> dict[str, float]:
+    ordered = sorted(ttfts)
+    return {
+        "p50_ms": 1000 * statistics.median(ordered),
+        "p95_ms": 1000 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
+        "max_ms": 1000 * ordered[-1],
+    }
+
+
+async def measure(
+    limits: httpx.Limits, sign: Any, announcement: NodeAnnouncement, relay: subprocess.Popen[bytes], relay_port: int,
+    flooded: bool, outcomes_path: Path,
+) -> dict[str, Any]:
+    """`ROUNDS` rounds of honest streams, with or without a flood process at the relay meanwhile."""
+    dialer = NodeDialer(limits, sign)
+    async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=30) as http:
+        target = await dialer.through_relay(announcement, AddressPolicy(allow_loopback=True))
+        await honest_round(http, target)  # warm-up; the first ever also admits the tunnel (a tracker's CONNECT)
+        proc = psutil.Process(relay.pid)
+        flood_proc = None
+        if flooded:
+            duration = ROUNDS * (EVENTS * EVENT_GAP_S + 1.0)
+            flood_proc = subprocess.Popen(
+                [sys.executable, __file__, "--flood", str(relay_port), str(duration), announcement.node_id, str(outcomes_path)],
+                start_new_session=True,
+            )  # fmt: skip
+            await anyio.sleep(1.0)  # the flood is under way before the honest streams start
+        cpu0, wall0 = proc.cpu_times(), time.monotonic()
+        ttfts: list[float] = []
+        errors = peak_rss = 0
+        for _ in range(ROUNDS):
+            got, bad = await honest_round(http, target)
+            ttfts += got
+            errors += bad
+            peak_rss = max(peak_rss, proc.memory_info().rss)
+        cpu1, wall = proc.cpu_times(), time.monotonic() - wall0
+        if flood_proc is not None:
+            await anyio.to_thread.run_sync(flood_proc.wait, 120)
+    return {
+        "streams": HONEST_STREAMS * ROUNDS, "errors": errors, **summary(ttfts),
+        "relay_cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / wall,
+        "relay_peak_rss_mb": peak_rss / 2**20, "relay_alive": relay.poll() is None,
+        "flood": json.loads(outcomes_path.read_text()) if outcomes_path.exists() else {},
+    }  # fmt: skip
+
+
+async def run(work: Path) -> dict[str, Any]:
+    tracker_key = Ed25519PrivateKey.generate()
+    issuer = tracker_issuer_for(tracker_key.public_key())
+    relay_port, app_port = free_local_port(), free_local_port()
+    relay_url = f"http://127.0.0.1:{relay_port}"
+    relay_log = work / "relay.log"
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--log-level", "WARNING",
+         "--trust-tracker-key", public_key_text(tracker_key.public_key())],
+        stdout=relay_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(stream_app, host="127.0.0.1", port=app_port, log_level="warning", lifespan="off"))
+    results: dict[str, Any] = {}
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve)
+            link = build_relay_link(relay_url, NodeIdentity.load_or_create(work / "node"), work / "node", local_address_for("127.0.0.1", app_port))
+            tg.start_soon(link.run)
+            with anyio.fail_after(START_TIMEOUT_S):
+                while link.link_health().idle_work < 1:
+                    await anyio.sleep(0.05)
+            attachment = link.attachment()
+            announcement = NodeAnnouncement(
+                node_id=link.identity.node_id, public_key=link.identity.public_key_text, advertised_url=relay_url, model_id="m",
+                first_layer=0, last_layer=0, total_layers=1, slots=HONEST_STREAMS, node_version="bench", relay=attachment,
+            )  # fmt: skip
+            sign = lambda url, node_id: encode_token(new_connect_claims(issuer, url, node_id, 30), tracker_key)  # noqa: E731
+            for pool, limits in POOLS.items():
+                for flooded in (False, True):
+                    label = f"{pool}, {'flood' if flooded else 'quiet'}"
+                    results[label] = await measure(limits, sign, announcement, relay, relay_port, flooded, work / f"{pool}-{flooded}.json")
+            await link.drain()
+            await link.close()
+            server.should_exit = True
+            tg.cancel_scope.cancel()
+    finally:
+        if relay.poll() is None:
+            relay.send_signal(signal.SIGTERM)
+            relay.wait(20)
+    return results
+
+
+def render(results: dict[str, Any], command: str) -> str:
+    floods = [r for label, r in results.items() if label.endswith("flood")]
+    total = sum(sum(r["flood"].values()) for r in floods)
+    lines = [
+        f"## Relay under a flood of strangers ({dt.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores)",
+        "",
+        f"`{command}`",
+        "",
+        f"{HONEST_STREAMS} honest streams at once ({EVENTS} SSE events each, one every {EVENT_GAP_S * 1000:.0f} ms), {ROUNDS} rounds per run, "
+        "the tracker's way: CONNECT with a tracker-signed token, TLS pinned to the node, through `dev relay --trust-tracker-key`. "
+        "*cold*: a fresh CONNECT per stream; *warm*: the reference tracker's kept-alive pool. "
+        f"*flood*: meanwhile a second process keeps up to {FLOOD_CONCURRENCY} stranger connections at the relay from "
+        f"{len(FLOOD_SOURCES)} other loopback addresses ({total:,} over the flood runs). It runs at nice {FLOOD_NICE}: its own CPU "
+        "(keys, proofs, sockets) stands for other machines'; the relay and the node run at normal priority on the same 2 cores.",
+        "",
+        "| run | honest streams | errors | TTFT p50 | TTFT p95 | TTFT max | relay CPU | relay peak RSS | relay alive |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, r in results.items():
+        lines.append(
+            f"| {label} | {r['streams']} | {r['errors']} | {r['p50_ms']:.0f} ms | {r['p95_ms']:.0f} ms | {r['max_ms']:.0f} ms | "
+            f"{r['relay_cpu_pct']:.0f} % | {r['relay_peak_rss_mb']:.0f} MB | {'yes' if r['relay_alive'] else 'NO'} |"
+        )
+    outcomes: Counter[str] = Counter()
+    for r in floods:
+        outcomes.update(r["flood"])
+    lines += ["", "What the strangers got (both flood runs):", "", "| flood connection | outcome | count |", "|---|---|---|"]
+    for key, count in sorted(outcomes.items(), key=lambda kv: (kv[0].split(":")[0], -kv[1])):
+        kind, _, outcome = key.partition(": ")
+        lines.append(f"| {kind} | {outcome or '-'} | {count:,} |")
+    lines.append("")
+    for pool in POOLS:
+        quiet, flood_ = results[f"{pool}, quiet"], results[f"{pool}, flood"]
+        lines.append(f"{pool}: TTFT under flood / quiet: p50 {flood_['p50_ms'] / quiet['p50_ms']:.2f}x, "
+                     f"p95 {flood_['p95_ms'] / quiet['p95_ms']:.2f}x; honest errors {flood_['errors']}.  ")  # fmt: skip
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--flood":
+        port, duration, node_id, out = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        # The strangers' own CPU (making keys, proofs, sockets) is not the relay's: a real flood comes from other
+        # machines. At the lowest priority it takes what the relay and the node leave on these few cores.
+        os.nice(FLOOD_NICE)
+        anyio.run(flood, port, duration, node_id, out)
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="append the results to this Markdown file")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="meshnet-flood-") as tmp:
+        results = anyio.run(run, Path(tmp), backend_options={"use_uvloop": True})
+    command = "PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py" + (f" --out {args.out}" if args.out else "")
+    text = render(results, command)
+    print(text)
+    print(json.dumps(results, indent=2), file=sys.stderr)
+    if args.out:
+        with args.out.open("a") as fh:
+            fh.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
