@@ -35,6 +35,7 @@ from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
 from meshnet_gguf.serving.admission import Admission
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
 from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget
+from meshnet_gguf.serving.status_page import ChatUi, NodePages, PageAccess, RecentRequests, StatusSource, plan_line
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def build_node(launch: PreparedLaunch) -> Node:
 
     admission = Admission(slots=settings.parallel)
     usage_stats = UsageStats()
+    recent_requests = RecentRequests()
     # The health report reads the node built at the end of this function; nothing asks for it before.
     health = lambda: node.health_report()  # noqa: E731
 
@@ -129,7 +131,7 @@ def build_node(launch: PreparedLaunch) -> Node:
         model_name=launch.model_name,
         model_aliases=launch.model_aliases,
         health=health,
-        usage_sinks=[usage_stats, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
+        usage_sinks=[usage_stats, recent_requests, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
         route_check=mesh.route_gate if mesh else None,
         journal=mesh.usage_sink if mesh else None,
         api_key=settings.api_key,
@@ -138,8 +140,21 @@ def build_node(launch: PreparedLaunch) -> Node:
         query_get_routes=dict([mesh.control_route]) if mesh else None,
         on_rejected=metrics.count_request,
     )
+    # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the tracker's).
+    pages = NodePages(
+        proxy,
+        status=StatusSource(
+            health, recent_requests, plan_line(launch.plan.describe(with_argv=False) if launch.plan else None, settings.parallel),
+            tracker=settings.tracker, chat=mesh is None,
+        ),  # fmt: skip
+        access=PageAccess(
+            api_key=settings.api_key, meshed=mesh is not None, remote=settings.status_page_remote,
+            host_names=(settings.host,), relayed=relay.carries if relay else None,
+        ),  # fmt: skip
+        chat=ChatUi(upstream, upstream_client) if mesh is None else None,
+    )
     try:
-        http = HttpServerPart(proxy, settings.host, settings.port)
+        http = HttpServerPart(pages, settings.host, settings.port)
     except ListenError as exc:
         raise NodeSetupError(str(exc)) from exc
 

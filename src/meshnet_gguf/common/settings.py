@@ -52,6 +52,9 @@ class NodeSettings(BaseSettings):
     port: int = 8080
     api_key: str | None = Field(None, description="Standalone mode: require this bearer key from local clients")
     advertised_url: str | None = Field(None, description="URL the tracker should use to reach this node")
+    status_page_remote: bool = Field(
+        False, description="Meshed node: show /status.json to other machines too (never through the relay)"
+    )
 
     # --- llama-server ------------------------------------------------------
     llama_server: Path | None = Field(None, description="Explicit llama-server binary")

@@ -134,6 +134,9 @@ class RelayLink(BasePart):
         self._dialing = 0
         self.streams_active = 0
         self.streams_total = 0
+        # The local ends of relayed streams: to the node's listener they are loopback clients like
+        # any other, and pages meant for this machine only must tell them apart (`carries`).
+        self._local_ends: set[tuple[str, int]] = set()
         self._pool_changed = anyio.Event()
         self._draining = False
         self._session_scope: anyio.CancelScope | None = None
@@ -143,6 +146,10 @@ class RelayLink(BasePart):
     def attachment(self) -> RelayAttachment:
         """What the node's announcement carries so the tracker can reach it here."""
         return RelayAttachment(url=self.endpoint.url, tls_certificate=certificate_text(self._certificate))
+
+    def carries(self, client: tuple[str, int]) -> bool:
+        """Whether a connection to the node's listener from `client` (host, port) came through this tunnel."""
+        return client in self._local_ends
 
     def link_health(self) -> RelayLinkHealth:
         attached_for = time.monotonic() - self._attached_at if self._attached_at is not None else None
@@ -300,9 +307,13 @@ class RelayLink(BasePart):
     async def _serve_stream(self, ssl_transport: asyncio.BaseTransport, tls_side: _Pipe, writer: asyncio.StreamWriter) -> None:
         # `writer` is held until the stream ends: a collected StreamWriter closes the socket under the TLS layer.
         local_side: _Pipe | None = None
+        local_end: tuple[str, int] | None = None
         try:
             host, port = self._local_address()
-            _, local_side = await asyncio.get_running_loop().create_connection(_Pipe, host, port)
+            transport, local_side = await asyncio.get_running_loop().create_connection(_Pipe, host, port)
+            # Known before the first relayed byte reaches the listener (join starts the flow).
+            local_end = tuple(transport.get_extra_info("sockname")[:2])  # type: ignore[assignment]
+            self._local_ends.add(local_end)  # type: ignore[arg-type]
             _Pipe.join(tls_side, local_side)
             await tls_side.closed
             await local_side.closed
@@ -310,6 +321,7 @@ class RelayLink(BasePart):
             log.debug("relayed stream ended: %r", exc, exc_info=True)
         finally:
             self.streams_active -= 1
+            self._local_ends.discard(local_end)  # type: ignore[arg-type]
             ssl_transport.close()
             del writer
             if local_side is not None and local_side.transport is not None:
