@@ -9,6 +9,7 @@ Everything has a deadline; the browser is stopped by its own PID.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -72,10 +73,13 @@ class Browser:
             start_new_session=True,
         )
         self._next_id = 0
+        self._connections = contextlib.ExitStack()
         try:
             debugger = self._debugger_port()
             page = next(t for t in httpx.get(f"http://127.0.0.1:{debugger}/json/list").json() if t["type"] == "page")
-            self._ws = connect(page["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024, open_timeout=COMMAND_TIMEOUT_S)
+            self._ws = self._connections.enter_context(
+                connect(page["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024, open_timeout=COMMAND_TIMEOUT_S)
+            )
             self.command("Page.enable")
             self.command("Runtime.enable")
         except BaseException:
@@ -136,9 +140,7 @@ class Browser:
         path.write_bytes(base64.b64decode(data))
 
     def close(self) -> None:
-        ws = getattr(self, "_ws", None)
-        if ws is not None:
-            ws.close()
+        self._connections.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
