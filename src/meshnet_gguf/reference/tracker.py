@@ -77,6 +77,7 @@ from meshnet_gguf.contract.signing import (
     tracker_issuer_for,
     unverified_claims,
 )
+from meshnet_gguf.reference import tracker_page
 from meshnet_gguf.reference.metering import RelayMeter
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
@@ -223,6 +224,7 @@ class Tracker:
             Route("/v1/usage", self._usage_list, methods=["GET"]),
             Route("/v1/usage/{request_id}", self._usage, methods=["GET"]),
             *(Route(path, relay, methods=["POST"]) for path in INFERENCE_PATHS),
+            *tracker_page.routes(self),
         ]
         return _BoundedHeaders(Starlette(routes=routes, lifespan=self._lifespan))  # type: ignore[return-value]
 
