@@ -173,6 +173,7 @@ def run_mesh(
         echo("")
         echo(f"mesh ready: tracker {tracker_url}, relay {relay_url}, node reachable only through the relay")
         echo(f"OpenAI base URL: {base_url}   model: {model}")
+        echo(f"tracker page: {tracker_url}/   node page (this machine only): http://127.0.0.1:{node_port}/")
         echo("")
         echo(snippet(base_url, str(model)))
         echo("")
