@@ -100,9 +100,9 @@ def _uvloop_available() -> bool:
 
 
 def _first_problem(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    where = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") if error["loc"] else "settings"
-    return f"{where}: {error['msg']}"
+    from meshnet_gguf.common.settings import describe_settings_error
+
+    return describe_settings_error(exc)
 
 
 def _configure_logging(settings: NodeSettings) -> None:

@@ -1,0 +1,66 @@
+"""What a new user runs into first: bad input gets one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from support.node_process import NodeProcess
+from support.tracker_process import TrackerProcess, tracker  # noqa: F401
+
+CLI_TIMEOUT_S = 60
+StartNode = Callable[..., NodeProcess]
+
+
+def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshnet_gguf", *argv], capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+        env={**os.environ, **(env or {})}, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["serve", "--port", "99999", "--dry-run"], {}),
+        (["doctor"], {"MESHNET_PORT": "70000"}),
+    ],
+)
+def test_a_port_out_of_range_is_one_clear_line(argv: list[str], env: dict[str, str], tiny_gguf: Path) -> None:
+    done = _run(*argv, "--gguf", str(tiny_gguf), env=env)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "OverflowError" not in done.stderr
+    assert "error: --port / MESHNET_PORT: Input should be less than or equal to 65535" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("ftp://tracker.example:8000", "reached over http:// or https://, not ftp://"),
+        ("tracker.example:8000", "has no scheme: write it as http://tracker.example:8000"),
+        ("http://:8000", "names no host"),
+    ],
+)
+def test_a_tracker_url_that_cannot_work_is_refused_up_front(url: str, said: str, tiny_gguf: Path) -> None:
+    done = _run("serve", "--gguf", str(tiny_gguf), "--tracker", url, "--dry-run")
+    assert done.returncode == 2
+    assert f"error: --tracker / MESHNET_TRACKER: {url!r}" in done.stderr and said in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_node_without_the_enrolment_secret_is_told_what_to_set_and_stops(  # type: ignore[no-untyped-def]
+    tracker: TrackerProcess, tiny_gguf: Path, fake_llama_path: Path, start_node: StartNode
+) -> None:
+    node = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path), "--tracker", tracker.url)
+    code = node.wait_exit(timeout=60)  # not a retry loop against a 401 that cannot change
+    log = node.log_text()
+    assert code == 1, log[-3000:]
+    assert "MESHNET_ENROLMENT_SECRET" in log and "--enrolment-secret" in log
+    assert "this node sent no enrolment secret" in log
+    assert log.count("refused registration") == 0  # said once, as the reason it stopped
