@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
+from meshnet_gguf.common.ports import free_local_port
 from support.node_process import NodeProcess
 from support.tracker_process import TrackerProcess, tracker  # noqa: F401
 
@@ -64,3 +68,25 @@ def test_a_node_without_the_enrolment_secret_is_told_what_to_set_and_stops(  # t
     assert "MESHNET_ENROLMENT_SECRET" in log and "--enrolment-secret" in log
     assert "this node sent no enrolment secret" in log
     assert log.count("refused registration") == 0  # said once, as the reason it stopped
+
+
+def test_dev_relay_exits_0_on_sigterm_as_the_others_do() -> None:
+    port = free_local_port()
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(timeout=30) == 0, relay.stdout.read() if relay.stdout else ""
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()

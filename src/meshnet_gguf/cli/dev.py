@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -107,6 +108,8 @@ def relay(
     extra = {} if max_idle_work is None else {"max_idle_work": max_idle_work}
     config = RelayConfig(host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval, **extra)  # type: ignore[arg-type]
     typer.echo(f"relay on http://{host}:{port}: start a node with meshnet-gguf serve --relay http://{host}:{port} ...")
+    # SIGTERM (systemd, `dev mesh`, kill) stops it as Ctrl-C does, exiting 0 like the tracker and the node.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         anyio.run(Relay(config).serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
     except KeyboardInterrupt:
