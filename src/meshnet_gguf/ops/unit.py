@@ -223,7 +223,8 @@ def config_values(settings: NodeSettings, layout: ServiceLayout) -> dict[str, An
 def render_config(values: Mapping[str, Any]) -> str:
     header = (
         f"# {SERVICE_NAME} node settings, read by the service through ${CONFIG_FILE_ENV}.\n"
-        "# Keys are NodeSettings fields; MESHNET_* environment variables override them.\n"
+        "# Keys are NodeSettings fields; MESHNET_* environment variables override them. Every key, with\n"
+        "# its meaning and default: docs/meshnet-gguf.example.toml in the meshnet-gguf repository.\n"
     )
     return header + tomli_w.dumps(dict(values))
 
