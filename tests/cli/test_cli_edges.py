@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,3 +92,16 @@ def test_dev_relay_exits_0_on_sigterm_as_the_others_do() -> None:
         if relay.poll() is None:
             relay.kill()
             relay.wait()
+
+
+def test_dev_mesh_on_a_taken_port_says_which_and_how_to_move_it(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        before = set(Path(tempfile.gettempdir()).glob("meshnet-mesh-*"))
+        done = _run("dev", "mesh", "--gguf", "unused.gguf", "--tracker-port", str(port), "--relay-port", "0")
+    assert done.returncode == 2
+    assert f"port {port} (the tracker's) is already in use: pass --tracker-port 0" in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "Errno" not in done.stdout + done.stderr
+    assert set(Path(tempfile.gettempdir()).glob("meshnet-mesh-*")) == before  # no folder left behind
