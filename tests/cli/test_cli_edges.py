@@ -105,3 +105,23 @@ def test_dev_mesh_on_a_taken_port_says_which_and_how_to_move_it(tmp_path: Path) 
     assert f"port {port} (the tracker's) is already in use: pass --tracker-port 0" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "Errno" not in done.stdout + done.stderr
     assert set(Path(tempfile.gettempdir()).glob("meshnet-mesh-*")) == before  # no folder left behind
+
+
+def test_service_install_without_a_model_says_the_unit_could_not_start() -> None:
+    from typer.testing import CliRunner
+
+    from meshnet_gguf.cli import app
+
+    done = CliRunner().invoke(app, ["service", "install", "--dry-run"])
+    assert "no model: the service would fail at every start; pass --gguf MODEL (or --demo)" in done.output
+
+
+def test_serve_ends_its_start_with_the_ready_line(  # type: ignore[no-untyped-def]
+    tiny_gguf: Path, fake_llama_path: Path, start_node: StartNode
+) -> None:
+    node = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))
+    node.wait_ready()
+    deadline = time.monotonic() + 10
+    while "ready: tiny at" not in node.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"ready: tiny at {node.url}/v1 (this node's page: {node.url}/)" in node.log_text()

@@ -375,6 +375,8 @@ def plan_install(
         readable.append(Path(values["llama_server"]))
 
     warnings: list[str] = []
+    if not settings.gguf and not settings.demo:
+        warnings.append("no model: the service would fail at every start; pass --gguf MODEL (or --demo)")
     # Read-only, not hidden, when the interpreter, model or data live in a home
     # folder: the node must reach them; ReadWritePaths reopens the writable ones.
     protect_home = "read-only" if _is_under_any_home([*writable, *readable]) else "yes"
