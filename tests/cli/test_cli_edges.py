@@ -125,3 +125,15 @@ def test_serve_ends_its_start_with_the_ready_line(  # type: ignore[no-untyped-de
     while "ready: tiny at" not in node.log_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert f"ready: tiny at {node.url}/v1 (this node's page: {node.url}/)" in node.log_text()
+
+
+def test_a_second_node_on_the_same_state_dir_is_refused_before_its_launch_plan(  # type: ignore[no-untyped-def]
+    tiny_gguf: Path, fake_llama_path: Path, start_node: StartNode
+) -> None:
+    first = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))
+    first.wait_ready()
+    second = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))  # same workdir: same state dir
+    assert second.wait_exit(timeout=60) == 2
+    log = second.log_text()
+    assert "another node" in log and "--state-dir" in log
+    assert "launch plan" not in log and "hardware:" not in log, log
