@@ -78,7 +78,7 @@ async def test_a_disagreement_is_flagged_on_the_page() -> None:
     )  # fmt: skip
     differs = agree.model_copy(update={"request_id": "r2", "agreement": "mismatch", "flagged": True,
                                        "node": UsageCounts(prompt_tokens=5, completion_tokens=400)})  # fmt: skip
-    tracker: Any = SimpleNamespace(registry=SimpleNamespace(all=lambda: []), ledger=_Ledger([differs, agree]))
-    document = await dashboard_document(tracker)
+    stand_in: Any = SimpleNamespace(registry=SimpleNamespace(all=lambda: []), ledger=_Ledger([differs, agree]))
+    document = await dashboard_document(stand_in)
     assert document["disagreements"] == 1
     assert [u["flagged"] for u in document["recent_routes"]] == [True, False]
