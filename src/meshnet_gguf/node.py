@@ -43,6 +43,7 @@ from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
 from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
 from meshnet_gguf.serving.proxy import ExtraRoute, ProxyApp, ProxyLimits, QueryRoute, UpstreamTarget, UsageSink
+from meshnet_gguf.serving.status_page import ChatUi, NodePages, PageAccess, RecentRequests, StatusSource, plan_line
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ def build_node(launch: PreparedLaunch) -> Node:
 
     admission = Admission(slots=settings.parallel)
     usage_stats = UsageStats()
+    recent_requests = RecentRequests()
     # The health report reads the node built at the end of this function; nothing asks for it before.
     health = lambda: node.health_report()  # noqa: E731
 
@@ -143,17 +145,30 @@ def build_node(launch: PreparedLaunch) -> Node:
         model_name=launch.model_name,
         model_aliases=launch.model_aliases,
         health=health,
-        usage_sinks=[usage_stats, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
+        usage_sinks=[usage_stats, recent_requests, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
         mode=mesh.admission_mode if mesh else None,
         extra_get_routes={METRICS_PATH: metrics.scrape},
         query_get_routes=dict([mesh.control_route]) if mesh else None,
         on_rejected=metrics.count_request,
     )
+    # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
+    guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=relay.is_relayed if relay else lambda peer: False,
+                            operator_key=settings.metrics_key)  # fmt: skip
+    # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the tracker's).
+    pages = NodePages(
+        guarded,
+        status=StatusSource(
+            health, recent_requests, plan_line(launch.plan.describe(with_argv=False) if launch.plan else None, settings.parallel),
+            tracker=settings.tracker, chat=mesh is None,
+        ),  # fmt: skip
+        access=PageAccess(
+            api_key=settings.api_key, meshed=mesh is not None, remote=settings.status_page_remote,
+            host_names=(settings.host,), relayed=relay.is_relayed if relay else None,
+        ),  # fmt: skip
+        chat=ChatUi(upstream, upstream_client) if mesh is None else None,
+    )
     try:
-        # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
-        guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=relay.is_relayed if relay else lambda peer: False,
-                                operator_key=settings.metrics_key)  # fmt: skip
-        http = HttpServerPart(guarded, settings.host, settings.port)
+        http = HttpServerPart(pages, settings.host, settings.port)
     except ListenError as exc:
         raise NodeSetupError(str(exc)) from exc
 

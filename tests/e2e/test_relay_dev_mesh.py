@@ -35,6 +35,12 @@ def test_dev_mesh_serves_the_printed_snippet_and_stops_cleanly_on_ctrl_c(real_ll
         base_url = re.search(r'base_url="([^"]+)"', snippet).group(1)  # type: ignore[union-attr]
         [node] = httpx.get(base_url.removesuffix("/v1") + "/v1/nodes").json()
         assert node["announcement"]["relay"] is not None  # the tracker reaches it only through the relay
+        # The pages it prints: the tracker's lists the node; the node's own answers on this machine.
+        pages = re.search(r"tracker page: (\S+)\s+node page \(this machine only\): (\S+)", out)
+        assert pages is not None, out
+        assert "<title>meshnet tracker</title>" in httpx.get(pages.group(1)).text
+        assert httpx.get(pages.group(1) + "dashboard.json").json()["nodes"][0]["reached"] == "relayed"
+        assert httpx.get(pages.group(2) + "status.json").json()["health"]["relay"]["state"] == "attached"
 
         ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60)
         assert ran.returncode == 0, ran.stderr

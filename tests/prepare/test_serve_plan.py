@@ -106,6 +106,7 @@ def test_force_plans_iq4_xs_anyway_and_says_it_does_not_fit(tmp_path: Path, reco
     assert plan.startswith("plan: vulkan on Vulkan0,") and "/44 layers" in plan
     assert "DOES NOT FIT" in done.stdout
     assert "--force: trying anyway although IQ4_XS needs" in done.stdout
+    assert "Pass --force" not in done.stdout and "pass --force" not in done.stdout  # it was given
     assert downloaded(tmp_path) == []
 
 

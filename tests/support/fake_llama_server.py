@@ -11,6 +11,8 @@ bottleneck it is used to measure.
 
     FAKE_LLAMA_LOAD_S          seconds /health answers 503 "Loading model" (default 0)
     FAKE_LLAMA_SILENT_LOAD     "1": print nothing while loading (to trip the stall timer)
+    FAKE_LLAMA_LOAD_DOTS       "1": print the tensor phase and a line of dots per percent loaded, as
+                               builds with a progress bar do (the node's load fraction then moves)
     FAKE_LLAMA_EXIT_ON_START   exit with this code right after start, printing an error
     FAKE_LLAMA_TOKENS          tokens per answer (default 8; the request's max_tokens caps it)
     FAKE_LLAMA_TOKEN_DELAY_S   pause between streamed tokens (default 0)
@@ -262,9 +264,12 @@ async def main(argv: list[str]) -> int:
         server = await asyncio.start_server(fake.handle, host, int(fake.args["--port"]))
         print(f"main: server is listening on http://127.0.0.1:{fake.args['--port']}", flush=True)
     if fake.load_s and os.environ.get("FAKE_LLAMA_SILENT_LOAD") != "1":
+        dots = os.environ.get("FAKE_LLAMA_LOAD_DOTS") == "1"
+        print("load_tensors: loading model tensors" if dots else "load_tensors: loading ...", flush=True)
         while fake.loading():
-            print("load_tensors: loading ...", flush=True)
             await asyncio.sleep(0.2)
+            share = (time.monotonic() - fake.started) / fake.load_s
+            print("." * max(1, min(100, int(share * 100))) if dots else "load_tensors: loading ...", flush=True)
     async with server:
         await server.serve_forever()
     return 0

@@ -56,4 +56,14 @@ tidy_help(app)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except Exception as exc:
+        # A setting from a flag, MESHNET_* or the TOML file that cannot be: one line, no traceback.
+        # Recognised by name so that --help never imports pydantic.
+        if type(exc).__name__ != "ValidationError" or not type(exc).__module__.startswith("pydantic"):
+            raise
+        from meshnet_gguf.common.settings import describe_settings_error
+
+        typer.echo(f"error: {describe_settings_error(exc)}", err=True)
+        raise SystemExit(2) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -159,6 +160,8 @@ def relay(
         typer.echo(f"CONNECT and tunnels: only for {len(keys)} trusted tracker key(s)")
     else:
         typer.echo("CONNECT and tunnels: OPEN (--open): anyone who reaches this relay may use it")
+    # SIGTERM (systemd, `dev mesh`, kill) stops it as Ctrl-C does, exiting 0 like the tracker and the node.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         anyio.run(Relay(config).serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
     except KeyboardInterrupt:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.common.ports import free_local_port, local_port_taken
 from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
 
 # Tracker and relay start in about a second; the margin covers a loaded machine.
@@ -125,6 +125,11 @@ def run_mesh(
     download_dir: Path | None,
     echo: Callable[[str], None],
 ) -> int:
+    # A taken port is said before anything starts (and before a temporary folder exists).
+    for service, port, flag in (("tracker", tracker_port, "--tracker-port"), ("relay", relay_port, "--relay-port")):
+        if port and local_port_taken(port):
+            echo(f"error: port {port} (the {service}'s) is already in use: pass {flag} 0 for any free port, or another port")
+            return 2
     temporary = state_dir is None
     root = Path(tempfile.mkdtemp(prefix="meshnet-mesh-")) if state_dir is None else Path(state_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -176,6 +181,7 @@ def run_mesh(
         echo("")
         echo(f"mesh ready: tracker {tracker_url}, relay {relay_url}, node reachable only through the relay")
         echo(f"OpenAI base URL: {base_url}   model: {model}")
+        echo(f"tracker page: {tracker_url}/   node page (this machine only): http://127.0.0.1:{node_port}/")
         echo("")
         echo(snippet(base_url, str(model)))
         echo("")

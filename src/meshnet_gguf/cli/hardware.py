@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
     def hardware(
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for machines")] = False,
         llama_server: Annotated[
-            Optional[Path], typer.Option(help="llama-server whose devices to list [env: MESHNET_LLAMA_SERVER]")
+            Optional[Path], typer.Option(help="llama-server whose devices to list")
         ] = None,
     ) -> None:
         """Show CPU, RAM, GPUs, the llama-server devices and the honest GPU memory budget."""

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 import typer
-from typer.core import HAS_RICH, TyperCommand, TyperGroup
+from typer.core import TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
 # Option names that differ from the setting they feed.
@@ -84,13 +84,19 @@ def _tidy(param: Any, settings_backed: bool) -> None:
 
             notes.append(f"env: {ENV_PREFIX}{field.upper()}")
         param.show_default = False  # the flag's own default is None: the setting's is the truth
+    if param.envvar and getattr(param, "show_envvar", False):
+        # click would add its own `[env var: X]`; say it as every other option does.
+        names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar)
+        notes.append(f"env: {', '.join(names)}")
+        param.show_envvar = False
     if notes:
         param.help = f"{help_text}  {_bracketed('; '.join(notes))}".strip()
 
 
 def _bracketed(text: str) -> str:
-    # Rich help reads `[...]` as a style tag and drops it: escape the opening bracket.
-    return f"\\[{text}]" if HAS_RICH else f"[{text}]"
+    # The app renders plain click help (rich_markup_mode=None), which prints brackets as they are;
+    # escaping them for rich would show the backslash.
+    return f"[{text}]"
 
 
 class _TidyCommand(TyperCommand):

@@ -75,6 +75,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {_first_problem(exc)}", err=True)
             raise typer.Exit(2) from exc
         _configure_logging(settings)
+        if not dry_run:
+            _refuse_a_held_state_dir(settings)
         try:
             # Under systemd a first download can outlast TimeoutStartSec: say what is happening, and extend it.
             with SystemdNotifier.from_environment().extending_start("preparing the model (download and checks)"):
@@ -113,10 +115,22 @@ def _uvloop_available() -> bool:
     return importlib.util.find_spec("uvloop") is not None
 
 
+def _refuse_a_held_state_dir(settings: NodeSettings) -> None:
+    """Say that another node holds the state dir before a launch plan is printed, not after it.
+    (The node takes the lock for good when it starts; this early look only saves the operator the wait.)"""
+    from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
+
+    try:
+        StateDirLock(settings.state_dir, host=settings.host, port=settings.port).release()
+    except StateDirInUse as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 def _first_problem(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    where = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") if error["loc"] else "settings"
-    return f"{where}: {error['msg']}"
+    from meshnet_gguf.common.settings import describe_settings_error
+
+    return describe_settings_error(exc)
 
 
 def _configure_logging(settings: NodeSettings) -> None:

@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
         path = (state_dir or default_state_dir()) / LEDGER_FILE
         if not path.exists():
             # Not an error: a node that has not served with a tracker yet simply has no ledger.
-            typer.echo(f"no usage ledger at {path} yet: the node writes one when it serves with a tracker")
+            note = f"no usage ledger at {path} yet: the node writes one when it serves with a tracker"
+            typer.echo(json.dumps({"entries": [], "totals": None, "note": note}, indent=2) if as_json else note)
             return
         ledger = UsageLedger(path)
         try:

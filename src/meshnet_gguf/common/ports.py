@@ -12,3 +12,13 @@ def free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
+
+
+def local_port_taken(port: int) -> bool:
+    """Whether something already listens on 127.0.0.1:`port` (a bind would fail)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return True
+    return False

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 ENV_PREFIX = "MESHNET_"
@@ -49,10 +50,13 @@ class NodeSettings(BaseSettings):
 
     # --- public side -------------------------------------------------------
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: int = Field(8080, ge=1, le=65535, description="TCP port of the public listener")
     api_key: str | None = Field(None, description="Standalone mode: require this bearer key from local clients")
     metrics_key: str | None = Field(None, description="Bearer key that lets a caller from elsewhere read /metrics (loopback needs none)")
     advertised_url: str | None = Field(None, description="URL the tracker should use to reach this node")
+    status_page_remote: bool = Field(
+        False, description="Meshed node: show /status.json to other machines too (never through the relay)"
+    )
 
     # --- llama-server ------------------------------------------------------
     llama_server: Path | None = Field(None, description="Explicit llama-server binary")
@@ -133,6 +137,11 @@ class NodeSettings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("tracker")
+    @classmethod
+    def _tracker_is_an_http_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_tracker_url(value)
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -147,3 +156,32 @@ class NodeSettings(BaseSettings):
         if config_file:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
         return tuple(sources)
+
+
+def check_tracker_url(url: str) -> str:
+    """A tracker is reached over HTTP(S): say so up front, not by warning forever after start."""
+    parts = urlsplit(url)
+    if "://" not in url:
+        raise ValueError(f"{url!r} has no scheme: write it as http://{url} (or https://)")
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r}: a tracker is reached over http:// or https://, not {parts.scheme}://")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number or out of range
+    except ValueError as exc:
+        raise ValueError(f"{url!r}: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"{url!r} names no host")
+    return url
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """The first bad setting in words an operator can act on: its flag, its variable, what is wrong."""
+    error = exc.errors()[0]
+    if not error["loc"]:
+        return f"settings: {error['msg']}"
+    field = str(error["loc"][0])
+    flag = "--" + field.replace("_", "-")
+    if error["type"] == "value_error":  # our own validators name the value in their message
+        return f"{flag} / {ENV_PREFIX}{field.upper()}: {str(error['msg']).removeprefix('Value error, ')}"
+    given = f" (got {error['input']!r})" if isinstance(error.get("input"), (str, int, float)) else ""
+    return f"{flag} / {ENV_PREFIX}{field.upper()}: {error['msg']}{given}"

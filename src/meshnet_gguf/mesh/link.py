@@ -61,6 +61,7 @@ from meshnet_gguf.mesh.tracker_client import (
     RETRY_INITIAL_S,
     RETRY_MAX_S,
     TRACKER_KEY_PIN_FILE,
+    EnrolmentRefused,
     NodePresence,
     TrackerClient,
     TrackerRefused,
@@ -182,6 +183,15 @@ class MeshnetLink(BasePart):
 
     async def run(self) -> None:
         """Background task for the node's lifetime: outbox, key pinning, shard digests, presence."""
+        refused: list[EnrolmentRefused] = []
+
+        async def presence() -> None:
+            try:
+                await self.presence.run()
+            except EnrolmentRefused as exc:  # the node cannot join: end it with the reason, not a task-group error
+                refused.append(exc)
+                tg.cancel_scope.cancel()
+
         async with anyio.create_task_group() as tg:
             self._tasks = tg.cancel_scope
             # Receipts left by a previous run go out first; they need no registration.
@@ -194,7 +204,9 @@ class MeshnetLink(BasePart):
             if self.route_gate.issuer is None:
                 await self._learn_tracker_key()
             self._shards, self._hardware = await anyio.to_thread.run_sync(self._describe)
-            tg.start_soon(self.presence.run)
+            tg.start_soon(presence)
+        if refused:
+            raise refused[0]
 
     async def drain(self) -> None:
         """Say `draining` now, so the tracker stops routing here while in-flight requests finish."""

@@ -144,7 +144,8 @@ class RelayLink(BasePart):
         self._session_scope: anyio.CancelScope | None = None
         self._streams_group: anyio.abc.TaskGroup | None = None
         # (host, port) of each connection this link opened to the node's own listener: what arrives from
-        # them came through the relay, though it comes from loopback.
+        # them came through the relay, though it comes from loopback (`/metrics` and the node's page
+        # must tell them apart).
         self._local_peers: set[tuple[str, int]] = set()
 
     def is_relayed(self, peer: tuple[str, int]) -> bool:

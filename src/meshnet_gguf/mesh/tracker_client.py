@@ -73,6 +73,14 @@ class TrackerRefused(TrackerUnavailable):
         self.code = code
 
 
+# The reference tracker's code for a registration without (or with the wrong) enrolment secret.
+BAD_ENROLMENT_CODE = "bad_enrolment_secret"
+
+
+class EnrolmentRefused(Exception):
+    """The tracker wants an enrolment secret this node does not have: only its operator can fix that."""
+
+
 class NodeUnknown(TrackerRefused):
     """The tracker does not know this node (it restarted, or dropped us after missed heartbeats): register again."""
 
@@ -99,6 +107,10 @@ class TrackerClient:
             # The tracker URL is operator-configured; never pick up ambient proxy settings for it.
             trust_env=False,
         )
+
+    @property
+    def has_enrolment_secret(self) -> bool:
+        return bool(self._enrolment_secret)
 
     async def aclose(self) -> None:
         if self._own_http:
@@ -254,6 +266,16 @@ class NodePresence:
             try:
                 ack = await self._client.register(announcement)
             except TrackerRefused as exc:
+                if exc.code == BAD_ENROLMENT_CODE:
+                    # Asking again with the same secret gets the same answer: stop, and say what to set.
+                    given = "the enrolment secret this node sent was refused" if self._client.has_enrolment_secret else (
+                        "this node sent no enrolment secret"
+                    )
+                    raise EnrolmentRefused(
+                        f"tracker {self._client.base_url} requires its enrolment secret and {given}: set "
+                        "MESHNET_ENROLMENT_SECRET (or --enrolment-secret) to the secret the tracker's operator gives "
+                        "(`meshnet-gguf dev tracker` prints it)"
+                    ) from None
                 delay = backoff.next_delay()
                 self.problem = await self._explain_refusal(exc) if self._explain_refusal else str(exc)
                 # Still retried: the operator may fix the tracker's side (enrolment secret, version).

@@ -48,6 +48,13 @@ class ServedAt:
     host: str
     port: int
 
+    @property
+    def url(self) -> str:
+        """Where a client on this machine reaches the node (loopback when it listens on every address)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "[::1]" if self.host == "::" else self.host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return f"http://{host}:{self.port}"
+
 
 class OperationsPart(BasePart):
     name = "operations"
@@ -99,6 +106,8 @@ class OperationsPart(BasePart):
             else:
                 self._ready_sent = True
                 self.notifier.ready(status)
+                # The line an operator waits for after `serve`: where to point a client and a browser.
+                log.info("ready: %s at %s/v1 (this node's page: %s/)", name, self._served.url, self._served.url)
         else:
             self.notifier.status(f"{state}: {detail}" if detail else state)
 

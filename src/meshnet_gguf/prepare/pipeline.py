@@ -314,7 +314,7 @@ def choose_quant(
     except QuantDoesNotFit as exc:
         if not force:
             raise NodeSetupError(str(exc)) from exc
-        return QuantChoice(spec, advice, (*notes, f"--force: trying anyway although {exc}"))
+        return QuantChoice(spec, advice, (*notes, f"--force: trying anyway although {exc.shortfall}"))
     where = "on the GPU" if fit.fits_gpu else "partly on the CPU" if capacity.gpu_bytes else "in RAM"
     return QuantChoice(spec, advice, (*notes, f"quant {fit.quant.name} fits {where}: at least {fit.describe(target)}"))
 

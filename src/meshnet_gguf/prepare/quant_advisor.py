@@ -95,8 +95,10 @@ class QuantAdvice:
                 f"no quant of this model fits here; the smallest, {smallest.quant.name}, needs "
                 f"{format_bytes(smallest.need_bytes)}. Pass --force to try anyway."
             )
-        message = f"{chosen.describe(self.target_ctx)}; {self.capacity.describe()}; {tail}"
-        raise QuantDoesNotFit(message, quant=chosen.quant.name, suggestion=best.quant.name if best else None)
+        shortfall = f"{chosen.describe(self.target_ctx)}; {self.capacity.describe()}"
+        raise QuantDoesNotFit(
+            f"{shortfall}; {tail}", quant=chosen.quant.name, suggestion=best.quant.name if best else None, shortfall=shortfall
+        )
 
     def describe(self) -> str:
         context = f"target context {self.target_ctx} tokens" if self.target_ctx else "KV cache not counted (model shape unknown)"
@@ -113,10 +115,13 @@ class QuantAdvice:
 class QuantDoesNotFit(RuntimeError):
     """The chosen quant cannot load here. The message names what does fit (or that nothing does)."""
 
-    def __init__(self, message: str, *, quant: str, suggestion: str | None):
+    def __init__(self, message: str, *, quant: str, suggestion: str | None, shortfall: str = ""):
         super().__init__(message)
         self.quant = quant
         self.suggestion = suggestion
+        # Why it does not fit, without the advice to choose another quant or pass --force
+        # (what a forced launch says: its operator has already chosen).
+        self.shortfall = shortfall or message
 
 
 def advise_quant(

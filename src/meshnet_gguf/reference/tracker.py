@@ -79,6 +79,7 @@ from meshnet_gguf.contract.signing import (
     tracker_issuer_for,
     unverified_claims,
 )
+from meshnet_gguf.reference import tracker_page
 from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
@@ -238,6 +239,7 @@ class Tracker:
             Route("/v1/usage", self._usage_list, methods=["GET"]),
             Route("/v1/usage/{request_id}", self._usage, methods=["GET"]),
             *(Route(path, forward, methods=["POST"]) for path in INFERENCE_PATHS),
+            *tracker_page.routes(self),
         ]
         return _BoundedHeaders(Starlette(routes=routes, lifespan=self._lifespan))  # type: ignore[return-value]
 

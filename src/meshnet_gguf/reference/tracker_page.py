@@ -1,0 +1,111 @@
+"""The tracker's page: the nodes it knows, the requests it routed lately, and usage disagreements.
+
+Static files in `pages/` (no build step, no data in them) poll `/dashboard.json`,
+which is built from the same registry and ledger as `/v1/nodes` and `/v1/usage`
+(both already public on a reference tracker), plus what only the page wants:
+how long ago each node was last heard from and whether it is reached directly or
+through a relay. `routes()` is all `Tracker.app()` needs to add.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import cache
+from pathlib import Path
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshnet_gguf.contract.protocol import TrackerUsage
+
+PAGES_DIR = Path(__file__).parent / "pages"
+DASHBOARD_JSON_PATH = "/dashboard.json"
+# Routed requests the page lists; the ledger keeps them all, the page shows the latest.
+RECENT_ROUTES_SHOWN = 50
+# How often the page polls; a tracker with a few nodes answers this in a millisecond or two.
+DASHBOARD_POLL_S = 2.0
+STATIC_FILES: dict[str, tuple[str, str]] = {
+    "/": ("tracker.html", "text/html; charset=utf-8"),
+    "/tracker.js": ("tracker.js", "text/javascript; charset=utf-8"),
+    "/tracker.css": ("tracker.css", "text/css; charset=utf-8"),
+}
+PAGE_HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
+
+
+class _Registry(Protocol):
+    def all(self) -> list[Any]: ...
+
+
+class _Ledger(Protocol):
+    async def usage_list(self, *, request_id: str | None = None, limit: int = 100) -> list[TrackerUsage]: ...
+
+
+class _Tracker(Protocol):
+    registry: _Registry
+    ledger: _Ledger
+
+
+def routes(tracker: _Tracker) -> list[Route]:
+    """The page's routes, to add to the tracker's app."""
+
+    async def static(request: Request) -> Response:
+        name, content_type = STATIC_FILES[request.url.path]
+        return Response(_page_file(name), media_type=content_type, headers=PAGE_HEADERS)
+
+    async def dashboard(request: Request) -> Response:
+        return JSONResponse(await dashboard_document(tracker), headers={"cache-control": "no-store"})
+
+    return [
+        *(Route(path, static, methods=["GET"]) for path in STATIC_FILES),
+        Route(DASHBOARD_JSON_PATH, dashboard, methods=["GET"]),
+    ]
+
+
+async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
+    now = time.monotonic()
+    nodes = []
+    for entry in tracker.registry.all():
+        announcement = entry.announcement
+        health = entry.health
+        nodes.append(
+            {
+                "node_id": entry.node_id,
+                "model": announcement.model_id,
+                "quant": announcement.quant,
+                "state": entry.state,
+                "node_state": health.state if health is not None else None,
+                "healthy": entry.healthy,
+                "slots_total": announcement.slots,
+                "slots_busy": max(entry.in_flight, entry.load.slots_busy),
+                "tokens_per_s": entry.load.recent_tokens_per_s,
+                "reached": "relayed" if announcement.relay is not None else "direct",
+                "relay_url": announcement.relay.url if announcement.relay is not None else None,
+                "advertised_url": announcement.advertised_url,
+                "last_seen_s_ago": round(max(0.0, now - entry.last_seen), 1),
+                "health_misses": entry.health_misses,
+                "routed": entry.routed,
+            }
+        )
+    usage = await tracker.ledger.usage_list(limit=RECENT_ROUTES_SHOWN)
+    return {
+        "nodes": nodes,
+        "recent_routes": [u.model_dump(mode="json") for u in usage],
+        "disagreements": sum(u.flagged for u in usage),
+        "poll_interval_s": DASHBOARD_POLL_S,
+    }
+
+
+@cache
+def _page_file(name: str) -> bytes:
+    return (PAGES_DIR / name).read_bytes()
+
+
+__all__ = ["DASHBOARD_JSON_PATH", "dashboard_document", "routes"]

@@ -1,0 +1,277 @@
+"""The node's own pages: a status page at `/`, the JSON it polls, and llama-server's chat UI at `/chat/`.
+
+`NodePages` is an ASGI app in front of the proxy. It answers its own few paths
+and hands every other request to the proxy unchanged, so the OpenAI routes,
+`/health` and `/metrics` behave exactly as without it.
+
+- `/` (with `/node.js`, `/node.css`): static files shipped in `pages/`. They
+  carry no data, so a browser may load them without a key; the page's script
+  polls `/status.json` every `STATUS_POLL_S` and sends the key it was given
+  in a login field (kept in the tab's sessionStorage) as a bearer header.
+- `/status.json`: the health report plus what only an operator should see (the
+  plan, the last requests). `/health` stays public for trackers and load
+  balancers, so this lives beside it, under the node's rules (`PageAccess`).
+- `/chat/...`: llama-server's web UI. Its static files come from llama-server
+  (which serves them gzipped only); its chat and model calls are rewritten to
+  the proxy's own routes, so they pass admission, the API key and metering
+  like any client's. Standalone nodes only: a meshed node's slots are the
+  tracker's to fill.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import re
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
+from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
+from meshnet_gguf.serving.admission_modes import LOOPBACK_HOST_NAMES, host_allowed
+from meshnet_gguf.serving.proxy import Receive, Scope, Send
+from meshnet_gguf.serving.upstream_target import UpstreamTarget
+
+PAGES_DIR = Path(__file__).parent / "pages"
+STATUS_JSON_PATH = "/status.json"
+CHAT_PREFIX = "/chat/"
+# How often the page asks for /status.json. One request is a dict copy and ~2 KB of
+# JSON; once a second keeps a loading bar moving without costing a slot anything.
+STATUS_POLL_S = 1.0
+# The last requests the page lists (a ring: memory stays bounded on a busy node).
+RECENT_REQUESTS_KEPT = 20
+# The page's files, path -> (file in pages/, content type).
+STATIC_FILES: dict[str, tuple[str, str]] = {
+    "/": ("node.html", "text/html; charset=utf-8"),
+    "/node.js": ("node.js", "text/javascript; charset=utf-8"),
+    "/node.css": ("node.css", "text/css; charset=utf-8"),
+}
+# The node's pages load only their own files and talk only to this node.
+PAGE_SECURITY_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+        b"frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-cache"),
+]
+# Paths under /chat/ that are llama-server's web UI files (no data in them): its index,
+# its bundle and its icons. Anything else of llama-server's (slots, metrics, props) is not.
+_CHAT_STATIC = re.compile(r"^(|_app/[A-Za-z0-9_./-]+|[A-Za-z0-9_-]+\.(?:ico|svg|png|webmanifest)|(?:build|_app/version)\.json)$")
+# The web UI's own API calls, each answered by the proxy route of the same name (after the prefix).
+_CHAT_PROXIED = {"v1/chat/completions": "POST", "v1/models": "GET"}
+# The web UI's read-only look at the server (model, context size, modalities), behind the key.
+_CHAT_PROPS = "props"
+# llama-server's response headers that describe its own hop, not ours.
+_HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
+
+
+class RecentRequests:
+    """A usage sink that keeps the last few requests for the page."""
+
+    def __init__(self, kept: int = RECENT_REQUESTS_KEPT) -> None:
+        self._records: deque[UsageRecord] = deque(maxlen=kept)
+
+    async def record(self, usage: UsageRecord) -> None:
+        self._records.append(usage)
+
+    def latest_first(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "request_id": r.request_id,
+                "route": r.route,
+                "started_at": r.started_at,
+                "status": r.status,
+                "outcome": r.finish_reason,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "ttft_s": r.ttft_s,
+                "decode_tokens_per_s": r.decode_tokens_per_s,
+            }
+            for r in reversed(self._records)
+        ]
+
+
+@dataclass(frozen=True)
+class StatusSource:
+    """What /status.json shows: the live health report and the facts fixed at launch."""
+
+    health: Callable[[], HealthReport]
+    recent: RecentRequests
+    plan: str
+    tracker: str | None = None
+    chat: bool = False  # whether /chat/ is served here
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "health": self.health().model_dump(mode="json"),
+            "plan": self.plan,
+            "tracker": self.tracker,
+            "recent_requests": self.recent.latest_first(),
+            "chat": self.chat,
+            "poll_interval_s": STATUS_POLL_S,
+        }
+
+
+@dataclass(frozen=True)
+class PageAccess:
+    """Who may read /status.json: the node's own rules for its API, applied to its pages.
+
+    - standalone: whoever may call the API (the bearer key when one is set);
+    - meshed: loopback only, unless the operator opted in (`remote`);
+    - never through the relay tunnel: its streams arrive on loopback too, so the relay
+      link says which client addresses are its own (`relayed`).
+    The Host header is checked either way, so a page on another site cannot read it
+    through a DNS name rebound to this machine.
+    """
+
+    api_key: str | None
+    meshed: bool
+    remote: bool = False
+    host_names: tuple[str, ...] = ()  # besides loopback's: the names the node listens under
+    relayed: Callable[[tuple[str, int]], bool] | None = None
+
+    def check(self, scope: Scope, headers: dict[str, str]) -> None:
+        client = scope.get("client")
+        address = (str(client[0]), int(client[1])) if client else None
+        if address is not None and self.relayed is not None and self.relayed(address):
+            raise ApiError(404, "not_found", "The status page is not served through the relay")
+        if self.meshed and not self.remote and not _is_loopback(address[0] if address else None):
+            raise ApiError(
+                403, "loopback_only", "A meshed node shows its status on this machine only (status_page_remote opts in)"
+            )
+        if not host_allowed(headers.get("host", ""), LOOPBACK_HOST_NAMES | {h.lower() for h in self.host_names}):
+            raise ApiError(403, "host_not_allowed", "Host header names neither this machine's loopback nor a configured name")
+        if self.api_key is not None:
+            given = headers.get("authorization", "").encode("latin-1")
+            # Constant time: the comparison must not tell an attacker how much of a guess was right.
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode("latin-1", "replace")):
+                raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
+
+
+class ChatUi:
+    """llama-server's web UI, fetched from it with the internal key and handed over as it came."""
+
+    def __init__(self, upstream: Callable[[], UpstreamTarget | None], client: UpstreamClient) -> None:
+        self._upstream = upstream
+        self._client = client
+
+    async def serve(self, rest: str, headers: dict[str, str], send: Send) -> None:
+        target = self._upstream()
+        if target is None:
+            raise ApiError(503, "unavailable", "llama-server is not ready; the chat opens once the model is loaded")
+        upstream_headers = {"authorization": f"Bearer {target.api_key}"}
+        # llama-server keeps its UI gzipped and answers 415 to a client that cannot take that.
+        if "accept-encoding" in headers:
+            upstream_headers["accept-encoding"] = headers["accept-encoding"]
+        for name in ("if-none-match", "accept"):
+            if name in headers:
+                upstream_headers[name] = headers[name]
+        try:
+            response = await self._client.send("GET", f"{target.base_url}/{rest}", upstream_headers, None)
+            try:
+                body = await response.read()
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            raise ApiError(503, "unavailable", f"llama-server did not answer: {exc}") from None
+        kept = [(k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS]
+        await _respond(send, response.status, body, kept)
+
+
+# The app the pages stand in front of: the proxy, or a guard around it.
+AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class NodePages:
+    """The ASGI app the listener serves: the node's pages, then everything else to the proxy."""
+
+    def __init__(
+        self, proxy: AsgiApp, *, status: StatusSource, access: PageAccess, chat: ChatUi | None = None
+    ) -> None:
+        self._proxy = proxy
+        self._status = status
+        self._access = access
+        self._chat = chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._proxy(scope, receive, send)
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        try:
+            if path in STATIC_FILES and method in ("GET", "HEAD"):
+                name, content_type = STATIC_FILES[path]
+                await _respond(send, 200, _page_file(name), [(b"content-type", content_type.encode()), *PAGE_SECURITY_HEADERS])
+            elif path == STATUS_JSON_PATH and method == "GET":
+                self._access.check(scope, _headers(scope))
+                body = json.dumps(self._status.document()).encode()
+                await _respond(send, 200, body, [(b"content-type", b"application/json"), (b"cache-control", b"no-store")])
+            elif path == CHAT_PREFIX.rstrip("/") and self._chat is not None:
+                await _respond(send, 308, b"", [(b"location", CHAT_PREFIX.encode())])
+            elif path.startswith(CHAT_PREFIX) and self._chat is not None:
+                await self._serve_chat(scope, receive, send, path.removeprefix(CHAT_PREFIX))
+            else:
+                await self._proxy(scope, receive, send)
+        except ApiError as exc:
+            headers = [(b"content-type", b"application/json"), *[(k.encode(), v.encode()) for k, v in exc.headers.items()]]
+            await _respond(send, exc.status, exc.body(), headers)
+
+    async def _serve_chat(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
+        assert self._chat is not None
+        method: str = scope["method"]
+        if _CHAT_PROXIED.get(rest) == method:
+            # The proxy's own route: admission, key, validation and metering as for any client.
+            await self._proxy({**scope, "path": "/" + rest, "raw_path": ("/" + rest).encode()}, receive, send)
+            return
+        if method != "GET":
+            raise ApiError(404, "not_found", f"No route {method} {scope['path']} on this node")
+        headers = _headers(scope)
+        if rest == _CHAT_PROPS:
+            self._access.check(scope, headers)
+        elif not _CHAT_STATIC.match(rest) or ".." in rest:
+            raise ApiError(404, "not_found", f"No route GET {scope['path']} on this node")
+        await self._chat.serve(rest, headers, send)
+
+
+def plan_line(plan_text: str | None, slots: int) -> str:
+    """The launch plan in one line, as the page shows it."""
+    if not plan_text:
+        return f"{slots} slots (llama-server decides the rest)"
+    return plan_text.splitlines()[0].removeprefix("plan: ")
+
+
+@cache
+def _page_file(name: str) -> bytes:
+    return (PAGES_DIR / name).read_bytes()
+
+
+def _is_loopback(host: str | None) -> bool:
+    if host is None:
+        return False
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+async def _respond(send: Send, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]) -> None:
+    all_headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": all_headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+__all__ = ["ChatUi", "NodePages", "PageAccess", "RecentRequests", "StatusSource", "plan_line"]

@@ -1,0 +1,139 @@
+"""What a new user runs into first: bad input gets one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshnet_gguf.common.ports import free_local_port
+from support.node_process import NodeProcess
+from support.tracker_process import TrackerProcess, tracker  # noqa: F401
+
+CLI_TIMEOUT_S = 60
+StartNode = Callable[..., NodeProcess]
+
+
+def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshnet_gguf", *argv], capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+        env={**os.environ, **(env or {})}, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["serve", "--port", "99999", "--dry-run"], {}),
+        (["doctor"], {"MESHNET_PORT": "70000"}),
+    ],
+)
+def test_a_port_out_of_range_is_one_clear_line(argv: list[str], env: dict[str, str], tiny_gguf: Path) -> None:
+    done = _run(*argv, "--gguf", str(tiny_gguf), env=env)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "OverflowError" not in done.stderr
+    assert "error: --port / MESHNET_PORT: Input should be less than or equal to 65535" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("ftp://tracker.example:8000", "reached over http:// or https://, not ftp://"),
+        ("tracker.example:8000", "has no scheme: write it as http://tracker.example:8000"),
+        ("http://:8000", "names no host"),
+    ],
+)
+def test_a_tracker_url_that_cannot_work_is_refused_up_front(url: str, said: str, tiny_gguf: Path) -> None:
+    done = _run("serve", "--gguf", str(tiny_gguf), "--tracker", url, "--dry-run")
+    assert done.returncode == 2
+    assert f"error: --tracker / MESHNET_TRACKER: {url!r}" in done.stderr and said in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_node_without_the_enrolment_secret_is_told_what_to_set_and_stops(  # type: ignore[no-untyped-def]
+    tracker: TrackerProcess, tiny_gguf: Path, fake_llama_path: Path, start_node: StartNode
+) -> None:
+    node = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path), "--tracker", tracker.url)
+    code = node.wait_exit(timeout=60)  # not a retry loop against a 401 that cannot change
+    log = node.log_text()
+    assert code == 1, log[-3000:]
+    assert "MESHNET_ENROLMENT_SECRET" in log and "--enrolment-secret" in log
+    assert "this node sent no enrolment secret" in log
+    assert log.count("refused registration") == 0  # said once, as the reason it stopped
+
+
+def test_dev_relay_exits_0_on_sigterm_as_the_others_do() -> None:
+    port = free_local_port()
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(timeout=30) == 0, relay.stdout.read() if relay.stdout else ""
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+
+
+def test_dev_mesh_on_a_taken_port_says_which_and_how_to_move_it(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        before = set(Path(tempfile.gettempdir()).glob("meshnet-mesh-*"))
+        done = _run("dev", "mesh", "--gguf", "unused.gguf", "--tracker-port", str(port), "--relay-port", "0")
+    assert done.returncode == 2
+    assert f"port {port} (the tracker's) is already in use: pass --tracker-port 0" in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "Errno" not in done.stdout + done.stderr
+    assert set(Path(tempfile.gettempdir()).glob("meshnet-mesh-*")) == before  # no folder left behind
+
+
+def test_service_install_without_a_model_says_the_unit_could_not_start() -> None:
+    from typer.testing import CliRunner
+
+    from meshnet_gguf.cli import app
+
+    done = CliRunner().invoke(app, ["service", "install", "--dry-run"])
+    assert "no model: the service would fail at every start; pass --gguf MODEL (or --demo)" in done.output
+
+
+def test_serve_ends_its_start_with_the_ready_line(  # type: ignore[no-untyped-def]
+    tiny_gguf: Path, fake_llama_path: Path, start_node: StartNode
+) -> None:
+    node = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))
+    node.wait_ready()
+    deadline = time.monotonic() + 10
+    while "ready: tiny at" not in node.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"ready: tiny at {node.url}/v1 (this node's page: {node.url}/)" in node.log_text()
+
+
+def test_a_second_node_on_the_same_state_dir_is_refused_before_its_launch_plan(  # type: ignore[no-untyped-def]
+    tiny_gguf: Path, fake_llama_path: Path, start_node: StartNode
+) -> None:
+    first = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))
+    first.wait_ready()
+    second = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))  # same workdir: same state dir
+    assert second.wait_exit(timeout=60) == 2
+    log = second.log_text()
+    assert "another node" in log and "--state-dir" in log
+    assert "launch plan" not in log and "hardware:" not in log, log

@@ -1,0 +1,34 @@
+"""Every --help says defaults and variables the same way: `[default: X; env: MESHNET_X]`, once, no stray backslash."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from meshnet_gguf.cli import app
+
+COMMANDS = [
+    ["serve"], ["doctor"], ["models"], ["hardware"], ["usage"], ["download"], ["service", "install"],
+    ["dev", "tracker"], ["dev", "relay"], ["dev", "mesh"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_help_shows_defaults_and_variables_plainly(argv: list[str]) -> None:
+    done = CliRunner().invoke(app, [*argv, "--help"], terminal_width=200)
+    assert done.exit_code == 0, done.output
+    text = done.output
+    assert "\\[" not in text  # an escape meant for rich, printed by plain help
+    assert "[env var:" not in text  # click's own spelling, beside ours
+    said = re.findall(r"env:\s+(MESHNET_[A-Z_]+)", text)
+    assert len(said) == len(set(said)), sorted(said)
+
+
+def test_usage_json_is_json_even_without_a_ledger(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    done = CliRunner().invoke(app, ["usage", "--json", "--state-dir", str(tmp_path)])
+    assert done.exit_code == 0
+    document = json.loads(done.output)
+    assert document["entries"] == [] and "no usage ledger" in document["note"]

@@ -1,0 +1,115 @@
+"""The service's sandbox: systemd's own exposure score for the unit, the GPU still reachable,
+and (where systemd runs) the node started under exactly that sandbox."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.common.settings import NodeSettings
+from meshnet_gguf.ops.unit import GPU_DEVICES, UNIT_NAME, plan_install
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+SYSTEMD_RUN = shutil.which("systemd-run")
+# systemd-analyze security: below 1 SAFE, below 5 OK; a node sandboxed as tightly as a GPU allows scores this.
+MAX_EXPOSURE = 2.5
+# Directives that shape the service's life rather than its sandbox; the sandbox test sets its own.
+_NOT_SANDBOX = {
+    "Type", "NotifyAccess", "ExecStart", "Environment", "TimeoutStartSec", "TimeoutStopSec", "WatchdogSec", "Restart",
+    "RestartSec", "KillMode", "KillSignal", "User", "Group", "SupplementaryGroups", "StateDirectory", "ReadWritePaths",
+    # The test's model and state live under the test's temporary folder, which PrivateTmp would hide.
+    "PrivateTmp",
+}  # fmt: skip
+START_TIMEOUT_S = 120
+
+
+def _service_lines(settings: NodeSettings) -> list[tuple[str, str]]:
+    unit = plan_install(settings, user_mode=False).files[1].content
+    section = unit.split("[Service]", 1)[1].split("[Install]", 1)[0]
+    return [(k, v) for k, _, v in (line.partition("=") for line in section.splitlines() if "=" in line)]
+
+
+def _unit_file(tmp_path: Path, settings: NodeSettings) -> Path:
+    path = tmp_path / UNIT_NAME
+    path.write_text(plan_install(settings, user_mode=False).files[1].content)
+    return path
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed (Debian package `systemd`; CI installs it)")
+def test_systemd_scores_the_unit_at_most_2_5(tmp_path: Path) -> None:
+    assert SYSTEMD_ANALYZE is not None
+    unit = _unit_file(tmp_path, NodeSettings(gguf="owner/name:Q4_K_M"))  # type: ignore[call-arg]
+    done = subprocess.run(
+        [SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager", str(unit)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", done.stdout)
+    assert found is not None, done.stdout + done.stderr
+    assert float(found.group(1)) <= MAX_EXPOSURE, done.stdout
+
+
+def test_the_sandbox_admits_the_gpu_and_nothing_else_privileged() -> None:
+    lines = _service_lines(NodeSettings(gguf="owner/name:Q4_K_M"))  # type: ignore[call-arg]
+    entries: dict[str, list[str]] = {}
+    for key, value in lines:
+        entries.setdefault(key, []).append(value)
+    assert entries["CapabilityBoundingSet"] == [""] and entries["AmbientCapabilities"] == [""]
+    assert entries["SystemCallFilter"][0] == "@system-service"
+    assert set(entries["RestrictAddressFamilies"][0].split()) == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
+    assert entries["ProtectProc"] == ["invisible"] and entries["UMask"] == ["0077"]
+    assert entries["DevicePolicy"] == ["closed"]
+    allowed = [value.split()[0] for value in entries["DeviceAllow"]]
+    assert "char-drm" in allowed and "/dev/kfd" in allowed  # Vulkan/ROCm render nodes and ROCm's compute node
+    assert allowed == list(GPU_DEVICES)
+    # What would hide the GPU or break the drivers stays off.
+    for hides_the_gpu in ("PrivateDevices", "MemoryDenyWriteExecute", "PrivateUsers", "ProcSubset"):
+        assert hides_the_gpu not in entries, hides_the_gpu
+
+
+def _systemd_runs_here() -> bool:
+    return SYSTEMD_RUN is not None and Path("/run/systemd/system").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _systemd_runs_here(),
+    reason="systemd is not the init system here (a container without systemd as PID 1): systemd-run cannot start a unit",
+)
+def test_the_node_starts_under_the_units_sandbox(tmp_path: Path, tiny_gguf: Path, fake_llama_path: Path) -> None:
+    assert SYSTEMD_RUN is not None
+    port = free_local_port()
+    settings = NodeSettings(gguf=str(tiny_gguf))  # type: ignore[call-arg]
+    properties = [f"{k}={v}" for k, v in _service_lines(settings) if k not in _NOT_SANDBOX]
+    unit = f"meshnet-sandbox-test-{port}"
+    argv = [
+        SYSTEMD_RUN, f"--unit={unit}", "--collect", "--quiet", "-p", "Type=notify", "-p", "NotifyAccess=main",
+        "-p", f"ReadWritePaths={tmp_path}", *(x for p in properties for x in ("-p", p)),
+        f"--setenv=PYTHONPATH={os.pathsep.join(sys.path)}",
+        "--", sys.executable, "-m", "meshnet_gguf", "serve", "--gguf", str(tiny_gguf),
+        "--llama-server", str(fake_llama_path), "--port", str(port), "--state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+    started = subprocess.run(argv, capture_output=True, text=True, timeout=START_TIMEOUT_S, check=False)
+    try:
+        assert started.returncode == 0, started.stderr  # Type=notify: returns once the node said READY=1
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                if health.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert health.json()["state"] == "ready"
+        assert oct((tmp_path / "state").stat().st_mode & 0o777) == "0o700"  # UMask=0077
+    finally:
+        subprocess.run(["systemctl", "stop", unit], capture_output=True, timeout=60, check=False)

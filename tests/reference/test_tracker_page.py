@@ -1,0 +1,84 @@
+"""The tracker's page: in headless Chromium against a real `dev tracker` and a node that registers,
+and its JSON in process for what a browser test cannot stage (a flagged disagreement)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from meshnet_gguf.contract.protocol import TrackerUsage, UsageCounts
+from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.reference.tracker_page import dashboard_document
+from support.browser import Browser, require_chromium, screenshot_target
+from support.node_process import NodeProcess
+from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker  # noqa: F401
+
+StartNode = Callable[..., NodeProcess]
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    opened = Browser(require_chromium())
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def _table(browser: Browser, tbody: str) -> str:
+    return str(browser.evaluate(f"document.getElementById({json.dumps(tbody)}).innerText"))
+
+
+@pytest.mark.real_llama
+@pytest.mark.slow
+def test_the_tracker_page_lists_a_node_that_registers_and_the_requests_it_routed(  # type: ignore[no-untyped-def]
+    browser: Browser, real_llama: BinaryInfo, tracker: TrackerProcess, tiny_gguf: Path, start_node: StartNode, tmp_path: Path
+) -> None:
+    browser.goto(tracker.url + "/")
+    browser.wait_for("document.getElementById('summary').textContent === '0 node(s), 0 online'")
+
+    node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node")
+    browser.wait_for("document.getElementById('nodes').innerText.includes('online')")
+    nodes = _table(browser, "nodes")
+    assert "tiny" in nodes and "direct" in nodes and "0 / 2" in nodes
+
+    answer = sdk(tracker).chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=4)
+    request_id = answer.headers["x-meshnet-request-id"]
+    browser.wait_for(f"document.getElementById('routes').innerText.includes({json.dumps(request_id[:12])})")
+    browser.wait_for("document.getElementById('routes').innerText.includes('agree')", timeout=30)
+    assert "counts agree" in str(browser.evaluate("document.getElementById('disagreements').textContent"))
+    if (target := screenshot_target("tracker-page.png")) is not None:
+        browser.screenshot(target)
+
+    # The meshed node's own page answers on its machine and names its tracker; no chat there.
+    status = httpx.get(node.url + "/status.json", timeout=10).json()
+    assert status["tracker"] == tracker.url and status["chat"] is False
+    assert httpx.get(node.url + "/chat/", timeout=10).status_code == 404
+
+
+class _Ledger:
+    def __init__(self, usage: list[TrackerUsage]) -> None:
+        self._usage = usage
+
+    async def usage_list(self, *, request_id: str | None = None, limit: int = 100) -> list[TrackerUsage]:
+        return self._usage[:limit]
+
+
+@pytest.mark.anyio
+async def test_a_disagreement_is_flagged_on_the_page() -> None:
+    agree = TrackerUsage(
+        request_id="r1", node_id="n1", model="tiny", stream=False, tracker=UsageCounts(prompt_tokens=5, completion_tokens=4),
+        node=UsageCounts(prompt_tokens=5, completion_tokens=4), agreement="agree",
+    )  # fmt: skip
+    differs = agree.model_copy(update={"request_id": "r2", "agreement": "mismatch", "flagged": True,
+                                       "node": UsageCounts(prompt_tokens=5, completion_tokens=400)})  # fmt: skip
+    stand_in: Any = SimpleNamespace(registry=SimpleNamespace(all=lambda: []), ledger=_Ledger([differs, agree]))
+    document = await dashboard_document(stand_in)
+    assert document["disagreements"] == 1
+    assert [u["flagged"] for u in document["recent_routes"]] == [True, False]
