@@ -138,10 +138,10 @@ async def test_a_replayed_route_is_refused_before_its_prompt_is_counted_or_a_slo
     fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from meshnet_gguf.serving.admission import Admission
-    from meshnet_gguf.serving.proxy import ProxyApp
+    from meshnet_gguf.serving.prompt_count import PromptCounter
 
     work: list[str] = []
-    counted, acquire = ProxyApp._counted_prompt, Admission.try_acquire
+    counted, acquire = PromptCounter.count, Admission.try_acquire
 
     async def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         work.append("prompt counted")
@@ -151,7 +151,7 @@ async def test_a_replayed_route_is_refused_before_its_prompt_is_counted_or_a_slo
         work.append("slot taken")
         return acquire(self, *args, **kwargs)
 
-    monkeypatch.setattr(ProxyApp, "_counted_prompt", counting)
+    monkeypatch.setattr(PromptCounter, "count", counting)
     monkeypatch.setattr(Admission, "try_acquire", acquiring)
     child = LlamaChild(fake_llama, tiny_gguf)
     tracker = Tracker()
