@@ -40,6 +40,13 @@ def register(app: typer.Typer) -> None:
         )  # fmt: skip
         settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
         environment = DoctorEnvironment(settings, model_size=lambda binary, hw: model_size(settings, binary, hw))
+        fixture = settings.hardware_fixture
+        if fixture is not None:
+            # The box `serve` and `models` plan for (MESHNET_HARDWARE_FIXTURE), so all three print one figure.
+            from meshnet_gguf.hardware.report import probe_configured
+
+            environment.hardware = lambda binary: probe_configured(binary, fixture)
+            typer.echo(f"warning: checking against the recorded machine {fixture}, not this one (MESHNET_HARDWARE_FIXTURE)", err=True)
         # The relay check lives beside the relay link (it attaches with the node's key), above doctor's floor.
         report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings)))
         typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())

@@ -306,15 +306,13 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
         return []
     capacity = report.capacity()
     need = size.need_bytes
-    context = f" with {size.ctx_size} tokens of context" if size.ctx_size else ""
-    if size.prompt_cache_bytes:
-        context += f" (and {format_bytes(size.prompt_cache_bytes)} of free RAM for the prompt cache)"
+    needs = size.describe_need()  # the plan's figure, in the words `serve` and `models` use
     if (size.fits is False) or (size.fits is None and need > capacity.total_bytes):
         return [
             Finding(
                 "memory",
                 "fail",
-                f"{size.label} needs {format_bytes(need)}{context}; {capacity.describe()}",
+                f"{size.label} {needs}; {capacity.describe()}",
                 "weights, KV cache for the planned context and compute buffers must all fit, or the load fails "
                 "(or swaps the machine to a halt)",
                 "choose a smaller quant (meshnet-gguf models REPO lists them with sizes), a smaller --ctx-size, "
@@ -325,7 +323,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
     whole = size.placement in ("gpu", "cpu") if size.placement is not None else gpu is None or need <= capacity.gpu_bytes
     if whole or gpu is None:
         where = f"on {gpu.name}" if gpu is not None and size.placement != "cpu" else "in RAM"
-        return [Finding("memory", "ok", f"{size.label} needs {format_bytes(need)}{context}: fits {where}")]
+        return [Finding("memory", "ok", f"{size.label} {needs}: fits {where}")]
     gtt_limited = gpu.unified and gpu.vendor == "amd" and ("GTT" in gpu.budget_basis or "ttm" in gpu.budget_basis)
     if gtt_limited:
         pages = report.host_budget_bytes // TTM_PAGE_BYTES
@@ -333,7 +331,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
             Finding(
                 "memory",
                 "warn",
-                f"{size.label} needs {format_bytes(need)} but {gpu.name} may map only {format_bytes(capacity.gpu_bytes)} "
+                f"{size.label} {needs} but {gpu.name} may map only {format_bytes(capacity.gpu_bytes)} "
                 f"({gpu.budget_basis})",
                 "the GTT limit, not RAM, caps the GPU: the layers beyond it run on the CPU, several times slower",
                 f"raise the limit: add ttm.pages_limit={pages} (4 KiB pages) to the kernel command line "
@@ -344,7 +342,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
         Finding(
             "memory",
             "warn",
-            f"{size.label} needs {format_bytes(need)}; {gpu.name} holds {format_bytes(capacity.gpu_bytes)}: "
+            f"{size.label} {needs}; {gpu.name} holds {format_bytes(capacity.gpu_bytes)}: "
             "part of it runs on the CPU",
             "layers that do not fit the GPU run on the CPU, several times slower",
             "choose a smaller quant to keep it all on the GPU, or accept the split",
