@@ -44,7 +44,10 @@ def tracker(
     health_poll_interval: Annotated[Optional[float], typer.Option(help="Seconds between health polls of each node [default: 5]")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
-    """Run the reference tracker: registers nodes, signs single-hop routes, relays and bills."""
+    """Run the reference tracker.
+
+    It registers nodes, signs single-hop routes, forwards requests and bills them.
+    """
     import uvicorn
 
     from meshnet_gguf.common.settings import default_state_dir
@@ -127,7 +130,10 @@ def relay(
     tls_key: Annotated[Optional[Path], typer.Option(help="The key of --tls-certificate (PEM)")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
-    """Run the reference relay: nodes behind NAT dial in; trackers reach them with CONNECT <node_id>:443."""
+    """Run the reference relay for nodes behind NAT.
+
+    Nodes dial in; trackers reach them with CONNECT <node_id>:443.
+    """
     import anyio
 
     from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
@@ -180,7 +186,10 @@ def mesh(
     state_dir: Annotated[Optional[Path], typer.Option(help="Keys, ledgers and logs [default: a temporary folder, removed on exit]")] = None,
     download_dir: Annotated[Optional[Path], typer.Option(help="Where the node keeps models [default: the node's]")] = None,
 ) -> None:
-    """A whole local mesh in one command: tracker, relay, and a node reachable only through the relay."""
+    """Run a whole local mesh in one command.
+
+    A tracker, a relay, and a node reachable only through the relay.
+    """
     from meshnet_gguf.cli.dev_mesh import run_mesh
 
     if demo == (gguf is not None):

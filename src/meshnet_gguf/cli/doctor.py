@@ -28,7 +28,10 @@ def register(app: typer.Typer) -> None:
         offline: Annotated[bool, typer.Option("--offline", help="Never contact the hub for model sizes")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
     ) -> None:
-        """Check binary, GPUs, memory, disk, clock and port; explain each problem and how to fix it."""
+        """Check that this box can serve, and how to fix it.
+
+        Binary, GPUs, memory, disk, clock and port: each problem explained, with its fix.
+        """
         from meshnet_gguf.common.settings import NodeSettings
         from meshnet_gguf.ops.doctor import DoctorEnvironment, DoctorReport, run_doctor
         from meshnet_gguf.ops.relay_health import check_relay

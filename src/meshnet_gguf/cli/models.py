@@ -44,7 +44,10 @@ def register(app: typer.Typer) -> None:
         download_dir: Annotated[Optional[Path], typer.Option(help=DOWNLOAD_DIR_HELP)] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Only check what is already on disk")] = False,
     ) -> None:
-        """Prefetch a model (resumable, sha256-verified) so `serve` can start without waiting."""
+        """Prefetch a model so `serve` starts at once.
+
+        The download resumes where it stopped and is checked against the hub's sha256.
+        """
         from meshnet_gguf.hardware.report import machine_budget_bytes
         from meshnet_gguf.models.source import ModelResolutionError, resolve_model
 
@@ -68,7 +71,11 @@ def register(app: typer.Typer) -> None:
         offline: Annotated[bool, typer.Option("--offline", help="Use the listing saved by the last download")] = False,
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary (for the 'featured' check)")] = None,
     ) -> None:
-        """Show the model catalog, or the quants a repo offers with their sizes."""
+        """List the catalog, or the quants a repo offers.
+
+        Each with its size and what the launch plan needs on this box (weights, KV cache
+        for the planned context, compute buffers, and the prompt cache on top).
+        """
         from dataclasses import replace
 
         from meshnet_gguf.common.units import format_bytes
