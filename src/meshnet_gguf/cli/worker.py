@@ -67,7 +67,10 @@ def register(app: typer.Typer) -> None:
         )  # fmt: skip
         rpc_worker = RpcWorker(config)
         server = uvicorn.Server(
-            uvicorn.Config(status_app(rpc_worker, key), host=host, port=status_port or port + 1, log_level="warning", lifespan="off")
+            uvicorn.Config(
+                status_app(rpc_worker, key), host=host, port=status_port or port + 1, log_level="warning", lifespan="off",
+                log_config=None,  # uvicorn's lines in the node's format (configure_logging above)
+            )
         )
 
         async def run() -> None:
