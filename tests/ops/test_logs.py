@@ -163,3 +163,20 @@ def test_reconfiguring_replaces_rather_than_stacks_handlers() -> None:
 )
 def test_llama_levels(line: str, level: int) -> None:
     assert llama_log_level(line) == level
+
+
+@pytest.mark.parametrize("inside_the_request", [True, False])
+def test_the_usage_line_names_its_request_once(inside_the_request: bool) -> None:
+    from meshnet_gguf.contract.protocol import UsageRecord
+    from meshnet_gguf.serving.usage_stats import UsageLog
+
+    stream = io.StringIO()
+    configure_logging("text", "INFO", stream=stream)
+    usage = UsageRecord(request_id="req-7f3a", route="/v1/chat/completions", model="m", status=200, stream=False, started_at=0.0)
+    if inside_the_request:
+        with bound_request_id(usage.request_id):
+            asyncio.run(UsageLog().record(usage))
+    else:
+        asyncio.run(UsageLog().record(usage))
+    line = stream.getvalue().strip()
+    assert line.count("req-7f3a") == 1 and "[req req-7f3a] /v1/chat/completions status=200" in line, line
