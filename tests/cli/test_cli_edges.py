@@ -75,7 +75,7 @@ def test_a_node_without_the_enrolment_secret_is_told_what_to_set_and_stops(  # t
 def test_dev_relay_exits_0_on_sigterm_as_the_others_do() -> None:
     port = free_local_port()
     relay = subprocess.Popen(
-        [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(port)],
+        [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(port), "--open"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:

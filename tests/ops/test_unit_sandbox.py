@@ -1,5 +1,5 @@
 """The service's sandbox: systemd's own exposure score for the unit, the GPU still reachable,
-and (where systemd runs) the node started under exactly that sandbox."""
+and the node started under exactly that sandbox (by this machine's systemd, or one booted in a container)."""
 
 from __future__ import annotations
 
