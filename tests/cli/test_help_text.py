@@ -32,3 +32,18 @@ def test_usage_json_is_json_even_without_a_ledger(tmp_path) -> None:  # type: ig
     assert done.exit_code == 0
     document = json.loads(done.output)
     assert document["entries"] == [] and "no usage ledger" in document["note"]
+
+
+@pytest.mark.parametrize("group", [[], ["dev"], ["service"]], ids=lambda g: " ".join(g) or "top")
+def test_command_lists_show_whole_summaries_at_80_columns(group: list[str]) -> None:
+    done = CliRunner().invoke(app, [*group, "--help"], terminal_width=80)
+    assert done.exit_code == 0, done.output
+    listed = done.output.split("Commands:", 1)[1].strip().splitlines()
+    assert listed and all(line.rstrip().endswith(".") and "..." not in line for line in listed), listed
+
+
+def test_arguments_are_named_in_capitals_not_braces() -> None:
+    download = CliRunner().invoke(app, ["download", "--help"], terminal_width=200).output
+    models = CliRunner().invoke(app, ["models", "--help"], terminal_width=200).output
+    assert "download [OPTIONS] MODEL" in download and "{" not in download.splitlines()[0]
+    assert "models [OPTIONS] [REPO]" in models

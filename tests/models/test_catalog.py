@@ -117,9 +117,10 @@ def test_models_lists_a_curated_repo_offline_from_the_catalog(monkeypatch: pytes
     by_id = CliRunner().invoke(app, ["models", "deepseek-v4-flash", "--offline", *download_dir])
     assert by_repo.exit_code == 0, by_repo.output
     assert by_repo.output == by_id.output and "(catalog)" in by_repo.output
-    # 104,200,000,000 weights + 88,064 B x 16,384 tokens of KV + 2 GiB compute = 107,790,324,224 B
+    # The launch plan's figure, as `serve` prints it: all layers on the GPU with the context that
+    # fills its 129.1 GB budget (257,024 tokens; 104.2 GB weights + 22.6 GB KV + 2 GiB compute).
     row = next(line.split() for line in by_repo.output.splitlines() if line.startswith("UD-IQ3_XXS"))
-    assert row[1:7] == ["104.2", "GB", "4", "107.8", "GB", "yes"]
+    assert row[1:10] == ["104.2", "GB", "4", "129.0", "GB", "257024", "82.8", "MB", "yes"]
 
 
 def test_usage_without_a_ledger_says_so_and_succeeds(tmp_path: Path) -> None:

@@ -256,11 +256,12 @@ def test_the_demo_on_such_a_binary_is_a_warning_that_says_what_will_run() -> Non
 
 class _DateHandler(BaseHTTPRequestHandler):
     send_date = True
+    date_age_s = 0.0  # how old the Date it sends is (uvicorn renews its Date once a second)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.send_response_only(200)
         if self.send_date:
-            self.send_header("Date", email.utils.formatdate(time.time(), usegmt=True))
+            self.send_header("Date", email.utils.formatdate(time.time() - self.date_age_s, usegmt=True))
         self.send_header("Content-Length", "2")
         self.end_headers()
         self.wfile.write(b"{}")
@@ -304,6 +305,25 @@ def test_clock_skew_against_the_tracker(tracker: tuple[str, list[str]], offset_s
     if status != "ok":
         assert "timedatectl set-ntp true" in finding.fix
         assert ("ahead of" if offset_s > 0 else "behind") in finding.summary
+
+
+@pytest.mark.parametrize("date_age_s", [0.0, 0.5, 0.99])
+def test_a_tracker_on_this_machine_agrees_however_old_its_date_header(date_age_s: float) -> None:
+    """Same clock, Date whole seconds and up to a second stale (as uvicorn sends it): no skew is reported."""
+
+    class Stale(_DateHandler):
+        pass
+
+    Stale.date_age_s = date_age_s
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stale)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        finding = check_clock(DoctorEnvironment(NodeSettings(tracker=f"http://127.0.0.1:{server.server_address[1]}")))[0]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert finding.status == "ok" and "agrees with the tracker's" in finding.summary, finding
 
 
 def test_unreachable_tracker_fails() -> None:

@@ -148,6 +148,13 @@ def test_reconfiguring_replaces_rather_than_stacks_handlers() -> None:
         ("0.00.080.101 I srv    load_model: loading model '/models/x.gguf'", logging.DEBUG),
         ("0.18.075.306 I slot print_timing: id  0 | task 0 | prompt eval time =  502.01 ms", logging.DEBUG),
         ("0.00.034.622 D load_all_data: no device found", logging.DEBUG),
+        # Warnings llama-server prints on every prompt-cache hit (recorded from b10434): routine, not a problem.
+        (
+            "0.01.344.996 W slot   operator(): id  0 | task 16 | need to evaluate at least 1 token for each active slot "
+            "(n_past = 21, task.n_tokens() = 21)",
+            logging.DEBUG,
+        ),
+        ("0.01.345.009 W slot   operator(): id  0 | task 16 | n_past was set to 20", logging.DEBUG),
         ("AMX is not ready to be used!", logging.DEBUG),
         # Unlevelled lines that read like a failure keep a level an operator sees.
         ("/src/ggml-cpu.c:123: GGML_ASSERT(x) failed", logging.WARNING),
@@ -156,3 +163,20 @@ def test_reconfiguring_replaces_rather_than_stacks_handlers() -> None:
 )
 def test_llama_levels(line: str, level: int) -> None:
     assert llama_log_level(line) == level
+
+
+@pytest.mark.parametrize("inside_the_request", [True, False])
+def test_the_usage_line_names_its_request_once(inside_the_request: bool) -> None:
+    from meshnet_gguf.contract.protocol import UsageRecord
+    from meshnet_gguf.serving.usage_stats import UsageLog
+
+    stream = io.StringIO()
+    configure_logging("text", "INFO", stream=stream)
+    usage = UsageRecord(request_id="req-7f3a", route="/v1/chat/completions", model="m", status=200, stream=False, started_at=0.0)
+    if inside_the_request:
+        with bound_request_id(usage.request_id):
+            asyncio.run(UsageLog().record(usage))
+    else:
+        asyncio.run(UsageLog().record(usage))
+    line = stream.getvalue().strip()
+    assert line.count("req-7f3a") == 1 and "[req req-7f3a] /v1/chat/completions status=200" in line, line

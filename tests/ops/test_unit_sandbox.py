@@ -1,5 +1,5 @@
 """The service's sandbox: systemd's own exposure score for the unit, the GPU still reachable,
-and (where systemd runs) the node started under exactly that sandbox."""
+and the node started under exactly that sandbox (by this machine's systemd, or one booted in a container)."""
 
 from __future__ import annotations
 
@@ -79,37 +79,70 @@ def _systemd_runs_here() -> bool:
     return SYSTEMD_RUN is not None and Path("/run/systemd/system").is_dir()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not _systemd_runs_here(),
-    reason="systemd is not the init system here (a container without systemd as PID 1): systemd-run cannot start a unit",
-)
-def test_the_node_starts_under_the_units_sandbox(tmp_path: Path, tiny_gguf: Path, fake_llama_path: Path) -> None:
-    assert SYSTEMD_RUN is not None
-    port = free_local_port()
-    settings = NodeSettings(gguf=str(tiny_gguf))  # type: ignore[call-arg]
-    properties = [f"{k}={v}" for k, v in _service_lines(settings) if k not in _NOT_SANDBOX]
-    unit = f"meshnet-sandbox-test-{port}"
-    argv = [
-        SYSTEMD_RUN, f"--unit={unit}", "--collect", "--quiet", "-p", "Type=notify", "-p", "NotifyAccess=main",
-        "-p", f"ReadWritePaths={tmp_path}", *(x for p in properties for x in ("-p", p)),
+def _sandboxed_node_argv(settings: NodeSettings, port: int, unit: str, workdir: Path, *, private_tmp: bool) -> list[str]:
+    """`systemd-run` starting `serve` under the unit's sandbox, its model and state in `workdir`."""
+    skipped = _NOT_SANDBOX if not private_tmp else _NOT_SANDBOX - {"PrivateTmp"}
+    properties = [f"{k}={v}" for k, v in _service_lines(settings) if k not in skipped]
+    return [
+        "systemd-run", f"--unit={unit}", "--collect", "--quiet", "-p", "Type=notify", "-p", "NotifyAccess=main",
+        "-p", f"ReadWritePaths={workdir}", *(x for p in properties for x in ("-p", p)),
         f"--setenv=PYTHONPATH={os.pathsep.join(sys.path)}",
-        "--", sys.executable, "-m", "meshnet_gguf", "serve", "--gguf", str(tiny_gguf),
-        "--llama-server", str(fake_llama_path), "--port", str(port), "--state-dir", str(tmp_path / "state"),
+        "--", sys.executable, "-m", "meshnet_gguf", "serve", "--gguf", str(workdir / "tiny.gguf"),
+        "--llama-server", str(workdir / "llama-server"), "--port", str(port), "--state-dir", str(workdir / "state"),
     ]  # fmt: skip
-    started = subprocess.run(argv, capture_output=True, text=True, timeout=START_TIMEOUT_S, check=False)
+
+
+def _wait_ready(port: int) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            if health.status_code == 200 or time.monotonic() > deadline:
+                return health.json()
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_the_node_starts_under_the_units_sandbox(tmp_path: Path, tiny_gguf: Path, fake_llama_path: Path) -> None:
+    """Under this machine's systemd where it is the init system; else under a systemd booted in a
+    container (`support.systemd_container`), with every sandbox directive the unit has, PrivateTmp too."""
+    from support.systemd_container import WORKDIR_INSIDE, ContainerUnavailable, SystemdContainer, unavailable_reason
+
+    port = free_local_port()
+    unit = f"meshnet-sandbox-test-{port}"
+    shutil.copy(tiny_gguf, tmp_path / "tiny.gguf")
+    shutil.copy(fake_llama_path, tmp_path / "llama-server")  # a script naming this interpreter and the fake
+    if _systemd_runs_here():
+        settings = NodeSettings(gguf=str(tmp_path / "tiny.gguf"))  # type: ignore[call-arg]
+        argv = _sandboxed_node_argv(settings, port, unit, tmp_path, private_tmp=False)
+        started = subprocess.run(argv, capture_output=True, text=True, timeout=START_TIMEOUT_S, check=False)
+        try:
+            assert started.returncode == 0, started.stderr  # Type=notify: returns once the node said READY=1
+            assert _wait_ready(port)["state"] == "ready"
+            assert oct((tmp_path / "state").stat().st_mode & 0o777) == "0o700"  # UMask=0077
+        finally:
+            subprocess.run(["systemctl", "stop", unit], capture_output=True, timeout=60, check=False)
+        return
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"systemd is not the init system here, and {reason}")
+    # The interpreter, its packages and this checkout, read-only at their own paths.
+    here = Path(__file__).resolve().parents[2]
+    read_only = [here, Path(sys.prefix), Path(sys.base_prefix), Path(os.path.realpath(sys.executable)).parents[1]]
     try:
-        assert started.returncode == 0, started.stderr  # Type=notify: returns once the node said READY=1
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
-                if health.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        assert health.json()["state"] == "ready"
+        container = SystemdContainer(unit, tmp_path, read_only)
+    except ContainerUnavailable as exc:
+        pytest.skip(f"systemd is not the init system here and cannot boot in a container either: {exc}")
+    with container:
+        settings = NodeSettings(gguf=str(WORKDIR_INSIDE / "tiny.gguf"))  # type: ignore[call-arg]
+        argv = _sandboxed_node_argv(settings, port, unit, WORKDIR_INSIDE, private_tmp=True)
+        started = container.run(argv, check=False, timeout=START_TIMEOUT_S)
+        assert started.returncode == 0, started.stdout + started.stderr  # Type=notify: returns once READY=1
+        shown = container.run(["systemctl", "show", unit, "-p", "ProtectSystem", "-p", "PrivateTmp", "-p", "DevicePolicy"])
+        assert "ProtectSystem=strict" in shown.stdout and "PrivateTmp=yes" in shown.stdout, shown.stdout
+        assert _wait_ready(port)["state"] == "ready"
         assert oct((tmp_path / "state").stat().st_mode & 0o777) == "0o700"  # UMask=0077
-    finally:
-        subprocess.run(["systemctl", "stop", unit], capture_output=True, timeout=60, check=False)
+        container.run(["systemctl", "stop", unit], check=False, timeout=60)

@@ -22,7 +22,7 @@ def test_iq4_xs_on_strix_halo_128_is_refused_naming_ud_iq3_xxs() -> None:
 
     message = str(refused.value)
     # 136,000,000,000 + 3,590,324,224 = 139.6 GB against the box's 129,065,631,744 B (test_hardware)
-    assert message.startswith("IQ4_XS needs 139.6 GB ")
+    assert message.startswith("IQ4_XS needs at least 139.6 GB ")
     assert "this box can give the GPU" in message
     assert "UD-IQ3_XXS fits" in message and "--force" in message
     assert refused.value.suggestion == "UD-IQ3_XXS"
@@ -56,7 +56,7 @@ def test_nothing_fits_on_the_80_gb_box_and_the_message_says_so() -> None:
     # the 80 GB box holds 77,085,016,064 B (carve-out 379,584,512 + RAM 79,101,952 kB - 4 GiB);
     # the smallest quant needs 78,400,000,000 + 3,590,324,224 = 81,990,324,224 B
     assert "no quant of this model fits here" in str(refused.value)
-    assert "needs 82.0 GB" in str(refused.value)
+    assert "needs at least 82.0 GB" in str(refused.value)
     assert "the smallest, UD-IQ2_XXS" in str(refused.value)
     assert refused.value.suggestion is None
 

@@ -208,4 +208,4 @@ def test_the_repo_form_gets_the_same_advice_and_figures_as_the_catalog_form(tmp_
 
     assert "<- best" in by_repo.stdout  # the repo form gives quant advice (the hub is closed: the catalog's quants)
     assert figures(by_repo.stdout) == figures(by_id.stdout)
-    assert "107.8 GB needed: fits on the GPU <- best" in by_repo.stdout
+    assert "107.8 GB at least: fits on the GPU <- best" in by_repo.stdout

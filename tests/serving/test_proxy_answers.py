@@ -112,3 +112,27 @@ async def test_extra_get_routes_are_served_and_health_reports_without_reaching_l
     assert health.headers["cache-control"] == "no-cache"
     assert head.status_code == 200
     assert proxy.upstream.requests == []
+
+
+# llama-server b10434's answer to /v1/embeddings when started without --embeddings (recorded).
+LLAMA_NO_EMBEDDINGS = (
+    b'{"error":{"code":501,"message":"This server does not support embeddings. '
+    b'Start it with `--embeddings`","type":"not_supported_error"}}'
+)
+
+
+async def test_embeddings_turned_off_tell_the_client_the_nodes_flag_not_llama_servers() -> None:
+    off = FakeAnswer(501, [LLAMA_NO_EMBEDDINGS])
+    other = FakeAnswer(501, [b'{"error":{"code":501,"message":"not today","type":"not_supported_error"}}'])
+    proxy = build_proxy(upstream=FakeLlamaUpstream(Scripted([off, other])))
+    # No retries: the SDK retries a 5xx, and each answer here is scripted once.
+    async with openai.AsyncOpenAI(base_url=BASE_URL + "/v1", api_key="unused", http_client=proxy.client(), max_retries=0) as client:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.embeddings.create(model=ALIAS, input="hi")
+        with pytest.raises(openai.APIStatusError) as unrelated:
+            await client.embeddings.create(model=ALIAS, input="hi")
+    assert refused.value.status_code == 501
+    assert "--llama-arg=--embeddings" in refused.value.message and "Start it with" not in refused.value.message
+    assert refused.value.response.headers["content-length"] == str(len(refused.value.response.content))
+    # Only that one hint is rewritten: llama-server's other errors pass as it wrote them.
+    assert unrelated.value.status_code == 501 and "not today" in unrelated.value.message

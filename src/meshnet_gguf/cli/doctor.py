@@ -28,7 +28,10 @@ def register(app: typer.Typer) -> None:
         offline: Annotated[bool, typer.Option("--offline", help="Never contact the hub for model sizes")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
     ) -> None:
-        """Check binary, GPUs, memory, disk, clock and port; explain each problem and how to fix it."""
+        """Check that this box can serve, and how to fix it.
+
+        Binary, GPUs, memory, disk, clock and port: each problem explained, with its fix.
+        """
         from meshnet_gguf.common.settings import NodeSettings
         from meshnet_gguf.ops.doctor import DoctorEnvironment, DoctorReport, run_doctor
         from meshnet_gguf.ops.relay_health import check_relay
@@ -40,6 +43,13 @@ def register(app: typer.Typer) -> None:
         )  # fmt: skip
         settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
         environment = DoctorEnvironment(settings, model_size=lambda binary, hw: model_size(settings, binary, hw))
+        fixture = settings.hardware_fixture
+        if fixture is not None:
+            # The box `serve` and `models` plan for (MESHNET_HARDWARE_FIXTURE), so all three print one figure.
+            from meshnet_gguf.hardware.report import probe_configured
+
+            environment.hardware = lambda binary: probe_configured(binary, fixture)
+            typer.echo(f"warning: checking against the recorded machine {fixture}, not this one (MESHNET_HARDWARE_FIXTURE)", err=True)
         # The relay check lives beside the relay link (it attaches with the node's key), above doctor's floor.
         report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings)))
         typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())

@@ -17,7 +17,10 @@ def register(app: typer.Typer) -> None:
             Optional[Path], typer.Option(help="llama-server whose devices to list")
         ] = None,
     ) -> None:
-        """Show CPU, RAM, GPUs, the llama-server devices and the honest GPU memory budget."""
+        """Show CPU, RAM, GPUs and the GPU memory budget.
+
+        Also the devices llama-server lists, and where the honest GPU memory budget comes from.
+        """
         from meshnet_gguf.common.settings import NodeSettings
         from meshnet_gguf.hardware.report import format_table, probe_configured
         from meshnet_gguf.llama.binary import BinaryNotFound, find_llama_server

@@ -60,6 +60,9 @@ def _tidy(param: Any, settings_backed: bool) -> None:
     setattr(param, _TIDIED, True)
     if kind == "argument":
         param.display_type_rich = lambda ctx: None  # the argument's own name says what it is
+        # Usage lines name arguments the way every CLI does, `MODEL` or `[REPO]`, not typer's `{model}`.
+        shown = (param.metavar or param.name or "").upper() + ("..." if param.nargs != 1 else "")
+        param._usage_display_name = lambda: shown if param.required else f"[{shown}]"
         return
     if param.is_flag:
         param.metavar = ""  # a flag takes no value: no type to show

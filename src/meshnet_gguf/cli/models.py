@@ -44,7 +44,10 @@ def register(app: typer.Typer) -> None:
         download_dir: Annotated[Optional[Path], typer.Option(help=DOWNLOAD_DIR_HELP)] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Only check what is already on disk")] = False,
     ) -> None:
-        """Prefetch a model (resumable, sha256-verified) so `serve` can start without waiting."""
+        """Prefetch a model so `serve` starts at once.
+
+        The download resumes where it stopped and is checked against the hub's sha256.
+        """
         from meshnet_gguf.hardware.report import machine_budget_bytes
         from meshnet_gguf.models.source import ModelResolutionError, resolve_model
 
@@ -68,27 +71,59 @@ def register(app: typer.Typer) -> None:
         offline: Annotated[bool, typer.Option("--offline", help="Use the listing saved by the last download")] = False,
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary (for the 'featured' check)")] = None,
     ) -> None:
-        """Show the model catalog, or the quants a repo offers with their sizes."""
+        """List the catalog, or the quants a repo offers.
+
+        Each with its size and what the launch plan needs on this box (weights, KV cache
+        for the planned context, compute buffers, and the prompt cache on top).
+        """
+        from dataclasses import replace
+
         from meshnet_gguf.common.units import format_bytes
         from meshnet_gguf.hardware.report import probe_configured
         from meshnet_gguf.llama.binary import local_llama_server
-        from meshnet_gguf.models.catalog import featured, load_catalog
+        from meshnet_gguf.models.catalog import load_catalog
         from meshnet_gguf.models.download import HubAccess
         from meshnet_gguf.models.source import ModelResolutionError, offered_quants
         from meshnet_gguf.prepare.memory import ModelFacts
-        from meshnet_gguf.prepare.quant_advisor import QuantOption, advise_catalog_entry, advise_quant, target_context
+        from meshnet_gguf.prepare.pipeline import ModelSize, NodeSetupError, size_as_planned
+        from meshnet_gguf.prepare.plan import OperatorChoiceError, OperatorChoices
+        from meshnet_gguf.prepare.quant_advisor import QuantOption, advise_quant, target_context
 
         settings = _settings(download_dir=download_dir, offline=offline, llama_server=llama_server)
         binary = local_llama_server(settings.llama_server)
         try:
-            capacity = probe_configured(binary, settings.hardware_fixture).capacity()
+            hardware = probe_configured(binary, settings.hardware_fixture)
+            operator = OperatorChoices.read(
+                parallel=settings.parallel, ctx_size=settings.ctx_size, n_gpu_layers=settings.n_gpu_layers,
+                llama_args=settings.llama_args,
+            )  # fmt: skip
         except FileNotFoundError as exc:
             typer.echo(f"error: hardware_fixture (MESHNET_HARDWARE_FIXTURE): {exc}", err=True)
             raise typer.Exit(EXIT_SETUP_ERROR) from exc
+        except OperatorChoiceError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_SETUP_ERROR) from exc
+        capacity = hardware.capacity()
         catalog = load_catalog()
-        # A quant fits when the quant advisor says so: weights + KV cache for every slot's
-        # minimum context + compute buffers within this box's capacity (what `serve` checks).
-        memory_line = f"memory here: {capacity.describe()}; NEEDS = weights + KV cache + compute buffers"
+
+        def planned(name: str, facts: ModelFacts) -> ModelSize:
+            """The launch plan's figure for this quant on this box: what `serve` and `doctor` print."""
+            try:
+                return size_as_planned(name, facts, hardware, operator, binary, local=False)
+            except NodeSetupError as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(EXIT_SETUP_ERROR) from exc
+
+        def cells(size: ModelSize) -> list[str]:
+            need = f"{'>=' if size.minimum else ''}{format_bytes(size.need_bytes)}"
+            cache = format_bytes(size.prompt_cache_bytes) if size.prompt_cache_bytes else "-"
+            return [need, str(size.ctx_size or "?"), cache, "yes" if size.fits else "no"]
+
+        memory_line = (
+            f"memory here: {capacity.describe()}\n"
+            "NEEDS = weights + KV cache for CONTEXT tokens + compute buffers, as `serve` plans the launch on this box; "
+            "CACHE = RAM the plan gives the prompt cache on top; >= marks a minimum (no plan: model shape unknown)"
+        )
 
         if repo is not None:
             try:
@@ -100,38 +135,43 @@ def register(app: typer.Typer) -> None:
             curated = catalog.get(repo) or catalog.by_repo(repo)
             facts = ModelFacts.from_catalog(curated, curated.quants[0]) if curated and curated.shape else None
             options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants]
-            advice = advise_quant(
-                options, capacity, model=facts, target_ctx=target_context(facts, parallel=settings.parallel, ctx_size=settings.ctx_size)
-            )
+            target = target_context(facts, parallel=operator.parallel, ctx_size=operator.ctx_size)
+            advice = advise_quant(options, capacity, model=facts, target_ctx=target, minimum=True)
             fits = {o.quant: o for o in advice.options}
-            rows = [["QUANT", "SIZE", "SHARDS", "NEEDS", "FITS", "FILE"]]
+            rows = [["QUANT", "SIZE", "SHARDS", "NEEDS", "CONTEXT", "CACHE", "FITS", "FILE"]]
             for q, option in zip(offered.quants, options):
                 shards = str(q.shards) if q.complete else f"{q.shards} (incomplete)"
-                fit = fits[option]
-                rows.append([
-                    q.name, format_bytes(q.total_bytes), shards, format_bytes(fit.need_bytes),
-                    "yes" if fit.fits else "no", q.first_file,
-                ])  # fmt: skip
+                if facts is not None:
+                    quant_facts = replace(facts, name=q.name, total_bytes=q.total_bytes, shard_count=q.shards)
+                    size = planned(q.name, quant_facts)
+                else:
+                    fit = fits[option]
+                    size = ModelSize(q.name, q.total_bytes, False, fit.need_bytes, ctx_size=None, fits=fit.fits, minimum=True)
+                rows.append([q.name, format_bytes(q.total_bytes), shards, *cells(size), q.first_file])
             typer.echo(f"{offered.title} ({offered.source})")
-            typer.echo(_table(rows, right={1, 2, 3}) if offered.quants else "no GGUF models found")
-            kv = "" if facts else " (KV cache unknown until downloaded: not counted)"
-            context = f" with {advice.target_ctx} tokens of context" if facts else ""
-            typer.echo(f"\n{memory_line}{context}{kv}")
+            typer.echo(_table(rows, right={1, 2, 3, 4, 5}) if offered.quants else "no GGUF models found")
+            kv = "" if facts else "\n(KV cache unknown until downloaded: not counted)"
+            typer.echo(f"\n{memory_line}{kv}")
             return
 
-        rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "NEEDS", "FITS"]]
+        rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "NEEDS", "CONTEXT", "CACHE", "FITS"]]
         for entry in catalog.entries:
-            advice = advise_catalog_entry(entry, capacity, parallel=settings.parallel, ctx_size=settings.ctx_size)
-            is_featured = featured(entry, capacity.total_bytes, binary is not None, need_bytes=advice.need_bytes)
-            for i, q in enumerate(entry.quants):
+            sizes = []
+            for q in entry.quants:
+                if entry.shape is not None:
+                    sizes.append(planned(f"{entry.id}:{q.name}", ModelFacts.from_catalog(entry, q)))
+                else:
+                    fit = advise_quant([QuantOption(q.name, q.total_bytes, q.shards)], capacity, model=None, target_ctx=0).options[0]
+                    sizes.append(ModelSize(q.name, q.total_bytes, False, fit.need_bytes, fits=fit.fits, minimum=True))
+            # Featured: a llama-server is here and the plan fits at least one quant on this box.
+            is_featured = binary is not None and any(size.fits for size in sizes)
+            for i, (q, size) in enumerate(zip(entry.quants, sizes)):
                 first = i == 0
-                fit = advice.find(q.name)
                 rows.append([
                     entry.id if first else "", ("yes" if is_featured else "no") if first else "",
-                    q.name, format_bytes(q.total_bytes), str(q.shards),
-                    format_bytes(fit.need_bytes) if fit else "?", "yes" if fit and fit.fits else "no",
+                    q.name, format_bytes(q.total_bytes), str(q.shards), *cells(size),
                 ])  # fmt: skip
-        typer.echo(_table(rows, right={3, 4, 5}))
+        typer.echo(_table(rows, right={3, 4, 5, 6, 7}))
         found = f"llama-server {binary.describe()}" if binary is not None else "no llama-server found"
-        typer.echo(f"\n{memory_line}; {found}")
+        typer.echo(f"\n{memory_line}\n{found}")
         typer.echo("featured = a llama-server is available and at least one quant fits this machine")

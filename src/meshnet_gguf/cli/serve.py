@@ -54,7 +54,10 @@ def register(app: typer.Typer) -> None:
         pool_worker: Annotated[Optional[list[str]], typer.Option(help="A `meshnet-gguf worker` on this LAN to hold part of the model: HOST:PORT[=BUDGET] (repeatable)")] = None,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
     ) -> None:
-        """Serve a GGUF model through llama-server on an OpenAI-compatible port."""
+        """Serve a GGUF model as a Meshnet node.
+
+        llama-server runs the model behind the node's OpenAI-compatible, metering port.
+        """
         import anyio
         from pydantic import ValidationError
 

@@ -66,7 +66,7 @@ def _check_worker_args(ctx: typer.Context, args: Sequence[str]) -> None:
 
 def register(app: typer.Typer) -> None:
     service_app = typer.Typer(
-        help="Run the node as a systemd service (start at boot, readiness, watchdog, drain on stop).",
+        help="Run the node as a systemd service.\n\nIt starts at boot, reports readiness, has a watchdog and drains on stop.",
         no_args_is_help=True,
     )
 
@@ -81,7 +81,10 @@ def register(app: typer.Typer) -> None:
         start: Annotated[bool, typer.Option("--start/--no-start", help="Start the service now (it is enabled at boot either way)")] = True,
         worker: Annotated[bool, typer.Option("--worker", help="Install a pool worker (`worker` options follow) instead of a node")] = False,
     ) -> None:
-        """Write a systemd unit and a config file for these `serve` settings, then enable it."""
+        """Install the node as a systemd service.
+
+        Writes a systemd unit and a config file for these `serve` settings, then enables it.
+        """
         from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_install
         from meshnet_gguf.ops.worker_unit import plan_worker_install
 
@@ -122,7 +125,10 @@ def register(app: typer.Typer) -> None:
         user: Annotated[bool, typer.Option("--user", help="Remove the user unit instead of the system one")] = False,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be removed, change nothing")] = False,
     ) -> None:
-        """Stop and disable the service; remove its unit and config (models and state are kept)."""
+        """Stop and remove the service.
+
+        Disables it and removes its unit and config; models and state are kept.
+        """
         from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_uninstall
 
         plan = plan_uninstall(user_mode=user)
@@ -143,7 +149,10 @@ def register(app: typer.Typer) -> None:
         user: Annotated[bool, typer.Option("--user", help="Ask the user service manager")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print systemd's view and /health as JSON")] = False,
     ) -> None:
-        """What systemd says about the service, and the node's own /health."""
+        """Show the service's state and the node's /health.
+
+        What systemd says about the service, and what the node says of itself.
+        """
         from meshnet_gguf.ops.unit import ServiceError, ServiceLayout, describe_status, service_status
 
         layout = ServiceLayout.user() if user else ServiceLayout.system()

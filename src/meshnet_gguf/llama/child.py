@@ -120,7 +120,14 @@ def prepare_socket_dir(socket_path: Path) -> None:
         raise ChildFailed(f"{folder} is not a folder owned by this user; refusing to put llama-server's socket there")
     if info.st_mode & 0o077:
         os.chmod(folder, SOCKET_DIR_MODE)
-    socket_path.unlink(missing_ok=True)
+    remove_socket(socket_path)
+
+
+def remove_socket(socket_path: Path | None) -> None:
+    """Remove llama-server's socket once it has exited: it never removes its own, and a stale
+    one would sit in the state dir until the next start."""
+    if socket_path is not None:
+        socket_path.unlink(missing_ok=True)
 
 
 # --- the pidfile and the stale-child reaper ----------------------------------------------

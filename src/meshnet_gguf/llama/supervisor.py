@@ -36,6 +36,7 @@ from meshnet_gguf.llama.child import (
     child_environment,
     prepare_socket_dir,
     reap_stale_child_in_thread,
+    remove_socket,
     socket_path_for,
     spawn,
     terminate,
@@ -128,6 +129,7 @@ class Supervisor(BasePart):
         self.restarts = 0
         self.port: int | None = None
         self.socket_path: Path | None = socket_path_for(spec.binary, state_dir) if state_dir is not None else None
+        self._socket_folder_checked = False
         self.warmup_s: float | None = None
         self.pid: int | None = None
         self.api_key = secrets.token_urlsafe(32)
@@ -178,6 +180,8 @@ class Supervisor(BasePart):
                 with anyio.CancelScope(shield=True):
                     await self._terminate(self._proc)
             self._remove_pidfile()
+            if self._socket_folder_checked:  # never unlink in a folder that failed the ownership check
+                remove_socket(self.socket_path)  # the child has exited
             if self.state != "failed":
                 self._set_state("stopped")
             self._stopped.set()
@@ -234,6 +238,7 @@ class Supervisor(BasePart):
     async def _spawn(self) -> asyncio.subprocess.Process:
         if self.socket_path is not None:
             prepare_socket_dir(self.socket_path)
+            self._socket_folder_checked = True
             listen = ["--host", str(self.socket_path)]
         else:
             self.port = free_local_port()

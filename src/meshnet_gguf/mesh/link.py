@@ -156,7 +156,9 @@ class MeshnetLink(BasePart):
         self._hardware: HardwareSummary | None = None
         # Behind a relay, the tracker reaches this node through it rather than at advertised_url.
         self.relay_attachment = relay_attachment
-        log.info("meshnet node id %s, tracker %s, advertised as %s", self.identity.node_id, settings.tracker, self.advertised_url)
+        # A relayed node's own address is loopback or private: naming it would say the tracker dials it.
+        reached = f"reached through its relay {relay_attachment.url}" if relay_attachment else f"advertised as {self.advertised_url}"
+        log.info("meshnet node id %s, tracker %s, %s", self.identity.node_id, settings.tracker, reached)
 
     # --- what the node wires in ---------------------------------------------
     def health(self, report: HealthReport) -> HealthReport:

@@ -52,8 +52,10 @@ TRACKER_TIMEOUT_S = 5.0
 # Below the route-token tolerance, but worth a word: NTP keeps healthy clocks
 # within milliseconds, so a second or more means no time sync.
 CLOCK_WARN_S = 2.0
-# The HTTP Date header has whole seconds; allow for that rounding.
-DATE_RESOLUTION_S = 1.0
+# How old a tracker's Date header can be when sent: whole seconds, truncated, and uvicorn
+# (the reference tracker's server) renews it once a second. A tracker on this very machine
+# sends Dates up to ~2 s old, which is no skew at all.
+DATE_LAG_MAX_S = 2.0
 # Where distributions keep the shared libraries NVIDIA's Vulkan driver needs.
 _LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu")
 # libglvnd: NVIDIA's Vulkan ICD loads libGLX_nvidia.so.0, which needs these (FACTS.md).
@@ -306,15 +308,13 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
         return []
     capacity = report.capacity()
     need = size.need_bytes
-    context = f" with {size.ctx_size} tokens of context" if size.ctx_size else ""
-    if size.prompt_cache_bytes:
-        context += f" (and {format_bytes(size.prompt_cache_bytes)} of free RAM for the prompt cache)"
+    needs = size.describe_need()  # the plan's figure, in the words `serve` and `models` use
     if (size.fits is False) or (size.fits is None and need > capacity.total_bytes):
         return [
             Finding(
                 "memory",
                 "fail",
-                f"{size.label} needs {format_bytes(need)}{context}; {capacity.describe()}",
+                f"{size.label} {needs}; {capacity.describe()}",
                 "weights, KV cache for the planned context and compute buffers must all fit, or the load fails "
                 "(or swaps the machine to a halt)",
                 "choose a smaller quant (meshnet-gguf models REPO lists them with sizes), a smaller --ctx-size, "
@@ -325,7 +325,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
     whole = size.placement in ("gpu", "cpu") if size.placement is not None else gpu is None or need <= capacity.gpu_bytes
     if whole or gpu is None:
         where = f"on {gpu.name}" if gpu is not None and size.placement != "cpu" else "in RAM"
-        return [Finding("memory", "ok", f"{size.label} needs {format_bytes(need)}{context}: fits {where}")]
+        return [Finding("memory", "ok", f"{size.label} {needs}: fits {where}")]
     gtt_limited = gpu.unified and gpu.vendor == "amd" and ("GTT" in gpu.budget_basis or "ttm" in gpu.budget_basis)
     if gtt_limited:
         pages = report.host_budget_bytes // TTM_PAGE_BYTES
@@ -333,7 +333,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
             Finding(
                 "memory",
                 "warn",
-                f"{size.label} needs {format_bytes(need)} but {gpu.name} may map only {format_bytes(capacity.gpu_bytes)} "
+                f"{size.label} {needs} but {gpu.name} may map only {format_bytes(capacity.gpu_bytes)} "
                 f"({gpu.budget_basis})",
                 "the GTT limit, not RAM, caps the GPU: the layers beyond it run on the CPU, several times slower",
                 f"raise the limit: add ttm.pages_limit={pages} (4 KiB pages) to the kernel command line "
@@ -344,7 +344,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
         Finding(
             "memory",
             "warn",
-            f"{size.label} needs {format_bytes(need)}; {gpu.name} holds {format_bytes(capacity.gpu_bytes)}: "
+            f"{size.label} {needs}; {gpu.name} holds {format_bytes(capacity.gpu_bytes)}: "
             "part of it runs on the CPU",
             "layers that do not fit the GPU run on the CPU, several times slower",
             "choose a smaller quant to keep it all on the GPU, or accept the split",
@@ -406,12 +406,18 @@ def check_clock(env: DoctorEnvironment) -> list[Finding]:
     parsed = email.utils.parsedate_to_datetime(date).timestamp() if date else None
     if parsed is None:
         return [Finding("clock", "skip", f"{url} sent no Date header: clock skew unknown")]
-    # The tracker stamped its Date somewhere between our send and receive.
-    skew = (sent + received) / 2 - parsed
+    # The tracker stamped its Date between our send and receive, and the Date it stamped was
+    # up to DATE_LAG_MAX_S old: the skew lies between `least` and `most` (positive: this clock ahead).
+    half_trip = (received - sent) / 2
+    least = received - parsed - DATE_LAG_MAX_S - 2 * half_trip
+    most = received - parsed
+    if least <= 0 <= most:
+        return [Finding("clock", "ok", f"this clock agrees with the tracker's (to the {DATE_LAG_MAX_S:.0f} s its Date header can tell)")]
     tolerance = CLOCK_SKEW_S
-    off = abs(skew) - (received - sent) / 2 - DATE_RESOLUTION_S
-    direction = "ahead of" if skew > 0 else "behind"
-    summary = f"this clock is {abs(skew):.1f} s {direction} the tracker's"
+    # The least skew the evidence allows: no warning for what the Date header cannot tell apart.
+    off = least if least > 0 else -most
+    direction = "ahead of" if least > 0 else "behind"
+    summary = f"this clock is at least {off:.1f} s {direction} the tracker's"
     fix = "turn on time sync: timedatectl set-ntp true (systemd-timesyncd or chrony)"
     if off > tolerance:
         return [

@@ -193,6 +193,12 @@ class MemoryUse:
         """What must fit for the model to load: everything but the prompt cache (`memory_need_bytes`)."""
         return self.total_bytes - self.prompt_cache
 
+    def summary(self) -> str:
+        """The plan's figures in the words every command uses: the need, its context, the prompt cache on top."""
+        where = f"~{format_bytes(self.gpu_bytes)} on the GPU, ~{format_bytes(self.host_bytes - self.prompt_cache)} in RAM"
+        cache = f" + {format_bytes(self.prompt_cache)} of RAM for the prompt cache" if self.prompt_cache else ""
+        return f"needs {format_bytes(self.need_bytes)} with {self.ctx_size} tokens of context ({where}){cache}"
+
     def describe(self) -> str:
         parts = [
             f"weights {format_bytes(self.weights_gpu + self.weights_host)}",

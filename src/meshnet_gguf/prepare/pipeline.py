@@ -297,7 +297,7 @@ def choose_quant(
         return QuantChoice(spec, None)
     target = target_context(facts, parallel=operator.parallel, ctx_size=operator.ctx_size)
     capacity = hardware.capacity()
-    advice = advise_quant(options, capacity, model=facts, target_ctx=target)
+    advice = advise_quant(options, capacity, model=facts, target_ctx=target, minimum=operator.ctx_size is None)
     quant = spec.quant_or_only() or (options[0].name if len(options) == 1 else None)
     if quant is None:
         raise NodeSetupError(
@@ -316,7 +316,10 @@ def choose_quant(
             raise NodeSetupError(str(exc)) from exc
         return QuantChoice(spec, advice, (*notes, f"--force: trying anyway although {exc.shortfall}"))
     where = "on the GPU" if fit.fits_gpu else "partly on the CPU" if capacity.gpu_bytes else "in RAM"
-    return QuantChoice(spec, advice, (*notes, f"quant {fit.quant.name} fits {where}: at least {fit.describe(target)}"))
+    floor = "the least context a plan launches with; the plan below gives it what memory allows" if advice.minimum else "--ctx-size"
+    return QuantChoice(
+        spec, advice, (*notes, f"quant {fit.quant.name} fits {where}: {fit.describe(target, minimum=advice.minimum)} ({floor})")
+    )
 
 
 def get_model(spec: ModelSpec, download_dir: Path, access: HubAccess, binary: BinaryInfo, hardware: HardwareReport) -> ModelOnDisk:
@@ -481,6 +484,37 @@ class ModelSize:
     # The plan's verdict when there is a plan: does it fit, and where do the layers go.
     fits: bool | None = None
     placement: Literal["gpu", "split", "cpu"] | None = None
+    # True when there was no plan (no header, no catalog shape) and `need_bytes` is the quant
+    # advisor's floor: weights + KV for the least context planned + compute buffers.
+    minimum: bool = False
+
+    def describe_need(self) -> str:
+        """The figure in the words every command uses (`memory.MemoryUse.summary`)."""
+        need = f"{'at least ' if self.minimum else ''}{format_bytes(self.need_bytes)}"
+        context = f" with {self.ctx_size} tokens of context" if self.ctx_size else ""
+        cache = f" + {format_bytes(self.prompt_cache_bytes)} of RAM for the prompt cache" if self.prompt_cache_bytes else ""
+        return f"needs {need}{context}{cache}"
+
+
+def size_as_planned(
+    name: str, facts: ModelFacts, hardware: HardwareReport, operator: OperatorChoices, binary: BinaryCapabilities | None, *, local: bool
+) -> ModelSize:
+    """What the launch plan for `facts` on `hardware` needs: the one memory figure `serve`, `doctor` and `models` print."""
+    try:
+        plan = plan_launch(facts, hardware, operator, binary or _UNKNOWN_BINARY)
+    except ValueError as exc:  # a malformed --n-gpu-layers
+        raise NodeSetupError(str(exc)) from exc
+    return _size_of(name, facts, plan, local=local)
+
+
+def _size_of(name: str, facts: ModelFacts, plan: LaunchPlan, *, local: bool) -> ModelSize:
+    placement: Literal["gpu", "split", "cpu"] = (
+        "cpu" if plan.cpu_only else "gpu" if plan.gpu_layers in (plan.total_layers, "auto") else "split"
+    )
+    return ModelSize(
+        name, facts.total_bytes, local, plan.memory.need_bytes,
+        ctx_size=plan.memory.ctx_size, prompt_cache_bytes=plan.memory.prompt_cache, fits=plan.fits, placement=placement,
+    )  # fmt: skip
 
 
 
@@ -506,12 +540,9 @@ def model_size(settings: NodeSettings, binary: BinaryInfo | None, hardware: Hard
         if fit is None or choice.advice is None:
             raise
         label = f"{choice.spec.text}:{fit.quant.name}"
-        return ModelSize(label, fit.quant.total_bytes, False, fit.need_bytes, ctx_size=choice.advice.target_ctx or None, fits=fit.fits)
+        return ModelSize(
+            label, fit.quant.total_bytes, False, fit.need_bytes, ctx_size=choice.advice.target_ctx or None, fits=fit.fits,
+            minimum=choice.advice.minimum,
+        )  # fmt: skip
     plan = checked_plan(model, hardware, request.operator, binary or _UNKNOWN_BINARY, force=True)
-    placement: Literal["gpu", "split", "cpu"] = (
-        "cpu" if plan.cpu_only else "gpu" if plan.gpu_layers in (plan.total_layers, "auto") else "split"
-    )
-    return ModelSize(
-        model.name, model.facts.total_bytes, model.resolved is not None, plan.memory.need_bytes,
-        ctx_size=plan.memory.ctx_size, prompt_cache_bytes=plan.memory.prompt_cache, fits=plan.fits, placement=placement,
-    )  # fmt: skip
+    return _size_of(model.name, model.facts, plan, local=model.resolved is not None)

@@ -185,8 +185,7 @@ class LaunchPlan:
         lines = [
             f"plan: {where}; context {self.ctx_size} tokens over {self.parallel} slots; "
             f"{self.load_mode}; flash attention {self.flash_attn}; batch {self.batch_size}/{self.ubatch_size}",
-            f"memory: ~{format_bytes(self.gpu_bytes)} on the GPU, ~{format_bytes(self.host_bytes)} in RAM"
-            + ("" if self.fits else " (DOES NOT FIT)"),
+            f"memory: {self.memory.summary()}" + ("" if self.fits else " (DOES NOT FIT)"),
             f"  = {self.memory.describe()}",
         ]
         lines += [f"  - {r}" for r in self.reasons]
@@ -328,17 +327,21 @@ def _choose_ctx(model: ModelFacts, operator: OperatorChoices, where: Placement, 
     # Never 0: to llama-server that means the model's whole training context.
     ctx = max(step, int(min(where.max_ctx(), cap) // step) * step)
     kv = f"KV cache ~{kv_per_token / 1024:.0f} KiB per token"
+    floor = ctx_floor(model, parallel)
+    if not where.fits(ctx):
+        # Nothing fits: plan (and argv) the least worth launching with, the context the quant
+        # advisor rates quants at, so every figure printed is the one a forced launch runs.
+        notes.reasons.append(
+            f"context {floor} = {parallel} slots x {floor // parallel} tokens, the least planned per slot: "
+            f"memory does not hold the model even with {ctx} tokens ({kv})"
+        )
+        return floor
     if ctx >= cap:
         notes.reasons.append(f"context {ctx} = {parallel} slots x {ctx // parallel} tokens, the most planned per slot ({kv})")
     else:
         notes.reasons.append(
             f"context {ctx} = {parallel} slots x {ctx // parallel} tokens: what memory leaves after the weights ({kv})"
         )
-    floor = ctx_floor(model, parallel)
-    if not where.fits(ctx):
-        # Nothing fits: figure the least worth launching with, the context the quant advisor
-        # rates quants at, so both say the same bytes for the same model.
-        return floor
     if ctx < floor:
         notes.warnings.append(
             f"only {ctx // parallel} tokens of context per slot fit (less than {MIN_CTX_PER_SLOT}): "

@@ -36,10 +36,11 @@ class QuantFit:
     fits: bool  # in the box's capacity at all
     fits_gpu: bool  # entirely within the GPU budget
 
-    def describe(self, target_ctx: int) -> str:
+    def describe(self, target_ctx: int, *, minimum: bool = True) -> str:
+        """`minimum`: `target_ctx` is the least context the plan launches with, so the figure is a floor."""
         kv = f" + {format_bytes(self.kv_bytes)} KV cache for {target_ctx} tokens" if self.kv_bytes else ""
         return (
-            f"{self.quant.name} needs {format_bytes(self.need_bytes)} "
+            f"{self.quant.name} needs {'at least ' if minimum else ''}{format_bytes(self.need_bytes)} "
             f"({format_bytes(self.quant.total_bytes)} weights{kv} + {format_bytes(COMPUTE_OVERHEAD_BYTES)} compute buffers)"
         )
 
@@ -49,6 +50,9 @@ class QuantAdvice:
     capacity: MemoryCapacity
     target_ctx: int
     options: tuple[QuantFit, ...]  # largest first
+    # True when `target_ctx` is the least context a plan launches with (no `--ctx-size`): every
+    # figure here is then a minimum, and the launch plan's own figure (more context) may be larger.
+    minimum: bool = True
 
     @property
     def best(self) -> QuantFit | None:
@@ -86,29 +90,35 @@ class QuantAdvice:
         if best is not None:
             where = "" if best.fits_gpu or self.capacity.gpu_bytes == 0 else ", partly on the CPU,"
             tail = (
-                f"{best.quant.name} fits{where} (needs {format_bytes(best.need_bytes)}). "
+                f"{best.quant.name} fits{where} (needs {'at least ' if self.minimum else ''}{format_bytes(best.need_bytes)}). "
                 f"Choose --quant {best.quant.name}, or pass --force to try anyway."
             )
         else:
             smallest = self.options[-1]
             tail = (
-                f"no quant of this model fits here; the smallest, {smallest.quant.name}, needs "
+                f"no quant of this model fits here; the smallest, {smallest.quant.name}, needs {'at least ' if self.minimum else ''}"
                 f"{format_bytes(smallest.need_bytes)}. Pass --force to try anyway."
             )
-        shortfall = f"{chosen.describe(self.target_ctx)}; {self.capacity.describe()}"
+        shortfall = f"{chosen.describe(self.target_ctx, minimum=self.minimum)}; {self.capacity.describe()}"
         raise QuantDoesNotFit(
             f"{shortfall}; {tail}", quant=chosen.quant.name, suggestion=best.quant.name if best else None, shortfall=shortfall
         )
 
     def describe(self) -> str:
-        context = f"target context {self.target_ctx} tokens" if self.target_ctx else "KV cache not counted (model shape unknown)"
+        if not self.target_ctx:
+            context = "minimum figures: KV cache not counted (model shape unknown)"
+        elif self.minimum:
+            context = f"minimum figures, with {self.target_ctx} tokens of context (the least a plan launches with)"
+        else:
+            context = f"figures with {self.target_ctx} tokens of context (--ctx-size)"
         lines = [f"{self.capacity.describe()}; {context}"]
+        needed = "at least" if self.minimum or not self.target_ctx else "needed"
         best = self.best
         in_ram = "fits (partly on the CPU)" if self.capacity.gpu_bytes > 0 else "fits in RAM"
         for option in self.options:
             verdict = "fits on the GPU" if option.fits_gpu else in_ram if option.fits else "does not fit"
             mark = " <- best" if option is best else ""
-            lines.append(f"  {option.quant.name:<14} {format_bytes(option.need_bytes):>7} needed: {verdict}{mark}")
+            lines.append(f"  {option.quant.name:<14} {format_bytes(option.need_bytes):>7} {needed}: {verdict}{mark}")
         return "\n".join(lines)
 
 
@@ -125,9 +135,10 @@ class QuantDoesNotFit(RuntimeError):
 
 
 def advise_quant(
-    quants: Sequence[QuantOption], capacity: MemoryCapacity, *, model: ModelFacts | None, target_ctx: int
+    quants: Sequence[QuantOption], capacity: MemoryCapacity, *, model: ModelFacts | None, target_ctx: int, minimum: bool = True
 ) -> QuantAdvice:
-    """Rate every quant against `capacity`. `model` gives the KV size; without it only weights count."""
+    """Rate every quant against `capacity`. `model` gives the KV size; without it only weights count.
+    `minimum`: `target_ctx` is the least context planned (`target_context` without `--ctx-size`)."""
     kv_per_token = model.kv_bytes_per_token() if model is not None else 0.0
     options = []
     for quant in sorted(quants, key=lambda q: q.total_bytes, reverse=True):
@@ -141,7 +152,7 @@ def advise_quant(
                 fits_gpu=capacity.gpu_bytes > 0 and need <= capacity.gpu_bytes,
             )
         )
-    return QuantAdvice(capacity, target_ctx, tuple(options))
+    return QuantAdvice(capacity, target_ctx, tuple(options), minimum=minimum or model is None)
 
 
 def target_context(model: ModelFacts | None, *, parallel: int, ctx_size: int | None) -> int:
@@ -162,7 +173,7 @@ def advise_catalog_entry(entry: CatalogEntry, capacity: MemoryCapacity, *, paral
     """Rate a catalog entry's quants with its model shape (KV cache) when the catalog gives one."""
     model = ModelFacts.from_catalog(entry, entry.quants[0]) if entry.shape is not None else None
     target = target_context(model, parallel=parallel, ctx_size=ctx_size)
-    return advise_quant(catalog_quant_options(entry), capacity, model=model, target_ctx=target)
+    return advise_quant(catalog_quant_options(entry), capacity, model=model, target_ctx=target, minimum=ctx_size is None)
 
 
 def check_quant(

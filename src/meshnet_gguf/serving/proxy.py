@@ -43,6 +43,7 @@ from meshnet_gguf.serving.admission_modes import AdmissionMode, RouteGrant, unav
 from meshnet_gguf.serving.meter import RequestMeter, StreamMeter, meter_whole_body
 from meshnet_gguf.serving.prompt_count import PromptCount, PromptCounter
 from meshnet_gguf.serving.request_validation import parse_json_object, rewrite_top_level, validate_request
+from meshnet_gguf.serving.upstream_hints import node_hint
 from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_headers
 
 log = logging.getLogger(__name__)
@@ -334,6 +335,7 @@ class ProxyApp:
         else:
             meter.finish_reason = "error"
             meter.refused_upstream = True
+            body = node_hint(meter.path, response.status, body) or body
         headers = [
             (k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS
         ]

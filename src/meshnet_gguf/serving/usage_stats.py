@@ -49,9 +49,10 @@ class UsageLog:
     """One log line per request: what an operator greps for first."""
 
     async def record(self, usage: UsageRecord) -> None:
+        # The id goes in the record, not the message: the formatter shows it once (`[req ID]`,
+        # or `request_id` in JSON), whether or not this runs inside the request's own task.
         log.info(
-            "request %s %s status=%s finish=%s prompt=%d cached=%d completion=%d ttft=%s decode=%s tok/s duration=%.3fs",
-            usage.request_id,
+            "%s status=%s finish=%s prompt=%d cached=%d completion=%d ttft=%s decode=%s tok/s duration=%.3fs",
             usage.route,
             usage.status,
             usage.finish_reason,
@@ -61,4 +62,5 @@ class UsageLog:
             f"{usage.ttft_s * 1000:.1f}ms" if usage.ttft_s is not None else "-",
             f"{usage.decode_tokens_per_s:.1f}" if usage.decode_tokens_per_s else "-",
             usage.duration_s,
+            extra={"request_id": usage.request_id},
         )
