@@ -3,6 +3,7 @@ tiny model over both (the F32 model runs on any CPU), and a node refused because
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -28,8 +29,8 @@ WORKER_START_S = 20.0
 class WorkerProcess:
     """`meshnet-gguf worker` on a loopback port, lending the CPU, stopped by pid at the end."""
 
-    def __init__(self, workdir: Path, node_key: str) -> None:
-        self.port = free_local_port()
+    def __init__(self, workdir: Path, node_key: str, port: int | None = None) -> None:
+        self.port = port or free_local_port()
         self.log_path = workdir / f"worker-{self.port}.log"
         argv = [
             sys.executable, "-m", "meshnet_gguf", "worker", "--host", "127.0.0.1", "--port", str(self.port),
@@ -45,7 +46,7 @@ class WorkerProcess:
     def wait_listening(self) -> None:
         deadline = time.monotonic() + WORKER_START_S
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log_path.read_text()
+            assert self.proc.poll() is None, subprocess.run(["ss", "-tanpo"], capture_output=True, text=True).stdout + self.log_path.read_text()
             try:
                 # Unauthenticated: 401 is enough to know the status endpoint is up; the banner comes with the server.
                 if httpx.get(f"http://127.0.0.1:{self.port + 1}{STATUS_PATH}", timeout=1).status_code == 401 and (
@@ -56,6 +57,11 @@ class WorkerProcess:
                 pass
             time.sleep(0.1)
         raise AssertionError(f"worker not up after {WORKER_START_S} s:\n{self.log_path.read_text()}")
+
+    def kill(self) -> None:
+        """kill -9 of the worker and its ggml-rpc-server (one process group): the box lost its power."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -72,8 +78,8 @@ class WorkerProcess:
 def start_worker(tmp_path: Path) -> Iterator[Callable[[str], WorkerProcess]]:
     workers: list[WorkerProcess] = []
 
-    def start(node_key: str) -> WorkerProcess:
-        worker = WorkerProcess(tmp_path, node_key)
+    def start(node_key: str, port: int | None = None) -> WorkerProcess:
+        worker = WorkerProcess(tmp_path, node_key, port)
         workers.append(worker)
         return worker
 
@@ -130,3 +136,95 @@ def test_a_worker_started_for_another_node_refuses_this_ones_status_check(  # ty
     node: NodeProcess = start_node("--gguf", str(tiny_gguf), "--pool-worker", worker.endpoint)
     assert node.wait_exit() == 2
     assert f"pool worker {worker.endpoint} refused this node's status token" in node.log_text()
+
+
+# The tracker-facing promise: a lost worker ends the stream in flight with an error, fast.
+ERROR_EVENT_WITHIN_S = 2.0
+# ... the node says it cannot serve while the worker is away ...
+UNREADY_WITHIN_S = 3.0
+# ... and serves again by itself soon after the worker returns.
+BACK_WITHIN_S = 10.0
+
+
+def _usage(node: NodeProcess) -> dict:
+    answer = node.health()
+    assert answer is not None
+    return answer.json()["usage"]
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_the_node_serves_again_when_it_returns(  # type: ignore[no-untyped-def]
+    real_llama: BinaryInfo, tiny_gguf: Path, start_node, start_worker, tmp_path: Path
+) -> None:
+    key = NodeIdentity.load_or_create(tmp_path / "state").public_key_text
+    first, second = start_worker(key), start_worker(key)
+    first.wait_listening()
+    second.wait_listening()
+    node: NodeProcess = start_node("--gguf", str(tiny_gguf), "--pool-worker", f"{first.endpoint}=3G", "--pool-worker", f"{second.endpoint}=3G")
+    health = node.wait_ready()
+    pool = health["pool"]
+    assert [(w["name"], w["state"]) for w in pool["workers"]] == [("worker 1", "up"), ("worker 2", "up")]
+    assert all(w["assigned_bytes"] == 3 * 10**9 and w["protocol"] for w in pool["workers"]) and pool["total_bytes"] >= 6 * 10**9
+    text = node.health().text  # type: ignore[union-attr]
+    assert first.endpoint not in text and second.endpoint not in text  # names, never addresses
+    before = _usage(node)
+    pid_before = node.llama_pid()
+
+    body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 4000, "stream": True, "temperature": 1.0, "ignore_eos": True}
+    deltas, error, killed_at, ended_at = 0, None, None, None
+    with httpx.stream("POST", node.url + "/v1/chat/completions", json=body, timeout=30) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                error, ended_at = event["error"], time.monotonic()
+                continue
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                deltas += 1
+            if deltas == 5 and killed_at is None:
+                second.kill()
+                killed_at = time.monotonic()
+        ended_at = ended_at or time.monotonic()
+    assert killed_at is not None and error is not None, f"the stream ended without an error event ({deltas} deltas)"
+    assert ended_at - killed_at <= ERROR_EVENT_WITHIN_S, f"error event {ended_at - killed_at:.2f} s after the kill"
+
+    # Billed once: one more request, its prompt and the tokens that reached the client.
+    deadline = time.monotonic() + UNREADY_WITHIN_S
+    while True:
+        after = _usage(node)
+        if after["requests"] == before["requests"] + 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert after["requests"] == before["requests"] + 1 and after["errors"] == before["errors"] + 1
+    assert after["prompt_tokens"] > before["prompt_tokens"]
+    assert 5 <= after["completion_tokens"] - before["completion_tokens"] <= deltas + 1
+
+    # While the worker is away: 503 with the pool block naming it away.
+    deadline = time.monotonic() + UNREADY_WITHIN_S
+    while True:
+        answer = node.health()
+        away = answer is not None and answer.status_code == 503 and answer.json().get("pool") and (
+            answer.json()["pool"]["workers"][1]["state"] == "away"
+        )
+        if away or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert away, answer.text if answer is not None else "no answer"
+    assert answer.json()["pool"]["workers"][0]["state"] == "up"
+    time.sleep(1.0)  # stays away, and no restart of llama-server loops meanwhile
+    answer = node.health()
+    assert answer is not None and answer.status_code == 503 and "waiting for the pool" in (answer.json()["detail"] or "")
+
+    back = start_worker(key, second.port)
+    returned_at = time.monotonic()
+    back.wait_listening()
+    node.wait_ready(timeout=BACK_WITHIN_S)
+    assert time.monotonic() - returned_at <= BACK_WITHIN_S
+    assert node.llama_pid() != pid_before and "pool whole again" in node.log_text()  # a new llama-server, by itself
+    again = httpx.post(
+        node.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0},
+        timeout=30,
+    )
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
