@@ -29,12 +29,13 @@ WORKER_START_S = 20.0
 class WorkerProcess:
     """`meshnet-gguf worker` on a loopback port, lending the CPU, stopped by pid at the end."""
 
-    def __init__(self, workdir: Path, node_key: str, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, node_key: str, port: int | None = None, llama_server: Path | None = None) -> None:
         self.port = port or free_local_port()
         self.log_path = workdir / f"worker-{self.port}.log"
         argv = [
             sys.executable, "-m", "meshnet_gguf", "worker", "--host", "127.0.0.1", "--port", str(self.port),
             "--node-key", node_key, "--device", "CPU", "--cache-dir", str(workdir / f"cache-{self.port}"), "--cache-limit", "1G",
+            *(["--llama-server", str(llama_server)] if llama_server else []),
         ]  # fmt: skip
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -78,8 +79,8 @@ class WorkerProcess:
 def start_worker(tmp_path: Path) -> Iterator[Callable[[str], WorkerProcess]]:
     workers: list[WorkerProcess] = []
 
-    def start(node_key: str, port: int | None = None) -> WorkerProcess:
-        worker = WorkerProcess(tmp_path, node_key, port)
+    def start(node_key: str, port: int | None = None, llama_server: Path | None = None) -> WorkerProcess:
+        worker = WorkerProcess(tmp_path, node_key, port, llama_server)
         workers.append(worker)
         return worker
 
@@ -228,3 +229,34 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_the_node_s
         timeout=30,
     )
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
+
+
+def _build_of_another_protocol(real_llama: BinaryInfo, folder: Path) -> Path:
+    """A llama-server whose ggml-rpc-server says protocol 99: the real server, its banner rewritten.
+    The protocol version is compiled into ggml-rpc, so a real server of another version would need
+    another build; the stand-in changes only the one line the worker reads the version from."""
+    folder.mkdir()
+    real_rpc = real_llama.path.with_name("ggml-rpc-server")
+    wrapper = folder / "llama-server"
+    wrapper.write_text(f'#!/bin/sh\nexec "{real_llama.path}" "$@"\n')
+    rpc = folder / "ggml-rpc-server"
+    rpc.write_text(f'#!/bin/sh\n"{real_rpc}" "$@" 2>&1 | sed -u -E "s/(Starting RPC server v)[0-9]+\\./\\199./"\n')
+    wrapper.chmod(0o755)
+    rpc.chmod(0o755)
+    return wrapper
+
+
+def test_a_worker_of_another_rpc_protocol_is_refused_and_named(  # type: ignore[no-untyped-def]
+    real_llama: BinaryInfo, tiny_gguf: Path, start_node, start_worker, tmp_path: Path
+) -> None:
+    key = NodeIdentity.load_or_create(tmp_path / "state").public_key_text
+    same = start_worker(key)
+    other = start_worker(key, llama_server=_build_of_another_protocol(real_llama, tmp_path / "other-build"))
+    same.wait_listening()
+    other.wait_listening()
+    assert "Starting RPC server v99." in other.log_path.read_text()
+    node: NodeProcess = start_node("--gguf", str(tiny_gguf), "--pool-worker", same.endpoint, "--pool-worker", other.endpoint)
+    assert node.wait_exit() == 2
+    log = node.log_text()
+    assert f"pool worker {other.endpoint} speaks RPC protocol 99." in log and "install the same llama-server wheel" in log
+    assert same.endpoint + " speaks" not in log and node.llama_pid() is None
