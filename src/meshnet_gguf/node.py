@@ -23,7 +23,7 @@ from meshnet_gguf import __version__
 from meshnet_gguf.common.logs import register_secret
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.node_part import NodePart
-from meshnet_gguf.contract.protocol import HardwareSummary, HealthReport, ShardDigest
+from meshnet_gguf.contract.protocol import HardwareSummary, HealthReport, PoolDescription, ShardDigest
 from meshnet_gguf.hardware.report import probe_hardware
 from meshnet_gguf.llama.load_progress import model_file_bytes
 from meshnet_gguf.llama.pool_monitor import PoolMonitor, WatchedWorker, http_status_reader
@@ -227,11 +227,21 @@ def build_proxy(
     )
 
 
+def pool_description(launch: PreparedLaunch) -> PoolDescription | None:
+    """What the network hears of the pool: how many workers, the memory and the plan; no address."""
+    from meshnet_gguf.prepare.pool import shares_line
+
+    if not launch.pool:
+        return None
+    shares = launch.pool_shares
+    return PoolDescription(workers=len(launch.pool), total_bytes=sum(s.budget_bytes for s in shares), plan=shares_line(shares) or None)
+
+
 def _pool_monitor(launch: PreparedLaunch) -> PoolMonitor:
     """The watch over the pool the launch checked: each worker by name, its status read with the node's key."""
     from meshnet_gguf.llama.rpc_status import status_token
     from meshnet_gguf.mesh.identity import NodeIdentity
-    from meshnet_gguf.prepare.pool import shares_line, worker_name
+    from meshnet_gguf.prepare.pool import worker_name
 
     settings = launch.settings
     identity = NodeIdentity.load_or_create(settings.state_dir)
@@ -240,10 +250,11 @@ def _pool_monitor(launch: PreparedLaunch) -> PoolMonitor:
         WatchedWorker(worker_name(i), m.spec.endpoint, m.spec.status_url, m.budget_bytes, m.protocol)
         for i, m in enumerate(launch.pool)
     ]
+    described = pool_description(launch)
+    assert described is not None
     return PoolMonitor(
         workers, read, interval_s=settings.pool_poll_interval_s, timeout_s=settings.pool_status_timeout_s,
-        total_bytes=sum(s.budget_bytes for s in launch.pool_shares), plan=shares_line(launch.pool_shares) or None,
-        close_reader=close,
+        total_bytes=described.total_bytes, plan=described.plan, close_reader=close,
     )  # fmt: skip
 
 
@@ -284,6 +295,7 @@ def _mesh_link(
         model_id=launch.model_name, total_layers=layout.total_layers, model_aliases=launch.model_aliases,
         max_tokens_cap=settings.max_tokens_cap, quant=launch.quant, llama_build=launch.binary.build,
         slots=settings.parallel, ctx_size=launch.plan.ctx_size if launch.plan else settings.ctx_size,
+        pool=pool_description(launch),
     )  # fmt: skip
     known = list(resolved.sha256s) if resolved else []
 

@@ -184,6 +184,7 @@ class NodeAnnouncement(_Wire):
     node_version: str
     state: MeshState = "joining"
     relay: RelayAttachment | None = Field(None, description="Set when the node is reachable only through a relay")
+    pool: PoolDescription | None = Field(None, description="Set when a LAN pool behind the node holds the model with it")
 
     def answers_to(self, requested: str) -> bool:
         return model_answers_to(requested, self.model_id, self.model_aliases)
@@ -481,6 +482,14 @@ class PoolWorkerHealth(_Wire):
     assigned_bytes: int = Field(0, ge=0, description="The memory the plan puts on it")
     last_heartbeat_s: float | None = Field(None, description="Seconds since its status last answered well; None: never")
     problem: str | None = None
+
+
+class PoolDescription(_Wire):
+    """What registration says of a LAN pool behind the node: its size and plan, never where its workers are."""
+
+    workers: int = Field(ge=1, description="Pool workers lending memory to this node")
+    total_bytes: int = Field(0, ge=0, description="Memory the pooled plan spreads the model over, this node included")
+    plan: str | None = Field(None, description="The pooled plan in one line: devices and shares")
 
 
 class PoolHealth(_Wire):
