@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,18 @@ PREFILL_WORDS_FOR_NODE = 300  # about PREFILL_TOKENS with the generated model's 
 DECODE_TOKENS = 128
 GREEDY_TOKENS = 64
 ROUNDS = 3
+
+
+def free_port_pair() -> int:
+    """A free loopback port whose successor is free too (a worker's status endpoint is its RPC port + 1)."""
+    while True:
+        port = free_local_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
 
 
 def spawn(argv: list[str], binary: BinaryInfo, log: Path) -> subprocess.Popen[bytes]:
@@ -275,9 +288,7 @@ def node_first_through_workers(model: Path, args: argparse.Namespace, workdir: P
     procs, endpoints = [], []
     try:
         for i in range(args.workers):
-            port = free_local_port()
-            while port + 1 == free_local_port():  # the status endpoint takes RPC port + 1: rarely also free_local_port's pick
-                port = free_local_port()
+            port = free_port_pair()
             log = workdir / f"mworker{i}.log"
             argv = [sys.executable, "-m", "meshnet_gguf", "worker", "--host", "127.0.0.1", "--port", str(port), "--node-key", key,
                     "--device", args.worker_device, "--cache-dir", str(workdir / f"mcache{i}"), "--cache-limit", "4G"]  # fmt: skip
