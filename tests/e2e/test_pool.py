@@ -314,3 +314,26 @@ def test_models_shows_which_catalog_quants_the_pool_can_load_by_the_pooled_plans
         entry_id = line[:featured_at].strip() or entry_id
         seen[(entry_id, line[quant_at:].split()[0])] = line.split()[-1]
     assert seen == expected and {"yes", "no"} <= set(seen.values()), (seen, expected)
+
+
+def test_doctor_checks_the_pool_and_shows_the_pooled_plan_without_addresses(  # type: ignore[no-untyped-def]
+    real_llama: BinaryInfo, tiny_gguf: Path, start_worker, tmp_path: Path
+) -> None:
+    key = NodeIdentity.load_or_create(tmp_path / "state").public_key_text
+    worker = start_worker(key)
+    worker.wait_listening()
+    away = f"127.0.0.1:{free_local_port()}"
+    argv = [sys.executable, "-m", "meshnet_gguf", "doctor", "--gguf", str(tiny_gguf), "--state-dir", str(tmp_path / "state"),
+            "--llama-server", str(real_llama.path), "--download-dir", str(tmp_path / "models"), "--json"]  # fmt: skip
+
+    def pool_finding(*workers: str) -> dict:
+        shown = subprocess.run([*argv, *[a for w in workers for a in ("--pool-worker", w)]], capture_output=True, text=True, timeout=120)
+        findings = json.loads(shown.stdout)["findings"]
+        return next(f for f in findings if f["check"] == "pool")
+
+    whole = pool_finding(f"{worker.endpoint}=3G")
+    assert whole["status"] == "ok", whole
+    assert "1 worker(s) up: worker 1 3.0 GB" in whole["summary"] and "RPC0 (worker 1)" in whole["summary"]
+    assert worker.endpoint not in whole["summary"]
+    broken = pool_finding(f"{worker.endpoint}=3G", away)
+    assert broken["status"] == "fail" and f"pool worker {away} is not reachable" in broken["summary"]

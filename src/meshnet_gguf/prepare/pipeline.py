@@ -527,3 +527,17 @@ def model_size(settings: NodeSettings, binary: BinaryInfo | None, hardware: Hard
         model.name, model.facts.total_bytes, model.resolved is not None, plan.memory.need_bytes,
         ctx_size=plan.memory.ctx_size, prompt_cache_bytes=plan.memory.prompt_cache, fits=plan.fits, placement=placement,
     )  # fmt: skip
+
+
+def pool_summary(settings: NodeSettings, token: Callable[[], str], binary: BinaryInfo, hardware: HardwareReport) -> str:
+    """For `doctor`: the pool workers checked as `serve` checks them, and the configured model's pooled
+    plan as `serve --dry-run` makes it (workers named by place, never by address). NodeSetupError
+    names the worker that is away, or says the pool cannot hold the model."""
+    from meshnet_gguf.prepare.pool import shares_line, worker_name
+
+    members = check_pool_workers(settings, binary, token)
+    workers = ", ".join(f"{worker_name(i)} {format_bytes(m.budget_bytes)} (RPC protocol {m.protocol})" for i, m in enumerate(members))
+    if settings.gguf is None and not settings.demo:
+        return f"{len(members)} worker(s) up: {workers}"
+    launch = prepare_with(read_request(settings), settings, binary, hardware, dry_run=True, pool=members)
+    return f"{len(members)} worker(s) up: {workers}; {launch.model_name} pooled: {shares_line(launch.pool_shares)}"
