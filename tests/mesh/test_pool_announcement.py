@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshnet_gguf.common.settings import NodeSettings
-from meshnet_gguf.contract.protocol import HealthReport, NodeAnnouncement, PoolDescription
+from meshnet_gguf.contract.protocol import HealthReport, NodeAnnouncement, PoolDescription, PoolHealth, PoolWorkerHealth
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.link import ServedModel
 from meshnet_gguf.node import build_mesh_link
@@ -30,3 +30,14 @@ def test_the_announcement_carries_the_pools_size_and_plan_without_addresses(tmp_
     heard = NodeAnnouncement.model_validate_json(wire)
     assert heard.pool is not None and (heard.pool.workers, heard.pool.total_bytes) == (2, 240 * 10**9)
     assert "10.0.0.2" not in wire and "10.0.0.3" not in wire and "50052" not in wire
+
+
+def test_a_node_waiting_for_its_pool_heartbeats_not_ready(tmp_path: Path) -> None:
+    """While a worker is away the supervisor says `restarting` (503): the tracker hears `joining` and routes elsewhere."""
+    settings = NodeSettings(tracker="http://127.0.0.1:9", state_dir=tmp_path / "state")
+    identity = NodeIdentity.load_or_create(settings.state_dir)
+    away = PoolHealth(workers=[PoolWorkerHealth(name="worker 1", state="away", problem="status unreachable: ConnectError")])
+    health = HealthReport(state="restarting", detail="waiting for the pool: worker 1 is away", pool=away)
+    link = build_mesh_link(settings, identity, ServedModel(model_id="big", total_layers=43), lambda: health, lambda: ([], None))
+    state, _load = link._status()
+    assert state == "joining"
