@@ -238,14 +238,15 @@ class Supervisor(BasePart):
                     return
                 reason = self._describe_end(outcome, proc)
                 away = await self.pool.recheck() if self.pool is not None else None
-                if away is not None:
+                if away is not None or outcome == "pool":
                     # A worker went away: no crash of llama-server's to count; it is launched again,
                     # without backoff, as soon as the pool is whole (the top of the loop waits for it).
-                    log.warning("llama-server %s: the pool is not whole (%s)", reason, away)
+                    log.warning("llama-server %s: the pool is not whole (%s)", reason, away or "a worker was away")
                     quick_crashes, backoff = 0, self.policy.restart_backoff_initial_s
                     self.restarts += 1
                     continue
-                if not ever_ready:
+                # A worker skipped at load (it came back a moment late) is worth the usual restarts, even before ready.
+                if not ever_ready and outcome != "pool-unloaded":
                     self._set_state("failed", reason)
                     raise ChildFailed(self._failure_message(reason))
                 if up_for >= self.policy.restart_stable_after_s:
