@@ -39,8 +39,12 @@ $PY -c "import meshnet_gguf, sys; print(sys.version.split()[0], meshnet_gguf.__f
 $PY -m meshnet_gguf hardware 2>&1 | head -8
 
 step "single vs pooled ($MODEL_SPEC, F16; worker -d $WORKER_DEVICE -c; local ${LOCAL_DEVICE:-none})"
-BENCH="$CARRY/bench/bench_pool.py"
-[ -f "$BENCH" ] || BENCH="$CARRY/bench_pool.py"
+# bench_pool.py: in CARRY (bench/ or its top), else the checkout's own (the device runs in its root).
+BENCH=""
+for candidate in "$CARRY/bench/bench_pool.py" "$CARRY/bench_pool.py" "$PWD/bench/bench_pool.py"; do
+    [ -f "$candidate" ] && BENCH=$candidate && break
+done
+[ -n "$BENCH" ] || { echo "no bench_pool.py in $CARRY or $PWD/bench"; exit 1; }
 $PY "$BENCH" --model-spec "$MODEL_SPEC" --workers 1 --worker-device "$WORKER_DEVICE" --worker-cache \
     ${LOCAL_DEVICE:+--local-device "$LOCAL_DEVICE"} --single-args "$SINGLE_ARGS" --json "$OUT/pool.json"
 rc=$?
