@@ -337,3 +337,61 @@ def test_doctor_checks_the_pool_and_shows_the_pooled_plan_without_addresses(  # 
     assert worker.endpoint not in whole["summary"]
     broken = pool_finding(f"{worker.endpoint}=3G", away)
     assert broken["status"] == "fail" and f"pool worker {away} is not reachable" in broken["summary"]
+
+
+def test_a_meshed_pooled_node_bills_the_cut_stream_once_in_its_ledger_and_is_not_routable_while_away(  # type: ignore[no-untyped-def]
+    real_llama: BinaryInfo, tiny_gguf: Path, start_node, start_worker, tmp_path: Path
+) -> None:
+    from support.relay_processes import node_ledger
+    from support.tracker_process import TrackerProcess, start_meshed_node
+
+    (tmp_path / "tracker-dir").mkdir()
+    tracker = TrackerProcess(tmp_path / "tracker-dir")
+    try:
+        workdir = tmp_path / "node"
+        key = NodeIdentity.load_or_create(workdir / "state").public_key_text
+        first, second = start_worker(key), start_worker(key)
+        first.wait_listening()
+        second.wait_listening()
+        node = start_meshed_node(start_node, tracker, tiny_gguf, workdir, MESHNET_POOL_WORKERS=f"{first.endpoint}=3G,{second.endpoint}=3G")
+        body = {"model": tiny_gguf.stem, "messages": [{"role": "user", "content": "count"}], "max_tokens": 4000, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        deltas, error, killed_at, ended_at = 0, None, None, None
+        with httpx.stream("POST", tracker.url + "/v1/chat/completions", json=body, timeout=30) as answer:
+            assert answer.status_code == 200, answer.read()
+            for line in answer.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    error, ended_at = event["error"], time.monotonic()
+                    continue
+                if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                    deltas += 1
+                if deltas == 5 and killed_at is None:
+                    second.kill()
+                    killed_at = time.monotonic()
+            ended_at = ended_at or time.monotonic()
+        assert killed_at is not None and error is not None and ended_at - killed_at <= ERROR_EVENT_WITHIN_S
+
+        # One ledger row for it, settled, with its prompt and the tokens delivered.
+        deadline = time.monotonic() + UNREADY_WITHIN_S
+        while True:
+            rows = node_ledger(workdir / "state")
+            if (len(rows) == 1 and next(iter(rows.values()))["settled"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert len(rows) == 1, rows
+        (row,) = rows.values()
+        assert row["settled"] and row["prompt"] > 0 and 5 <= row["completion"] <= deltas + 1, (row, deltas)
+        # Not routable while the worker is away: the tracker has no node for the model.
+        deadline = time.monotonic() + 15
+        while tracker.models() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tracker.models() == [], "the tracker still routes to a node whose pool is not whole"
+
+        back = start_worker(key, second.port)
+        back.wait_listening()
+        node.wait_ready(timeout=BACK_WITHIN_S)
+    finally:
+        tracker.close()
