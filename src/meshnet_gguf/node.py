@@ -23,9 +23,10 @@ from meshnet_gguf import __version__
 from meshnet_gguf.common.logs import register_secret
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.node_part import NodePart
-from meshnet_gguf.contract.protocol import HardwareSummary, HealthReport, ShardDigest
+from meshnet_gguf.contract.protocol import HardwareSummary, HealthReport, PoolDescription, ShardDigest
 from meshnet_gguf.hardware.report import probe_hardware
 from meshnet_gguf.llama.load_progress import model_file_bytes
+from meshnet_gguf.llama.pool_monitor import PoolMonitor, WatchedWorker, http_status_reader
 from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
 from meshnet_gguf.llama.upstream import UpstreamClient
 from meshnet_gguf.llama.upstream.choice import make_upstream_client
@@ -89,11 +90,14 @@ def build_node(launch: PreparedLaunch) -> Node:
         watchdog_s=watchdog_s,
         health=health,
     )
+    # With a LAN pool: llama-server runs only while every worker is up (the monitor's word).
+    pool = _pool_monitor(launch) if launch.pool else None
     supervisor = Supervisor(
         launch.child,
         SupervisorPolicy.from_settings(settings, _warmup_policy(launch) if settings.warmup else None),
         state_dir=settings.state_dir,
-        listeners=[operations],
+        listeners=[operations, *([pool] if pool else [])],
+        pool=pool,
     )
     for secret in (supervisor.api_key, settings.api_key, settings.enrolment_secret, settings.metrics_key):
         register_secret(secret)
@@ -177,7 +181,7 @@ def build_node(launch: PreparedLaunch) -> Node:
         # The order parts are closed in: llama-server first (streams still open end with an
         # error event), then the listener, the mesh link's last receipts, the relay tunnel, systemd,
         # and last the state dir's lock, so a second node cannot start while this one still stops.
-        parts=[supervisor, http, *([mesh] if mesh else []), *([relay] if relay else []), operations, state_lock],
+        parts=[supervisor, http, *([mesh] if mesh else []), *([relay] if relay else []), *([pool] if pool else []), operations, state_lock],
         supervisor=supervisor,
         admission=admission,
         usage_stats=usage_stats,
@@ -223,6 +227,37 @@ def build_proxy(
     )
 
 
+def pool_description(launch: PreparedLaunch) -> PoolDescription | None:
+    """What the network hears of the pool: how many workers, the memory and the plan; no address."""
+    from meshnet_gguf.prepare.pool import shares_line
+
+    if not launch.pool:
+        return None
+    shares = launch.pool_shares
+    return PoolDescription(workers=len(launch.pool), total_bytes=sum(s.budget_bytes for s in shares), plan=shares_line(shares) or None)
+
+
+def _pool_monitor(launch: PreparedLaunch) -> PoolMonitor:
+    """The watch over the pool the launch checked: each worker by name, its status read with the node's key."""
+    from meshnet_gguf.llama.rpc_status import status_token
+    from meshnet_gguf.mesh.identity import NodeIdentity
+    from meshnet_gguf.prepare.pool import worker_name
+
+    settings = launch.settings
+    identity = NodeIdentity.load_or_create(settings.state_dir)
+    read, close = http_status_reader(lambda: status_token(identity.private_key), settings.pool_status_timeout_s)
+    workers = [
+        WatchedWorker(worker_name(i), m.spec.endpoint, m.spec.status_url, m.budget_bytes, m.protocol)
+        for i, m in enumerate(launch.pool)
+    ]
+    described = pool_description(launch)
+    assert described is not None
+    return PoolMonitor(
+        workers, read, interval_s=settings.pool_poll_interval_s, timeout_s=settings.pool_status_timeout_s,
+        total_bytes=described.total_bytes, plan=described.plan, close_reader=close,
+    )  # fmt: skip
+
+
 def _warmup_policy(launch: PreparedLaunch) -> WarmupPolicy:
     """A GPU builds kernels per shape on first use: warm each size class there; a CPU only pages in."""
     return GPU_WARMUP if launch.plan is not None and not launch.plan.cpu_only else CPU_WARMUP
@@ -260,6 +295,7 @@ def _mesh_link(
         model_id=launch.model_name, total_layers=layout.total_layers, model_aliases=launch.model_aliases,
         max_tokens_cap=settings.max_tokens_cap, quant=launch.quant, llama_build=launch.binary.build,
         slots=settings.parallel, ctx_size=launch.plan.ctx_size if launch.plan else settings.ctx_size,
+        pool=pool_description(launch),
     )  # fmt: skip
     known = list(resolved.sha256s) if resolved else []
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.hardware.report import HardwareReport
+    from meshnet_gguf.llama.binary import BinaryInfo
 
 # Exit codes: 0 nothing blocks serving (warnings may remain), 1 something does.
 EXIT_BLOCKED = 1
@@ -27,6 +34,7 @@ def register(app: typer.Typer) -> None:
         state_dir: Annotated[Optional[Path], typer.Option(help="Node state dir (its identity proves itself to the relay)")] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Never contact the hub for model sizes")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
+        pool_worker: Annotated[Optional[list[str]], typer.Option(help="Pool worker HOST:PORT[=BUDGET] to check (repeatable)")] = None,
     ) -> None:
         """Check that this box can serve, and how to fix it.
 
@@ -40,9 +48,12 @@ def register(app: typer.Typer) -> None:
         given = dict(
             gguf=gguf, quant=quant, demo=demo, host=host, port=port, llama_server=llama_server,
             download_dir=download_dir, tracker=tracker, relay_url=relay, state_dir=state_dir, offline=offline,
+            pool_workers=pool_worker,
         )  # fmt: skip
         settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
-        environment = DoctorEnvironment(settings, model_size=lambda binary, hw: model_size(settings, binary, hw))
+        environment = DoctorEnvironment(
+            settings, model_size=lambda binary, hw: model_size(settings, binary, hw), pool=_pool_check(settings)
+        )
         fixture = settings.hardware_fixture
         if fixture is not None:
             # The box `serve` and `models` plan for (MESHNET_HARDWARE_FIXTURE), so all three print one figure.
@@ -55,3 +66,15 @@ def register(app: typer.Typer) -> None:
         typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
         if report.blocking:
             raise typer.Exit(EXIT_BLOCKED)
+
+
+def _pool_check(settings: NodeSettings) -> Callable[[BinaryInfo, HardwareReport], str] | None:
+    """The pool workers' check with this node's key (from its state dir), as `serve` makes it."""
+    if not settings.pool_workers:
+        return None
+    from meshnet_gguf.llama.rpc_status import status_token
+    from meshnet_gguf.mesh.identity import NodeIdentity
+    from meshnet_gguf.prepare.pipeline import pool_summary
+
+    identity = NodeIdentity.load_or_create(settings.state_dir)
+    return lambda binary, hardware: pool_summary(settings, lambda: status_token(identity.private_key), binary, hardware)

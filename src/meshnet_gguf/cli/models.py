@@ -70,6 +70,10 @@ def register(app: typer.Typer) -> None:
         download_dir: Annotated[Optional[Path], typer.Option(help=DOWNLOAD_DIR_HELP)] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Use the listing saved by the last download")] = False,
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary (for the 'featured' check)")] = None,
+        pool_worker: Annotated[
+            Optional[list[str]], typer.Option(help="Pool worker HOST:PORT[=BUDGET] (repeatable): which quants the pool can load")
+        ] = None,
+        state_dir: Annotated[Optional[Path], typer.Option(help="Node state dir (its key reads the pool workers' status)")] = None,
     ) -> None:
         """List the catalog, or the quants a repo offers.
 
@@ -89,7 +93,7 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.prepare.plan import OperatorChoiceError, OperatorChoices
         from meshnet_gguf.prepare.quant_advisor import QuantOption, advise_quant, target_context
 
-        settings = _settings(download_dir=download_dir, offline=offline, llama_server=llama_server)
+        settings = _settings(download_dir=download_dir, offline=offline, llama_server=llama_server, pool_workers=pool_worker, state_dir=state_dir)
         binary = local_llama_server(settings.llama_server)
         try:
             hardware = probe_configured(binary, settings.hardware_fixture)
@@ -104,6 +108,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(EXIT_SETUP_ERROR) from exc
         capacity = hardware.capacity()
+        pool_fits = _pool_fit(settings, binary, capacity)
         catalog = load_catalog()
 
         def planned(name: str, facts: ModelFacts) -> ModelSize:
@@ -154,7 +159,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"\n{memory_line}{kv}")
             return
 
-        rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "NEEDS", "CONTEXT", "CACHE", "FITS"]]
+        rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "NEEDS", "CONTEXT", "CACHE", "FITS", *(["POOL"] if pool_fits else [])]]
         for entry in catalog.entries:
             sizes = []
             for q in entry.quants:
@@ -167,11 +172,65 @@ def register(app: typer.Typer) -> None:
             is_featured = binary is not None and any(size.fits for size in sizes)
             for i, (q, size) in enumerate(zip(entry.quants, sizes)):
                 first = i == 0
+                pooled = [_pool_cell(pool_fits, entry, q, size)] if pool_fits else []
                 rows.append([
                     entry.id if first else "", ("yes" if is_featured else "no") if first else "",
-                    q.name, format_bytes(q.total_bytes), str(q.shards), *cells(size),
+                    q.name, format_bytes(q.total_bytes), str(q.shards), *cells(size), *pooled,
                 ])  # fmt: skip
         typer.echo(_table(rows, right={3, 4, 5, 6, 7}))
+        if pool_fits:
+            typer.echo(f"\nPOOL = the pooled plan holds it: {pool_fits.describe}")
         found = f"llama-server {binary.describe()}" if binary is not None else "no llama-server found"
         typer.echo(f"\n{memory_line}\n{found}")
         typer.echo("featured = a llama-server is available and at least one quant fits this machine")
+
+
+class _PoolFit:
+    """Which sizes the pool can hold, by the pooled plan's own test (`prepare.pool.pool_holds`)."""
+
+    def __init__(self, members: Any, local_device: str | None, local_budget: int) -> None:
+        from meshnet_gguf.common.units import format_bytes
+        from meshnet_gguf.prepare.pool import worker_name
+
+        self.members, self.local_device, self.local_budget = members, local_device, local_budget
+        parts = [f"{worker_name(i)} {format_bytes(m.budget_bytes)}" for i, m in enumerate(members)]
+        parts.append(f"this node's GPU {format_bytes(local_budget)}" if local_device else "this node's GPU: none (every layer on the workers)")
+        self.describe = ", ".join(parts)
+
+    def __call__(self, weights_and_kv: int) -> bool:
+        from meshnet_gguf.prepare.pool import pool_holds
+
+        return pool_holds(self.members, self.local_device, self.local_budget, weights_and_kv)
+
+
+def _pool_cell(pool_fits: _PoolFit, entry: Any, quant: Any, size: Any) -> str:
+    """yes/no: the pooled plan holds this quant's weights and the KV cache of the context `serve` would plan
+    (the figure `serve --pool-worker` places); `?` where the catalog has no shape to count the KV from."""
+    from meshnet_gguf.prepare.memory import ModelFacts
+
+    if entry.shape is None:
+        return "?"
+    facts = ModelFacts.from_catalog(entry, quant)
+    to_place = facts.total_bytes + int(facts.kv_bytes_per_token() * (size.ctx_size or facts.context_length))
+    return "yes" if pool_fits(to_place) else "no"
+
+
+def _pool_fit(settings: NodeSettings, binary: Any, capacity: Any) -> _PoolFit | None:
+    """The checked pool (the workers' status read with the node's key, as `serve` does), or None without one."""
+    if not settings.pool_workers:
+        return None
+    from meshnet_gguf.llama.rpc_status import status_token
+    from meshnet_gguf.mesh.identity import NodeIdentity
+    from meshnet_gguf.prepare.pipeline import NodeSetupError, check_pool_workers
+
+    if binary is None:
+        typer.echo("error: a pool needs a llama-server here (its RPC protocol is checked against the workers')", err=True)
+        raise typer.Exit(EXIT_SETUP_ERROR)
+    identity = NodeIdentity.load_or_create(settings.state_dir)
+    try:
+        members = check_pool_workers(settings, binary, lambda: status_token(identity.private_key))
+    except NodeSetupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_SETUP_ERROR) from exc
+    gpu = capacity.gpu_bytes if capacity.gpu_name else 0
+    return _PoolFit(members, capacity.gpu_name if gpu else None, gpu)

@@ -115,6 +115,11 @@ class NodeSettings(BaseSettings):
     pool_workers: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Pool worker HOST:PORT[=BUDGET] (repeatable): hold the model across boxes"
     )
+    # The node reads each worker's status this often while serving: a worker lost mid-stream is
+    # noticed within about this plus the timeout below (llama-server itself often aborts sooner).
+    pool_poll_interval_s: float = Field(1.0, gt=0, description="Pool: read each worker's status this often")
+    # On one desk's LAN a status answers in milliseconds; longer means the worker or its link is gone.
+    pool_status_timeout_s: float = Field(1.0, gt=0, description="Pool: a worker's status unanswered this long is away")
 
     # --- diagnosis ---------------------------------------------------------
     # A testing and diagnosis aid, not for serving: plan for a recorded machine (a

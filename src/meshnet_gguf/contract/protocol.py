@@ -132,6 +132,7 @@ class HealthReport(_Wire):
         None, description="Why the node is not online on its tracker (e.g. the tracker key does not match the pin)"
     )
     relay: RelayLinkHealth | None = Field(None, description="The tunnel to the relay, when the node serves through one")
+    pool: PoolHealth | None = Field(None, description="The LAN pool behind this node, when it has one (never addresses)")
 
 
 # --- registration and liveness --------------------------------------------
@@ -183,6 +184,7 @@ class NodeAnnouncement(_Wire):
     node_version: str
     state: MeshState = "joining"
     relay: RelayAttachment | None = Field(None, description="Set when the node is reachable only through a relay")
+    pool: PoolDescription | None = Field(None, description="Set when a LAN pool behind the node holds the model with it")
 
     def answers_to(self, requested: str) -> bool:
         return model_answers_to(requested, self.model_id, self.model_aliases)
@@ -466,6 +468,36 @@ class RelayAttachment(_Wire):
 
 
 RelayLinkState = Literal["connecting", "attached", "disconnected", "refused", "draining"]
+
+
+PoolWorkerState = Literal["up", "away"]
+
+
+class PoolWorkerHealth(_Wire):
+    """One pool worker as `/health` shows it: named by its place in the pool, never by its address."""
+
+    name: str = Field(description="e.g. 'worker 1', in the order the operator listed the workers")
+    state: PoolWorkerState
+    protocol: str | None = Field(None, description="The RPC protocol version it last reported")
+    assigned_bytes: int = Field(0, ge=0, description="The memory the plan puts on it")
+    last_heartbeat_s: float | None = Field(None, description="Seconds since its status last answered well; None: never")
+    problem: str | None = None
+
+
+class PoolDescription(_Wire):
+    """What registration says of a LAN pool behind the node: its size and plan, never where its workers are."""
+
+    workers: int = Field(ge=1, description="Pool workers lending memory to this node")
+    total_bytes: int = Field(0, ge=0, description="Memory the pooled plan spreads the model over, this node included")
+    plan: str | None = Field(None, description="The pooled plan in one line: devices and shares")
+
+
+class PoolHealth(_Wire):
+    """The LAN pool behind one node: its size and plan; the network still sees one node."""
+
+    workers: list[PoolWorkerHealth] = Field(default_factory=list)
+    total_bytes: int = Field(0, ge=0, description="Memory the pooled plan spreads the model over, this node included")
+    plan: str | None = Field(None, description="The pooled plan in one line: devices and shares")
 
 
 class RelayLinkHealth(_Wire):

