@@ -262,8 +262,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     node_args = ["--parallel", "8", "--ctx-size", str(args.ctx_size), *(["--n-gpu-layers", args.gpu_layers] if args.gpu_layers else [])]
     tracker = Service(work, "tracker", ["--state-dir", str(work / "tracker"), "--heartbeat-interval", "2",
                                         "--health-poll-interval", "1"], {"MESHNET_TRACKER_ENROLMENT_SECRET": ENROLMENT_SECRET})  # fmt: skip
-    relay = Service(work, "relay", [], {})
     key = httpx.get(tracker.url + WELL_KNOWN_PATH, timeout=5, trust_env=False).json()["public_key"]
+    relay = Service(work, "relay", ["--trust-tracker-key", key], {})  # it honours this tracker's CONNECT tokens only
     mesh = ["--tracker", tracker.url, "--tracker-public-key", key]
     secret = {"MESHNET_ENROLMENT_SECRET": ENROLMENT_SECRET}
     nodes = {
