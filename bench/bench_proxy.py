@@ -347,7 +347,7 @@ class Node:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        from meshnet_gguf.llama.supervisor import reap_stale_child
+        from meshnet_gguf.llama.child import reap_stale_child
 
         reap_stale_child(self.state_dir / "llama-server.pid")
         if self.llama is not None and self.llama.is_running() and self.llama.status() != psutil.STATUS_ZOMBIE:
