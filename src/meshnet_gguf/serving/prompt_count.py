@@ -117,10 +117,9 @@ def stored_prompt_counter(
 class PromptCount:
     """A prompt counted beside its generation: the count, or llama-server's refusal to read it.
 
-    Lazy (a standalone node): the count starts only when someone needs it (`start()`, or
-    `settled()`): a request whose answer carried llama-server's own figures never asks
-    (`skip()`), so the usual request costs no count at all, and on 2 cores llama-server
-    tokenizing while it prefills would delay the very first token the count is meant not to.
+    Lazy (a standalone node): the count starts once the first bytes of the answer are on
+    their way (`start()`), or when someone needs it: on 2 cores, llama-server tokenizing
+    while it prefills would delay the very first token the count is meant not to delay.
 
     Eager (a node that bills from a record written before forwarding): the count starts
     with the generation, `on_counted` records it, and the answer's first bytes wait for
@@ -139,16 +138,9 @@ class PromptCount:
         self._done = anyio.Event()
         self._tokens = 0
         self._refusal: ApiError | None = None
-        self._skipped = False
 
     def start(self) -> None:
         self._go.set()
-
-    def skip(self) -> None:
-        """A lazy count nobody asked for is not wanted any more: `run` ends without counting."""
-        if not self._eager and not self._go.is_set():
-            self._skipped = True
-            self._go.set()
 
     async def before_answer(self) -> None:
         """The answer's first bytes are about to leave: an eager count is waited for (bounded)."""
@@ -159,8 +151,6 @@ class PromptCount:
         landed = False
         try:
             await self._go.wait()
-            if self._skipped:
-                return
             with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
                 self._tokens = await counting()
                 landed = True

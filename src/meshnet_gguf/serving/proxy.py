@@ -248,10 +248,7 @@ class ProxyApp:
                 try:
                     await self._forward(meter, target, upstream_body, receive, send, count)
                 finally:
-                    if meter.usage_seen:
-                        count.skip()  # llama-server's own figures are in: a lazy count is not needed
-                    else:
-                        count.start()  # cut short or refused: the count is wanted now
+                    count.start()  # answered, cut short or refused: the count is wanted now
         finally:
             release()
             with anyio.CancelScope(shield=True):
@@ -371,6 +368,7 @@ class ProxyApp:
                         await count.before_answer()
                         answering = True
                     await send({"type": "http.response.body", "body": body, "more_body": True})
+                    count.start()
         except UpstreamError as exc:
             log.warning("request %s: llama-server stream broke: %s", meter.request_id, exc)
             meter.finish_reason = "error"
