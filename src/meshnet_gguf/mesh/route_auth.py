@@ -17,7 +17,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
 from meshnet_gguf.contract.protocol import CLOCK_SKEW_S, MAX_ROUTE_LIFETIME_S, ROUTE_ERRORS, ROUTE_HEADER, RouteClaims
-from meshnet_gguf.contract.signing import BadTokenSignature, CompactTokenError, body_sha256, tracker_issuer_for, verify_eddsa_claims
+from meshnet_gguf.contract.signing import (
+    BadTokenSignature,
+    CompactTokenError,
+    body_sha256,
+    tracker_issuer_for,
+    verify_eddsa_claims,
+)
 
 # With routes living at most 60 s this holds > 1,600 requests/s, far above what
 # one llama-server node serves; reaching it means abuse, so we refuse rather than evict.
