@@ -123,6 +123,9 @@ def test_tokens_the_fast_check_must_still_refuse(verifier: RouteVerifier, clock:
     head, payload, sig = token.split(".")
     for broken in (f"{head}.{payload}", f"{head}.{payload}.{sig}.{sig}", f"{head}.{payload}.{sig[:-8]}", f"{head}.{payload}.", "a.b.c", "é.é.é"):
         assert rejected(verifier, {ROUTE_HEADER: broken}).status == 401, broken
+    # A header nested deeper than the JSON parser goes, unsigned: a clean refusal, not a crash.
+    deep = base64.urlsafe_b64encode(b"[" * 50_000).rstrip(b"=").decode()
+    assert rejected(verifier, {ROUTE_HEADER: f"{deep}.{payload}.{sig}"}).code == "route_malformed"
     # Claims that are not a JSON object, signed.
     listed = jwt.api_jws.encode(b"[1, 2]", TRACKER_KEY, algorithm="EdDSA")
     assert rejected(verifier, {ROUTE_HEADER: listed}).code == "route_malformed"

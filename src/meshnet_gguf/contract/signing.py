@@ -169,10 +169,10 @@ def verify_eddsa_claims(token: str, key: Ed25519PublicKey) -> dict[str, Any]:
         if "crit" in header:
             raise CompactTokenError("the token names critical extensions this verifier does not know")
         signature = _b64url(signature_text)
-    except (UnicodeError, ValueError, binascii.Error) as exc:
+    except (UnicodeError, ValueError, binascii.Error, RecursionError) as exc:  # RecursionError: a header nested deep
         if isinstance(exc, CompactTokenError):
             raise
-        raise CompactTokenError(f"not a compact JWS: {exc}") from None
+        raise CompactTokenError(f"not a compact JWS: {exc!r}"[:200]) from None
     if len(signature) != _ED25519_SIGNATURE_BYTES:
         raise BadTokenSignature("the signature is not an Ed25519 signature")
     try:
@@ -181,8 +181,8 @@ def verify_eddsa_claims(token: str, key: Ed25519PublicKey) -> dict[str, Any]:
         raise BadTokenSignature("the signature does not match the key") from None
     try:
         claims = json.loads(_b64url(payload_text))
-    except (UnicodeError, ValueError, binascii.Error) as exc:
-        raise CompactTokenError(f"the claims are not JSON: {exc}") from None
+    except (UnicodeError, ValueError, binascii.Error, RecursionError) as exc:
+        raise CompactTokenError(f"the claims are not JSON: {exc!r}"[:200]) from None
     if not isinstance(claims, dict):
         raise CompactTokenError("the claims are not a JSON object")
     return claims
