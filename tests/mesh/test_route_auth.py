@@ -112,6 +112,28 @@ def test_unsigned_and_hmac_tokens_are_refused(verifier: RouteVerifier) -> None:
     assert rejected(verifier, {ROUTE_HEADER: "not-a-jwt"}).code == "route_malformed"
 
 
+def test_tokens_the_fast_check_must_still_refuse(verifier: RouteVerifier, clock: Clock) -> None:
+    """The node checks the compact JWS itself: every shape PyJWT refused is still refused."""
+    import jwt
+
+    # A critical extension the node does not know, properly signed: refused, not ignored.
+    crit = jwt.encode(claims(), TRACKER_KEY, algorithm="EdDSA", headers={"crit": ["exp"]})
+    assert rejected(verifier, {ROUTE_HEADER: crit}).code == "route_malformed"
+    token = headers(claims())[ROUTE_HEADER]
+    head, payload, sig = token.split(".")
+    for broken in (f"{head}.{payload}", f"{head}.{payload}.{sig}.{sig}", f"{head}.{payload}.{sig[:-8]}", f"{head}.{payload}.", "a.b.c", "é.é.é"):
+        assert rejected(verifier, {ROUTE_HEADER: broken}).status == 401, broken
+    # A header nested deeper than the JSON parser goes, unsigned: a clean refusal, not a crash.
+    deep = base64.urlsafe_b64encode(b"[" * 50_000).rstrip(b"=").decode()
+    assert rejected(verifier, {ROUTE_HEADER: f"{deep}.{payload}.{sig}"}).code == "route_malformed"
+    # Claims that are not a JSON object, signed.
+    listed = jwt.api_jws.encode(b"[1, 2]", TRACKER_KEY, algorithm="EdDSA")
+    assert rejected(verifier, {ROUTE_HEADER: listed}).code == "route_malformed"
+    # Not valid before a time that has not come.
+    err = rejected(verifier, headers(claims(nbf=int(clock.now) + 60)))
+    assert (err.status, err.code) == (401, "route_not_yet_valid")
+
+
 def test_expired_route_is_401_but_skew_is_tolerated(verifier: RouteVerifier, clock: Clock) -> None:
     now = int(clock.now)
     err = rejected(verifier, headers(claims(iat=now - 50, exp=now - CLOCK_SKEW_S - 1)))

@@ -100,11 +100,15 @@ def tracker(
     env = f"MESHNET_TRACKER_PUBLIC_KEY={service.public_key_text}" + shown
     typer.echo("start a node with:")
     typer.echo(f"  {env} meshnet-gguf serve --tracker {url} --port {_SUGGESTED_NODE_PORT} --demo")
-    # Lifespan on: it runs the health poller and the relay's HTTP client. h11 bounds the request
-    # head it buffers (httptools takes any size); the app refuses oversized headers either way.
+    # Lifespan on: it runs the health poller and the relay's HTTP client. The node's httptools
+    # protocol bounds the request head it buffers (and costs a streamed event far less than h11,
+    # which bounds it too); the app refuses oversized headers either way.
+    from meshnet_gguf.serving import http_server
+
+    guarded = getattr(http_server, "GuardedHttpToolsProtocol", None)
     uvicorn.run(
         service.app(), host=host, port=port, log_level=log_level.lower(), lifespan="on", access_log=False, log_config=None,
-        http="h11", h11_max_incomplete_event_size=MAX_REQUEST_HEADER_BYTES,
+        http=guarded or "h11", h11_max_incomplete_event_size=MAX_REQUEST_HEADER_BYTES,
     )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """The node's usage ledger: one SQLite row per request id, with its signed receipt and outbox state.
 
 The ledger owns the database; everyone else asks through `UsageLedger`. Each
-call runs the stdlib `sqlite3` in a worker thread (`anyio.to_thread`), so the
+call runs the stdlib `sqlite3` on the ledger's own thread (`SerialWorker`), so the
 event loop never waits on the disk, and a call, once started, completes even
 if its caller is cancelled: a row is written whole or not at all.
 
@@ -34,9 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import anyio
-
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
+from meshnet_gguf.common.serial_worker import SerialWorker
 from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
 
 LEDGER_FILE = "usage.sqlite3"
@@ -115,6 +114,8 @@ class UsageLedger:
         # One connection, serialised by a lock: SQLite allows one writer anyway, and the
         # lock lets any worker thread use it (check_same_thread=False).
         self._lock = threading.Lock()
+        # The async API's calls run here, in order: one thread, handed each call without a pool's overhead.
+        self._worker = SerialWorker("usage-ledger")
         self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a receipt is money; a row the proxy was told is written must survive a power cut too.
@@ -169,7 +170,7 @@ class UsageLedger:
         await self._run(self.close)
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await anyio.to_thread.run_sync(fn, *args)
+        return await self._worker.run(fn, *args)
 
     # --- sync API (worker threads, the CLI) --------------------------------------
     def open_request_sync(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
@@ -357,6 +358,7 @@ class UsageLedger:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._worker.stop()  # its thread ends after this call
 
 
 def _record_columns(record: UsageRecord) -> tuple[object, ...]:

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
-import anyio
-
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
+from meshnet_gguf.common.serial_worker import SerialWorker
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
 
 TRACKER_LEDGER_FILE = "tracker.sqlite3"
@@ -91,6 +90,8 @@ class TrackerLedger:
         private_dir(self.path.parent)
         private_sqlite(self.path)  # every node's and client's traffic: the operator's only
         self._lock = threading.Lock()
+        # The async API's calls run here, in order: one thread, handed each call without a pool's overhead.
+        self._worker = SerialWorker("tracker-ledger")
         self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -105,9 +106,10 @@ class TrackerLedger:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._worker.stop()
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await anyio.to_thread.run_sync(fn, *args)
+        return await self._worker.run(fn, *args)
 
     def _write(self, sql: str, params: tuple[object, ...]) -> int:
         with self._lock:

