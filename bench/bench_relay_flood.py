@@ -311,7 +311,11 @@ async def run(work: Path) -> dict[str, Any]:
     finally:
         if relay.poll() is None:
             relay.send_signal(signal.SIGTERM)
-            relay.wait(20)
+            try:
+                relay.wait(20)
+            except subprocess.TimeoutExpired:  # a loaded machine: the figures are taken, the relay must not linger
+                relay.kill()
+                relay.wait(10)
     return results
 
 

@@ -235,7 +235,6 @@ class _PendingSlot:
     pending: _Pending
     peer: str
     held: bool = True
-    proved: bool = False
 
     def release(self) -> None:
         if self.held:
@@ -305,6 +304,9 @@ class Relay:
         self._refusals = _RefusalLog(REFUSAL_LOG_INTERVAL_S)
         self._trackers = [(tracker_issuer_for(key), key) for key in map(parse_public_key, config.trusted_tracker_keys)]
         self._connect_tokens_seen: dict[str, float] = {}  # jti -> expiry: each token opens one connection
+        # Tokens used before a restart are forgotten with it: a token issued before this second is refused, so
+        # one captured earlier cannot be replayed now (a tracker's clock behind ours costs a retry, not a hole).
+        self._started_s = int(time.time())
         self._tls: ssl.SSLContext | None = None
         if config.tls_certificate_file:
             self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -371,7 +373,6 @@ class Relay:
 
     async def _handle(self, client: socket.socket, peer: str) -> None:
         # The listener's task group must never see an exception: one bad peer cannot stop the relay.
-        slot: _PendingSlot | None = None
         try:
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             socket_stream = await SocketStream.from_socket(client)
@@ -398,9 +399,6 @@ class Relay:
                     slot.release()
         except Exception as exc:  # noqa: BLE001 - a peer's failure is logged, never raised
             log.debug("connection ended: %r", exc)
-        finally:
-            if slot is not None and slot.proved:
-                self.stranger_rate.give_back(peer)
 
     async def _dispatch(
         self, raw: ByteStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream, slot: _PendingSlot
@@ -431,7 +429,7 @@ class Relay:
                 await raw.send(_http_error(407, refusal.code, refusal.message, extra=f"Proxy-Authenticate: {RELAY_CONNECT_AUTH_SCHEME}\r\n"))
                 return
             slot.release()
-            slot.proved = True
+            self.stranger_rate.give_back(slot.peer)  # at once: a tracker's long streams must not drain its bucket
             await self._connect(target, raw, stream)
         elif method == "GET" and target == RELAY_TUNNEL_PATH:
             if headers.get("upgrade", "").lower() != RELAY_UPGRADE_PROTOCOL:
@@ -471,6 +469,8 @@ class Relay:
                 raise _Refusal("connect_unauthorised", "CONNECT token is for another node")
             if claims["exp"] - claims["iat"] > MAX_RELAY_CONNECT_TOKEN_LIFETIME_S:
                 raise _Refusal("connect_unauthorised", "CONNECT token lives too long")
+            if claims["iat"] < self._started_s:
+                raise _Refusal("connect_unauthorised", "CONNECT token was issued before this relay started; ask for a fresh one")
             now = time.time()
             if len(self._connect_tokens_seen) > 1024:
                 self._connect_tokens_seen = {j: e for j, e in self._connect_tokens_seen.items() if e + CLOCK_SKEW_S >= now}
@@ -534,7 +534,7 @@ class Relay:
             self._refusals.log(logging.WARNING, refusal.code, "attach refused (%s): %s", refusal.code, refusal.message)
             await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
             return
-        slot.proved = True
+        self.stranger_rate.give_back(slot.peer)
         attached = RelayAttached(
             node_id=attach.node_id,
             role=attach.role,
