@@ -140,7 +140,8 @@ _LOW_FD_RELAY = """
 import resource, sys, anyio
 from meshnet_gguf.reference.relay import Relay, RelayConfig
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
-anyio.run(Relay(RelayConfig(port=int(sys.argv[1]), max_pending_per_peer=100_000, max_pending=100_000)).serve)
+anyio.run(Relay(RelayConfig(port=int(sys.argv[1]), max_pending_per_peer=100_000, max_pending=100_000,
+                            stranger_connection_burst=100_000)).serve)
 """
 
 

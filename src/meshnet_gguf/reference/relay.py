@@ -94,10 +94,10 @@ MAX_RATE_LIMITED_PEERS = 100_000
 # Connections that have proved nothing, per source address, as a token bucket taken at accept and given back
 # when the connection proves itself (an authorised CONNECT, an attached tunnel or work connection). A source
 # whose strangers keep failing runs dry, and its next connections are reset at accept: no task, no parse, no
-# answer. The burst is well above the per-address pending bound, so a tracker or a node, whose connections prove
-# themselves, never meets it; a stranger gets this many tries a second once its burst is spent.
-STRANGER_CONNECTIONS_PER_S = 16.0
-STRANGER_CONNECTION_BURST = 4 * DEFAULT_MAX_PENDING_PER_PEER
+# answer. The burst matches the per-address pending bound, so a tracker or a node, whose connections prove
+# themselves, never meets it before that bound; a stranger gets this many tries a second once its burst is spent.
+STRANGER_CONNECTIONS_PER_S = 8.0
+STRANGER_CONNECTION_BURST = DEFAULT_MAX_PENDING_PER_PEER
 # Connections taken from the listen backlog per wake-up, before the loop serves the splices again.
 ACCEPT_BATCH = 64
 # A refusal logged under a flood: one line per kind per interval, with the count of those held back.
@@ -528,13 +528,15 @@ class Relay:
             if attach.role == "work":
                 if tunnel is None or tunnel.public_key != attach.public_key:
                     raise _Refusal("no_control_channel", "attach the control connection first")
+                self.stranger_rate.give_back(slot.peer)  # the node's own key: a full pool is its race, not a stranger's try
                 if len(tunnel.idle) >= self.config.max_idle_work:
                     raise _Refusal("work_pool_full", f"at most {self.config.max_idle_work} idle work connections per node")
         except _Refusal as refusal:
             self._refusals.log(logging.WARNING, refusal.code, "attach refused (%s): %s", refusal.code, refusal.message)
             await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
             return
-        self.stranger_rate.give_back(slot.peer)
+        if attach.role == "control":
+            self.stranger_rate.give_back(slot.peer)
         attached = RelayAttached(
             node_id=attach.node_id,
             role=attach.role,
