@@ -65,6 +65,9 @@ FLOOD_SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]  # not the tracker's own 
 START_TIMEOUT_S = 30.0
 HELD_S = 3.0  # how long a flood connection that holds something holds it
 FLOOD_NICE = 19
+# The control run (--flood-decoy): the same flood aimed at a second relay process on the same machine, so the
+# honest streams pay only for the shared cores, not for their relay's work on the strangers.
+FLOOD_AT_DECOY = False
 # How the tracker's side pools its connections to the node. *cold*: every stream a fresh CONNECT, token and TLS
 # handshake (the hardest case); *warm*: the reference tracker's own pool (kept-alive connections, 2 s expiry).
 POOLS = {
@@ -282,6 +285,14 @@ async def run(work: Path) -> dict[str, Any]:
          "--trust-tracker-key", public_key_text(tracker_key.public_key())],
         stdout=relay_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
+    decoy, flood_port = None, relay_port
+    if FLOOD_AT_DECOY:
+        flood_port = free_local_port()
+        decoy = subprocess.Popen(
+            [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(flood_port), "--log-level", "WARNING",
+             "--trust-tracker-key", public_key_text(tracker_key.public_key())],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(stream_app, host="127.0.0.1", port=app_port, log_level="warning", lifespan="off"))
@@ -303,15 +314,22 @@ async def run(work: Path) -> dict[str, Any]:
             for pool, limits in POOLS.items():
                 for flooded in (False, True):
                     label = f"{pool}, {'flood' if flooded else 'quiet'}"
-                    results[label] = await measure(limits, sign, announcement, relay, relay_port, flooded, work / f"{pool}-{flooded}.json")
+                    results[label] = await measure(limits, sign, announcement, relay, flood_port, flooded, work / f"{pool}-{flooded}.json")
             await link.drain()
             await link.close()
             server.should_exit = True
             tg.cancel_scope.cancel()
     finally:
+        if decoy is not None:
+            decoy.kill()
+            decoy.wait(10)
         if relay.poll() is None:
             relay.send_signal(signal.SIGTERM)
-            relay.wait(20)
+            try:
+                relay.wait(20)
+            except subprocess.TimeoutExpired:  # a loaded machine: the figures are taken, the relay must not linger
+                relay.kill()
+                relay.wait(10)
     return results
 
 
@@ -319,7 +337,8 @@ def render(results: dict[str, Any], command: str) -> str:
     floods = [r for label, r in results.items() if label.endswith("flood")]
     total = sum(sum(r["flood"].values()) for r in floods)
     lines = [
-        f"## Relay under a flood of strangers ({dt.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores)",
+        f"## Relay under a flood of strangers{' (control: the flood at a decoy relay)' if FLOOD_AT_DECOY else ''} "
+        f"({dt.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores)",
         "",
         f"`{command}`",
         "",
@@ -366,10 +385,14 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="append the results to this Markdown file")
+    parser.add_argument("--flood-decoy", action="store_true", help="control: flood a second relay, not the honest streams' one")
     args = parser.parse_args()
+    global FLOOD_AT_DECOY
+    FLOOD_AT_DECOY = args.flood_decoy
     with tempfile.TemporaryDirectory(prefix="meshnet-flood-") as tmp:
         results = anyio.run(run, Path(tmp), backend_options={"use_uvloop": True})
-    command = "PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py" + (f" --out {args.out}" if args.out else "")
+    command = "PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py" + (" --flood-decoy" if args.flood_decoy else "") + (
+        f" --out {args.out}" if args.out else "")
     text = render(results, command)
     print(text)
     print(json.dumps(results, indent=2), file=sys.stderr)

@@ -140,7 +140,8 @@ _LOW_FD_RELAY = """
 import resource, sys, anyio
 from meshnet_gguf.reference.relay import Relay, RelayConfig
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
-anyio.run(Relay(RelayConfig(port=int(sys.argv[1]), max_pending_per_peer=100_000, max_pending=100_000)).serve)
+anyio.run(Relay(RelayConfig(port=int(sys.argv[1]), max_pending_per_peer=100_000, max_pending=100_000,
+                            stranger_connection_burst=100_000)).serve)
 """
 
 
@@ -251,6 +252,56 @@ async def test_connect_without_a_fresh_token_from_a_trusted_tracker_gets_407_and
             assert (await http.send(target.request(http, "GET", "/health"))).status_code == 200
         replayed = await _connect_answer(url, node_id, f"Bearer {valid}")
         assert replayed.startswith(b"HTTP/1.1 407") and b"already used" in replayed
+
+
+async def _answer_from(relay_url: str, request: bytes, source: str) -> bytes:
+    """What the relay says to `request` from `source`: b"" when it closes or resets without a word."""
+    host, port = relay_url.removeprefix("http://").split(":")
+    try:
+        async with await anyio.connect_tcp(host, int(port), local_host=source) as stream:
+            await stream.send(request)
+            with anyio.fail_after(5):
+                return await stream.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+        return b""
+
+
+async def test_a_source_whose_connections_prove_nothing_is_reset_at_accept_and_a_tracker_is_not(tmp_path: Path) -> None:
+    tracker = Ed25519PrivateKey.generate()
+    config = RelayConfig(port=0, trusted_tracker_keys=(public_key_text(tracker.public_key()),),
+                         stranger_connection_burst=8, stranger_connections_per_s=0.01)  # fmt: skip
+    async with mesh(tmp_path, relay_config=config) as m:
+        await m.wait_attached(idle=4)
+        node_id, url = m.identity.node_id, m.relay_url
+        forged = f"CONNECT {node_id}:443 HTTP/1.1\r\nHost: {node_id}:443\r\nProxy-Authorization: Bearer x.y.z\r\n\r\n".encode()
+        answers = [await _answer_from(url, forged, ATTACKER_ADDRESS) for _ in range(12)]
+        assert all(a.startswith(b"HTTP/1.1 407") for a in answers[:8]), answers
+        assert answers[8:] == [b""] * 4  # out of tokens: reset before a byte is read, no answer
+        assert m.relay.reset_at_accept == 4
+        # The tracker's own CONNECTs prove themselves and give their token back: far more than the burst all pass.
+        dialer = NodeDialer(httpx.Limits(max_keepalive_connections=0), _signer(tracker))
+        async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=5) as http:
+            target = await dialer.through_relay(_announcement(m), AddressPolicy(allow_loopback=True))
+            for _ in range(12):
+                assert (await http.send(target.request(http, "GET", "/health"))).status_code == 200
+        assert m.relay.reset_at_accept == 4 and m.relay.stats()["streams_total"] == 12
+
+
+async def test_a_connect_token_issued_before_the_relay_started_is_refused(tmp_path: Path) -> None:
+    # Used tokens are remembered in memory only: without this, one captured on an http relay could be
+    # replayed after a restart for the rest of its life.
+    tracker = Ed25519PrivateKey.generate()
+    config = RelayConfig(port=0, trusted_tracker_keys=(public_key_text(tracker.public_key()),))
+    async with mesh(tmp_path, relay_config=config) as m:
+        await m.wait_attached(idle=1)
+        node_id, url = m.identity.node_id, m.relay_url
+        now = int(time.time())
+        before_start = _signer(tracker, iat=now - 5, exp=now + 20)(url, node_id)
+        answer = await _connect_answer(url, node_id, f"Bearer {before_start}")
+        assert answer.startswith(b"HTTP/1.1 407") and b"before this relay started" in answer, answer
+        assert m.relay.stats()["streams_total"] == 0
+        fresh = _signer(tracker)(url, node_id)
+        assert (await _connect_answer(url, node_id, f"Bearer {fresh}")).startswith(b"HTTP/1.1 200")
 
 
 async def test_a_tunnel_stays_only_when_a_trusted_tracker_reaches_it(tmp_path: Path) -> None:

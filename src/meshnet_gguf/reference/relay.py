@@ -22,9 +22,11 @@ import errno
 import json
 import logging
 import secrets
+import socket
 import ssl
+import struct
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import anyio
@@ -89,6 +91,19 @@ TUNNEL_ATTACHES_PER_S = 2.0
 TUNNEL_ATTACH_BURST = 20
 # Source addresses whose rate is remembered; past this, the ones with full buckets are forgotten.
 MAX_RATE_LIMITED_PEERS = 100_000
+# Connections that have proved nothing, per source address, as a token bucket taken at accept and given back
+# when the connection proves itself (an authorised CONNECT, an attached tunnel or work connection). A source
+# whose strangers keep failing runs dry, and its next connections are reset at accept: no task, no parse, no
+# answer. The burst matches the per-address pending bound, so a tracker or a node, whose connections prove
+# themselves, never meets it before that bound; a stranger gets this many tries a second once its burst is spent.
+STRANGER_CONNECTIONS_PER_S = 8.0
+STRANGER_CONNECTION_BURST = DEFAULT_MAX_PENDING_PER_PEER
+# Connections taken from the listen backlog per wake-up, before the loop serves the splices again. Small: under a
+# flood each wake-up is one short turn of the event loop, so an established splice waits behind a few accepts
+# rather than a long batch (measured: 64 left a warm honest stream's first byte about 3x slower, 8 about 2x).
+ACCEPT_BATCH = 8
+# A refusal logged under a flood: one line per kind per interval, with the count of those held back.
+REFUSAL_LOG_INTERVAL_S = 10.0
 _ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -113,6 +128,8 @@ class RelayConfig:
     admission_window_s: float = ADMISSION_WINDOW_S
     tunnel_attaches_per_s: float = TUNNEL_ATTACHES_PER_S
     tunnel_attach_burst: int = TUNNEL_ATTACH_BURST
+    stranger_connections_per_s: float = STRANGER_CONNECTIONS_PER_S
+    stranger_connection_burst: int = STRANGER_CONNECTION_BURST
     # Serve https: a certificate chain (PEM) for the relay's host name and its key. Nodes and trackers check it
     # against the name in the relay's URL.
     tls_certificate_file: str | None = None
@@ -247,6 +264,34 @@ class _RateLimit:
             self._buckets = {p: (n, a) for p, (n, a) in self._buckets.items() if now - a < refill_s}
         return True
 
+    def give_back(self, peer: str) -> None:
+        """Returns the token `allow` took, to a peer whose attempt turned out to be a fair one."""
+        bucket = self._buckets.get(peer)
+        if bucket is not None:
+            self._buckets[peer] = (min(float(self.burst), bucket[0] + 1), bucket[1])
+
+
+class _RefusalLog:
+    """Logs refusals of one kind at most once per interval, with the number held back since: a flood of
+    strangers must not become a flood of log lines (each costs the event loop the honest splices run on)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+
+    def log(self, level: int, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.interval_s) < self.interval_s:
+            self._held[kind] += 1
+            return
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        if held:
+            message += " (and %d more refused so since the last such line)"
+            args = (*args, held)
+        log.log(level, message, *args)
+
 
 class Relay:
     def __init__(self, config: RelayConfig) -> None:
@@ -256,8 +301,14 @@ class Relay:
         self.pending = _Pending(config.max_pending_per_peer, config.max_pending)
         self.accept_errors = 0
         self.attach_rate = _RateLimit(config.tunnel_attaches_per_s, config.tunnel_attach_burst)
+        self.stranger_rate = _RateLimit(config.stranger_connections_per_s, config.stranger_connection_burst)
+        self.reset_at_accept = 0
+        self._refusals = _RefusalLog(REFUSAL_LOG_INTERVAL_S)
         self._trackers = [(tracker_issuer_for(key), key) for key in map(parse_public_key, config.trusted_tracker_keys)]
         self._connect_tokens_seen: dict[str, float] = {}  # jti -> expiry: each token opens one connection
+        # Tokens used before a restart are forgotten with it: a token issued before this second is refused, so
+        # one captured earlier cannot be replayed now (a tracker's clock behind ours costs a retry, not a hole).
+        self._started_s = int(time.time())
         self._tls: ssl.SSLContext | None = None
         if config.tls_certificate_file:
             self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -286,18 +337,31 @@ class Relay:
                 tg.start_soon(self._accept_loop, one, tg)
 
     async def _accept_loop(self, listener: anyio.abc.Listener[SocketStream], tg: anyio.abc.TaskGroup) -> None:
+        # Accepts on the listening socket itself, so that a source out of stranger tokens is reset before the
+        # relay spends a task, a transport or a byte of parsing on it.
+        sock: socket.socket = listener.extra(anyio.abc.SocketAttribute.raw_socket)
         while True:
-            try:
-                raw = await listener.accept()
-            except OSError as exc:
-                if exc.errno not in _ACCEPT_RESOURCE_ERRORS:
-                    raise
-                self.accept_errors += 1
-                if self.accept_errors == 1 or self.accept_errors % 1000 == 0:
-                    log.warning("accept failed (%s, %d times so far); serving the tunnels held, retrying", exc.strerror, self.accept_errors)
-                await anyio.sleep(ACCEPT_BACKOFF_S)
-                continue
-            tg.start_soon(self._handle, raw)
+            await anyio.wait_readable(sock)
+            for _ in range(ACCEPT_BATCH):  # then back to waiting: a full backlog must not keep the splices waiting
+                try:
+                    client, address = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    if exc.errno not in _ACCEPT_RESOURCE_ERRORS:
+                        raise
+                    self.accept_errors += 1
+                    if self.accept_errors == 1 or self.accept_errors % 1000 == 0:
+                        log.warning("accept failed (%s, %d times so far); serving the tunnels held, retrying", exc.strerror, self.accept_errors)
+                    await anyio.sleep(ACCEPT_BACKOFF_S)
+                    break
+                peer = str(address[0]) if isinstance(address, tuple) and address else "?"
+                if not self.stranger_rate.allow(peer):
+                    self.reset_at_accept += 1
+                    self._refusals.log(logging.WARNING, "reset_at_accept", "%s: too many connections that proved nothing; reset at accept", peer)
+                    _reset(client)
+                    continue
+                tg.start_soon(self._handle, client, peer)
 
     def stats(self) -> dict[str, int]:
         tunnels = list(self.tunnels.values())
@@ -309,12 +373,15 @@ class Relay:
             "streams_total": sum(t.streams_total for t in tunnels),
         }
 
-    async def _handle(self, socket_stream: SocketStream) -> None:
+    async def _handle(self, client: socket.socket, peer: str) -> None:
         # The listener's task group must never see an exception: one bad peer cannot stop the relay.
         try:
-            peer = str(socket_stream.extra(anyio.abc.SocketAttribute.remote_address)[0])
-        except (OSError, IndexError, TypeError, anyio.TypedAttributeLookupError):
-            peer = "?"
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            socket_stream = await SocketStream.from_socket(client)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            client.close()
+            log.debug("connection ended: %r", exc)
+            return
         try:
             async with socket_stream:
                 if not self.pending.enter(peer):
@@ -360,10 +427,11 @@ class Relay:
             try:
                 self._authorise_connect(target, headers.get("proxy-authorization", ""))
             except _Refusal as refusal:
-                log.info("CONNECT %s refused: %s", target, refusal.message)
+                self._refusals.log(logging.INFO, refusal.code, "CONNECT %s refused: %s", target, refusal.message)
                 await raw.send(_http_error(407, refusal.code, refusal.message, extra=f"Proxy-Authenticate: {RELAY_CONNECT_AUTH_SCHEME}\r\n"))
                 return
             slot.release()
+            self.stranger_rate.give_back(slot.peer)  # at once: a tracker's long streams must not drain its bucket
             await self._connect(target, raw, stream)
         elif method == "GET" and target == RELAY_TUNNEL_PATH:
             if headers.get("upgrade", "").lower() != RELAY_UPGRADE_PROTOCOL:
@@ -403,6 +471,8 @@ class Relay:
                 raise _Refusal("connect_unauthorised", "CONNECT token is for another node")
             if claims["exp"] - claims["iat"] > MAX_RELAY_CONNECT_TOKEN_LIFETIME_S:
                 raise _Refusal("connect_unauthorised", "CONNECT token lives too long")
+            if claims["iat"] < self._started_s:
+                raise _Refusal("connect_unauthorised", "CONNECT token was issued before this relay started; ask for a fresh one")
             now = time.time()
             if len(self._connect_tokens_seen) > 1024:
                 self._connect_tokens_seen = {j: e for j, e in self._connect_tokens_seen.items() if e + CLOCK_SKEW_S >= now}
@@ -460,12 +530,15 @@ class Relay:
             if attach.role == "work":
                 if tunnel is None or tunnel.public_key != attach.public_key:
                     raise _Refusal("no_control_channel", "attach the control connection first")
+                self.stranger_rate.give_back(slot.peer)  # the node's own key: a full pool is its race, not a stranger's try
                 if len(tunnel.idle) >= self.config.max_idle_work:
                     raise _Refusal("work_pool_full", f"at most {self.config.max_idle_work} idle work connections per node")
         except _Refusal as refusal:
-            log.warning("attach refused (%s): %s", refusal.code, refusal.message)
+            self._refusals.log(logging.WARNING, refusal.code, "attach refused (%s): %s", refusal.code, refusal.message)
             await _send_message(stream, RelayRefused(code=refusal.code, message=refusal.message))
             return
+        if attach.role == "control":
+            self.stranger_rate.give_back(slot.peer)
         attached = RelayAttached(
             node_id=attach.node_id,
             role=attach.role,
@@ -627,6 +700,15 @@ async def _splice(a: ByteStream, b: ByteStream, *, first_bytes_timeout_s: float 
                 await side.aclose()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _reset(client: socket.socket) -> None:
+    """Closes an accepted socket with a reset: no answer, no FIN handshake, no TIME_WAIT kept here."""
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    client.close()
 
 
 async def _receive_line(buffered: BufferedByteReceiveStream) -> bytes:
