@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
+    import click
+
     from meshnet_gguf.common.settings import NodeSettings
 
 if sys.version_info >= (3, 11):
@@ -31,15 +33,21 @@ class ServeArgsError(ValueError):
     """The arguments after `service install` are not ones `serve` takes."""
 
 
+def _sibling_command(ctx: typer.Context, name: str) -> click.Command:
+    """The top-level `meshnet-gguf <name>` command, whose own parser checks the arguments."""
+    root = ctx.find_root().command
+    get_command = getattr(root, "get_command", None)
+    command = get_command(ctx, name) if get_command is not None else None
+    if command is None:
+        raise ServeArgsError(f"this installation has no `{name}` command to install as a service")
+    return command
+
+
 def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSettings:
     """Parse `args` exactly as `meshnet-gguf serve` would, into the settings it would run with."""
     from meshnet_gguf.common.settings import NodeSettings
 
-    root = ctx.find_root().command
-    get_command = getattr(root, "get_command", None)
-    serve = get_command(ctx, "serve") if get_command is not None else None
-    if serve is None:
-        raise ServeArgsError("this installation has no `serve` command to install as a service")
+    serve = _sibling_command(ctx, "serve")
     # Parsing with serve's own command keeps one definition of its options; a bad
     # option fails here with serve's usage message.
     serve_ctx = serve.make_context("serve", list(args), parent=ctx)
@@ -56,12 +64,7 @@ def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSet
 
 def _check_worker_args(ctx: typer.Context, args: Sequence[str]) -> None:
     """Parse `args` as `meshnet-gguf worker` would: a bad option fails now, not at the first boot."""
-    root = ctx.find_root().command
-    get_command = getattr(root, "get_command", None)
-    command = get_command(ctx, "worker") if get_command is not None else None
-    if command is None:
-        raise ServeArgsError("this installation has no `worker` command to install as a service")
-    command.make_context("worker", list(args), parent=ctx)
+    _sibling_command(ctx, "worker").make_context("worker", list(args), parent=ctx)
 
 
 def register(app: typer.Typer) -> None:
