@@ -14,6 +14,7 @@ from pathlib import Path
 from meshnet_gguf.llama.rpc_worker import default_cache_dir
 from meshnet_gguf.ops.unit import (
     DEVICE_GROUPS,
+    KERNEL_PROTECTION,
     RESTART_DELAY_S,
     SERVICE_NAME,
     SERVICE_USER,
@@ -21,6 +22,7 @@ from meshnet_gguf.ops.unit import (
     PlannedFile,
     ServiceLayout,
     ServicePlan,
+    install_section,
     render_sysusers,
     service_command,
 )
@@ -63,15 +65,12 @@ def render_worker_unit(*, command: Sequence[str], worker_args: Sequence[str], ca
             "ProtectHome=read-only",
             "PrivateTmp=yes",
             # No PrivateDevices: the worker lends /dev/dri and /dev/kfd devices.
-            "ProtectKernelTunables=yes",
-            "ProtectKernelModules=yes",
-            "ProtectKernelLogs=yes",
-            "ProtectControlGroups=yes",
+            *KERNEL_PROTECTION,
             "RestrictSUIDSGID=yes",
             "RestrictNamespaces=yes",
             "LockPersonality=yes",
         ]
-    unit += ["", "[Install]", f"WantedBy={'default.target' if user_mode else 'multi-user.target'}", ""]
+    unit += install_section(user_mode)
     return "\n".join(unit)
 
 
