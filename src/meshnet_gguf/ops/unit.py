@@ -250,6 +250,13 @@ def _writable_dirs(paths: Iterable[Path]) -> list[Path]:
     return kept
 
 
+# A system install runs as its own user, in the groups that may open the GPU's device nodes;
+# the node's unit and the worker's share these lines.
+SERVICE_ACCOUNT = (
+    f"User={SERVICE_USER}",
+    f"Group={SERVICE_USER}",
+    f"SupplementaryGroups={' '.join(DEVICE_GROUPS)}",
+)
 # The kernel's tunables, modules, log and cgroup tree are out of a service's reach; the node's
 # unit and the worker's share these lines.
 KERNEL_PROTECTION = (
@@ -298,9 +305,7 @@ def render_unit(
     ]
     if not user_mode:
         unit += [
-            f"User={SERVICE_USER}",
-            f"Group={SERVICE_USER}",
-            f"SupplementaryGroups={' '.join(DEVICE_GROUPS)}",
+            *SERVICE_ACCOUNT,
         ]
         if state_directory:
             unit.append(f"StateDirectory={state_directory}")

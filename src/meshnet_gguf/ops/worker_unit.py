@@ -13,9 +13,9 @@ from pathlib import Path
 
 from meshnet_gguf.llama.rpc_worker import default_cache_dir
 from meshnet_gguf.ops.unit import (
-    DEVICE_GROUPS,
     KERNEL_PROTECTION,
     RESTART_DELAY_S,
+    SERVICE_ACCOUNT,
     SERVICE_NAME,
     SERVICE_USER,
     SYSTEM_STATE_DIR,
@@ -57,9 +57,7 @@ def render_worker_unit(*, command: Sequence[str], worker_args: Sequence[str], ca
     ]
     if not user_mode:
         unit += [
-            f"User={SERVICE_USER}",
-            f"Group={SERVICE_USER}",
-            f"SupplementaryGroups={' '.join(DEVICE_GROUPS)}",
+            *SERVICE_ACCOUNT,
             "ProtectSystem=strict",
             f"ReadWritePaths={shlex.quote(str(cache_dir))}",
             "ProtectHome=read-only",
