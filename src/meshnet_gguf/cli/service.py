@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import click
 
     from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.ops.unit import ServicePlan
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,6 +68,19 @@ def _check_worker_args(ctx: typer.Context, args: Sequence[str]) -> None:
     _sibling_command(ctx, "worker").make_context("worker", list(args), parent=ctx)
 
 
+def _apply_or_exit(plan: ServicePlan, warning_label: str) -> None:
+    """Carry out `plan`; a failure is printed and exits the command with EXIT_SERVICE_ERROR."""
+    from meshnet_gguf.ops.unit import ServiceError, apply_plan
+
+    try:
+        apply_plan(plan)
+    except (ServiceError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_SERVICE_ERROR) from exc
+    for warning in plan.warnings:
+        typer.echo(f"{warning_label}: {warning}", err=True)
+
+
 def register(app: typer.Typer) -> None:
     service_app = typer.Typer(
         help="Run the node as a systemd service.\n\nIt starts at boot, reports readiness, has a watchdog and drains on stop.",
@@ -88,7 +102,7 @@ def register(app: typer.Typer) -> None:
 
         Writes a systemd unit and a config file for these `serve` settings, then enables it.
         """
-        from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_install
+        from meshnet_gguf.ops.unit import plan_install
         from meshnet_gguf.ops.worker_unit import plan_worker_install
 
         settings = None
@@ -108,13 +122,7 @@ def register(app: typer.Typer) -> None:
         if not user and os.geteuid() != 0:
             typer.echo("error: a system service is installed as root (sudo), or use --user", err=True)
             raise typer.Exit(EXIT_SERVICE_ERROR)
-        try:
-            apply_plan(plan)
-        except (ServiceError, OSError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(EXIT_SERVICE_ERROR) from exc
-        for warning in plan.warnings:
-            typer.echo(f"warning: {warning}", err=True)
+        _apply_or_exit(plan, "warning")
         scope = "--user " if user else ""
         if worker:
             typer.echo(f"installed {plan.layout.unit_path}")
@@ -132,19 +140,13 @@ def register(app: typer.Typer) -> None:
 
         Disables it and removes its unit and config; models and state are kept.
         """
-        from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_uninstall
+        from meshnet_gguf.ops.unit import plan_uninstall
 
         plan = plan_uninstall(user_mode=user)
         if dry_run:
             typer.echo(plan.describe(), nl=False)
             return
-        try:
-            apply_plan(plan)
-        except (ServiceError, OSError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(EXIT_SERVICE_ERROR) from exc
-        for warning in plan.warnings:
-            typer.echo(f"note: {warning}", err=True)
+        _apply_or_exit(plan, "note")
         typer.echo(f"removed {plan.layout.unit_path}")
 
     @service_app.command()
