@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support.hardware_fixtures import FIXTURES
+from support.hardware_fixtures import FIXTURES, write_recorded_llama
 
-RECORDED_HELP = FIXTURES / "llama-server-help-b10434.txt"
 CLOSED_HUB = "http://127.0.0.1:9"  # nothing listens: a command that tried the hub fails loudly
 COMMAND_TIMEOUT_S = 120
 # "needs 4.8 GB with 131072 tokens of context", optionally "+ 2.4 GB of RAM for the prompt cache"
@@ -31,17 +29,7 @@ NEED = re.compile(r"needs (?P<need>[\d.]+ [KMGT]?B) with (?P<ctx>\d+) tokens of 
 
 @pytest.fixture(scope="module")
 def recorded_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("recorded-bin") / "llama-server"
-    path.write_text(
-        "#!/bin/sh\n"
-        'case "$1" in\n'
-        '  --version) echo "version: 10434 (recorded)" >&2 ;;\n'
-        f'  --help) cat "{RECORDED_HELP}" ;;\n'
-        "  *) exit 1 ;;\n"
-        "esac\n"
-    )
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
+    return write_recorded_llama(tmp_path_factory.mktemp("recorded-bin"))
 
 
 def run(tmp_path: Path, box: str, llama: Path, *args: str) -> subprocess.CompletedProcess[str]:

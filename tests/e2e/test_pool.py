@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -184,22 +185,7 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_the_node_s
     pid_before = node.llama_pid()
 
     body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 4000, "stream": True, "temperature": 1.0, "ignore_eos": True}
-    deltas, error, killed_at, ended_at = 0, None, None, None
-    with httpx.stream("POST", node.url + "/v1/chat/completions", json=body, timeout=30) as answer:
-        assert answer.status_code == 200
-        for line in answer.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                error, ended_at = event["error"], time.monotonic()
-                continue
-            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                deltas += 1
-            if deltas == 5 and killed_at is None:
-                second.kill()
-                killed_at = time.monotonic()
-        ended_at = ended_at or time.monotonic()
+    deltas, error, killed_at, ended_at = _stream_killing_after(node.url, body, second.kill)
     assert killed_at is not None and error is not None, f"the stream ended without an error event ({deltas} deltas)"
     assert ended_at - killed_at <= ERROR_EVENT_WITHIN_S, f"error event {ended_at - killed_at:.2f} s after the kill"
 
@@ -280,8 +266,8 @@ def test_models_shows_which_catalog_quants_the_pool_can_load_by_the_pooled_plans
 ) -> None:
     from meshnet_gguf.hardware.report import probe_configured
     from meshnet_gguf.models.catalog import load_catalog
-    from meshnet_gguf.prepare.pool import PoolMember, parse_pool_worker, pool_holds
     from meshnet_gguf.prepare.memory import ModelFacts
+    from meshnet_gguf.prepare.pool import PoolMember, parse_pool_worker, pool_holds
 
     key = NodeIdentity.load_or_create(tmp_path / "state").public_key_text
     first, second = start_worker(key), start_worker(key)
@@ -360,22 +346,7 @@ def test_a_meshed_pooled_node_bills_the_cut_stream_once_in_its_ledger_and_is_not
         node = start_meshed_node(start_node, tracker, tiny_gguf, workdir, MESHNET_POOL_WORKERS=f"{first.endpoint}=3G,{second.endpoint}=3G")
         body = {"model": tiny_gguf.stem, "messages": [{"role": "user", "content": "count"}], "max_tokens": 4000, "stream": True,
                 "ignore_eos": True}  # fmt: skip
-        deltas, error, killed_at, ended_at = 0, None, None, None
-        with httpx.stream("POST", tracker.url + "/v1/chat/completions", json=body, timeout=30) as answer:
-            assert answer.status_code == 200, answer.read()
-            for line in answer.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    error, ended_at = event["error"], time.monotonic()
-                    continue
-                if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
-                    deltas += 1
-                if deltas == 5 and killed_at is None:
-                    second.kill()
-                    killed_at = time.monotonic()
-            ended_at = ended_at or time.monotonic()
+        deltas, error, killed_at, ended_at = _stream_killing_after(tracker.url, body, second.kill)
         assert killed_at is not None and error is not None and ended_at - killed_at <= ERROR_EVENT_WITHIN_S
 
         # One ledger row for it, settled, with its prompt and the tokens delivered.
@@ -399,3 +370,26 @@ def test_a_meshed_pooled_node_bills_the_cut_stream_once_in_its_ledger_and_is_not
         node.wait_ready(timeout=BACK_WITHIN_S)
     finally:
         tracker.close()
+
+
+def _stream_killing_after(
+    base_url: str, body: dict[str, Any], kill: Callable[[], object], deltas_first: int = 5
+) -> tuple[int, Any, float | None, float]:
+    """Stream a chat completion and call `kill` after `deltas_first` content deltas: the deltas seen,
+    the error event (None if none came), when the kill happened and when the stream ended."""
+    deltas, error, killed_at, ended_at = 0, None, None, None
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=30) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                error, ended_at = event["error"], time.monotonic()
+                continue
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                deltas += 1
+            if deltas == deltas_first and killed_at is None:
+                kill()
+                killed_at = time.monotonic()
+        return deltas, error, killed_at, ended_at or time.monotonic()

@@ -19,14 +19,7 @@ def test_a_binary_that_serves_passes_the_probe(fake_llama: BinaryInfo) -> None:
 def test_a_binary_dying_with_sigill_fails_the_probe(tmp_path: Path) -> None:
     from meshnet_gguf.llama.binary import probe_binary
 
-    script = tmp_path / "llama-server"
-    script.write_text(
-        "#!/bin/sh\n"
-        'case "$1" in --help) echo "--port PORT"; exit 0;; --version) echo "version: 1 (b1)"; exit 0;; esac\n'
-        "kill -ILL $$\n"
-    )
-    script.chmod(0o755)
-    assert quantized_kernels_work(probe_binary(script, "test")) is False
+    assert quantized_kernels_work(probe_binary(_sigill_binary(tmp_path), "test")) is False
 
 
 @pytest.mark.real_llama

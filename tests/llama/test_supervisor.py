@@ -25,20 +25,9 @@ from meshnet_gguf.llama.child import (
     reap_stale_child_in_thread,
 )
 from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
+from support.supervisor_policies import FAST
 
 pytestmark = pytest.mark.anyio
-
-FAST = SupervisorPolicy(
-    load_stall_timeout_s=5.0,
-    health_poll_interval_s=0.05,
-    restart_backoff_initial_s=0.2,
-    restart_backoff_max_s=0.8,
-    restart_stable_after_s=30.0,
-    max_quick_crashes=2,
-    stop_timeout_s=3.0,
-    liveness_interval_s=0.2,
-    liveness_failures=2,
-)
 
 
 class StateLog:

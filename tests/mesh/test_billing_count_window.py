@@ -8,7 +8,6 @@ restarted llama-server counts the prompt, then settles once."""
 from __future__ import annotations
 
 import signal
-import sqlite3
 import threading
 from pathlib import Path
 
@@ -18,8 +17,8 @@ import pytest
 
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.mesh.ledger import LEDGER_FILE
 from support.billing_harness import LlamaChild, Tracker, serve_front
+from support.relay_processes import ledger_rows
 from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F401
 
 CONTENT = "count me after the crash"
@@ -27,18 +26,6 @@ CONTENT = "count me after the crash"
 EXPECTED_PROMPT_TOKENS = len(f"<user>{CONTENT}")
 # Long enough that the kill surely lands before the count does.
 COUNT_DELAY_S = 60
-
-
-def ledger_rows(state_dir: Path) -> list[dict[str, object]]:
-    db = sqlite3.connect(f"file:{state_dir / LEDGER_FILE}?mode=ro", uri=True)
-    try:
-        rows = db.execute(
-            "SELECT request_id, in_flight, prompt_tokens, finish_reason, receipt != '', prompt_body IS NOT NULL, reported_at FROM usage"
-        ).fetchall()
-    finally:
-        db.close()
-    keys = ("request_id", "in_flight", "prompt", "finish_reason", "has_receipt", "has_body", "reported_at")
-    return [dict(zip(keys, row)) for row in rows]
 
 
 def start(start_node, tracker: TrackerProcess, gguf: Path, fake_llama_path: Path, workdir: Path, **env: str):  # type: ignore[no-untyped-def]

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
-import sqlite3
 import threading
 import time
-from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -18,27 +15,14 @@ import pytest
 
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for
-from meshnet_gguf.mesh.ledger import LEDGER_FILE
 from meshnet_gguf.reference.tracker import TRACKER_KEY_FILE
-from support.relay_processes import node_ledger
+from support.relay_processes import ledger_rows, node_ledger
 from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 # 600 tokens for the tiny ASCII model: with an answer of 400 it fits a slot of the 2,048 context split in two.
 LONG_PROMPT = "klmnopqrst" * 60
 CONCURRENT_STREAMS = 20
-
-
-def ledger_rows(state_dir: Path) -> list[dict[str, Any]]:
-    db = sqlite3.connect(f"file:{state_dir / LEDGER_FILE}?mode=ro", uri=True)
-    try:
-        rows = db.execute(
-            "SELECT request_id, in_flight, prompt_tokens, completion_tokens, finish_reason, receipt != '', rejected FROM usage"
-        ).fetchall()
-    finally:
-        db.close()
-    keys = ("request_id", "in_flight", "prompt", "completion", "finish_reason", "has_receipt", "rejected")
-    return [dict(zip(keys, row)) for row in rows]
 
 
 def test_a_route_cut_short_by_kill_9_is_refused_after_restart_and_billed_once(  # type: ignore[no-untyped-def]

@@ -10,7 +10,6 @@ must stay empty.
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +19,9 @@ import pytest
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.devtools.hf_server import LocalHub
 from meshnet_gguf.prepare.pipeline import PreparedLaunch, prepare_launch
-from support.hardware_fixtures import FIXTURES
+from support.hardware_fixtures import FIXTURES, write_recorded_llama
 from support.local_hub_fixtures import ROOT_SPLIT, hub, hub_root  # noqa: F401
 
-RECORDED_HELP = FIXTURES / "llama-server-help-b10434.txt"
 # Nothing listens here: a dry run that tried the hub would fail loudly rather than download.
 CLOSED_HUB = "http://127.0.0.1:9"
 DRY_RUN_TIMEOUT_S = 120
@@ -31,18 +29,7 @@ DRY_RUN_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def recorded_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A `llama-server` that answers --version and --help as release b10434 did; a dry run never starts it."""
-    path = tmp_path_factory.mktemp("recorded-bin") / "llama-server"
-    path.write_text(
-        "#!/bin/sh\n"
-        'case "$1" in\n'
-        '  --version) echo "version: 10434 (recorded)" >&2 ;;\n'
-        f'  --help) cat "{RECORDED_HELP}" ;;\n'
-        '  *) echo "recorded llama-server: only --version and --help" >&2; exit 1 ;;\n'
-        "esac\n"
-    )
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
+    return write_recorded_llama(tmp_path_factory.mktemp("recorded-bin"))
 
 
 def dry_run(tmp_path: Path, box: str | None, *args: str, llama: Path, hub_endpoint: str = CLOSED_HUB) -> subprocess.CompletedProcess[str]:

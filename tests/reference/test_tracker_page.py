@@ -15,7 +15,7 @@ import pytest
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageCounts
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.reference.tracker_page import dashboard_document
-from support.browser import Browser, require_chromium, screenshot_target
+from support.browser import Browser, opened_browser, screenshot_target
 from support.node_process import NodeProcess
 from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker  # noqa: F401
 
@@ -24,15 +24,8 @@ StartNode = Callable[..., NodeProcess]
 
 @pytest.fixture
 def browser() -> Iterator[Browser]:
-    opened = Browser(require_chromium())
-    try:
+    with opened_browser() as opened:
         yield opened
-    finally:
-        opened.close()
-
-
-def _table(browser: Browser, tbody: str) -> str:
-    return str(browser.evaluate(f"document.getElementById({json.dumps(tbody)}).innerText"))
 
 
 @pytest.mark.real_llama
@@ -45,7 +38,7 @@ def test_the_tracker_page_lists_a_node_that_registers_and_the_requests_it_routed
 
     node = start_meshed_node(start_node, tracker, tiny_gguf, tmp_path / "node")
     browser.wait_for("document.getElementById('nodes').innerText.includes('online')")
-    nodes = _table(browser, "nodes")
+    nodes = browser.text_of("nodes", "innerText")
     assert "tiny" in nodes and "direct" in nodes and "0 / 2" in nodes
 
     answer = sdk(tracker).chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=4)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from meshnet_gguf.llama.binary import BinaryInfo
-from support.browser import Browser, require_chromium, screenshot_target
+from support.browser import Browser, opened_browser, screenshot_target
 from support.node_process import NodeProcess
 
 pytestmark = [pytest.mark.slow]
@@ -35,16 +35,8 @@ StartNode = Callable[..., NodeProcess]
 
 @pytest.fixture
 def browser() -> Iterator[Browser]:
-    chromium = require_chromium()
-    opened = Browser(chromium)
-    try:
+    with opened_browser() as opened:
         yield opened
-    finally:
-        opened.close()
-
-
-def _text(browser: Browser, element_id: str) -> str:
-    return str(browser.evaluate(f"document.getElementById({json.dumps(element_id)}).textContent"))
 
 
 @pytest.mark.real_llama
@@ -67,12 +59,12 @@ def test_the_node_page_asks_for_the_key_then_shows_the_model_ready(  # type: ign
     browser.evaluate("document.getElementById('login-form').requestSubmit()")
 
     browser.wait_for("document.getElementById('state').textContent === 'ready'")
-    assert _text(browser, "model") == "tiny"
-    assert "context 2048 tokens" in _text(browser, "plan")
-    assert _text(browser, "slots") == "0 / 4"
+    assert browser.text_of("model") == "tiny"
+    assert "context 2048 tokens" in browser.text_of("plan")
+    assert browser.text_of("slots") == "0 / 4"
     browser.wait_for("document.getElementById('recent').textContent.includes('first-request')")
-    assert "stop" in _text(browser, "recent") or "length" in _text(browser, "recent")
-    assert _text(browser, "requests") == "1"
+    assert "stop" in browser.text_of("recent") or "length" in browser.text_of("recent")
+    assert browser.text_of("requests") == "1"
     # The key lives in this tab's sessionStorage, never in the page's URL or a cookie.
     assert browser.evaluate("sessionStorage.getItem('meshnet-api-key')") == KEY
     assert browser.evaluate("document.cookie") == ""
@@ -99,7 +91,7 @@ def test_the_progress_bar_moves_while_llama_server_loads(  # type: ignore[no-unt
     browser.wait_for("!!document.getElementById('state')")
     seen: list[float] = []
     deadline = time.monotonic() + LOAD_S + 30
-    while _text(browser, "state") != "ready" and time.monotonic() < deadline:
+    while browser.text_of("state") != "ready" and time.monotonic() < deadline:
         if browser.evaluate("!document.getElementById('load').hidden"):
             value = float(browser.evaluate("document.getElementById('load-progress').value"))
             if value > 0 and (not seen or value != seen[-1]):

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,10 @@ class Browser:
         text = self.evaluate("document.body ? document.body.innerText : ''")
         raise AssertionError(f"timed out waiting for {expression!r} (last {last!r}); page text:\n{text[:2000]}")
 
+    def text_of(self, element_id: str, kind: str = "textContent") -> str:
+        """The text of the element with this id: its `textContent`, or its rendered `innerText`."""
+        return str(self.evaluate(f"document.getElementById({json.dumps(element_id)}).{kind}"))
+
     def screenshot(self, path: Path) -> None:
         data = self.command("Page.captureScreenshot", format="png")["data"]
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +160,16 @@ class Browser:
             pass
         self._stderr.close()
         shutil.rmtree(self._profile, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def opened_browser() -> Iterator[Browser]:
+    """A Browser on this machine's Chromium (the test is skipped without one), closed afterwards."""
+    browser = Browser(require_chromium())
+    try:
+        yield browser
+    finally:
+        browser.close()
 
 
 def screenshot_target(name: str) -> Path | None:

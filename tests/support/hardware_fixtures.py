@@ -7,6 +7,7 @@ Each box holds `root/` (the sysfs and proc files the probes read) and
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,24 @@ from meshnet_gguf.prepare.plan import OperatorChoices
 from meshnet_gguf.prepare.quant_advisor import QuantOption
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hardware"
+# What release b10434 of llama-server printed for --help.
+RECORDED_HELP = FIXTURES / "llama-server-help-b10434.txt"
 BOXES = ("strix-halo-128", "strix-halo-128-carveout-64", "strix-halo-80", "nvidia-rtx4090", "cpu-only")
+
+
+def write_recorded_llama(directory: Path) -> Path:
+    """A `llama-server` in `directory` that answers --version and --help as release b10434 did; a dry run never starts it."""
+    path = directory / "llama-server"
+    path.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --version) echo "version: 10434 (recorded)" >&2 ;;\n'
+        f'  --help) cat "{RECORDED_HELP}" ;;\n'
+        '  *) echo "recorded llama-server: only --version and --help" >&2; exit 1 ;;\n'
+        "esac\n"
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
 
 
 def require_software_vulkan() -> None:

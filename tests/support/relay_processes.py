@@ -115,18 +115,33 @@ def node_ledger(state_dir: Path) -> dict[str, dict[str, Any]]:
     """request id -> {reported, settled, prompt, completion}, read without taking part in the node's writes.
 
     A row is opened before its request is forwarded and settled when the request ends."""
-    path = state_dir / LEDGER_FILE
-    if not path.exists():
+    if not (state_dir / LEDGER_FILE).exists():
         return {}
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    return {
+        row["request_id"]: {
+            "reported": row["reported_at"] is not None, "settled": not row["in_flight"],
+            "prompt": row["prompt"], "completion": row["completion"],
+        }
+        for row in ledger_rows(state_dir)
+    }  # fmt: skip
+
+
+# What `ledger_rows` reads of each usage row: name -> SQL expression.
+LEDGER_COLUMNS = {
+    "request_id": "request_id", "in_flight": "in_flight", "prompt": "prompt_tokens", "completion": "completion_tokens",
+    "finish_reason": "finish_reason", "has_receipt": "receipt != ''", "has_body": "prompt_body IS NOT NULL",
+    "reported_at": "reported_at", "rejected": "rejected",
+}  # fmt: skip
+
+
+def ledger_rows(state_dir: Path) -> list[dict[str, Any]]:
+    """The node's usage rows as {name in LEDGER_COLUMNS: value}, read without taking part in the node's writes."""
+    db = sqlite3.connect(f"file:{state_dir / LEDGER_FILE}?mode=ro", uri=True)
     try:
-        rows = db.execute("SELECT request_id, reported_at, in_flight, prompt_tokens, completion_tokens FROM usage").fetchall()
+        rows = db.execute(f"SELECT {', '.join(LEDGER_COLUMNS.values())} FROM usage").fetchall()
     finally:
         db.close()
-    return {
-        rid: {"reported": at is not None, "settled": not open_, "prompt": p, "completion": c}
-        for rid, at, open_, p, c in rows
-    }
+    return [dict(zip(LEDGER_COLUMNS, row)) for row in rows]
 
 
 def process_memory_contains(pid: int, needle: bytes) -> bool:

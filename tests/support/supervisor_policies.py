@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshnet_gguf.llama.supervisor import SupervisorPolicy
 
 QUICK = SupervisorPolicy(
@@ -13,3 +15,5 @@ QUICK = SupervisorPolicy(
     max_quick_crashes=2,
     stop_timeout_s=3.0,
 )
+# QUICK with a shorter load stall and a liveness check that gives up after two missed polls.
+FAST = replace(QUICK, load_stall_timeout_s=5.0, liveness_interval_s=0.2, liveness_failures=2)

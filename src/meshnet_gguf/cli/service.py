@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
+    import click
+
     from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.ops.unit import ServicePlan
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,15 +34,21 @@ class ServeArgsError(ValueError):
     """The arguments after `service install` are not ones `serve` takes."""
 
 
+def _sibling_command(ctx: typer.Context, name: str) -> click.Command:
+    """The top-level `meshnet-gguf <name>` command, whose own parser checks the arguments."""
+    root = ctx.find_root().command
+    get_command = getattr(root, "get_command", None)
+    command = get_command(ctx, name) if get_command is not None else None
+    if command is None:
+        raise ServeArgsError(f"this installation has no `{name}` command to install as a service")
+    return command
+
+
 def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSettings:
     """Parse `args` exactly as `meshnet-gguf serve` would, into the settings it would run with."""
     from meshnet_gguf.common.settings import NodeSettings
 
-    root = ctx.find_root().command
-    get_command = getattr(root, "get_command", None)
-    serve = get_command(ctx, "serve") if get_command is not None else None
-    if serve is None:
-        raise ServeArgsError("this installation has no `serve` command to install as a service")
+    serve = _sibling_command(ctx, "serve")
     # Parsing with serve's own command keeps one definition of its options; a bad
     # option fails here with serve's usage message.
     serve_ctx = serve.make_context("serve", list(args), parent=ctx)
@@ -56,12 +65,20 @@ def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSet
 
 def _check_worker_args(ctx: typer.Context, args: Sequence[str]) -> None:
     """Parse `args` as `meshnet-gguf worker` would: a bad option fails now, not at the first boot."""
-    root = ctx.find_root().command
-    get_command = getattr(root, "get_command", None)
-    command = get_command(ctx, "worker") if get_command is not None else None
-    if command is None:
-        raise ServeArgsError("this installation has no `worker` command to install as a service")
-    command.make_context("worker", list(args), parent=ctx)
+    _sibling_command(ctx, "worker").make_context("worker", list(args), parent=ctx)
+
+
+def _apply_or_exit(plan: ServicePlan, warning_label: str) -> None:
+    """Carry out `plan`; a failure is printed and exits the command with EXIT_SERVICE_ERROR."""
+    from meshnet_gguf.ops.unit import ServiceError, apply_plan
+
+    try:
+        apply_plan(plan)
+    except (ServiceError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_SERVICE_ERROR) from exc
+    for warning in plan.warnings:
+        typer.echo(f"{warning_label}: {warning}", err=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -85,7 +102,7 @@ def register(app: typer.Typer) -> None:
 
         Writes a systemd unit and a config file for these `serve` settings, then enables it.
         """
-        from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_install
+        from meshnet_gguf.ops.unit import plan_install
         from meshnet_gguf.ops.worker_unit import plan_worker_install
 
         settings = None
@@ -105,13 +122,7 @@ def register(app: typer.Typer) -> None:
         if not user and os.geteuid() != 0:
             typer.echo("error: a system service is installed as root (sudo), or use --user", err=True)
             raise typer.Exit(EXIT_SERVICE_ERROR)
-        try:
-            apply_plan(plan)
-        except (ServiceError, OSError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(EXIT_SERVICE_ERROR) from exc
-        for warning in plan.warnings:
-            typer.echo(f"warning: {warning}", err=True)
+        _apply_or_exit(plan, "warning")
         scope = "--user " if user else ""
         if worker:
             typer.echo(f"installed {plan.layout.unit_path}")
@@ -129,19 +140,13 @@ def register(app: typer.Typer) -> None:
 
         Disables it and removes its unit and config; models and state are kept.
         """
-        from meshnet_gguf.ops.unit import ServiceError, apply_plan, plan_uninstall
+        from meshnet_gguf.ops.unit import plan_uninstall
 
         plan = plan_uninstall(user_mode=user)
         if dry_run:
             typer.echo(plan.describe(), nl=False)
             return
-        try:
-            apply_plan(plan)
-        except (ServiceError, OSError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(EXIT_SERVICE_ERROR) from exc
-        for warning in plan.warnings:
-            typer.echo(f"note: {warning}", err=True)
+        _apply_or_exit(plan, "note")
         typer.echo(f"removed {plan.layout.unit_path}")
 
     @service_app.command()

@@ -83,6 +83,11 @@ class _FileInfo:
         return entry
 
 
+def _directory_entry(path: str) -> dict[str, object]:
+    """A folder as the hub's tree listing shows one (its oid: any stable hash of the path)."""
+    return {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path}
+
+
 def _error(status: int, code: str, message: str) -> Response:
     return JSONResponse({"error": message}, status_code=status, headers={"X-Error-Code": code, "X-Error-Message": message})
 
@@ -230,6 +235,8 @@ class LocalHub:
         return hashlib.sha1("\n".join(f"{f.path} {f.sha256}" for f in files).encode()).hexdigest()
 
     def _lookup(self, request: Request) -> tuple[str, list[_FileInfo], str] | Response:
+        """Record the request, then find its repo and revision: (repo id, files, commit), or the hub's 404."""
+        self._record(request)
         repo_id = f"{request.path_params['owner']}/{request.path_params['name']}"
         files = self._files(repo_id)
         if files is None:
@@ -246,7 +253,6 @@ class LocalHub:
 
     # ---- endpoints -------------------------------------------------------
     async def _model_info(self, request: Request) -> Response:
-        self._record(request)
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
@@ -280,7 +286,6 @@ class LocalHub:
         )
 
     async def _tree(self, request: Request) -> Response:
-        self._record(request)
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
@@ -301,13 +306,12 @@ class LocalHub:
                 folder = "/".join(filter(None, [prefix, *parts[:depth]]))
                 if folder not in folders:
                     folders.add(folder)
-                    entries.append({"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0, "path": folder})
+                    entries.append(_directory_entry(folder))
             if recursive or len(parts) == 1:
                 entries.append(f.tree_entry())
         return JSONResponse(entries)
 
     async def _paths_info(self, request: Request) -> Response:
-        self._record(request)
         found = self._lookup(request)
         if isinstance(found, Response):
             return found
@@ -317,11 +321,10 @@ class LocalHub:
         by_path = {f.path: f for f in files}
         entries: list[dict[str, object]] = [by_path[p].tree_entry() for p in sorted(wanted) if p in by_path]
         folders = {p for p in wanted if p not in by_path and any(f.path.startswith(p + "/") for f in files)}
-        entries += [{"type": "directory", "oid": hashlib.sha1(p.encode()).hexdigest(), "size": 0, "path": p} for p in sorted(folders)]
+        entries += [_directory_entry(p) for p in sorted(folders)]
         return JSONResponse(entries)
 
     async def _resolve(self, request: Request) -> Response:
-        self._record(request)
         found = self._lookup(request)
         if isinstance(found, Response):
             return found

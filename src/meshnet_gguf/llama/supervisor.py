@@ -42,6 +42,7 @@ from meshnet_gguf.llama.child import (
     terminate,
     write_pidfile,
 )
+from meshnet_gguf.llama.outcome_race import OutcomeRace
 from meshnet_gguf.llama.upstream import UpstreamError, unix_socket_url
 from meshnet_gguf.llama.upstream.raw import RawUpstream
 from meshnet_gguf.llama.warmup import CPU_WARMUP, WarmupPolicy, warm_up
@@ -384,33 +385,20 @@ class Supervisor(BasePart):
 
     async def _watch(self, proc: asyncio.subprocess.Process, http: RawUpstream) -> str:
         """Wait until the child exits, stops answering /health, or we are told to stop."""
-        outcome = "stopping"
         async with anyio.create_task_group() as tg:
-
-            async def exited() -> None:
-                nonlocal outcome
-                await proc.wait()
-                outcome = "exited"
-                tg.cancel_scope.cancel()
+            race = OutcomeRace(tg, "stopping")
 
             async def liveness() -> None:
-                nonlocal outcome
                 failures = 0
                 while True:
                     await anyio.sleep(self.policy.liveness_interval_s)
                     ok = await self._probe_health(http)
                     failures = 0 if ok else failures + 1
                     if failures >= self.policy.liveness_failures:
-                        outcome = "unresponsive"
-                        tg.cancel_scope.cancel()
+                        race.end("unresponsive")
                         return
 
-            async def stop_requested() -> None:
-                await self._stop_requested.wait()
-                tg.cancel_scope.cancel()
-
             async def progress() -> None:
-                nonlocal outcome
                 bound = self.policy.busy_stall_timeout_s
                 assert bound is not None
                 last: object = None
@@ -423,25 +411,18 @@ class Supervisor(BasePart):
                         # Idle, or something moved: the stall clock starts again.
                         last, still_since = seen, time.monotonic()
                     elif time.monotonic() - still_since >= bound:
-                        outcome = "stuck"
-                        tg.cancel_scope.cancel()
+                        race.end("stuck")
                         return
 
-            async def pool_broken() -> None:
-                nonlocal outcome
-                assert self.pool is not None
-                await self.pool.wait_broken()
-                outcome = "pool"
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(exited)
+            race.end_when(proc.wait, "exited")
             tg.start_soon(liveness)
             if self.pool is not None:
-                tg.start_soon(pool_broken)
-            tg.start_soon(stop_requested)
+                race.end_when(self.pool.wait_broken, "pool")
+            # A stop leaves the outcome as it is: "stopping" unless a watcher named another first.
+            race.end_when(self._stop_requested.wait, None)
             if self.policy.busy_stall_timeout_s is not None:
                 tg.start_soon(progress)
-        return outcome
+        return race.outcome
 
     async def _slot_progress(self, http: RawUpstream) -> object:
         """What the busy slots have done so far (per slot: its task, prompt tokens processed, tokens

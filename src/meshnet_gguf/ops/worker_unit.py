@@ -13,14 +13,16 @@ from pathlib import Path
 
 from meshnet_gguf.llama.rpc_worker import default_cache_dir
 from meshnet_gguf.ops.unit import (
-    DEVICE_GROUPS,
+    KERNEL_PROTECTION,
     RESTART_DELAY_S,
+    SERVICE_ACCOUNT,
     SERVICE_NAME,
     SERVICE_USER,
     SYSTEM_STATE_DIR,
     PlannedFile,
     ServiceLayout,
     ServicePlan,
+    install_section,
     render_sysusers,
     service_command,
 )
@@ -55,23 +57,18 @@ def render_worker_unit(*, command: Sequence[str], worker_args: Sequence[str], ca
     ]
     if not user_mode:
         unit += [
-            f"User={SERVICE_USER}",
-            f"Group={SERVICE_USER}",
-            f"SupplementaryGroups={' '.join(DEVICE_GROUPS)}",
+            *SERVICE_ACCOUNT,
             "ProtectSystem=strict",
             f"ReadWritePaths={shlex.quote(str(cache_dir))}",
             "ProtectHome=read-only",
             "PrivateTmp=yes",
             # No PrivateDevices: the worker lends /dev/dri and /dev/kfd devices.
-            "ProtectKernelTunables=yes",
-            "ProtectKernelModules=yes",
-            "ProtectKernelLogs=yes",
-            "ProtectControlGroups=yes",
+            *KERNEL_PROTECTION,
             "RestrictSUIDSGID=yes",
             "RestrictNamespaces=yes",
             "LockPersonality=yes",
         ]
-    unit += ["", "[Install]", f"WantedBy={'default.target' if user_mode else 'multi-user.target'}", ""]
+    unit += install_section(user_mode)
     return "\n".join(unit)
 
 

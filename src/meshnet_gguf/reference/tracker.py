@@ -438,9 +438,7 @@ class Tracker:
     async def _heartbeat(self, request: Request) -> Response:
         node_id = request.path_params["node_id"]
         try:
-            entry = self._registered(node_id)
-            body = await _control_body(request)
-            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer, self.used_node_tokens)
+            entry, body = await self._registered_call(request, node_id)
             beat = _parse(Heartbeat, body)
         except ApiError as refusal:
             return _error_response(refusal)
@@ -454,15 +452,20 @@ class Tracker:
     async def _deregister(self, request: Request) -> Response:
         node_id = request.path_params["node_id"]
         try:
-            entry = self._registered(node_id)
-            body = await _control_body(request)
-            _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer, self.used_node_tokens)
+            _, body = await self._registered_call(request, node_id)
             reason = _parse(Deregistration, body).reason
         except ApiError as refusal:
             return _error_response(refusal)
         self.registry.remove(node_id)
         log.info("node %s deregistered (%s)", node_id, reason)
         return JSONResponse({})
+
+    async def _registered_call(self, request: Request, node_id: str) -> tuple[NodeEntry, bytes]:
+        """The entry of a registered node and the body of its call, signed with its registered key."""
+        entry = self._registered(node_id)
+        body = await _control_body(request)
+        _verify_node_call(request, body, node_id, parse_public_key(entry.announcement.public_key), self.issuer, self.used_node_tokens)
+        return entry, body
 
     def _registered(self, node_id: str) -> NodeEntry:
         entry = self.registry.get(node_id)

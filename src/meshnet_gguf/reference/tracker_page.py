@@ -10,7 +10,6 @@ through a relay. `routes()` is all `Tracker.app()` needs to add.
 from __future__ import annotations
 
 import time
-from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from meshnet_gguf.common.page_files import PAGE_SECURITY_HEADERS, read_page_file, static_files
 from meshnet_gguf.contract.protocol import TrackerUsage
 
 PAGES_DIR = Path(__file__).parent / "pages"
@@ -26,18 +26,8 @@ DASHBOARD_JSON_PATH = "/dashboard.json"
 RECENT_ROUTES_SHOWN = 50
 # How often the page polls; a tracker with a few nodes answers this in a millisecond or two.
 DASHBOARD_POLL_S = 2.0
-STATIC_FILES: dict[str, tuple[str, str]] = {
-    "/": ("tracker.html", "text/html; charset=utf-8"),
-    "/tracker.js": ("tracker.js", "text/javascript; charset=utf-8"),
-    "/tracker.css": ("tracker.css", "text/css; charset=utf-8"),
-}
-PAGE_HEADERS = {
-    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-    "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
-    "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
-    "cache-control": "no-cache",
-}
+# The page's files, path -> (file, content type).
+STATIC_FILES = static_files(PAGES_DIR, "tracker", own_stylesheet=True)
 
 
 class _Registry(Protocol):
@@ -57,8 +47,8 @@ def routes(tracker: _Tracker) -> list[Route]:
     """The page's routes, to add to the tracker's app."""
 
     async def static(request: Request) -> Response:
-        name, content_type = STATIC_FILES[request.url.path]
-        return Response(_page_file(name), media_type=content_type, headers=PAGE_HEADERS)
+        file, content_type = STATIC_FILES[request.url.path]
+        return Response(read_page_file(file), media_type=content_type, headers=PAGE_SECURITY_HEADERS)
 
     async def dashboard(request: Request) -> Response:
         return JSONResponse(await dashboard_document(tracker), headers={"cache-control": "no-store"})
@@ -101,11 +91,6 @@ async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
         "disagreements": sum(u.flagged for u in usage),
         "poll_interval_s": DASHBOARD_POLL_S,
     }
-
-
-@cache
-def _page_file(name: str) -> bytes:
-    return (PAGES_DIR / name).read_bytes()
 
 
 __all__ = ["DASHBOARD_JSON_PATH", "dashboard_document", "routes"]

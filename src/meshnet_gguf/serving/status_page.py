@@ -27,10 +27,10 @@ import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
+from meshnet_gguf.common.page_files import PAGE_SECURITY_HEADERS, read_page_file, static_files
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
@@ -46,23 +46,9 @@ CHAT_PREFIX = "/chat/"
 STATUS_POLL_S = 1.0
 # The last requests the page lists (a ring: memory stays bounded on a busy node).
 RECENT_REQUESTS_KEPT = 20
-# The page's files, path -> (file in pages/, content type).
-STATIC_FILES: dict[str, tuple[str, str]] = {
-    "/": ("node.html", "text/html; charset=utf-8"),
-    "/node.js": ("node.js", "text/javascript; charset=utf-8"),
-    "/node.css": ("node.css", "text/css; charset=utf-8"),
-}
-# The node's pages load only their own files and talk only to this node.
-PAGE_SECURITY_HEADERS = [
-    (
-        b"content-security-policy",
-        b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-        b"frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
-    ),
-    (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"no-referrer"),
-    (b"cache-control", b"no-cache"),
-]
+# The page's files, path -> (file, content type).
+STATIC_FILES = static_files(PAGES_DIR, "node")
+_PAGE_SECURITY_HEADERS = [(name.encode(), value.encode()) for name, value in PAGE_SECURITY_HEADERS.items()]
 # Paths under /chat/ that are llama-server's web UI files (no data in them): its index,
 # its bundle and its icons. Anything else of llama-server's (slots, metrics, props) is not.
 _CHAT_STATIC = re.compile(r"^(|_app/[A-Za-z0-9_./-]+|[A-Za-z0-9_-]+\.(?:ico|svg|png|webmanifest)|(?:build|_app/version)\.json)$")
@@ -210,8 +196,8 @@ class NodePages:
         method: str = scope["method"]
         try:
             if path in STATIC_FILES and method in ("GET", "HEAD"):
-                name, content_type = STATIC_FILES[path]
-                await _respond(send, 200, _page_file(name), [(b"content-type", content_type.encode()), *PAGE_SECURITY_HEADERS])
+                file, content_type = STATIC_FILES[path]
+                await _respond(send, 200, read_page_file(file), [(b"content-type", content_type.encode()), *_PAGE_SECURITY_HEADERS])
             elif path == STATUS_JSON_PATH and method == "GET":
                 self._access.check(scope, _headers(scope))
                 body = json.dumps(self._status.document()).encode()
@@ -248,11 +234,6 @@ def plan_line(plan_text: str | None, slots: int) -> str:
     if not plan_text:
         return f"{slots} slots (llama-server decides the rest)"
     return plan_text.splitlines()[0].removeprefix("plan: ")
-
-
-@cache
-def _page_file(name: str) -> bytes:
-    return (PAGES_DIR / name).read_bytes()
 
 
 def _is_loopback(host: str | None) -> bool:
