@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.common.ports import free_local_port, free_local_port_pair
 from meshnet_gguf.llama.binary import BinaryInfo, find_llama_server
 from meshnet_gguf.llama.rpc_worker import find_rpc_server
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
@@ -42,18 +41,6 @@ PREFILL_WORDS_FOR_NODE = 300  # about PREFILL_TOKENS with the generated model's 
 DECODE_TOKENS = 128
 GREEDY_TOKENS = 64
 ROUNDS = 3
-
-
-def free_port_pair() -> int:
-    """A free loopback port whose successor is free too (a worker's status endpoint is its RPC port + 1)."""
-    while True:
-        port = free_local_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
 
 
 def spawn(argv: list[str], binary: BinaryInfo, log: Path) -> subprocess.Popen[bytes]:
@@ -288,7 +275,7 @@ def node_first_through_workers(model: Path, args: argparse.Namespace, workdir: P
     procs, endpoints = [], []
     try:
         for i in range(args.workers):
-            port = free_port_pair()
+            port = free_local_port_pair()
             log = workdir / f"mworker{i}.log"
             argv = [sys.executable, "-m", "meshnet_gguf", "worker", "--host", "127.0.0.1", "--port", str(port), "--node-key", key,
                     "--device", args.worker_device, "--cache-dir", str(workdir / f"mcache{i}"), "--cache-limit", "4G"]  # fmt: skip

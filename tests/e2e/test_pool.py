@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.common.ports import free_local_port, free_local_port_pair
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.rpc_status import STATUS_PATH
 from meshnet_gguf.mesh.identity import NodeIdentity
@@ -28,23 +27,11 @@ pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 WORKER_START_S = 20.0
 
 
-def free_port_pair() -> int:
-    """A free loopback port whose successor is free too: the worker's status endpoint listens on RPC port + 1."""
-    while True:
-        port = free_local_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-
-
 class WorkerProcess:
     """`meshnet-gguf worker` on a loopback port, lending the CPU, stopped by pid at the end."""
 
     def __init__(self, workdir: Path, node_key: str, port: int | None = None, llama_server: Path | None = None) -> None:
-        self.port = port or free_port_pair()
+        self.port = port or free_local_port_pair()
         self.log_path = workdir / f"worker-{self.port}.log"
         argv = [
             sys.executable, "-m", "meshnet_gguf", "worker", "--host", "127.0.0.1", "--port", str(self.port),

@@ -22,3 +22,11 @@ def local_port_taken(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def free_local_port_pair() -> int:
+    """A free loopback port whose successor is free too (a pool worker's status endpoint is its RPC port + 1)."""
+    while True:
+        port = free_local_port()
+        if not local_port_taken(port + 1):
+            return port
