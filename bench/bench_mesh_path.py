@@ -78,12 +78,17 @@ class Service:
     """A `meshnet-gguf dev tracker|relay` child on a free loopback port, stopped by its PID."""
 
     def __init__(self, work: Path, name: str, args: list[str], env: dict[str, str]) -> None:
+        self.name, self.args, self.env = name, args, {**os.environ, **env}
         self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = (work / f"{name}.log").open("wb")
+        self.log_path = work / f"{name}.log"
+        self.log = self.log_path.open("ab")
+        self._start()
+
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshnet_gguf", "dev", name, "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True,
+            [sys.executable, "-m", "meshnet_gguf", "dev", self.name, "--port", str(self.port), *self.args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -95,7 +100,12 @@ class Service:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        raise RuntimeError(f"{name} did not start")
+        raise RuntimeError(f"{self.name} did not start")
+
+    def restart(self) -> None:
+        """Start it again on the same port, as a restarted service comes back (the old one must be gone)."""
+        assert self.proc.poll() is not None, f"{self.name} is still running"
+        self._start()
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -31,6 +31,9 @@ from support.relay_processes import (
 pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 EXACT = {"extra_body": {"ignore_eos": True}}
+# 4,096 tokens a slot: a stream the test cuts at its fifth chunk is still generating (a few seconds on
+# the tiny model) when the relay dies, however slowly a loaded machine lets the client read.
+STREAM_CTX_SIZE = "8192"
 # The outage the node must ride out with its ledger and outbox intact.
 RELAY_OUTAGE_S = float(os.environ.get("MESHNET_TEST_RELAY_OUTAGE_S", "60"))
 
@@ -66,7 +69,7 @@ def relayed(real_llama, tiny_gguf, start_node, tmp_path) -> Iterator[RelayedMesh
     relay = relay_process(tmp_path, tracker).start()
     node = start_node(
         "--gguf", str(tiny_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
-        "--relay", relay.url, "--parallel", "2", "--ctx-size", "2048", "--drain-grace", "2", env=node_env(tracker),
+        "--relay", relay.url, "--parallel", "2", "--ctx-size", STREAM_CTX_SIZE, "--drain-grace", "2", env=node_env(tracker),
     )  # fmt: skip
     mesh = RelayedMesh(tracker, relay, node, tiny_gguf.stem)
     try:

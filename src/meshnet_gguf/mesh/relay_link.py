@@ -139,7 +139,6 @@ class RelayLink(BasePart):
         self._dialing = 0
         self.streams_active = 0
         self.streams_total = 0
-        self._pool_changed = anyio.Event()
         self._draining = False
         self._session_scope: anyio.CancelScope | None = None
         self._streams_group: anyio.abc.TaskGroup | None = None
@@ -225,7 +224,8 @@ class RelayLink(BasePart):
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._ping, stream, attached.ping_interval_s)
-                    tg.start_soon(self._keep_pool, tg, target)
+                    for _ in range(target):
+                        tg.start_soon(self._work_slot)
                     silence_limit = attached.ping_interval_s + attached.ping_timeout_s
                     while True:
                         with anyio.fail_after(silence_limit):
@@ -241,102 +241,101 @@ class RelayLink(BasePart):
             await anyio.sleep(interval_s)
             await _send(stream, RelayPing(type="ping"))
 
-    async def _keep_pool(self, tg: anyio.abc.TaskGroup, target: int) -> None:
-        while True:
-            while self._idle + self._dialing < target:
-                self._dialing += 1
-                tg.start_soon(self._work_connection)
-            changed = self._pool_changed
-            await changed.wait()
+    async def _work_slot(self) -> None:
+        """Keep one idle work connection at the relay: dial, wait for a tracker, hand it over, dial again.
 
-    def _pool_change(self) -> None:
-        self._pool_changed.set()
-        self._pool_changed = anyio.Event()
+        A fixed set of these loops, started with the session, is the whole pool. Nothing spawns a
+        connection from outside a slot, so when the session ends its cancellation ends every slot: an
+        earlier design that re-dialled on a "pool changed" event could keep re-dialling into the
+        cancelled session as fast as failed dials woke it, and the node never reconnected.
+        """
+        while True:
+            await self._work_connection()
 
     async def _work_connection(self) -> None:
-        """Dial one work connection, wait idle until the relay splices a tracker to it, then serve that.
+        """Dial one work connection and wait idle until the relay splices a tracker to it.
 
-        Built on asyncio transports rather than anyio streams: the event loop's own TLS (C in
+        Returns once the connection is in use (its TLS handshake and stream go on in the streams group)
+        or gone. Built on asyncio transports rather than anyio streams: the event loop's own TLS (C in
         uvloop) and a protocol-level splice cost a tenth of the CPU per relayed chunk.
         """
         writer: asyncio.StreamWriter | None = None
+        self._dialing += 1
         try:
             with anyio.fail_after(DIAL_TIMEOUT_S):
                 writer = await self._open_work()
         except Exception as exc:  # noqa: BLE001 - the control session notices a dead relay; here we only pace
             log.debug("work connection failed: %r", exc)
-            await anyio.sleep(WORK_RETRY_DELAY_S)
         finally:
-            # Also when cancelled with the session: the counts must stay true for the next one.
             self._dialing -= 1
-            if writer is None:
-                self._pool_change()
         if writer is None:
+            await anyio.sleep(WORK_RETRY_DELAY_S)
             return
         self._idle += 1
-        in_use = handed_over = False
+        handed_over = False
         try:
             # Nothing more may be read as plaintext: pause, say `ready`, and let TLS take the socket. The
             # relay splices a ClientHello only after `ready`, so it can only reach the TLS layer.
             transport = writer.transport
             transport.pause_reading()
             writer.write(RelayReady().model_dump_json().encode() + b"\n")
-            tls_side = _Pipe()
             # Idle until the relay forwards a first byte (or drops the connection); renewed after a while.
             with anyio.move_on_after(IDLE_WORK_LIFETIME_S) as idle_wait:
                 await _wait_readable(transport)
-            if idle_wait.cancelled_caught:
+            if idle_wait.cancelled_caught or self._streams_group is None:
                 return
-            # Used from here on, whoever sent that byte: the pool gets a replacement now, not after a handshake
-            # that a stranger may never finish.
-            in_use = True
-            self._idle -= 1
-            self._pool_change()
-            ssl_transport = await asyncio.get_running_loop().start_tls(
-                transport, tls_side, self._tls, server_side=True, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S
-            )
-            # start_tls does not call connection_made: the app protocol learns its transport here.
-            tls_side.transport = ssl_transport  # type: ignore[assignment]
-            ssl_transport.pause_reading()  # until the local side is connected
-            self.streams_active += 1
-            self.streams_total += 1
-            if self._streams_group is not None:
-                # The stream lives in the streams group, beyond this control session.
-                self._streams_group.start_soon(self._serve_stream, ssl_transport, tls_side, writer)
-                handed_over = True
-            else:
-                ssl_transport.close()
-                self.streams_active -= 1
-        except Exception as exc:  # noqa: BLE001 - the relay closed an idle connection, or a handshake failed
+            # Used from here on, whoever sent that byte: the slot dials a replacement now, not after a
+            # handshake that a stranger may never finish.
+            self._streams_group.start_soon(self._serve_stream, writer)
+            handed_over = True
+        except Exception as exc:  # noqa: BLE001 - the relay closed an idle connection
             log.debug("idle work connection ended: %r", exc, exc_info=True)
         finally:
-            if not in_use:
-                self._idle -= 1
-                self._pool_change()
+            self._idle -= 1
             if not handed_over:
                 writer.transport.abort()
 
-    async def _serve_stream(self, ssl_transport: asyncio.BaseTransport, tls_side: _Pipe, writer: asyncio.StreamWriter) -> None:
+    async def _serve_stream(self, writer: asyncio.StreamWriter) -> None:
+        """Take TLS over the work connection a tracker (or a stranger) started using, then splice it to the proxy."""
         # `writer` is held until the stream ends: a collected StreamWriter closes the socket under the TLS layer.
+        tls_side = _Pipe()
+        ssl_transport: asyncio.BaseTransport | None = None
         local_side: _Pipe | None = None
         peer: tuple[str, int] | None = None
         try:
-            host, port = self._local_address()
-            _, local_side = await asyncio.get_running_loop().create_connection(_Pipe, host, port)
-            sockname = local_side.transport.get_extra_info("sockname") if local_side.transport else None
-            if sockname:
-                peer = (str(sockname[0]), int(sockname[1]))
-                self._local_peers.add(peer)
-            _Pipe.join(tls_side, local_side)
-            await tls_side.closed
-            await local_side.closed
-        except Exception as exc:  # noqa: BLE001 - one stream's failure never touches another
-            log.debug("relayed stream ended: %r", exc, exc_info=True)
+            try:
+                ssl_transport = await asyncio.get_running_loop().start_tls(
+                    writer.transport, tls_side, self._tls, server_side=True, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S
+                )
+            except Exception as exc:  # noqa: BLE001 - a handshake that failed or never came ends only this connection
+                log.debug("relayed handshake failed: %r", exc, exc_info=True)
+                return
+            # start_tls does not call connection_made: the app protocol learns its transport here.
+            tls_side.transport = ssl_transport  # type: ignore[assignment]
+            ssl_transport.pause_reading()  # type: ignore[attr-defined]  # until the local side is connected
+            self.streams_active += 1
+            self.streams_total += 1
+            try:
+                host, port = self._local_address()
+                _, local_side = await asyncio.get_running_loop().create_connection(_Pipe, host, port)
+                sockname = local_side.transport.get_extra_info("sockname") if local_side.transport else None
+                if sockname:
+                    peer = (str(sockname[0]), int(sockname[1]))
+                    self._local_peers.add(peer)
+                _Pipe.join(tls_side, local_side)
+                await tls_side.closed
+                await local_side.closed
+            except Exception as exc:  # noqa: BLE001 - one stream's failure never touches another
+                log.debug("relayed stream ended: %r", exc, exc_info=True)
+            finally:
+                self.streams_active -= 1
         finally:
             if peer is not None:
                 self._local_peers.discard(peer)
-            self.streams_active -= 1
-            ssl_transport.close()
+            if ssl_transport is not None:
+                ssl_transport.close()
+            else:
+                writer.transport.abort()
             del writer
             if local_side is not None and local_side.transport is not None:
                 local_side.transport.close()
