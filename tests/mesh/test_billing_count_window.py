@@ -1,6 +1,6 @@
-"""A meshed node counts the prompt beside the generation, so there is a window in which a request
-reached llama-server and its prompt is not counted yet. A node killed in that window still bills
-the prompt, exactly once: the ledger row opened before forwarding keeps the request body, and the
+"""A meshed node bills a completed answer from llama-server's own count and counts the prompt only
+for an answer cut short, so there is a window in which a request reached llama-server and its
+prompt is known nowhere yet. A node killed in that window still bills the prompt, exactly once: the ledger row opened before forwarding keeps the request body, and the
 restarted node counts it once llama-server is up, then settles the row into one receipt. And when
 it is llama-server that goes away in that window, the row waits (parked, with its body) until the
 restarted llama-server counts the prompt, then settles once."""
@@ -24,8 +24,9 @@ from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F
 CONTENT = "count me after the crash"
 # The fake llama-server renders a chat as "<role>content" and counts one token per character.
 EXPECTED_PROMPT_TOKENS = len(f"<user>{CONTENT}")
-# Long enough that the kill surely lands before the count does.
+# Long enough that the kill surely lands before any count (were one asked for) or the answer's end.
 COUNT_DELAY_S = 60
+SLOW_TOKENS = {"FAKE_LLAMA_COUNT_DELAY_S": str(COUNT_DELAY_S), "FAKE_LLAMA_TOKEN_DELAY_S": "1"}
 
 
 def start(start_node, tracker: TrackerProcess, gguf: Path, fake_llama_path: Path, workdir: Path, **env: str):  # type: ignore[no-untyped-def]
@@ -44,8 +45,7 @@ def test_a_node_killed_after_forwarding_and_before_the_count_bills_the_prompt_on
 ) -> None:
     workdir = tmp_path / "node"
     forwarded = tmp_path / "forwarded.jsonl"
-    node = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir,
-                 FAKE_LLAMA_COUNT_DELAY_S=str(COUNT_DELAY_S), FAKE_LLAMA_REQUEST_LOG=str(forwarded))  # fmt: skip
+    node = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir, **SLOW_TOKENS, FAKE_LLAMA_REQUEST_LOG=str(forwarded))
     chat = {"model": tiny_gguf.stem, "messages": [{"role": "user", "content": CONTENT}], "stream": True, "max_tokens": 8}
     outcome: list[str] = []
 
@@ -58,14 +58,14 @@ def test_a_node_killed_after_forwarding_and_before_the_count_bills_the_prompt_on
 
     asker = threading.Thread(target=client)
     asker.start()
-    # llama-server has the request; the count is held back: the kill lands between the two.
+    # llama-server has the request and is generating it: the kill lands before its answer ends.
     wait_for(lambda: forwarded.exists() and forwarded.read_text().strip() != "", "the request forwarded", node.log_path)
     [row] = ledger_rows(node.state_dir)
     assert row["in_flight"] == 1 and row["prompt"] == 0 and row["has_body"]  # on disk before forwarding, with its body
     node.signal(signal.SIGKILL)
     node.wait_exit()
     asker.join(60)
-    assert outcome and '"content"' not in outcome[0]  # no output left the node before the count was recorded
+    assert outcome and "[DONE]" not in outcome[0]  # the answer was cut off by the kill
 
     restarted = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir)
     wait_for(lambda: ledger_rows(restarted.state_dir)[0]["reported_at"] is not None, "the receipt delivered", restarted.log_path)
@@ -83,7 +83,7 @@ async def test_llama_server_gone_after_forwarding_and_before_the_count_still_bil
     fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path
 ) -> None:
     forwarded = tmp_path / "forwarded.jsonl"
-    slow = {"FAKE_LLAMA_COUNT_DELAY_S": str(COUNT_DELAY_S), "FAKE_LLAMA_TOKEN_DELAY_S": "1", "FAKE_LLAMA_REQUEST_LOG": str(forwarded)}
+    slow = {**SLOW_TOKENS, "FAKE_LLAMA_REQUEST_LOG": str(forwarded)}
     child = LlamaChild(fake_llama, tiny_gguf, env=slow)  # killed mid-answer, its count held back
     restarted: LlamaChild | None = None
     tracker = Tracker()
@@ -120,3 +120,44 @@ async def test_llama_server_gone_after_forwarding_and_before_the_count_still_bil
         child.close()
         if restarted is not None:
             restarted.close()
+
+
+@pytest.mark.anyio
+async def test_a_meshed_node_bills_completed_answers_from_llama_servers_count_and_counts_only_a_cut_one(
+    fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    counted = tmp_path / "counted.jsonl"
+    child = LlamaChild(fake_llama, tiny_gguf, env={"FAKE_LLAMA_COUNT_LOG": str(counted), "FAKE_LLAMA_TOKEN_DELAY_S": "0.05"})
+    tracker = Tracker()
+    state = tmp_path / "state"
+
+    def count_requests() -> list[str]:
+        return [line for line in counted.read_text().splitlines() if line] if counted.exists() else []
+
+    try:
+        async with serve_front(child.url, tracker=tracker, state_dir=state) as front, httpx.AsyncClient(timeout=30) as http:
+            assert front.identity is not None
+
+            def routed(stream: bool) -> tuple[bytes, dict[str, str]]:
+                body = (f'{{"model": "tiny", "messages": [{{"role": "user", "content": "{CONTENT}"}}], '
+                        f'"max_tokens": 8, "stream": {str(stream).lower()}}}').encode()  # fmt: skip
+                route = tracker.route(front.identity.node_id, "/v1/chat/completions", body)  # type: ignore[union-attr]
+                return body, {"content-type": "application/json", ROUTE_HEADER: route}
+
+            for stream in (True, False):
+                body, headers = routed(stream)
+                answer = await http.post(front.url + "/v1/chat/completions", content=body, headers=headers)
+                assert answer.status_code == 200
+            assert count_requests() == []  # both answers said how long the prompt was
+            body, headers = routed(True)
+            async with http.stream("POST", front.url + "/v1/chat/completions", content=body, headers=headers) as answer:
+                async for line in answer.aiter_lines():
+                    if '"content"' in line:
+                        break  # the client leaves after its first token
+            records = await front.sink.wait_for(3)
+            assert len(count_requests()) == 2  # the cut one only: its template, then its tokens
+            assert [r.finish_reason for r in records] == ["length", "length", "cancelled"]
+            assert all(r.prompt_tokens > 0 for r in records)
+            assert records[2].prompt_tokens == EXPECTED_PROMPT_TOKENS
+    finally:
+        child.close()

@@ -191,6 +191,18 @@ async def test_an_error_answer_from_llama_server_passes_through_as_it_is() -> No
 
 
 
+COUNTING_PATHS = {"/apply-template", "/tokenize"}
+
+
+async def test_a_whole_answer_is_billed_from_llama_servers_own_usage_without_counting_again() -> None:
+    proxy = build_proxy()
+    async with proxy.client() as client:
+        whole = (await client.post(CHAT_PATH, json=CHAT)).json()
+    assert [r.path for r in proxy.upstream.requests if r.path in COUNTING_PATHS] == []
+    assert whole["usage"]["prompt_tokens"] == CHAT_PROMPT_TOKENS
+    assert [r.prompt_tokens for r in proxy.sink.records] == [CHAT_PROMPT_TOKENS]
+
+
 async def test_a_standalone_node_counts_the_prompt_beside_the_generation_not_before_it() -> None:
     # llama-server's template answer is held: the first token must still reach the client,
     # because a node with no ledger row to fill does not wait for the count to forward.
@@ -218,9 +230,21 @@ async def test_a_standalone_node_counts_the_prompt_beside_the_generation_not_bef
     assert record.prompt_tokens == CHAT_PROMPT_TOKENS  # billed all the same
 
 
+async def test_a_stream_cut_short_bills_the_prompt_counted_beside_it() -> None:
+    answer = stream_answer(stream_events(8), hold_before=4)
+    proxy = build_proxy(upstream=FakeLlamaUpstream(Scripted([answer])))
+    async with proxy.exchange("POST", CHAT_PATH, json_body=STREAM) as exchange:
+        await exchange.wait_until(lambda: answer.held.is_set() and exchange.body.count(b'"content":"x"') == 3)
+        exchange.hang_up()
+        await exchange.app_done.wait()
+    assert [r.path for r in proxy.upstream.requests if r.path in COUNTING_PATHS] == ["/apply-template", "/tokenize"]
+    [record] = proxy.sink.records
+    assert record.finish_reason == "cancelled" and record.prompt_tokens == CHAT_PROMPT_TOKENS
+
+
 async def test_a_chat_llama_servers_template_cannot_read_is_a_400_not_its_500() -> None:
-    # Counted beside the generation, the template's 400 arrives with the generation's 500:
-    # the client hears its own mistake, as it would from a node that counts first.
+    # Counted once the generation answered 500, the template's 400 says why: the client
+    # hears its own mistake, as it would from a node that counts first.
     def respond(request):  # type: ignore[no-untyped-def]
         if request.path == "/apply-template":
             return FakeAnswer(400, [b'{"error":{"code":400,"message":"unsupported tool shape"}}'])

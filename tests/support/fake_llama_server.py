@@ -22,6 +22,7 @@ bottleneck it is used to measure.
     FAKE_LLAMA_EVENTS_PER_WRITE events coalesced per socket write when streaming (default 1)
     FAKE_LLAMA_REQUEST_LOG     append one JSON line per inference request (path + body)
     FAKE_LLAMA_COUNT_DELAY_S   pause before answering /apply-template and /tokenize (default 0)
+    FAKE_LLAMA_COUNT_LOG       append one JSON line per /apply-template or /tokenize request (path)
     FAKE_LLAMA_WARMUP_LOG      the same for the node's warm-up requests (header x-meshnet-warmup)
     FAKE_LLAMA_ENV_DUMP        write the environment it was started with to this file (JSON)
 """
@@ -109,6 +110,9 @@ class FakeLlama:
         if path == "/slots":
             return await respond(writer, 200, [{"id": i, "is_processing": i in self.busy} for i in range(self.slots)])
         if path in ("/apply-template", "/tokenize") and method == "POST":
+            if count_log := os.environ.get("FAKE_LLAMA_COUNT_LOG"):
+                with open(count_log, "a") as fh:
+                    fh.write(json.dumps({"path": path}) + "\n")
             await asyncio.sleep(env_float("FAKE_LLAMA_COUNT_DELAY_S", 0))
         if path == "/apply-template" and method == "POST":
             messages = json.loads(body).get("messages") or []

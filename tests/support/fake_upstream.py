@@ -193,7 +193,13 @@ def stream_events(
         events.append(head + (b'"delta":{"content":"x"},"finish_reason":null}]}\n\n' if chat else b'"text":"x","finish_reason":null}]}\n\n'))
         if ping_every and (i + 1) % ping_every == 0:
             events.append(b": ping\n\n")
-    events.append(head + (b'"delta":{},"finish_reason":"length"}]}\n\n' if chat else b'"text":"","finish_reason":"length"}]}\n\n'))
+    last = head + (b'"delta":{},"finish_reason":"length"}]' if chat else b'"text":"","finish_reason":"length"}]')
+    if not usage and prompt_tokens:
+        # As llama-server does: the last chunk carries its timings whether or not usage was asked for.
+        timings = {"cache_n": CACHED_TOKENS, "prompt_n": prompt_tokens - CACHED_TOKENS, "predicted_n": n,
+                   "predicted_per_second": DECODE_TOKENS_PER_S}  # fmt: skip
+        last += b',"timings":' + json.dumps(timings, separators=(",", ":")).encode()
+    events.append(last + b"}\n\n")
     if usage:
         chunk = {"id": "fake-1", "object": "chat.completion.chunk", "choices": [], "usage": _usage(prompt_tokens, n),
                  "timings": {"predicted_per_second": DECODE_TOKENS_PER_S}}  # fmt: skip

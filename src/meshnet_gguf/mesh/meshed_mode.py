@@ -3,10 +3,10 @@ get through, and each request's ledger row is on disk before llama-server sees i
 
 The route's token is checked before the body is read, the body's hash once it is, and at
 commit the route's one-time id is claimed and the in-flight row written durably, with the
-request body, so a replayed route is refused even across a crash. The prompt is counted
-beside the generation; its count goes into the row before the answer's first byte
-leaves, and a node killed before that still bills the prompt: the restart counts it from
-the body kept in the row.
+request body, so a replayed route is refused even across a crash. A completed answer
+carries llama-server's own prompt count; one cut short is counted when it ends, and the
+count goes into the row. A node killed before either lands still bills the prompt: the
+restart counts it from the body kept in the row.
 """
 
 from __future__ import annotations
@@ -88,9 +88,8 @@ class RouteGate:
 class MeshedMode:
     """Signed routes in, a durable ledger row per request before forwarding."""
 
-    # The answer waits for the prompt's count to be in the row: a client never holds output
-    # whose prompt the ledger could not bill without llama-server.
-    prompt_before_answer = True
+    # The row keeps the body until the request settles: a prompt is counted only when needed.
+    keeps_request_body = True
 
     def __init__(self, gate: RouteGate, journal: LedgerUsageSink, *, retry_after_s: int, api_key: str | None = None) -> None:
         self._gate = gate

@@ -10,7 +10,7 @@ refused, and nothing is used up by a request refused for another reason:
 1. `admit(headers, path)`, before a byte of the body is read;
 2. `check_body(grant, body)`, once it is;
 3. `commit(grant, usage, body)`, just before forwarding: from here the request runs;
-4. `prompt_counted(request_id, tokens)`, when the prompt's count (beside the generation) lands.
+4. `prompt_counted(request_id, tokens)`, when a prompt had to be counted (its answer did not say) and the count lands.
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ class AdmissionMode(Protocol):
     """The way this node admits requests; each step raises `ApiError` to refuse."""
 
     @property
-    def prompt_before_answer(self) -> bool:
-        """True when the answer's first byte must wait until `prompt_counted` has recorded the
-        prompt's count (which then starts with the generation rather than after its first bytes)."""
+    def keeps_request_body(self) -> bool:
+        """True when `commit` keeps the request body where the prompt can be counted later, even
+        after a crash (a ledger row): the proxy then counts a prompt only when the answer does not
+        carry llama-server's count. False: a stream's prompt is counted beside it, while
+        llama-server is surely there to answer."""
         ...
 
     def admit_listing(self, headers: Mapping[str, str]) -> None:
@@ -87,11 +89,10 @@ class StandaloneMode:
     A web page in the operator's browser can reach loopback: with a rebound DNS name (the
     Host header then carries that name) or with a form post (which cannot carry
     Content-Type: application/json without a CORS preflight this node never grants).
-    Nothing is recorded before forwarding, so the prompt is counted once the answer's first
-    bytes are on their way and costs no time to first token.
+    Nothing is recorded before forwarding.
     """
 
-    prompt_before_answer = False
+    keeps_request_body = False
 
     def __init__(self, *, api_key: str | None = None, allowed_hosts: Sequence[str] = ()) -> None:
         self._api_key = api_key

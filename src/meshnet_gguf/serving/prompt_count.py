@@ -2,7 +2,8 @@
 
 The count bills the prompt of a request cut short at any moment. `PromptCounter`
 asks llama-server (`/apply-template` for a chat, then `/tokenize`); `PromptCount`
-runs that count beside the generation, so it adds no round trip before forwarding.
+decides when: never before forwarding, and on a node that keeps the request body
+durably, only for an answer that does not carry llama-server's own count.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
@@ -115,68 +117,75 @@ def stored_prompt_counter(
 
 
 class PromptCount:
-    """A prompt counted beside its generation: the count, or llama-server's refusal to read it.
+    """A request's prompt, counted when the answer does not say how long it was.
 
-    Lazy (a standalone node): the count starts once the first bytes of the answer are on
-    their way (`start()`), or when someone needs it: on 2 cores, llama-server tokenizing
-    while it prefills would delay the very first token the count is meant not to delay.
+    A completed answer carries llama-server's own count (`usage`, or a stream's last
+    `timings`), and that is what is billed; counting again would cost two round trips to
+    llama-server beside the generation. So a node that keeps the request body where its
+    prompt can still be counted later (a meshed node's ledger row) counts only on need
+    (`settled()`): an answer cut short, broken off or refused. A node that keeps nothing
+    counts a stream beside it (`begin()`, once its first bytes are out, so the count never
+    delays them), while llama-server is surely there to answer.
 
-    Eager (a node that bills from a record written before forwarding): the count starts
-    with the generation, `on_counted` records it, and the answer's first bytes wait for
-    that (`before_answer()`), so no client holds output whose prompt is not in the record.
-    The count then runs during llama-server's prompt processing instead of before it.
     `on_counted` is told only a count llama-server gave (or its refusal to read the prompt,
     as 0): when it went away or was wedged, the record keeps what it needs to count later.
     """
 
-    def __init__(self, *, eager: bool = False, on_counted: Callable[[int], Awaitable[None]] | None = None) -> None:
-        self._eager = eager
+    def __init__(self, counting: Callable[[], Awaitable[int]], *, on_counted: Callable[[int], Awaitable[None]] | None = None) -> None:
+        self._counting = counting
         self._on_counted = on_counted
-        self._go = anyio.Event()
-        if eager:
-            self._go.set()
-        self._done = anyio.Event()
-        self._tokens = 0
+        self._beside: anyio.abc.TaskGroup | None = None
+        self._running: anyio.Event | None = None
+        self._tokens: int | None = None
         self._refusal: ApiError | None = None
 
-    def start(self) -> None:
-        self._go.set()
+    def count_beside_in(self, group: anyio.abc.TaskGroup) -> None:
+        """`begin()` will count in `group`, beside the answer."""
+        self._beside = group
 
-    async def before_answer(self) -> None:
-        """The answer's first bytes are about to leave: an eager count is waited for (bounded)."""
-        if self._eager:
-            await self.settled()
+    def begin(self) -> None:
+        """The answer's first bytes are out: start counting beside it, if `count_beside_in` said where."""
+        if self._beside is not None and self._running is None and self._tokens is None:
+            self._running = anyio.Event()
+            self._beside.start_soon(self._count_beside)
 
-    async def run(self, counting: Callable[[], Awaitable[int]]) -> None:
-        landed = False
+    async def settled(self) -> int:
+        """The count, asked of llama-server once (0 when it could not give it in time)."""
+        if self._running is not None:
+            await self._running.wait()
+        if self._tokens is None:
+            self._tokens = await self._count()
+        return self._tokens
+
+    async def refusal(self) -> ApiError | None:
+        """llama-server's 400 for a prompt it cannot read, if that is what counting it got."""
+        await self.settled()
+        return self._refusal
+
+    async def _count_beside(self) -> None:
+        assert self._running is not None
         try:
-            await self._go.wait()
+            self._tokens = await self._count()
+        finally:
+            self._running.set()
+
+    async def _count(self) -> int:
+        tokens, landed = 0, False
+        try:
             with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
-                self._tokens = await counting()
+                tokens = await self._counting()
                 landed = True
         except ApiError as exc:
             if exc.status == 400:
                 self._refusal = exc
                 landed = True
-        finally:
-            if self._on_counted is not None and landed:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
-                    try:
-                        await self._on_counted(self._tokens)
-                    except Exception:  # the record keeps what it needs to count the prompt later
-                        log.exception("could not record a prompt count of %d tokens", self._tokens)
-            self._done.set()
-
-    async def settled(self) -> int:
-        """The count (0 when llama-server could not give it in time)."""
-        self.start()
-        with anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
-            await self._done.wait()
-        return self._tokens
-
-    async def refusal(self) -> ApiError | None:
-        await self.settled()
-        return self._refusal
+        if self._on_counted is not None and landed:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(PROMPT_COUNT_TIMEOUT_S):
+                try:
+                    await self._on_counted(tokens)
+                except Exception:  # the record keeps what it needs to count the prompt later
+                    log.exception("could not record a prompt count of %d tokens", tokens)
+        return tokens
 
 
 def _upstream_error_message(answer: Any) -> str | None:

@@ -240,20 +240,18 @@ class ProxyApp:
             return
 
         meter.release = release
-        # The prompt is counted beside the generation; the mode says whether the answer waits for the count.
-        count = PromptCount(eager=self._mode.prompt_before_answer, on_counted=partial(self._mode.prompt_counted, request_id))
+        count = PromptCount(partial(self._counter.count, target, path, payload, body), on_counted=partial(self._mode.prompt_counted, request_id))
         try:
             upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(count.run, partial(self._counter.count, target, path, payload, body))
-                try:
-                    await self._forward(meter, target, upstream_body, receive, send, count)
-                finally:
-                    count.start()  # answered, cut short or refused: the count is wanted now
+            async with anyio.create_task_group() as beside:
+                if not self._mode.keeps_request_body:
+                    count.count_beside_in(beside)  # nothing could count this prompt after llama-server is gone
+                await self._forward(meter, target, upstream_body, receive, send, count)
         finally:
             release()
             with anyio.CancelScope(shield=True):
-                meter.prompt_counted = await count.settled()
+                if not (meter.usage_seen or meter.refused_upstream):
+                    meter.prompt_counted = await count.settled()
                 await self._record(meter)
 
     async def _forward(
@@ -344,7 +342,6 @@ class ProxyApp:
             (_PROMPT_TOKENS_KEY, str(meter.prompt_tokens).encode()),
             (_COMPLETION_TOKENS_KEY, str(meter.completion_tokens).encode()),
         ]
-        await count.before_answer()
         meter.release()
         meter.answered = True
         await _respond(send, response.status, body, headers)
@@ -360,17 +357,13 @@ class ProxyApp:
         )
         relay = StreamMeter(meter)
         done_sent = False
-        answering = False
         try:
             async for chunk in response.iter_chunks():
                 body, done = relay.feed(chunk)
                 done_sent = done_sent or done
                 if body:
-                    if not answering:
-                        await count.before_answer()
-                        answering = True
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-                    count.start()
+                    count.begin()
         except UpstreamError as exc:
             log.warning("request %s: llama-server stream broke: %s", meter.request_id, exc)
             meter.finish_reason = "error"
