@@ -56,6 +56,8 @@ ROUTABLE_TIMEOUT_S = 120.0
 ROUTE_LIFETIME_S = 60
 ENROLMENT_SECRET = "bench-mesh-path-enrolment-secret"
 PATHS = ("standalone", "route", "tracker", "tracker+relay")
+# Under --trace: the warm-up requests left out of the traced nodes' summaries.
+TRACE_SKIP = 10
 
 
 class RoutedConn(Conn):
@@ -277,9 +279,13 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     relay = Service(work, "relay", ["--trust-tracker-key", key], {})
     mesh = ["--tracker", tracker.url, "--tracker-public-key", key]
     secret = {"MESHNET_ENROLMENT_SECRET": ENROLMENT_SECRET}
+    # --trace: the standalone and the routed node run under trace_node.py (where their time goes).
+    traces = {k: work / f"trace-{k}.json" for k in ("s", "m")}
+    trace_env = {k: {"MESHNET_BENCH_TRACE_OUT": str(v), "MESHNET_BENCH_TRACE_SKIP": str(TRACE_SKIP)} if args.trace else {}
+                 for k, v in traces.items()}  # fmt: skip
     nodes = {
-        "s": Node("path-s", ["--gguf", str(models["s"]), *node_args]),
-        "m": Node("path-m", ["--gguf", str(models["m"]), *node_args, *mesh], secret),
+        "s": Node("path-s", ["--gguf", str(models["s"]), *node_args], trace_env["s"], trace=args.trace),
+        "m": Node("path-m", ["--gguf", str(models["m"]), *node_args, *mesh], {**secret, **trace_env["m"]}, trace=args.trace),
         "r": Node("path-r", ["--gguf", str(models["r"]), *node_args, *mesh, "--relay", relay.url], secret),
     }
     results: dict[str, Any] = {"paths": {}}
@@ -320,6 +326,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             node.close()
         relay.close()
         tracker.close()
+    if args.trace:
+        results["trace"] = {k: json.loads(v.read_text()) for k, v in traces.items() if v.exists()}
+        for k, segments in results["trace"].items():
+            print(f"trace, {'standalone' if k == 's' else 'route'} node (p50 / p90 us):")
+            for name, figures in segments.items():
+                print(f"  {figures['p50_us']:8.0f} {figures['p90_us']:8.0f}  {name}")
     return results
 
 
@@ -353,6 +365,7 @@ def main() -> None:
     parser.add_argument("--ctx-size", type=int, default=16384, help="node context (split over 8 slots)")
     parser.add_argument("--gpu-layers", help="passed to the nodes as --n-gpu-layers")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
+    parser.add_argument("--trace", action="store_true", help="run the standalone and routed nodes under trace_node.py and print where their time goes")
     args = parser.parse_args()
     started = time.time()
     results = asyncio.run(amain(args))

@@ -22,10 +22,16 @@ from typing import Any
 
 from uvicorn.protocols.http import httptools_impl
 
-from meshnet_gguf.llama import upstream as upstream_http
+from meshnet_gguf.llama.upstream.aiohttp_client import AiohttpUpstream
+from meshnet_gguf.llama.upstream.httpx_client import HttpxUpstream
+from meshnet_gguf.llama.upstream.raw import RawUpstream
+from meshnet_gguf.mesh.ledger import UsageLedger
+from meshnet_gguf.mesh.meshed_mode import MeshedMode
 from meshnet_gguf.serving import proxy
+from meshnet_gguf.serving.admission_modes import StandaloneMode
 
-SKIP = 100
+# Warm-up requests left out of the summary (MESHNET_BENCH_TRACE_SKIP overrides).
+SKIP = int(os.environ.get("MESHNET_BENCH_TRACE_SKIP", "100"))
 pc = time.perf_counter
 rows: list[dict[str, float]] = []
 current: dict[str, Any] = {}
@@ -81,9 +87,45 @@ def _wrap(cls: type) -> None:
     cls.send = send
 
 
-_wrap(upstream_http.RawUpstream)
-_wrap(upstream_http.AiohttpUpstream)
-_wrap(upstream_http.HttpxUpstream)
+_wrap(RawUpstream)
+_wrap(AiohttpUpstream)
+_wrap(HttpxUpstream)
+
+
+def _time_call(cls: type, name: str, is_async: bool) -> None:
+    """Record how long `cls.name` took, into the current request's row as `name` (microseconds)."""
+    original = getattr(cls, name)
+    if is_async:
+
+        async def timed_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            t = pc()
+            try:
+                return await original(self, *args, **kwargs)
+            finally:
+                if (row := current.get("row")) is not None:
+                    row[f"took:{cls.__name__}.{name}"] = pc() - t
+
+        setattr(cls, name, timed_async)
+    else:
+
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            t = pc()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                if (row := current.get("row")) is not None:
+                    row[f"took:{cls.__name__}.{name}"] = pc() - t
+
+        setattr(cls, name, timed)
+
+
+# The admission steps of either mode, timed one by one.
+for _mode in (StandaloneMode, MeshedMode):
+    _time_call(_mode, "admit", False)
+    _time_call(_mode, "check_body", False)
+    _time_call(_mode, "commit", True)
+_time_call(proxy.ProxyApp, "_read_body", True)
+_time_call(UsageLedger, "open_request_sync", False)
 
 SEGMENTS = [
     ("uvicorn: request parsed, app called", "begin", "app"),
@@ -107,6 +149,9 @@ def summary() -> dict[str, dict[str, float]]:
     for name, a, b in SEGMENTS:
         values = [r[b] - r[a] for r in done]
         out[name] = {"n": len(values), "p50_us": pct(values, 50), "p90_us": pct(values, 90)}
+    for key in sorted({k for r in done for k in r if k.startswith("took:")}):
+        values = [r[key] for r in done if key in r]
+        out[f"  of which {key.removeprefix('took:')}"] = {"n": len(values), "p50_us": pct(values, 50), "p90_us": pct(values, 90)}
     return out
 
 

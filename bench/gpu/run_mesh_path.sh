@@ -20,6 +20,8 @@ MODEL_SPEC=${MODEL_SPEC:-22,2048,5632,32,4}
 GPU_LAYERS=${GPU_LAYERS:-99}
 PAIRS=${PAIRS:-40}
 DECODE_ROUNDS=${DECODE_ROUNDS:-4}
+# TRACE=1: the standalone and routed nodes run under bench/trace_node.py (where their time goes).
+TRACE=${TRACE:-}
 # The bench itself is cut here whatever happens, so setup + model + bench stay under 8 minutes.
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-330}
 mkdir -p "$OUT"
@@ -55,7 +57,7 @@ PYEOF
 
 step "bench_mesh_path: standalone, route, tracker, tracker+relay ($PAIRS pairs, --gpu-layers $GPU_LAYERS)"
 timeout --kill-after=10 "$BENCH_TIMEOUT_S" $PY "$CARRY/bench/bench_mesh_path.py" --model "$MODEL" --gpu-layers "$GPU_LAYERS" \
-    --pairs "$PAIRS" --decode-rounds "$DECODE_ROUNDS" --json "$OUT/mesh_path.json" | tee "$OUT/mesh_path_summary.md"
+    --pairs "$PAIRS" --decode-rounds "$DECODE_ROUNDS" --json "$OUT/mesh_path.json" ${TRACE:+--trace} | tee "$OUT/mesh_path_summary.md"
 echo "bench exit status: ${PIPESTATUS[0]}"
 nproc; uptime
 
