@@ -1,9 +1,10 @@
 """A meshed node bills a completed answer from llama-server's own count and counts the prompt only
 for an answer cut short, so there is a window in which a request reached llama-server and its
-prompt is known nowhere yet. A node killed in that window still bills the prompt, exactly once: the ledger row opened before forwarding keeps the request body, and the
-restarted node counts it once llama-server is up, then settles the row into one receipt. And when
-it is llama-server that goes away in that window, the row waits (parked, with its body) until the
-restarted llama-server counts the prompt, then settles once."""
+prompt is known nowhere yet. A node killed in that window still bills the prompt, exactly once:
+the ledger row opened before forwarding keeps the request body, and the restarted node counts it
+once llama-server is up, then settles the row into one receipt. And when it is llama-server that
+goes away in that window, the row waits (parked, with its body) until the restarted llama-server
+counts the prompt, then settles once."""
 
 from __future__ import annotations
 
