@@ -90,13 +90,19 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[[str], WorkerProcess]]:
         worker.close()
 
 
-def test_the_tiny_model_is_split_across_two_loopback_workers(  # type: ignore[no-untyped-def]
-    real_llama: BinaryInfo, tiny_gguf: Path, start_node, start_worker, tmp_path: Path
-) -> None:
-    key = NodeIdentity.load_or_create(tmp_path / "state").public_key_text
+def listening_pair(start_worker: Callable[[str], WorkerProcess], state_dir: Path) -> tuple[str, WorkerProcess, WorkerProcess]:
+    """Two workers that trust the node whose identity lives in `state_dir`, both listening: (its key, them)."""
+    key = NodeIdentity.load_or_create(state_dir).public_key_text
     first, second = start_worker(key), start_worker(key)
     first.wait_listening()
     second.wait_listening()
+    return key, first, second
+
+
+def test_the_tiny_model_is_split_across_two_loopback_workers(  # type: ignore[no-untyped-def]
+    real_llama: BinaryInfo, tiny_gguf: Path, start_node, start_worker, tmp_path: Path
+) -> None:
+    key, first, second = listening_pair(start_worker, tmp_path / "state")
     node: NodeProcess = start_node(
         "--gguf", str(tiny_gguf), "--pool-worker", f"{first.endpoint}=3G", "--pool-worker", f"{second.endpoint}=3G",
         "--llama-arg=-lv", "--llama-arg=4", env={"MESHNET_LOG_LEVEL": "DEBUG"},  # llama-server's load lines are DEBUG
@@ -157,10 +163,7 @@ def _usage(node: NodeProcess) -> dict:
 def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_the_node_serves_again_when_it_returns(  # type: ignore[no-untyped-def]
     real_llama: BinaryInfo, tiny_gguf: Path, start_node, start_worker, tmp_path: Path
 ) -> None:
-    key = NodeIdentity.load_or_create(tmp_path / "state").public_key_text
-    first, second = start_worker(key), start_worker(key)
-    first.wait_listening()
-    second.wait_listening()
+    key, first, second = listening_pair(start_worker, tmp_path / "state")
     node: NodeProcess = start_node("--gguf", str(tiny_gguf), "--pool-worker", f"{first.endpoint}=3G", "--pool-worker", f"{second.endpoint}=3G")
     health = node.wait_ready()
     pool = health["pool"]
@@ -256,10 +259,7 @@ def test_models_shows_which_catalog_quants_the_pool_can_load_by_the_pooled_plans
     from meshnet_gguf.prepare.memory import ModelFacts
     from meshnet_gguf.prepare.pool import PoolMember, parse_pool_worker, pool_holds
 
-    key = NodeIdentity.load_or_create(tmp_path / "state").public_key_text
-    first, second = start_worker(key), start_worker(key)
-    first.wait_listening()
-    second.wait_listening()
+    key, first, second = listening_pair(start_worker, tmp_path / "state")
     specs = [f"{first.endpoint}=6G", f"{second.endpoint}=5G"]
     argv = [sys.executable, "-m", "meshnet_gguf", "models", "--state-dir", str(tmp_path / "state"), "--llama-server", str(real_llama.path)]
     shown = subprocess.run([*argv, *[a for s in specs for a in ("--pool-worker", s)]], capture_output=True, text=True, timeout=60)
@@ -326,10 +326,7 @@ def test_a_meshed_pooled_node_bills_the_cut_stream_once_in_its_ledger_and_is_not
     tracker = TrackerProcess(tmp_path / "tracker-dir")
     try:
         workdir = tmp_path / "node"
-        key = NodeIdentity.load_or_create(workdir / "state").public_key_text
-        first, second = start_worker(key), start_worker(key)
-        first.wait_listening()
-        second.wait_listening()
+        key, first, second = listening_pair(start_worker, workdir / "state")
         node = start_meshed_node(start_node, tracker, tiny_gguf, workdir, MESHNET_POOL_WORKERS=f"{first.endpoint}=3G,{second.endpoint}=3G")
         body = {"model": tiny_gguf.stem, "messages": [{"role": "user", "content": "count"}], "max_tokens": 4000, "stream": True,
                 "ignore_eos": True}  # fmt: skip
