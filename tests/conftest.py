@@ -14,6 +14,7 @@ from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, find_llama_ser
 from meshnet_gguf.llama.cpu_compat import quantized_kernels_work
 from meshnet_gguf.models.gguf_convert import dequantize_to_f16
 from meshnet_gguf.models.tiny_model import write_tiny_model
+from support.browser import Browser, opened_browser
 from support.node_process import NodeProcess
 
 FAKE_LLAMA = Path(__file__).parent / "support" / "fake_llama_server.py"
@@ -100,6 +101,13 @@ def start_node(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
     yield start
     for node in nodes:
         node.close()
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    """A headless Chromium for the page tests, closed after the test."""
+    with opened_browser() as opened:
+        yield opened
 
 
 @pytest.fixture

@@ -9,18 +9,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
 from meshnet_gguf.common.ports import free_local_port
-from support.node_process import NodeProcess
+from support.node_process import StartNode
 from support.tracker_process import TrackerProcess, tracker  # noqa: F401
 
 CLI_TIMEOUT_S = 60
-StartNode = Callable[..., NodeProcess]
 
 
 def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,6 @@ import hashlib
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,7 @@ from meshnet_gguf.llama.child import PIDFILE_NAME
 from meshnet_gguf.models.download import PART_SUFFIX, HubAccess, RemoteFile, list_repo
 from meshnet_gguf.models.quants import group_quants, select_quant
 from support.local_hub_fixtures import ROOT_SPLIT, hub, hub_root  # noqa: F401
-from support.node_process import NodeProcess
+from support.node_process import NodeProcess, StartNode
 
 pytestmark = pytest.mark.real_llama
 
@@ -34,7 +33,6 @@ PARTIAL_WAIT_S = 30.0
 EXIT_TIMEOUT_S = 60.0
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 
-StartNode = Callable[..., NodeProcess]
 
 
 def shards(hub: LocalHub) -> list[RemoteFile]:

@@ -4,7 +4,6 @@ and its JSON in process for what a browser test cannot stage (a flagged disagree
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,17 +14,10 @@ import pytest
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageCounts
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.reference.tracker_page import dashboard_document
-from support.browser import Browser, opened_browser, screenshot_target
-from support.node_process import NodeProcess
+from support.browser import Browser, screenshot_target
+from support.node_process import StartNode
 from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker  # noqa: F401
 
-StartNode = Callable[..., NodeProcess]
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    with opened_browser() as opened:
-        yield opened
 
 
 @pytest.mark.real_llama

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from meshnet_gguf.llama.binary import BinaryInfo
-from support.browser import Browser, opened_browser, screenshot_target
-from support.node_process import NodeProcess
+from support.browser import Browser, screenshot_target
+from support.node_process import StartNode
 
 pytestmark = [pytest.mark.slow]
 
@@ -30,13 +29,6 @@ SEND_WAIT_S = 20
 # The fake llama-server's load: long enough for several of the page's polls on a busy machine.
 LOAD_S = 8
 PADDED_MODEL_BYTES = 512 * 1024 * 1024
-StartNode = Callable[..., NodeProcess]
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    with opened_browser() as opened:
-        yield opened
 
 
 @pytest.mark.real_llama

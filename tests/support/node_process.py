@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -91,3 +91,7 @@ class NodeProcess:
                 self.proc.wait()
         reap_stale_child(self.state_dir / PIDFILE_NAME)
         self._log.close()
+
+
+# What the `start_node` fixture (tests/conftest.py) gives a test: start_node(*serve_args, env=..., workdir=...).
+StartNode = Callable[..., NodeProcess]
