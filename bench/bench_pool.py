@@ -69,18 +69,19 @@ def wait_log(log: Path, marker: str, proc: subprocess.Popen[bytes]) -> None:
     raise SystemExit(f"{log.name}: no {marker!r} after {START_TIMEOUT_S} s")
 
 
-def wait_health(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+def wait_health(url: str, proc: subprocess.Popen[bytes], log: Path, what: str = "llama-server") -> None:
+    """Until `url`/health answers 200; exits the bench, with `log`'s tail, when `what` died or never got there."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited:\n{log.read_text(errors='replace')[-3000:]}")
+            raise SystemExit(f"{what} exited:\n{log.read_text(errors='replace')[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
-    raise SystemExit(f"llama-server not ready after {START_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.1)
+    raise SystemExit(f"{what} not ready after {START_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 def long_prompt(url: str, tokens: int = PREFILL_TOKENS, salt: int = 0) -> str:
@@ -168,16 +169,7 @@ def node_first_vs_steady(model: Path, endpoints: list[str], workdir: Path) -> di
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"node exited:\n{log.read_text(errors='replace')[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_health(url, proc, log, "node")
         times = []
         for i in range(4):
             # The node's own llama-server is private: the prompt is cut by words, about the same length.
