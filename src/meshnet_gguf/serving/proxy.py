@@ -243,10 +243,12 @@ class ProxyApp:
         count = PromptCount(partial(self._counter.count, target, path, payload, body), on_counted=partial(self._mode.prompt_counted, request_id))
         try:
             upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
-            async with anyio.create_task_group() as beside:
-                if not self._mode.keeps_request_body:
-                    count.count_beside_in(beside)  # nothing could count this prompt after llama-server is gone
+            if self._mode.keeps_request_body:  # counted from the kept body, only if the answer does not say
                 await self._forward(meter, target, upstream_body, receive, send, count)
+            else:
+                async with anyio.create_task_group() as beside:
+                    count.count_beside_in(beside)  # nothing could count this prompt after llama-server is gone
+                    await self._forward(meter, target, upstream_body, receive, send, count)
         finally:
             release()
             with anyio.CancelScope(shield=True):
