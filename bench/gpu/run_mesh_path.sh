@@ -24,6 +24,8 @@ DECODE_ROUNDS=${DECODE_ROUNDS:-4}
 TRACE=${TRACE:-}
 # The bench itself is cut here whatever happens, so setup + model + bench stay under 8 minutes.
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-330}
+# Where the bench scripts are (BENCH_DIR=$PWD/bench with SRC=$PWD/src runs the device copy of the checkout).
+BENCH_DIR=${BENCH_DIR:-$CARRY/bench}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 start_run_log
 setup_device 12
@@ -32,12 +34,12 @@ MODEL=/tmp/mesh-path-models/bench-f16.gguf
 write_model "$MODEL" "$MODEL_SPEC" mesh-path
 
 step "bench_mesh_path: standalone, route, tracker, tracker+relay ($PAIRS pairs, --gpu-layers $GPU_LAYERS)"
-timeout --kill-after=10 "$BENCH_TIMEOUT_S" $PY "$CARRY/bench/bench_mesh_path.py" --model "$MODEL" --gpu-layers "$GPU_LAYERS" \
+timeout --kill-after=10 "$BENCH_TIMEOUT_S" $PY "$BENCH_DIR/bench_mesh_path.py" --model "$MODEL" --gpu-layers "$GPU_LAYERS" \
     --pairs "$PAIRS" --decode-rounds "$DECODE_ROUNDS" --json "$OUT/mesh_path.json" ${TRACE:+--trace} | tee "$OUT/mesh_path_summary.md"
 echo "bench exit status: ${PIPESTATUS[0]}"
 nproc; uptime
 
 step "logs"
 # The bench's nodes keep their logs under bench/.cache/run; the tracker's and relay's sit in its work folder.
-tar -czf "$OUT/logs.tgz" -C "$CARRY/bench/.cache" run /tmp/meshnet-mesh-path-* 2>/dev/null
+tar -czf "$OUT/logs.tgz" -C "$BENCH_DIR/.cache" run /tmp/meshnet-mesh-path-* 2>/dev/null
 step "done"

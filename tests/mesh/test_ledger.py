@@ -4,6 +4,8 @@ totals for `meshnet-gguf usage`, and durability across reopening."""
 from __future__ import annotations
 
 import sqlite3
+import threading
+import time
 from pathlib import Path
 
 import anyio
@@ -11,9 +13,12 @@ import pytest
 
 from meshnet_gguf.contract.protocol import FinishReason, UsageRecord
 from meshnet_gguf.mesh.identity import NodeIdentity
+from meshnet_gguf.mesh import ledger as ledger_module
 from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
 
 pytestmark = pytest.mark.anyio
+# A disk this slow to sync must never hold the event loop.
+SLOW_WRITE_S = 0.03
 
 
 def record(rid: str, prompt: int = 3, completion: int = 5, finish: FinishReason = "stop", started: float = 1000.0) -> UsageRecord:
@@ -101,3 +106,63 @@ async def test_recent_request_ids_for_the_replay_cache(ledger: UsageLedger, iden
     await add(ledger, identity, record("old", started=100.0))
     await add(ledger, identity, record("new", started=200.0))
     assert await ledger.request_ids_since(150.0) == [("new", 200.0)]
+
+
+async def test_a_slow_disk_never_holds_the_event_loop_for_the_row_before_forwarding(tmp_path: Path) -> None:
+    """The row a routed request waits for is written on the event loop only while synced writes are
+    quick; on a disk that takes 30 ms a write, every one goes to the writer thread and the loop
+    (every other stream of the node) keeps running meanwhile."""
+    ledger = UsageLedger(tmp_path / LEDGER_FILE)
+    synced = ledger.open_request_sync
+
+    def slow_disk(*args: object) -> bool:
+        time.sleep(SLOW_WRITE_S)
+        return synced(*args)  # type: ignore[arg-type]
+
+    ledger.open_request_sync = slow_disk  # type: ignore[method-assign]
+    longest_stall = 0.0
+
+    async def tick() -> None:
+        nonlocal longest_stall
+        while True:
+            before = time.perf_counter()
+            await anyio.sleep(0.001)
+            longest_stall = max(longest_stall, time.perf_counter() - before)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            for i in range(8):
+                assert await ledger.open_request(record(f"req-slow-{i}"), 2000.0, b"{}")
+            tg.cancel_scope.cancel()
+        assert longest_stall < SLOW_WRITE_S / 2, f"the loop stood still {longest_stall * 1000:.1f} ms"
+        assert len(await ledger.request_ids_since(0)) == 8
+    finally:
+        await ledger.aclose()
+
+
+async def test_a_quick_disk_writes_the_row_before_forwarding_on_the_loop_and_it_is_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first write (on the thread, the estimate starts pessimistic), rows go in on the loop
+    itself; each is durable and read back by a fresh connection, as a restarted node would."""
+    # Any disk here counts as quick (a loaded CI machine's fsync can pass 1 ms now and then).
+    monkeypatch.setattr(ledger_module, "INLINE_SYNCED_WRITE_MAX_S", 10.0)
+    ledger = UsageLedger(tmp_path / LEDGER_FILE)
+    threads: list[str] = []
+    synced = ledger.open_request_sync
+
+    def noting_thread(*args: object) -> bool:
+        threads.append(threading.current_thread().name)
+        return synced(*args)  # type: ignore[arg-type]
+
+    ledger.open_request_sync = noting_thread  # type: ignore[method-assign]
+    try:
+        for i in range(5):
+            assert await ledger.open_request(record(f"req-quick-{i}"), 2000.0, b"{}")
+        assert not await ledger.open_request(record("req-quick-0"), 2000.0, b"{}")  # the id is used up either way
+    finally:
+        await ledger.aclose()
+    assert threads[0] == "usage-ledger" and threads[1:5] == [threading.main_thread().name] * 4, threads
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
+        assert db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0] == 5

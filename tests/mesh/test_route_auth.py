@@ -101,6 +101,27 @@ def test_tampered_claims_break_the_signature(verifier: RouteVerifier) -> None:
     assert (err.status, err.code) == (401, "route_bad_signature")
 
 
+def test_every_altered_signature_is_refused_by_the_libsodium_check(verifier: RouteVerifier) -> None:
+    """The route's signature is checked with libsodium (contract/signing.HotVerifyKey), not OpenSSL: a
+    flipped bit anywhere in it, or its S half pushed past the group order (the malleable twin
+    of a valid signature, S + L), is refused as a bad signature, never accepted."""
+    token = headers(claims())[ROUTE_HEADER]
+    head, payload, sig = token.split(".")
+    raw = base64.urlsafe_b64decode(sig + "==")
+    group_order = 2**252 + 27742317777372353535851937790883648493
+
+    def with_signature(signature: bytes) -> dict[str, str]:
+        return {ROUTE_HEADER: f"{head}.{payload}." + base64.urlsafe_b64encode(signature).rstrip(b"=").decode()}
+
+    for bit in (0, 7, 255, 256, 300, 511):
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        assert rejected(verifier, with_signature(bytes(flipped))).code == "route_bad_signature", bit
+    s_plus_l = (int.from_bytes(raw[32:], "little") + group_order).to_bytes(32, "little")
+    assert rejected(verifier, with_signature(raw[:32] + s_plus_l)).code == "route_bad_signature"
+    assert verifier.verify(with_signature(raw), BODY, PATH).sub == NODE  # the untouched one still passes
+
+
 def test_unsigned_and_hmac_tokens_are_refused(verifier: RouteVerifier) -> None:
     """Algorithm confusion: 'none' or HS256 keyed with public bytes must not pass."""
     import jwt

@@ -206,13 +206,18 @@ async def test_a_whole_answer_is_billed_from_llama_servers_own_usage_without_cou
 async def test_a_standalone_node_counts_the_prompt_beside_the_generation_not_before_it() -> None:
     # llama-server's template answer is held: the first token must still reach the client,
     # because a node with no ledger row to fill does not wait for the count to forward.
+    # The generation is held after its first token too, so the stream is still going when the count starts.
     counting: list[FakeAnswer] = []
+    generating: list[FakeAnswer] = []
 
     def respond(request):  # type: ignore[no-untyped-def]
         answer = llama_answer(request)
         if request.path == "/apply-template":
             answer.hold_before = 0
             counting.append(answer)
+        elif request.path == CHAT_PATH:
+            answer.hold_before = 2  # the role delta and the first token go out
+            generating.append(answer)
         return answer
 
     proxy = build_proxy(upstream=FakeLlamaUpstream(respond))
@@ -223,6 +228,7 @@ async def test_a_standalone_node_counts_the_prompt_beside_the_generation_not_bef
             while not (counting and counting[0].held.is_set()):
                 await anyio.sleep(0.01)
         counting[0].release()
+        generating[0].release()
         body = await exchange.read_to_end()
     _, usage, _ = split_usage_comment(body)
     assert usage["completion_tokens"] == 5

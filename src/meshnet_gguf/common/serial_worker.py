@@ -32,14 +32,25 @@ class SerialWorker:
         self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        # Calls handed over and not yet answered (counted on the callers' event loop).
+        self._in_flight = 0
+
+    @property
+    def idle(self) -> bool:
+        """No call is queued or running: whatever the thread guards is free right now."""
+        return self._in_flight == 0
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
         self._ensure_thread()
-        self._calls.put((fn, args, loop, done))
-        with anyio.CancelScope(shield=True):
-            return await done
+        self._in_flight += 1
+        try:
+            self._calls.put((fn, args, loop, done))
+            with anyio.CancelScope(shield=True):
+                return await done
+        finally:
+            self._in_flight -= 1
 
     def stop(self) -> None:
         """Let the thread end once the calls already handed over are done (later calls start a new one)."""

@@ -20,6 +20,7 @@ from meshnet_gguf.contract.protocol import CLOCK_SKEW_S, MAX_ROUTE_LIFETIME_S, R
 from meshnet_gguf.contract.signing import (
     BadTokenSignature,
     CompactTokenError,
+    HotVerifyKey,
     body_sha256,
     tracker_issuer_for,
     verify_eddsa_claims,
@@ -93,7 +94,7 @@ class RouteVerifier:
         replay_cache: ReplayCache | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._key = tracker_key
+        self._key = HotVerifyKey(tracker_key)
         self._issuer = issuer or tracker_issuer_for(tracker_key)
         self.node_id = node_id
         self.model_id = model_id

@@ -13,6 +13,7 @@ least busy node) or the client can go elsewhere instead of waiting blind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -241,18 +242,17 @@ class ProxyApp:
 
         meter.release = release
         count = PromptCount(partial(self._counter.count, target, path, payload, body), on_counted=partial(self._mode.prompt_counted, request_id))
+        if not self._mode.keeps_request_body:  # else counted from the kept body, only if the answer does not say
+            count.count_beside()  # nothing could count this prompt after llama-server is gone
         try:
             upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
-            if self._mode.keeps_request_body:  # counted from the kept body, only if the answer does not say
-                await self._forward(meter, target, upstream_body, receive, send, count)
-            else:
-                async with anyio.create_task_group() as beside:
-                    count.count_beside_in(beside)  # nothing could count this prompt after llama-server is gone
-                    await self._forward(meter, target, upstream_body, receive, send, count)
+            await self._forward(meter, target, upstream_body, receive, send, count)
         finally:
             release()
             with anyio.CancelScope(shield=True):
-                if not (meter.usage_seen or meter.refused_upstream):
+                if meter.usage_seen or meter.refused_upstream:
+                    count.drop()
+                else:
                     meter.prompt_counted = await count.settled()
                 await self._record(meter)
 
@@ -266,7 +266,7 @@ class ProxyApp:
         count: PromptCount,
     ) -> None:
         disconnected = False
-        async with anyio.create_task_group() as tg:
+        with anyio.CancelScope() as exchange:
 
             async def watch_disconnect() -> None:
                 nonlocal disconnected
@@ -277,15 +277,18 @@ class ProxyApp:
                 disconnected = True
                 if meter.stream:
                     # Closing the stream is what stops llama-server's generation.
-                    tg.cancel_scope.cancel()
+                    exchange.cancel()
                 # A whole answer is read to its end all the same: llama-server does not notice
                 # the client left and generates it in full, so it is billed in full.
 
-            tg.start_soon(watch_disconnect)
+            # A bare asyncio task (the node's loop is asyncio's), not an anyio task group: with
+            # the group, watching cost every request ~50 µs of CPU before its first byte; the
+            # task and the scope cost ~8 (bench/RESULTS.md, "the node's own work").
+            watcher = asyncio.get_running_loop().create_task(watch_disconnect())
             try:
                 await self._exchange(meter, target, body, send, count)
             finally:
-                tg.cancel_scope.cancel()
+                watcher.cancel()
         # `disconnected` is only set for a client that left before its answer was handed over.
         cut_short = meter.finish_reason == "unknown" or not meter.stream
         if disconnected and cut_short and meter.finish_reason != "error":
