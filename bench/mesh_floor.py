@@ -7,10 +7,12 @@ before llama-server sees a routed request, measured alone (a diagnostic for issu
 DIR is where the node's ledger would live (its filesystem is what the synced row pays for;
 default: a fresh folder under the node's state directory). The steps:
 
-- the route token check (`RouteVerifier.check_token`), and the Ed25519 verification inside it;
+- the route token check (`RouteVerifier.check_token`), and the Ed25519 verification inside it,
+  with OpenSSL (`cryptography`) and with libsodium (PyNaCl, what the node uses);
 - the body's hash against the route's (short chat and a ~1,500-token one);
 - the ledger row the node writes before forwarding (`UsageLedger.open_request_sync`, WAL,
-  synchronous=FULL), called directly and through the ledger's writer thread from an event loop;
+  synchronous=FULL), called directly, handed to the ledger's writer thread from an event loop, and
+  as the node writes it (`open_request`: on the loop itself while such writes are quick);
 - the same row unsynced (synchronous=NORMAL: what the durability costs);
 - the disk alone: a 4 KiB `pwrite` + `fdatasync` into a preallocated file, the same with
   `O_DSYNC`, and an append + `fsync` that grows the file (what a journal of any design pays).
@@ -35,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet_gguf.common.settings import default_state_dir
 from meshnet_gguf.contract.protocol import ROUTE_HEADER, UsageRecord
-from meshnet_gguf.contract.signing import body_sha256, encode_token, tracker_issuer_for
+from meshnet_gguf.contract.signing import HotVerifyKey, body_sha256, encode_token, tracker_issuer_for
 from meshnet_gguf.mesh.ledger import UsageLedger
 from meshnet_gguf.mesh.route_auth import RouteVerifier
 
@@ -85,9 +87,11 @@ def route_steps(calls: int) -> dict[str, dict[str, float]]:
     signing_input, _, _ = token.encode().rpartition(b".")
     signature = key.sign(signing_input)
     public = key.public_key()
+    hot = HotVerifyKey(public)
     long_sha = body_sha256(LONG_BODY)
     return {
-        "ed25519 verify": timed(lambda: public.verify(signature, signing_input), calls),
+        "ed25519 verify, OpenSSL (cryptography)": timed(lambda: public.verify(signature, signing_input), calls),
+        "ed25519 verify, libsodium (PyNaCl; what the route gate uses)": timed(lambda: hot.verify(signature, signing_input), calls),
         "route token check (whole)": timed(lambda: verifier.check_token(headers, PATH), calls),
         "body hash check, short chat": timed(lambda: RouteVerifier.check_body(claims["body_sha256"], SHORT_BODY), calls),
         "body hash check, ~1,500 tokens": timed(lambda: RouteVerifier.check_body(long_sha, LONG_BODY), calls),
@@ -119,12 +123,15 @@ def ledger_steps(folder: Path, calls: int) -> dict[str, dict[str, float]]:
         "ledger row, synced, ~1,500-token body": timed(lambda: ledger.open_request_sync(record(), expires, LONG_BODY), calls),
     }
 
-    async def through_writer_thread() -> dict[str, float]:
+    async def from_the_loop(through_the_thread: bool) -> dict[str, float]:
         samples = []
         for i in range(calls + WARMUP_CALLS):
             rec = record()
             t = time.perf_counter()
-            await ledger.open_request(rec, expires, SHORT_BODY)
+            if through_the_thread:
+                await ledger._worker.run(ledger.open_request_sync, rec, expires, SHORT_BODY)
+            else:
+                await ledger.open_request(rec, expires, SHORT_BODY)
             if i >= WARMUP_CALLS:
                 samples.append((time.perf_counter() - t) * 1e6)
         return summary(samples)
@@ -138,7 +145,8 @@ def ledger_steps(folder: Path, calls: int) -> dict[str, dict[str, float]]:
                 samples.append((time.perf_counter() - t) * 1e6)
         return summary(samples)
 
-    results["ledger row, synced, through the writer thread (event loop)"] = run_loop(through_writer_thread())
+    results["ledger row, synced, handed to the writer thread (event loop)"] = run_loop(from_the_loop(True))
+    results["ledger row, synced, as the node writes it (on the loop when quick)"] = run_loop(from_the_loop(False))
     results["writer thread hop alone (event loop)"] = run_loop(hand_off_only())
     ledger._db.execute("PRAGMA synchronous=NORMAL")
     results["ledger row, NOT synced (what durability costs: the difference)"] = timed(

@@ -13,7 +13,7 @@ import pytest
 
 from meshnet_gguf.contract.protocol import FinishReason, UsageRecord
 from meshnet_gguf.mesh.identity import NodeIdentity
-from meshnet_gguf.mesh import ledger as ledger_module
+from meshnet_gguf.common import serial_worker
 from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
 
 pytestmark = pytest.mark.anyio
@@ -147,7 +147,7 @@ async def test_a_quick_disk_writes_the_row_before_forwarding_on_the_loop_and_it_
     """After the first write (on the thread, the estimate starts pessimistic), rows go in on the loop
     itself; each is durable and read back by a fresh connection, as a restarted node would."""
     # Any disk here counts as quick (a loaded CI machine's fsync can pass 1 ms now and then).
-    monkeypatch.setattr(ledger_module, "INLINE_SYNCED_WRITE_MAX_S", 10.0)
+    monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)
     ledger = UsageLedger(tmp_path / LEDGER_FILE)
     threads: list[str] = []
     synced = ledger.open_request_sync

@@ -39,14 +39,6 @@ from meshnet_gguf.common.serial_worker import SerialWorker
 from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
 
 LEDGER_FILE = "usage.sqlite3"
-# The row that stands before a routed request is forwarded is written on the event loop itself
-# while the writer thread is idle and recent synced writes took less than this: handing it to
-# the thread costs a sleeping thread's wake-up on each side (0.09-0.13 ms more per request on
-# the machines measured, `bench/mesh_floor.py`), more than such a write holds the loop. A slower
-# disk, or a busy writer, keeps it on the thread, where it cannot stall the node's streams.
-INLINE_SYNCED_WRITE_MAX_S = 0.001
-# How much each new synced write moves the running estimate those decisions read.
-SYNCED_WRITE_ESTIMATE_WEIGHT = 0.2
 # Another process (`meshnet-gguf usage`, a backup) may hold a lock briefly; wait rather than fail.
 BUSY_TIMEOUT_S = 10.0
 SCHEMA_VERSION = 3
@@ -124,8 +116,6 @@ class UsageLedger:
         self._lock = threading.Lock()
         # The async API's calls run here, in order: one thread, handed each call without a pool's overhead.
         self._worker = SerialWorker("usage-ledger")
-        # Running estimate of one synced row's time; starts pessimistic, so the first writes go to the thread.
-        self._synced_write_s = INLINE_SYNCED_WRITE_MAX_S
         self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a receipt is money; a row the proxy was told is written must survive a power cut too.
@@ -145,18 +135,11 @@ class UsageLedger:
 
     # --- async API (what the node uses) -------------------------------------------
     async def open_request(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
-        """Write the in-flight row before the request is forwarded; False when the id is already there."""
-        if self._worker.idle and self._synced_write_s < INLINE_SYNCED_WRITE_MAX_S:
-            return self._timed_open(record, route_expires_at, prompt_body)
-        return await self._run(self._timed_open, record, route_expires_at, prompt_body)
+        """Write the in-flight row before the request is forwarded; False when the id is already there.
 
-    def _timed_open(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None) -> bool:
-        started = time.perf_counter()
-        try:
-            return self.open_request_sync(record, route_expires_at, prompt_body)
-        finally:
-            took = time.perf_counter() - started
-            self._synced_write_s += SYNCED_WRITE_ESTIMATE_WEIGHT * (took - self._synced_write_s)
+        The request waits for this synced row, so it is written on the event loop itself while the
+        disk is quick and the writer thread idle (`SerialWorker.run_inline_when_quick`)."""
+        return await self._worker.run_inline_when_quick(self.open_request_sync, record, route_expires_at, prompt_body)
 
     async def note_prompt(self, request_id: str, prompt_tokens: int) -> bool:
         """The prompt's count, into its open row (whose body is then dropped)."""

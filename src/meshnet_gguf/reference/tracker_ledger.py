@@ -146,8 +146,9 @@ class TrackerLedger:
         prompt_ceiling: int | None = None,
     ) -> None:
         """Written before the request is forwarded: any receipt for it is then recognisable, and
-        checkable against what the route allowed (token cap, choices, body size, the prompt's ceiling)."""
-        await self._run(
+        checkable against what the route allowed (token cap, choices, body size, the prompt's ceiling).
+        The request waits for it, so it goes in on the event loop while the disk is quick and the writer idle."""
+        await self._worker.run_inline_when_quick(
             self._write,
             "INSERT INTO forwarded (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes,"
             " prompt_ceiling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
