@@ -19,6 +19,8 @@ from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
 pytestmark = pytest.mark.anyio
 # A disk this slow to sync must never hold the event loop.
 SLOW_WRITE_S = 0.03
+# How long another process holds the ledger's write lock in the test that takes it.
+LOCK_HELD_S = 0.3
 
 
 def record(rid: str, prompt: int = 3, completion: int = 5, finish: FinishReason = "stop", started: float = 1000.0) -> UsageRecord:
@@ -113,13 +115,16 @@ async def test_a_slow_disk_never_holds_the_event_loop_for_the_row_before_forward
     quick; on a disk that takes 30 ms a write, every one goes to the writer thread and the loop
     (every other stream of the node) keeps running meanwhile."""
     ledger = UsageLedger(tmp_path / LEDGER_FILE)
-    synced = ledger.open_request_sync
 
-    def slow_disk(*args: object) -> bool:
-        time.sleep(SLOW_WRITE_S)
-        return synced(*args)  # type: ignore[arg-type]
+    def slow_disk(write):  # type: ignore[no-untyped-def]
+        def slowly(*args: object) -> bool:
+            time.sleep(SLOW_WRITE_S)
+            return write(*args)
 
-    ledger.open_request_sync = slow_disk  # type: ignore[method-assign]
+        return slowly
+
+    ledger.open_request_sync = slow_disk(ledger.open_request_sync)  # type: ignore[method-assign]
+    ledger._open_request_without_waiting = slow_disk(ledger._open_request_without_waiting)  # type: ignore[method-assign]
     longest_stall = 0.0
 
     async def tick() -> None:
@@ -133,6 +138,7 @@ async def test_a_slow_disk_never_holds_the_event_loop_for_the_row_before_forward
         async with anyio.create_task_group() as tg:
             tg.start_soon(tick)
             for i in range(8):
+                await anyio.sleep(0.005)  # the ticker is asleep in the loop when each write starts
                 assert await ledger.open_request(record(f"req-slow-{i}"), 2000.0, b"{}")
             tg.cancel_scope.cancel()
         assert longest_stall < SLOW_WRITE_S / 2, f"the loop stood still {longest_stall * 1000:.1f} ms"
@@ -150,13 +156,17 @@ async def test_a_quick_disk_writes_the_row_before_forwarding_on_the_loop_and_it_
     monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)
     ledger = UsageLedger(tmp_path / LEDGER_FILE)
     threads: list[str] = []
-    synced = ledger.open_request_sync
+    on_thread, on_loop = ledger.open_request_sync, ledger._open_request_without_waiting
 
-    def noting_thread(*args: object) -> bool:
-        threads.append(threading.current_thread().name)
-        return synced(*args)  # type: ignore[arg-type]
+    def noting_thread(write):  # type: ignore[no-untyped-def]
+        def noted(*args: object) -> bool:
+            threads.append(threading.current_thread().name)
+            return write(*args)
 
-    ledger.open_request_sync = noting_thread  # type: ignore[method-assign]
+        return noted
+
+    ledger.open_request_sync = noting_thread(on_thread)  # type: ignore[method-assign]
+    ledger._open_request_without_waiting = noting_thread(on_loop)  # type: ignore[method-assign]
     try:
         for i in range(5):
             assert await ledger.open_request(record(f"req-quick-{i}"), 2000.0, b"{}")
@@ -166,3 +176,44 @@ async def test_a_quick_disk_writes_the_row_before_forwarding_on_the_loop_and_it_
     assert threads[0] == "usage-ledger" and threads[1:5] == [threading.main_thread().name] * 4, threads
     with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
         assert db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0] == 5
+
+
+async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`meshnet-gguf usage` (or a backup) holding SQLite's write lock while a routed request opens
+    its row: the row is not written on the loop (that would wait there, up to the busy timeout),
+    it goes to the writer thread, which waits for the lock while every other task runs on."""
+    monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)  # rows would go in on the loop
+    path = tmp_path / LEDGER_FILE
+    ledger = UsageLedger(path)
+    assert await ledger.open_request(record("req-first"), 2000.0, b"{}")  # on the thread: the estimate starts pessimistic
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # another process's write transaction
+    release = threading.Timer(LOCK_HELD_S, other.execute, args=("COMMIT",))
+    longest_stall = 0.0
+
+    async def tick() -> None:
+        nonlocal longest_stall
+        while True:
+            before = time.perf_counter()
+            await anyio.sleep(0.001)
+            longest_stall = max(longest_stall, time.perf_counter() - before)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            await anyio.sleep(0.005)  # the ticker is asleep in the loop when the write starts
+            started = time.perf_counter()
+            release.start()
+            assert await ledger.open_request(record("req-while-locked"), 2000.0, b"{}")
+            waited = time.perf_counter() - started
+            tg.cancel_scope.cancel()
+        assert waited >= LOCK_HELD_S * 0.9  # it did wait for the lock: on the thread
+        assert longest_stall < LOCK_HELD_S / 3, f"the loop stood still {longest_stall * 1000:.0f} ms"
+    finally:
+        release.cancel()
+        other.close()
+        await ledger.aclose()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0] == 2

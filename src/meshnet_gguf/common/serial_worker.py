@@ -33,6 +33,11 @@ INLINE_CALL_MAX_S = 0.001
 INLINE_ESTIMATE_WEIGHT = 0.2
 
 
+class WouldBlock(Exception):
+    """Raised by a call made on the event loop (`run_inline_when_quick`'s `on_loop`) instead of
+    waiting for something another thread or process holds: the call is then made on the thread."""
+
+
 class SerialWorker:
     """Runs `fn(*args)` on its own daemon thread, in the order the calls came."""
 
@@ -52,11 +57,16 @@ class SerialWorker:
         """No call is queued or running: whatever the thread guards is free right now."""
         return self._in_flight == 0
 
-    async def run_inline_when_quick(self, fn: Callable[..., T], *args: object) -> T:
-        """`run`, or `fn(*args)` right here on the event loop when the worker is idle and calls
-        made this way have been quick (see INLINE_CALL_MAX_S); either way timed for the next decision."""
+    async def run_inline_when_quick(self, fn: Callable[..., T], *args: object, on_loop: Callable[..., T] | None = None) -> T:
+        """`run(fn, *args)`, or the call right here on the event loop when the worker is idle and
+        calls made this way have been quick (see INLINE_CALL_MAX_S); either way timed for the next
+        decision. `on_loop` is what runs on the loop instead of `fn`, when given: the same call,
+        made so that it raises `WouldBlock` rather than wait on a lock (then `fn` runs on the thread)."""
         if self.idle and self._quick_call_s < INLINE_CALL_MAX_S:
-            return self._timed(fn, *args)
+            try:
+                return self._timed(on_loop or fn, *args)
+            except WouldBlock:
+                pass
         return await self.run(self._timed, fn, *args)
 
     def _timed(self, fn: Callable[..., T], *args: object) -> T:
@@ -121,4 +131,4 @@ def _settle(done: asyncio.Future[Any], result: Any, error: BaseException | None)
         done.set_result(result)
 
 
-__all__ = ["INLINE_CALL_MAX_S", "SerialWorker"]
+__all__ = ["INLINE_CALL_MAX_S", "SerialWorker", "WouldBlock"]

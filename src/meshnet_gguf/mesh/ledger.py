@@ -36,11 +36,13 @@ from typing import TypeVar
 
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.common.serial_worker import SerialWorker
+from meshnet_gguf.common.sqlite_nowait import execute_without_waiting
 from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
 
 LEDGER_FILE = "usage.sqlite3"
 # Another process (`meshnet-gguf usage`, a backup) may hold a lock briefly; wait rather than fail.
 BUSY_TIMEOUT_S = 10.0
+BUSY_TIMEOUT_MS = int(BUSY_TIMEOUT_S * 1000)
 SCHEMA_VERSION = 3
 
 _SCHEMA = """
@@ -77,6 +79,13 @@ CREATE INDEX IF NOT EXISTS usage_in_flight ON usage (started_at) WHERE in_flight
 CREATE INDEX IF NOT EXISTS usage_route_expiry ON usage (route_expires_at) WHERE route_expires_at IS NOT NULL;
 """
 _OUTBOX = "reported_at IS NULL AND rejected IS NULL AND in_flight = 0"
+# The in-flight row, written (synced) before a request is forwarded.
+_OPEN_ROW = (
+    "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
+    " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt,"
+    " in_flight, route_expires_at, prompt_body)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 1, ?, ?)"
+)
 
 T = TypeVar("T")
 
@@ -139,7 +148,9 @@ class UsageLedger:
 
         The request waits for this synced row, so it is written on the event loop itself while the
         disk is quick and the writer thread idle (`SerialWorker.run_inline_when_quick`)."""
-        return await self._worker.run_inline_when_quick(self.open_request_sync, record, route_expires_at, prompt_body)
+        return await self._worker.run_inline_when_quick(
+            self.open_request_sync, record, route_expires_at, prompt_body, on_loop=self._open_request_without_waiting
+        )
 
     async def note_prompt(self, request_id: str, prompt_tokens: int) -> bool:
         """The prompt's count, into its open row (whose body is then dropped)."""
@@ -178,18 +189,12 @@ class UsageLedger:
     # --- sync API (worker threads, the CLI) --------------------------------------
     def open_request_sync(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
         with self._lock:
-            cursor = self._db.execute(
-                "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
-                " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt,"
-                " in_flight, route_expires_at, prompt_body)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 1, ?, ?)",
-                (
-                    *_record_columns(record),
-                    route_expires_at,
-                    prompt_body,
-                ),
-            )
-            return cursor.rowcount == 1
+            return self._db.execute(_OPEN_ROW, (*_record_columns(record), route_expires_at, prompt_body)).rowcount == 1
+
+    def _open_request_without_waiting(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None) -> bool:
+        """`open_request_sync` for the event loop: `WouldBlock` rather than wait on a lock."""
+        params = (*_record_columns(record), route_expires_at, prompt_body)
+        return execute_without_waiting(self._db, self._lock, _OPEN_ROW, params, BUSY_TIMEOUT_MS).rowcount == 1
 
     def note_prompt_sync(self, request_id: str, prompt_tokens: int) -> bool:
         """Not synced to the platter (see the module doc): the body stays durable until a synced write follows."""

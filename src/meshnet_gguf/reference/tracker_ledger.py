@@ -17,10 +17,12 @@ from typing import Literal, TypeVar
 
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.common.serial_worker import SerialWorker
+from meshnet_gguf.common.sqlite_nowait import execute_without_waiting
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
 
 TRACKER_LEDGER_FILE = "tracker.sqlite3"
 BUSY_TIMEOUT_S = 10.0
+BUSY_TIMEOUT_MS = int(BUSY_TIMEOUT_S * 1000)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -73,6 +75,13 @@ Outcome = Literal["in_flight", "complete", "cancelled", "upstream_error", "refus
 T = TypeVar("T")
 
 
+# Written (synced) before a request is forwarded.
+_OPEN_FORWARDED = (
+    "INSERT INTO forwarded (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes,"
+    " prompt_ceiling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
 @dataclass(frozen=True)
 class ForwardedRequest:
     request_id: str
@@ -115,6 +124,10 @@ class TrackerLedger:
         with self._lock:
             return self._db.execute(sql, params).rowcount
 
+    def _write_without_waiting(self, sql: str, params: tuple[object, ...]) -> int:
+        """`_write` on the event loop: `WouldBlock` rather than wait on a lock."""
+        return execute_without_waiting(self._db, self._lock, sql, params, BUSY_TIMEOUT_MS).rowcount
+
     def _read(self, sql: str, params: tuple[object, ...]) -> list[tuple]:
         with self._lock:
             return self._db.execute(sql, params).fetchall()
@@ -149,11 +162,10 @@ class TrackerLedger:
         checkable against what the route allowed (token cap, choices, body size, the prompt's ceiling).
         The request waits for it, so it goes in on the event loop while the disk is quick and the writer idle."""
         await self._worker.run_inline_when_quick(
-            self._write,
-            "INSERT INTO forwarded (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes,"
-            " prompt_ceiling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            self._write, _OPEN_FORWARDED,
             (request_id, node_id, model, path, int(stream), time.time(), max_tokens, choices, body_bytes, prompt_ceiling),
-        )
+            on_loop=self._write_without_waiting,
+        )  # fmt: skip
 
     async def finish_request(
         self, request_id: str, status: int | None, outcome: Outcome, counts: UsageCounts | None, *, completion_ceiling: int | None = None
