@@ -65,18 +65,25 @@ class NodeTarget:
         content: bytes | None = None,
     ) -> httpx.Request:
         """The request for `path` on this node, sent to the pinned address only."""
-        literal = f"[{self.address}]" if self.address.version == 6 else str(self.address)
-        default_port = {"http": 80, "https": 443}[self.scheme]
-        host_header = self.host if self.port == default_port else f"{_bracketed(self.host)}:{self.port}"
         extensions = {"sni_hostname": self.host} if self.scheme == "https" else {}
         return http.build_request(
             method,
-            f"{self.scheme}://{literal}:{self.port}{self.base_path}{path}",
+            self.pinned_url(path),
             params=params,
-            headers={**(headers or {}), "host": host_header},
+            headers={**(headers or {}), "host": self.host_header},
             content=content,
             extensions=extensions,
         )
+
+    def pinned_url(self, path: str) -> str:
+        """`path` on this node at the address it was pinned to (the name goes in `host_header`)."""
+        literal = f"[{self.address}]" if self.address.version == 6 else str(self.address)
+        return f"{self.scheme}://{literal}:{self.port}{self.base_path}{path}"
+
+    @property
+    def host_header(self) -> str:
+        default_port = {"http": 80, "https": 443}[self.scheme]
+        return self.host if self.port == default_port else f"{_bracketed(self.host)}:{self.port}"
 
     @property
     def endpoint(self) -> tuple[str, int, str]:

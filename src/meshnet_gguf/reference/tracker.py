@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from meshnet_gguf.common.http1_client import Http1Client, Http1Response, HttpClientError, HttpConnectError
 from meshnet_gguf.common.private_files import private_dir
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import (
@@ -115,6 +116,8 @@ FORWARD_READ_TIMEOUT_S = 600.0
 # Shorter than a node's idle keep-alive (uvicorn closes after 5 s): httpcore skips connections
 # it sees closed, but a close racing the reuse still fails the POST, which cannot be retried.
 FORWARD_KEEPALIVE_EXPIRY_S = 2.0
+# Connections kept to plain-http nodes by the lean forwarding client (beyond them, new ones open).
+DIRECT_FORWARD_CONNECTIONS = 64
 # Registration bodies are small; anything bigger is not a node talking.
 MAX_CONTROL_BODY_BYTES = 1024 * 1024
 # Longest any forwarded request may take, first byte to last: a stuck node frees the tracker.
@@ -210,6 +213,10 @@ class Tracker:
         self.ledger = TrackerLedger(Path(config.state_dir) / TRACKER_LEDGER_FILE)
         self._http: httpx.AsyncClient | None = None
         self._dialer: NodeDialer | None = None
+        # Requests to plain-http nodes go through this instead of httpx: ~0.1 ms a streamed
+        # request to its first chunk against httpx's 0.8-1.0 ms (bench/http_client_cost.py).
+        # https and relayed nodes keep httpx (TLS, the relay's CONNECT, the pinned certificate).
+        self._direct: Http1Client | None = None
         self._poll_wake = anyio.Event()
         self.used_node_tokens = _UsedNodeTokens()
 
@@ -254,13 +261,18 @@ class Tracker:
             log.warning("request %s was in flight when this tracker stopped: settled as interrupted, flagged", request_id)
         async with httpx.AsyncClient(timeout=timeout, transport=self._dialer, trust_env=False) as http:
             self._http = http
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_nodes)
-                try:
-                    yield
-                finally:
-                    tg.cancel_scope.cancel()
-            self._http = None
+            self._direct = Http1Client(DIRECT_FORWARD_CONNECTIONS, peer="node", read_idle_timeout_s=FORWARD_READ_TIMEOUT_S)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._watch_nodes)
+                    try:
+                        yield
+                    finally:
+                        tg.cancel_scope.cancel()
+            finally:
+                await self._direct.aclose()
+                self._direct = None
+                self._http = None
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -289,6 +301,16 @@ class Tracker:
                     tg.start_soon(self._poll_health, entry)
             with anyio.move_on_after(self.config.health_poll_interval_s):
                 await self._poll_wake.wait()
+
+    async def forward(self, entry: NodeEntry, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | DirectAnswer:
+        """POST a routed request to the node; its answer's head has arrived, its body is not read.
+        A plain-http node is reached with the lean client, any other through httpx and the dialer.
+        Raises HttpConnectError or httpx's connect errors when the node never saw the request."""
+        target = entry.target
+        if isinstance(target, NodeTarget) and target.scheme == "http" and self._direct is not None:
+            sent = {**headers, "host": target.host_header}
+            return DirectAnswer(await self._direct.send("POST", target.pinned_url(path), sent, body))
+        return await self.http.send(self.node_request(entry, "POST", path, content=body, headers=headers), stream=True)
 
     def node_request(self, entry: NodeEntry | NodeTarget, method: str, path: str, **kw: Any) -> httpx.Request:
         """How this tracker reaches a node: the one place, so a node reached another way
@@ -667,7 +689,7 @@ class _ForwardEndpoint:
 
     async def _open(
         self, path: str, model: str, payload: dict[str, Any], body: bytes
-    ) -> tuple[httpx.Response, NodeEntry, str]:
+    ) -> tuple[httpx.Response | DirectAnswer, NodeEntry, str]:
         tracker = self.tracker
         if not tracker.registry.serves(model):
             raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
@@ -695,16 +717,16 @@ class _ForwardEndpoint:
             node.in_flight += 1
             node.routed += 1
             try:
-                upstream = await tracker.http.send(tracker.node_request(node, "POST", path, content=body, headers=headers), stream=True)
+                upstream = await tracker.forward(node, path, body, headers)
             # ProxyError: the node's relay holds no tunnel for it right now; either way the node saw nothing.
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError) as exc:
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError, HttpConnectError) as exc:
                 node.in_flight -= 1
                 node.healthy = False  # until the next health poll says otherwise
                 tracker.poll_soon()
                 log.warning("node %s unreachable (%s); trying another", node.node_id, exc)
                 await tracker.ledger.finish_request(request_id, None, "refused", None)
                 continue
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, HttpClientError) as exc:
                 node.in_flight -= 1
                 await tracker.ledger.finish_request(request_id, None, "upstream_error", None)
                 raise ApiError(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
@@ -716,12 +738,12 @@ class _ForwardEndpoint:
             headers={"retry-after": str(max(1, int(tracker.config.heartbeat_interval_s)))},
         )
 
-    async def _pump(self, upstream: httpx.Response, meter: ForwardMeter, send: Any) -> Outcome:
+    async def _pump(self, upstream: httpx.Response | DirectAnswer, meter: ForwardMeter, send: Any) -> Outcome:
         try:
             async for chunk in upstream.aiter_raw():
                 meter.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, HttpClientError) as exc:
             log.warning("forward from node broke: %s", exc)
             # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
             tail = _stream_error_event(f"the node's answer broke off: {exc}") if meter.event_stream else b""
@@ -731,6 +753,23 @@ class _ForwardEndpoint:
         if meter.error or (meter.event_stream and not meter.done):
             return "upstream_error"
         return "complete"
+
+
+class DirectAnswer:
+    """A plain-http node's answer read with the lean client, as the forward reads an httpx.Response."""
+
+    __slots__ = ("_response", "headers", "status_code")
+
+    def __init__(self, response: Http1Response) -> None:
+        self._response = response
+        self.status_code = response.status
+        self.headers = httpx.Headers(response.headers)
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._response.iter_chunks()
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
 
 
 class _NotYet(Exception):

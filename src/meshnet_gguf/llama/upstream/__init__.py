@@ -18,74 +18,35 @@ over loopback TCP (`http://127.0.0.1:PORT`).
 
 from __future__ import annotations
 
-import errno
 from collections.abc import AsyncIterator
-from typing import Literal, NamedTuple, Protocol
-from urllib.parse import quote, unquote
+from typing import Literal, Protocol
 
-UNIX_SCHEME = "http+unix://"
-# Connecting to 127.0.0.1 is instant unless the child is wedged.
-CONNECT_TIMEOUT_S = 5.0
-# A UNIX socket whose accept queue is full refuses a connect at once (EAGAIN) where TCP would
-# queue the SYN: llama-server's queue is short, and a burst of requests overflows it. Such a
-# connect is tried again after a pause this long, doubling up to the cap, within CONNECT_TIMEOUT_S.
-BUSY_SOCKET_FIRST_PAUSE_S = 0.0005
-BUSY_SOCKET_MAX_PAUSE_S = 0.02
-BUSY_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})
-# Longest silence tolerated between two bytes of an upstream answer: a long
-# prompt's prefill on a big model sends nothing for minutes, so this is generous;
-# a dead child closes its sockets and is noticed at once regardless.
-READ_IDLE_TIMEOUT_S = 900.0
-# Connections kept to llama-server: one per slot suffices; extra covers health probes.
-POOL_HEADROOM = 8
-# Fresh-connection retries after a pooled connection turned out closed before any answer.
-STALE_CONNECTION_RETRIES = 1
+from meshnet_gguf.common.http1_client import (
+    BUSY_ERRNOS,
+    BUSY_SOCKET_FIRST_PAUSE_S,
+    BUSY_SOCKET_MAX_PAUSE_S,
+    CONNECT_TIMEOUT_S,
+    IDLE_CONNECTION_TTL_S,
+    POOL_HEADROOM,
+    READ_IDLE_TIMEOUT_S,
+    STALE_CONNECTION_RETRIES,
+    UNIX_SCHEME,
+    Address,
+    HttpClientError,
+    split_url,
+    unix_socket_url,
+)
+
 # Per-connection read buffer of the aiohttp hop (its StreamReader stops reading from the
 # socket at twice this). aiohttp's 64 KiB default lets 256 streams whose clients read
 # slower than llama-server writes hold 30-110 MB more in the node (bench/RESULTS.md);
 # 16 KiB (still ~60 SSE events) bounds that at no measurable cost in events/s.
 READ_BUFFER_BYTES = 16 * 1024
-# llama-server (cpp-httplib) closes a connection idle for 5 s. A pooled one kept
-# longer can be reused just as the server closes it, and the request fails with
-# "Can not write request body"; dropping idle ones first avoids that race.
-IDLE_CONNECTION_TTL_S = 4.0
-# Bytes of a response the raw client holds before it stops reading from the socket
-# (back-pressure to llama-server when the proxy's client reads slower than it writes).
-RAW_MAX_BUFFERED_BYTES = 2 * READ_BUFFER_BYTES
 UpstreamClientKind = Literal["raw", "aiohttp", "httpx"]
 
 
-def unix_socket_url(socket_path: str) -> str:
-    """The base URL for llama-server listening on `socket_path`."""
-    return UNIX_SCHEME + quote(socket_path, safe="")
-
-
-class Address(NamedTuple):
-    unix_path: str | None
-    host: str
-    port: int
-
-
-def split_url(url: str) -> tuple[Address, str]:
-    """(where to connect, request target) of an `http://host:port/...` or `http+unix://...` URL."""
-    if url.startswith(UNIX_SCHEME):
-        rest = url[len(UNIX_SCHEME) :]
-        cut = rest.find("/")
-        cut = len(rest) if cut < 0 else cut
-        return Address(unquote(rest[:cut]), "localhost", 0), rest[cut:] or "/"
-    if not url.startswith("http://"):
-        raise UpstreamError(f"unsupported upstream URL {url!r} (http:// or {UNIX_SCHEME} only)")
-    rest = url[len("http://") :]
-    cut = rest.find("/")
-    cut = len(rest) if cut < 0 else cut
-    host, _, port = rest[:cut].rpartition(":")
-    if not host or not port.isdigit():
-        host, port = rest[:cut], "80"
-    return Address(None, host.strip("[]"), int(port)), rest[cut:] or "/"
-
-
-class UpstreamError(Exception):
-    """llama-server could not be reached, or the connection broke mid-answer."""
+# llama-server could not be reached, or the connection broke mid-answer (every client here raises it).
+UpstreamError = HttpClientError
 
 
 class UpstreamResponse(Protocol):
@@ -103,3 +64,24 @@ class UpstreamClient(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+__all__ = [
+    "BUSY_ERRNOS",
+    "BUSY_SOCKET_FIRST_PAUSE_S",
+    "BUSY_SOCKET_MAX_PAUSE_S",
+    "CONNECT_TIMEOUT_S",
+    "IDLE_CONNECTION_TTL_S",
+    "POOL_HEADROOM",
+    "READ_BUFFER_BYTES",
+    "READ_IDLE_TIMEOUT_S",
+    "STALE_CONNECTION_RETRIES",
+    "UNIX_SCHEME",
+    "Address",
+    "UpstreamClient",
+    "UpstreamClientKind",
+    "UpstreamError",
+    "UpstreamResponse",
+    "split_url",
+    "unix_socket_url",
+]
