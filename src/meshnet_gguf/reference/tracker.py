@@ -656,7 +656,7 @@ class _ForwardEndpoint:
                     forward.cancel()
 
                 # A bare asyncio task rather than an anyio task group, as in the node's proxy: the
-                # group cost ~50 µs of CPU a request (bench/RESULTS.md).
+                # group cost ~50 µs of CPU a request (bench/RESULTS.md, "Round 4").
                 watcher = asyncio.get_running_loop().create_task(watch_disconnect())
                 try:
                     with anyio.move_on_at(deadline) as forwarding:

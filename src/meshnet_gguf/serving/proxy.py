@@ -282,8 +282,8 @@ class ProxyApp:
                 # the client left and generates it in full, so it is billed in full.
 
             # A bare asyncio task (the node's loop is asyncio's), not an anyio task group: with
-            # the group, watching cost every request ~50 µs of CPU before its first byte; the
-            # task and the scope cost ~8 (bench/RESULTS.md, "the node's own work").
+            # the group, watching cost each request ~50 µs of CPU; the task and the scope cost ~8
+            # (bench/request_cost.py; bench/RESULTS.md, "Round 4").
             watcher = asyncio.get_running_loop().create_task(watch_disconnect())
             try:
                 await self._exchange(meter, target, body, send, count)
