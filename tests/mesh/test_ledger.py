@@ -3,9 +3,11 @@ totals for `meshnet-gguf usage`, and durability across reopening."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -110,6 +112,27 @@ async def test_recent_request_ids_for_the_replay_cache(ledger: UsageLedger, iden
     assert await ledger.request_ids_since(150.0) == [("new", 200.0)]
 
 
+class LoopWatch:
+    """How long the event loop stood still at most: a task that sleeps 1 ms at a time, timed."""
+
+    longest_stall_s = 0.0
+
+    async def run(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await anyio.sleep(0.001)
+            self.longest_stall_s = max(self.longest_stall_s, time.perf_counter() - before)
+
+
+@contextlib.asynccontextmanager
+async def loop_watch() -> AsyncIterator[LoopWatch]:
+    watch = LoopWatch()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch.run)
+        yield watch
+        tg.cancel_scope.cancel()
+
+
 async def test_a_slow_disk_never_holds_the_event_loop_for_the_row_before_forwarding(tmp_path: Path) -> None:
     """The row a routed request waits for is written on the event loop only while synced writes are
     quick; on a disk that takes 30 ms a write, every one goes to the writer thread and the loop
@@ -125,23 +148,12 @@ async def test_a_slow_disk_never_holds_the_event_loop_for_the_row_before_forward
 
     ledger.open_request_sync = slow_disk(ledger.open_request_sync)  # type: ignore[method-assign]
     ledger._open_request_without_waiting = slow_disk(ledger._open_request_without_waiting)  # type: ignore[method-assign]
-    longest_stall = 0.0
-
-    async def tick() -> None:
-        nonlocal longest_stall
-        while True:
-            before = time.perf_counter()
-            await anyio.sleep(0.001)
-            longest_stall = max(longest_stall, time.perf_counter() - before)
-
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(tick)
+        async with loop_watch() as watch:
             for i in range(8):
-                await anyio.sleep(0.005)  # the ticker is asleep in the loop when each write starts
+                await anyio.sleep(0.005)  # the watch is asleep in the loop when each write starts
                 assert await ledger.open_request(record(f"req-slow-{i}"), 2000.0, b"{}")
-            tg.cancel_scope.cancel()
-        assert longest_stall < SLOW_WRITE_S / 2, f"the loop stood still {longest_stall * 1000:.1f} ms"
+        assert watch.longest_stall_s < SLOW_WRITE_S / 2, f"the loop stood still {watch.longest_stall_s * 1000:.1f} ms"
         assert len(await ledger.request_ids_since(0)) == 8
     finally:
         await ledger.aclose()
@@ -191,26 +203,15 @@ async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
     other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     other.execute("BEGIN IMMEDIATE")  # another process's write transaction
     release = threading.Timer(LOCK_HELD_S, other.execute, args=("COMMIT",))
-    longest_stall = 0.0
-
-    async def tick() -> None:
-        nonlocal longest_stall
-        while True:
-            before = time.perf_counter()
-            await anyio.sleep(0.001)
-            longest_stall = max(longest_stall, time.perf_counter() - before)
-
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(tick)
-            await anyio.sleep(0.005)  # the ticker is asleep in the loop when the write starts
+        async with loop_watch() as watch:
+            await anyio.sleep(0.005)  # the watch is asleep in the loop when the write starts
             started = time.perf_counter()
             release.start()
             assert await ledger.open_request(record("req-while-locked"), 2000.0, b"{}")
             waited = time.perf_counter() - started
-            tg.cancel_scope.cancel()
         assert waited >= LOCK_HELD_S * 0.9  # it did wait for the lock: on the thread
-        assert longest_stall < LOCK_HELD_S / 3, f"the loop stood still {longest_stall * 1000:.0f} ms"
+        assert watch.longest_stall_s < LOCK_HELD_S / 3, f"the loop stood still {watch.longest_stall_s * 1000:.0f} ms"
     finally:
         release.cancel()
         other.close()
