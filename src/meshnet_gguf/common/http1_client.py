@@ -336,7 +336,7 @@ class Http1Client:
             else:
                 connecting = loop.create_connection(lambda: connection, address.host, address.port)
                 await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
-        except OSError as exc:
+        except (OSError, asyncio.TimeoutError) as exc:  # the second is no OSError before Python 3.11
             where = address.unix_path or f"{address.host}:{address.port}"
             raise HttpConnectError(f"{self._peer} unreachable at {where}: {exc!r}") from exc
         return connection, False
