@@ -286,8 +286,8 @@ class Http1Client:
         self._idle: dict[Address, deque[_Connection]] = {}
 
     async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> Http1Response:
-        """Send a request; the answer's body is not read yet. Raises HttpClientError, HttpConnectError when
-        no connection could be made (the server never saw the request)."""
+        """Send a request (header names in lower case); the answer's body is not read yet. Raises
+        HttpClientError, HttpConnectError when no connection could be made (the server never saw it)."""
         address, target = split_url(url)
         request = _request_bytes(method, target, address, headers, body)
         for attempt in range(STALE_CONNECTION_RETRIES + 1):
@@ -369,7 +369,7 @@ async def _connect_unix(path: str, deadline: float) -> socket.socket:
 
 def _request_bytes(method: str, target: str, address: Address, headers: dict[str, str], body: bytes | None) -> bytes:
     lines = [f"{method} {target} HTTP/1.1"]
-    if not any(name.lower() == "host" for name in headers):  # a caller's own Host (a pinned address's name) wins
+    if "host" not in headers:  # a caller's own Host (a pinned address's name) wins; names are lower-case
         lines.append(f"host: {address.host}")
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:

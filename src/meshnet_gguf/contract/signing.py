@@ -154,8 +154,8 @@ _ED25519_SIGNATURE_BYTES = 64
 class HotVerifyKey:
     """An Ed25519 public key checked on every request (the tracker's, by a node's route gate).
 
-    The check is libsodium's (PyNaCl) rather than OpenSSL's (`cryptography`): 54 against 91 µs
-    on the 2-core dev box, 114 against 223 µs on the H200 host (`bench/mesh_floor.py`,
+    The check is libsodium's (PyNaCl) rather than OpenSSL's (`cryptography`): 70 against 119 µs
+    on the 2-core dev box, 106 against 206 µs on the H200 host (`bench/mesh_floor.py`,
     bench/RESULTS.md), on the path before every routed request's first token. libsodium is
     also the stricter of the two (it refuses small-order keys and non-canonical encodings).
     Same interface as `Ed25519PublicKey.verify`: raises `InvalidSignature`.
