@@ -341,3 +341,30 @@ async def _outcome(http: httpx.AsyncClient, url: str, rid: str, expected: str) -
 async def _has_receipt(http: httpx.AsyncClient, url: str, rid: str) -> bool:
     response = await http.get(f"{url}/v1/usage/{rid}")
     return response.status_code == 200 and response.json()["node"] is not None
+
+
+async def test_a_node_that_refuses_the_connection_is_marked_down_and_the_request_goes_elsewhere(
+    tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's listener gone while the tracker still routes to it (a crash between two health
+    polls): the connection is refused, the node never saw the request, so the tracker marks it down
+    and tries another; with none left the client gets 503, not the tracker's own error."""
+    import dataclasses
+
+    service, url = tracker
+    mesh = node(tmp_path, tiny_gguf, llama, tracker)
+    async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
+        await wait_until(lambda: _eq(models(http, url), [MODEL]))
+        entry = service.registry.get(mesh.node_id)
+        assert entry is not None and entry.target.scheme == "http"  # forwarded with the lean client
+        monkeypatch.setattr(service, "_poll_health", _no_poll)  # the refusal, not a health poll, marks it down
+        entry.target = dataclasses.replace(entry.target, port=free_port())  # nothing listens there
+        answer = await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_node_available"
+        assert entry.healthy is False
+        [tried] = await service.ledger.usage_list(limit=1)
+        assert (tried.node_id, tried.outcome) == (mesh.node_id, "refused")  # recorded as never seen by the node
+
+
+async def _no_poll(entry: Any) -> None:
+    return None
