@@ -9,6 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -116,6 +117,24 @@ async def test_chat_prompt_count_matches_llama_servers_usage(llama: LlamaChild) 
             assert counted == usage["prompt_tokens"], case
 
 
+def counts_landing(app: Any, expected: int) -> anyio.Event:
+    """Set once the proxy's prompt counter has answered `expected` counts (it is wrapped to tell)."""
+    landed = anyio.Event()
+    answered = 0
+    count = app._counter.count
+
+    async def counting(*args: Any) -> int:
+        nonlocal answered
+        tokens = await count(*args)
+        answered += 1
+        if answered >= expected:
+            landed.set()
+        return tokens
+
+    app._counter.count = counting
+    return landed
+
+
 async def test_llama_server_killed_mid_stream_ends_every_stream_with_an_error_and_bills_it(
     real_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path
 ) -> None:
@@ -129,6 +148,7 @@ async def test_llama_server_killed_mid_stream_ends_every_stream_with_an_error_an
                 body = {"prompt": LONG_PROMPT, "max_tokens": 1800, "stream": True, "ignore_eos": True}
                 ends: list[tuple[float, bytes]] = []
                 going = [anyio.Event(), anyio.Event()]
+                counted = counts_landing(front.app, 2)
 
                 async def stream(k: int) -> None:
                     tail = b""
@@ -147,6 +167,10 @@ async def test_llama_server_killed_mid_stream_ends_every_stream_with_an_error_an
                     with anyio.fail_after(30):
                         for event in going:
                             await event.wait()  # both streams are generating
+                        # ...and the node has its prompts' counts, asked beside the streams once their first
+                        # bytes were out. On a loaded machine llama-server can stream ten tokens before it
+                        # answers a count; a kill before that would leave nothing that could count them.
+                        await counted.wait()
                     killed_at = time.monotonic()
                     child.kill()
                 records = await wait_records(front.sink, 2)
