@@ -21,21 +21,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Literal, Protocol
 
-from meshnet_gguf.common.http1_client import (
-    BUSY_ERRNOS,
-    BUSY_SOCKET_FIRST_PAUSE_S,
-    BUSY_SOCKET_MAX_PAUSE_S,
-    CONNECT_TIMEOUT_S,
-    IDLE_CONNECTION_TTL_S,
-    POOL_HEADROOM,
-    READ_IDLE_TIMEOUT_S,
-    STALE_CONNECTION_RETRIES,
-    UNIX_SCHEME,
-    Address,
-    HttpClientError,
-    split_url,
-    unix_socket_url,
-)
+from meshnet_gguf.common.http1_client import HttpClientError, unix_socket_url
 
 # Per-connection read buffer of the aiohttp hop (its StreamReader stops reading from the
 # socket at twice this). aiohttp's 64 KiB default lets 256 streams whose clients read
@@ -67,21 +53,10 @@ class UpstreamClient(Protocol):
 
 
 __all__ = [
-    "BUSY_ERRNOS",
-    "BUSY_SOCKET_FIRST_PAUSE_S",
-    "BUSY_SOCKET_MAX_PAUSE_S",
-    "CONNECT_TIMEOUT_S",
-    "IDLE_CONNECTION_TTL_S",
-    "POOL_HEADROOM",
     "READ_BUFFER_BYTES",
-    "READ_IDLE_TIMEOUT_S",
-    "STALE_CONNECTION_RETRIES",
-    "UNIX_SCHEME",
-    "Address",
     "UpstreamClient",
     "UpstreamClientKind",
     "UpstreamError",
     "UpstreamResponse",
-    "split_url",
     "unix_socket_url",
 ]

@@ -7,20 +7,18 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from meshnet_gguf.llama.upstream import (
+from meshnet_gguf.common.http1_client import (
     BUSY_ERRNOS,
     BUSY_SOCKET_FIRST_PAUSE_S,
     BUSY_SOCKET_MAX_PAUSE_S,
     CONNECT_TIMEOUT_S,
     IDLE_CONNECTION_TTL_S,
     POOL_HEADROOM,
-    READ_BUFFER_BYTES,
     READ_IDLE_TIMEOUT_S,
     STALE_CONNECTION_RETRIES,
-    UpstreamError,
-    UpstreamResponse,
     split_url,
 )
+from meshnet_gguf.llama.upstream import READ_BUFFER_BYTES, UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
     import aiohttp

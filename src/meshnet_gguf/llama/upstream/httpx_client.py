@@ -6,15 +6,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from meshnet_gguf.llama.upstream import (
-    CONNECT_TIMEOUT_S,
-    IDLE_CONNECTION_TTL_S,
-    POOL_HEADROOM,
-    READ_IDLE_TIMEOUT_S,
-    UpstreamError,
-    UpstreamResponse,
-    split_url,
-)
+from meshnet_gguf.common.http1_client import CONNECT_TIMEOUT_S, IDLE_CONNECTION_TTL_S, POOL_HEADROOM, READ_IDLE_TIMEOUT_S, split_url
+from meshnet_gguf.llama.upstream import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
     import httpx
