@@ -61,7 +61,10 @@ def test_a_route_cut_short_by_kill_9_is_refused_after_restart_and_billed_once(  
     restarted = start_meshed_node(start_node, tracker, tiny_gguf, workdir, MESHNET_TRACKER_PUBLIC_KEY=key)
     replay = httpx.post(restarted.url + "/v1/completions", content=body, headers=headers, timeout=30)
     assert replay.status_code == 403 and replay.json()["error"]["code"] == "route_replayed"
-    [row] = ledger_rows(restarted.state_dir)  # settled at start: one row, its prompt billed, one receipt
+    # Settled once the restarted llama-server has counted the kept body (mesh/receipts.settle_uncounted runs
+    # beside the node after start, polling for llama-server every 0.5 s): one row, its prompt billed, one receipt.
+    wait_for(lambda: ledger_rows(restarted.state_dir)[0]["in_flight"] == 0, "the crashed row settled", restarted.log_path)
+    [row] = ledger_rows(restarted.state_dir)
     assert row["in_flight"] == 0 and row["has_receipt"] and row["finish_reason"] == "error" and row["prompt"] == 600
     # This route was minted by the test, not relayed by the tracker, which refuses its receipt for good.
     wait_for(lambda: ledger_rows(restarted.state_dir)[0]["rejected"] is not None, "the receipt delivered", restarted.log_path)
