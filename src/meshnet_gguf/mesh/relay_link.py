@@ -136,7 +136,6 @@ class RelayLink(BasePart):
         self.last_error: str | None = None
         self._attached_at: float | None = None
         self._idle = 0
-        self._dialing = 0
         self.streams_active = 0
         self.streams_total = 0
         self._draining = False
@@ -260,14 +259,11 @@ class RelayLink(BasePart):
         uvloop) and a protocol-level splice cost a tenth of the CPU per relayed chunk.
         """
         writer: asyncio.StreamWriter | None = None
-        self._dialing += 1
         try:
             with anyio.fail_after(DIAL_TIMEOUT_S):
                 writer = await self._open_work()
         except Exception as exc:  # noqa: BLE001 - the control session notices a dead relay; here we only pace
             log.debug("work connection failed: %r", exc)
-        finally:
-            self._dialing -= 1
         if writer is None:
             await anyio.sleep(WORK_RETRY_DELAY_S)
             return
