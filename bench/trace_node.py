@@ -17,7 +17,6 @@ import atexit
 import json
 import os
 import sys
-import threading
 import time
 from typing import Any
 
@@ -126,18 +125,17 @@ for _mode in (StandaloneMode, MeshedMode):
     _time_call(_mode, "check_body", False)
     _time_call(_mode, "commit", True)
 _time_call(proxy.ProxyApp, "_read_body", True)
-_time_call(UsageLedger, "open_request_sync", False)
 _time_call(UsageLedger, "open_request", True)  # the synced row and, when it went there, the writer thread's hop
-_open_sync = UsageLedger.open_request_sync
+# The synced row itself: on the writer thread (`open_request_sync`) or on the loop (`_open_request_without_waiting`).
+for _write, _on_loop in (("open_request_sync", 0.0), ("_open_request_without_waiting", 1.0)):
+    _time_call(UsageLedger, _write, False)
 
+    def _noting_where(self: Any, *args: Any, _original: Any = getattr(UsageLedger, _write), _where: float = _on_loop, **kwargs: Any) -> Any:
+        if (row := current.get("row")) is not None:
+            row["open_on_loop"] = _where
+        return _original(self, *args, **kwargs)
 
-def _noting_thread(self: Any, *args: Any, **kwargs: Any) -> Any:
-    if (row := current.get("row")) is not None:
-        row["open_on_loop"] = float(threading.current_thread() is threading.main_thread())
-    return _open_sync(self, *args, **kwargs)
-
-
-UsageLedger.open_request_sync = _noting_thread  # type: ignore[method-assign]
+    setattr(UsageLedger, _write, _noting_where)
 
 SEGMENTS = [
     ("uvicorn: request parsed, app called", "begin", "app"),
