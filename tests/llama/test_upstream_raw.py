@@ -93,6 +93,46 @@ async def test_a_streamed_answer_arrives_whole_and_its_connection_is_not_reused(
         await client.aclose()
 
 
+async def test_with_keep_streamed_a_streamed_answer_keeps_its_connection(tmp_path: Path) -> None:
+    async def stream(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        await writer.drain()
+        return True  # a server that keeps it, as the node's uvicorn does
+
+    async with Server(tmp_path / "s.sock", stream) as server:
+        client = raw_upstream.Http1Client(2, keep_streamed=True)
+        for _ in range(3):
+            response = await client.send("POST", server.url + "/v1/chat/completions", {}, b"{}")
+            assert await response.read() == b"hello"
+            await response.aclose()
+        assert server.connections == 1 and client.opened == 1
+        await client.aclose()
+
+
+async def test_bytes_sent_on_an_idle_connection_never_answer_the_next_request(tmp_path: Path) -> None:
+    """A server (or whoever sits on the wire) that writes a forged answer ahead of the next request:
+    a pooled connection that receives bytes unasked is dropped, and the request goes out on a new one."""
+    requests = 0
+
+    async def answer_then_forge(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        nonlocal requests
+        requests += 1
+        await ok_json(head, body, writer)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")
+        await writer.drain()
+        return True
+
+    async with Server(tmp_path / "s.sock", answer_then_forge) as server:
+        client = RawUpstream(2)
+        for _ in range(3):
+            response = await client.send("POST", server.url + "/v1/x", {}, b"{}")
+            assert await response.read() == b'{"ok":true,"echo":2}'
+            await response.aclose()
+            await asyncio.sleep(0.05)  # the forged bytes arrive while the connection is pooled
+        assert requests == 3 and server.connections == 3
+        await client.aclose()
+
+
 async def test_a_pooled_connection_closed_by_the_server_is_retried_on_a_fresh_one(tmp_path: Path) -> None:
     answered = 0
 

@@ -192,10 +192,11 @@ async def test_a_relay_out_of_file_descriptors_keeps_running_and_serves_again() 
 
 import httpx
 
+from meshnet_gguf.common.http1_client import HttpConnectError
 from meshnet_gguf.contract.protocol import NodeAnnouncement, relay_audience
 from meshnet_gguf.contract.signing import encode_token, public_key_text, tracker_issuer_for
 from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.relay_dialer import NodeDialer, new_connect_claims
+from meshnet_gguf.reference.relay_dialer import TLS_IN_TLS, NodeDialer, new_connect_claims
 
 
 def _signer(key: Ed25519PrivateKey, **override: object):  # type: ignore[no-untyped-def]
@@ -443,6 +444,15 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
             finally:
                 await response.aclose()
             assert response.status_code == 200 and body.endswith(b"data: [DONE]\n\n")
+            # The tracker's routed requests go through the target's lean client: the node's TLS inside the relay's
+            # (Python 3.10's own loop cannot nest TLS; such a target has no lean client and keeps httpx).
+            assert (target.client is not None) == TLS_IN_TLS
+            if target.client is not None:
+                lean = await target.client.send("POST", target.forward_url("/v1/chat/completions"), {"content-type": "application/json"}, b'{"n": 3}')
+                try:
+                    assert lean.status == 200 and (await lean.read()).endswith(b"data: [DONE]\n\n")
+                finally:
+                    await lean.aclose()
         assert relay.server_names and set(relay.server_names) == {"localhost"}  # node and tracker both sent SNI
         # A relay whose certificate names another host is refused by the tracker, whatever its CA.
         other_ca, other_cert, other_key = _certificate_authority(tmp_path, "elsewhere.test")
@@ -454,6 +464,9 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
             target = await wrong_name.through_relay(announcement, AddressPolicy(allow_loopback=True))
             with pytest.raises(httpx.ConnectError, match="(?i)hostname|certificate"):
                 await http.send(target.request(http, "GET", "/health"))
+            if target.client is not None:
+                with pytest.raises(HttpConnectError, match="(?i)hostname|certificate"):
+                    await target.client.send("POST", target.forward_url("/v1/chat/completions"), {}, b'{"n": 1}')
         await link.drain()
         await link.close()
         tg.cancel_scope.cancel()

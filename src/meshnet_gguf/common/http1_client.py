@@ -8,7 +8,10 @@ http: about 0.1 ms a streamed request to its first chunk where httpx takes 0.8-1
 arrived since the last read, so a slow reader gets fewer, larger pieces.
 
 Servers are reached over a UNIX socket (`http+unix://<percent-encoded socket path>` URLs, see
-`unix_socket_url`) or TCP (`http://host:port`); https is not spoken here.
+`unix_socket_url`) or TCP (`http://host:port`). A client given an `open_connection` reaches
+its server however that says (the reference tracker's: CONNECT through a relay, then TLS
+pinned to the node's certificate; `reference/relay_dialer`), and then takes `https://` URLs;
+it speaks no TLS of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import asyncio
 import errno
 import socket
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple
 from urllib.parse import quote, unquote
 
@@ -58,6 +61,12 @@ class Address(NamedTuple):
     unix_path: str | None
     host: str
     port: int
+    tls: bool = False  # an https:// URL: reached only through an `open_connection` that speaks TLS
+
+
+# Connects `protocol` to the server however it is reached; when it returns, the protocol's
+# `connection_made` has been called with a transport that carries plain HTTP.
+ConnectionOpener = Callable[[asyncio.Protocol], Awaitable[None]]
 
 
 class HttpClientError(Exception):
@@ -75,27 +84,31 @@ def split_url(url: str) -> tuple[Address, str]:
         cut = rest.find("/")
         cut = len(rest) if cut < 0 else cut
         return Address(unquote(rest[:cut]), "localhost", 0), rest[cut:] or "/"
-    if not url.startswith("http://"):
-        raise HttpClientError(f"unsupported URL {url!r} (http:// or {UNIX_SCHEME} only)")
-    rest = url[len("http://") :]
+    tls = url.startswith("https://")
+    if not tls and not url.startswith("http://"):
+        raise HttpClientError(f"unsupported URL {url!r} (http://, https:// or {UNIX_SCHEME} only)")
+    rest = url[len("https://" if tls else "http://") :]
     cut = rest.find("/")
     cut = len(rest) if cut < 0 else cut
     host, _, port = rest[:cut].rpartition(":")
     if not host or not port.isdigit():
-        host, port = rest[:cut], "80"
-    return Address(None, host.strip("[]"), int(port)), rest[cut:] or "/"
+        host, port = rest[:cut], ("443" if tls else "80")
+    return Address(None, host.strip("[]"), int(port), tls), rest[cut:] or "/"
 
 
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection to the server; httptools calls the `on_*` methods as bytes arrive."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, peer: str, read_idle_timeout_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, peer: str, read_idle_timeout_s: float, keep_streamed: bool) -> None:
         self._loop = loop
         self._peer = peer
         self._read_idle_timeout_s = read_idle_timeout_s
+        self._keep_streamed = keep_streamed
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        # Between `start` and the pool taking it back: bytes outside that are bytes nobody asked for.
+        self.in_use = False
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
         # One silence timer per connection, re-armed only when it fires: arming a timer per
@@ -115,12 +128,18 @@ class _Connection(asyncio.Protocol):
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._paused = False
+        self._unasked = False
 
     # --- asyncio.Protocol -------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_use:
+            # A pooled connection the server writes to unasked: what it sent would be read as the
+            # answer to the next request sent on it, so the connection is dropped instead.
+            self._fail(f"{self._peer} sent bytes on an idle connection")
+            return
         self.got_bytes = True
         self._last_io = self._loop.time()
         try:
@@ -144,14 +163,27 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # --- httptools callbacks ------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # A second answer to one request: bytes nobody asked for, which the next request on
+            # this connection would take for its own. The answer already read stands; the rest
+            # is dropped with the connection.
+            self._unasked = True
+            self._fail(f"{self._peer} sent a second answer to one request")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if not self._unasked:
+            self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
+        if self._unasked:
+            return
         self.status = self._parser.get_status_code()
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
+        if self._unasked:
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > MAX_BUFFERED_BYTES and not self._paused and self.transport is not None:
@@ -159,12 +191,15 @@ class _Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        if self._unasked:
+            return
         self.complete = True
         self.keep_alive = self._parser.should_keep_alive()
 
     # --- used by the client -----------------------------------------------------------
     def start(self, request: bytes) -> None:
         self._reset()
+        self.in_use = True
         self._last_io = self._loop.time()
         assert self.transport is not None
         self.transport.write(request)
@@ -226,11 +261,12 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         """Whether the next request may use this connection. llama-server (cpp-httplib) closes
         the connection just after a chunked (streamed) answer although it announces keep-alive;
-        pooling it would make the next request race that close, so only answers of a known
-        length are kept."""
-        if not (self.complete and self.keep_alive) or self.closed or self._chunks:
+        pooling it would make the next request race that close, so unless the client was told
+        its server keeps streamed answers' connections (`keep_streamed`: uvicorn, the node's
+        server, does), only answers of a known length are kept."""
+        if not (self.complete and self.keep_alive) or self.closed or self._chunks or self.error is not None:
             return False
-        return any(name.lower() == "content-length" for name, _ in self.headers)
+        return self._keep_streamed or any(name.lower() == "content-length" for name, _ in self.headers)
 
     def _reads_until_close(self) -> bool:
         names = {name.lower() for name, _ in self.headers}
@@ -264,6 +300,7 @@ class Http1Response:
 
     async def aclose(self) -> None:
         connection = self._connection
+        connection.in_use = False
         if connection.reusable():
             self._pool.release(self._address, connection)
         else:
@@ -276,14 +313,36 @@ class Http1Client:
     """asyncio protocols + httptools, with a pool of the connections the server keeps alive.
 
     `peer` names the server in errors ("llama-server", "node"); `read_idle_timeout_s` is the
-    longest silence within an answer (default READ_IDLE_TIMEOUT_S).
+    longest silence within an answer (default READ_IDLE_TIMEOUT_S). `open_connection`, when
+    given, makes every new connection (a URL then names only the Host and the path);
+    `connect_timeout_s` bounds each one. `keep_streamed`: the server keeps a connection alive
+    after a chunked answer, so it is pooled too; `idle_ttl_s`: a pooled connection idle longer
+    is dropped, not reused (keep it under the server's own idle close).
+
+    After `aclose`, answers still being read finish; their connections are closed, not pooled.
     """
 
-    def __init__(self, max_connections: int, *, peer: str = "the server", read_idle_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        *,
+        peer: str = "the server",
+        read_idle_timeout_s: float | None = None,
+        open_connection: ConnectionOpener | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        keep_streamed: bool = False,
+        idle_ttl_s: float = IDLE_CONNECTION_TTL_S,
+    ) -> None:
         self._peer = peer
         self._read_idle_timeout_s = READ_IDLE_TIMEOUT_S if read_idle_timeout_s is None else read_idle_timeout_s
         self._max_idle = max_connections + POOL_HEADROOM
         self._idle: dict[Address, deque[_Connection]] = {}
+        self._open_connection = open_connection
+        self._connect_timeout_s = connect_timeout_s
+        self._keep_streamed = keep_streamed
+        self._idle_ttl_s = idle_ttl_s
+        self._closed = False
+        self.opened = 0  # connections made so far (a pool that works reuses them)
 
     async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> Http1Response:
         """Send a request (header names in lower case); the answer's body is not read yet. Raises
@@ -313,7 +372,7 @@ class Http1Client:
 
     def release(self, address: Address, connection: _Connection) -> None:
         idle = self._idle.setdefault(address, deque())
-        if len(idle) >= self._max_idle:
+        if self._closed or len(idle) >= self._max_idle:
             connection.close()
             return
         connection.idle_since = asyncio.get_running_loop().time()
@@ -324,27 +383,39 @@ class Http1Client:
         idle = self._idle.get(address)
         while idle:
             connection = idle.pop()
-            if connection.closed or loop.time() - connection.idle_since > IDLE_CONNECTION_TTL_S:
+            if connection.closed or loop.time() - connection.idle_since > self._idle_ttl_s:
                 connection.close()
                 continue
             return connection, True
-        connection = _Connection(loop, self._peer, self._read_idle_timeout_s)
+        if self._closed:
+            raise HttpConnectError(f"the client for {self._peer} is closed")
+        connection = _Connection(loop, self._peer, self._read_idle_timeout_s, self._keep_streamed)
+        self.opened += 1
         try:
-            if address.unix_path is not None:
-                sock = await _connect_unix(address.unix_path, loop.time() + CONNECT_TIMEOUT_S)
+            if self._open_connection is not None:
+                await asyncio.wait_for(self._open_connection(connection), self._connect_timeout_s)
+            elif address.tls:
+                raise HttpConnectError(f"{self._peer}: https needs a client made with an open_connection that speaks TLS")
+            elif address.unix_path is not None:
+                sock = await _connect_unix(address.unix_path, loop.time() + self._connect_timeout_s)
                 await loop.create_unix_connection(lambda: connection, sock=sock)
             else:
                 connecting = loop.create_connection(lambda: connection, address.host, address.port)
-                await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
+                await asyncio.wait_for(connecting, self._connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:  # the second is no OSError before Python 3.11
             where = address.unix_path or f"{address.host}:{address.port}"
             raise HttpConnectError(f"{self._peer} unreachable at {where}: {exc!r}") from exc
         return connection, False
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Close the kept connections and keep no more; answers being read finish first."""
+        self._closed = True
         for idle in self._idle.values():
             while idle:
                 idle.pop().close()
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 async def _connect_unix(path: str, deadline: float) -> socket.socket:
@@ -385,6 +456,7 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "READ_IDLE_TIMEOUT_S",
     "Address",
+    "ConnectionOpener",
     "Http1Client",
     "Http1Response",
     "HttpClientError",

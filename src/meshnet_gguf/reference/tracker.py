@@ -215,7 +215,8 @@ class Tracker:
         self._dialer: NodeDialer | None = None
         # Requests to plain-http nodes go through this instead of httpx: ~0.1 ms a streamed
         # request to its first chunk against httpx's 0.8-1.0 ms (bench/http_client_cost.py).
-        # https and relayed nodes keep httpx (TLS, the relay's CONNECT, the pinned certificate).
+        # A relayed node's requests go through its target's own lean client; https nodes keep
+        # httpx. A node's uvicorn keeps a streamed answer's connection, so it is reused.
         self._direct: Http1Client | None = None
         self._poll_wake = anyio.Event()
         self.used_node_tokens = _UsedNodeTokens()
@@ -261,7 +262,10 @@ class Tracker:
             log.warning("request %s was in flight when this tracker stopped: settled as interrupted, flagged", request_id)
         async with httpx.AsyncClient(timeout=timeout, transport=self._dialer, trust_env=False) as http:
             self._http = http
-            self._direct = Http1Client(DIRECT_FORWARD_CONNECTIONS, peer="node", read_idle_timeout_s=FORWARD_READ_TIMEOUT_S)
+            self._direct = Http1Client(
+                DIRECT_FORWARD_CONNECTIONS, peer="node", read_idle_timeout_s=FORWARD_READ_TIMEOUT_S,
+                connect_timeout_s=FORWARD_CONNECT_TIMEOUT_S, keep_streamed=True, idle_ttl_s=FORWARD_KEEPALIVE_EXPIRY_S,
+            )  # fmt: skip
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._watch_nodes)
@@ -304,12 +308,15 @@ class Tracker:
 
     async def forward(self, entry: NodeEntry, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | DirectAnswer:
         """POST a routed request to the node; its answer's head has arrived, its body is not read.
-        A plain-http node is reached with the lean client, any other through httpx and the dialer.
+        A plain-http or relayed node is reached with the lean client (a relayed one's own, whose
+        connections are tunnels through its relay), an https one through httpx and the dialer.
         Raises HttpConnectError or httpx's connect errors when the node never saw the request."""
         target = entry.target
         if isinstance(target, NodeTarget) and target.scheme == "http" and self._direct is not None:
             sent = {**headers, "host": target.host_header}
             return DirectAnswer(await self._direct.send("POST", target.pinned_url(path), sent, body))
+        if isinstance(target, RelayedNodeTarget) and target.client is not None:
+            return DirectAnswer(await target.client.send("POST", target.forward_url(path), headers, body))
         return await self.http.send(self.node_request(entry, "POST", path, content=body, headers=headers), stream=True)
 
     def node_request(self, entry: NodeEntry | NodeTarget, method: str, path: str, **kw: Any) -> httpx.Request:
@@ -756,7 +763,7 @@ class _ForwardEndpoint:
 
 
 class DirectAnswer:
-    """A plain-http node's answer read with the lean client, as the forward reads an httpx.Response."""
+    """A plain-http or relayed node's answer read with the lean client, as the forward reads an httpx.Response."""
 
     __slots__ = ("_response", "headers", "status_code")
 
