@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import meshnet_gguf.reference.relay as relay_module
 from meshnet_gguf.common.http1_client import Http1Client, HttpClientError, HttpConnectError
-from meshnet_gguf.contract.node_tls import certificate_text, node_certificate, pinned_client_context
+from meshnet_gguf.contract.node_tls import node_certificate, pinned_client_context
 from meshnet_gguf.contract.protocol import NodeAnnouncement, RelayAttachment
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.reference.node_address import AddressPolicy, pin_node_url
