@@ -249,3 +249,26 @@ def test_replay_cache_forgets_only_after_expiry_and_stays_bounded(clock: Clock) 
 def test_max_tokens_claim_reaches_the_caller(verifier: RouteVerifier) -> None:
     assert verifier.verify(headers(claims(max_tokens=3)), BODY, PATH).max_tokens == 3
     assert verifier.verify(headers(claims(max_tokens=None)), BODY, PATH).max_tokens is None
+
+
+def test_tokens_signed_by_the_libsodium_encoder_are_pyjwts_byte_for_byte() -> None:
+    """`encode_token` builds the JWS by hand and signs with libsodium: every token must be the very
+    one PyJWT would make (Ed25519 is deterministic), so any verifier reads it, and each key signs
+    with itself (the cache of libsodium keys never mixes two up)."""
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from meshnet_gguf.contract.signing import encode_token
+
+    keys = [Ed25519PrivateKey.generate() for _ in range(20)]  # more than the cache holds
+    samples = [
+        claims(),
+        {"iss": "node-x", "jti": "r-1", "iat": 1, "usage": {"prompt_tokens": 3, "ratio": 1.5, "text": "é ☃ \"q\"", "none": None, "ok": True}},
+        {"aud": "rpc-status", "iat": 0, "exp": 2**40, "list": [1, "two", {"three": 3}]},
+    ]
+    for round_ in range(2):  # the second round signs with keys the cache has already dropped
+        for key in keys:
+            for sample in samples:
+                token = encode_token(sample, key)
+                assert token == jwt.encode(sample, key, algorithm="EdDSA"), round_
+                assert jwt.decode(token, key.public_key(), algorithms=["EdDSA"], options={"verify_aud": False, "verify_exp": False}) == sample

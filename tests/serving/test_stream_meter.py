@@ -73,3 +73,14 @@ def test_a_stream_cut_short_still_counts_its_tokens() -> None:
     for i in range(5):
         relay.feed(b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i)
     assert relay.meter.tokens_out() == 5
+
+
+def test_the_spelled_out_marker_check_is_the_marker_list() -> None:
+    """`_needs_events` spells out _SLOW_PATH_MARKERS for speed: each marker, alone in a token-sized
+    read, sends it down the per-event path, and a read of plain content deltas does not."""
+    from meshnet_gguf.serving.meter import _SLOW_PATH_MARKERS, _needs_events
+
+    delta = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" hi"}}],"object":"chat.completion.chunk"}\n\n'
+    assert not _needs_events(delta)
+    for marker in _SLOW_PATH_MARKERS:
+        assert _needs_events(delta[:40] + marker + delta[40:]), marker

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -110,8 +111,33 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     return key
 
 
+# PyJWT's header for an EdDSA token, as it writes it (keys sorted, no spaces).
+_JWS_HEADER_PART = base64.urlsafe_b64encode(b'{"alg":"EdDSA","typ":"JWT"}').rstrip(b"=")
+# Private keys that sign often (a node's, a tracker's) keep their libsodium form.
+_HOT_SIGNING_KEYS = 16
+
+
 def encode_token(claims: dict[str, Any], key: Ed25519PrivateKey) -> str:
-    return jwt.encode(claims, key, algorithm=ALGORITHM)
+    """An EdDSA compact JWS of `claims`, byte for byte what `jwt.encode(claims, key, "EdDSA")` gives.
+
+    Signed here with libsodium (PyNaCl), the JWS assembled by hand: every routed request has
+    its route signed by the tracker and its receipt by the node; PyJWT's generic encode with
+    OpenSSL's signature costs 49 µs a receipt on the 2-core dev box, this 32. Ed25519
+    signatures are deterministic, so the tokens are the same. Claims that
+    JSON cannot hold as they are (a datetime) go through PyJWT, which converts them.
+    """
+    try:
+        payload = json.dumps(claims, separators=(",", ":")).encode()
+    except TypeError:
+        return jwt.encode(claims, key, algorithm=ALGORITHM)
+    signing_input = _JWS_HEADER_PART + b"." + base64.urlsafe_b64encode(payload).rstrip(b"=")
+    signature = _hot_signing_key(key).sign(signing_input).signature
+    return (signing_input + b"." + base64.urlsafe_b64encode(signature).rstrip(b"=")).decode("ascii")
+
+
+@functools.lru_cache(maxsize=_HOT_SIGNING_KEYS)
+def _hot_signing_key(key: Ed25519PrivateKey) -> nacl.signing.SigningKey:
+    return nacl.signing.SigningKey(key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()))
 
 
 def decode_token(
