@@ -21,6 +21,7 @@ GPU_LAYERS=${GPU_LAYERS:-99}
 PAIRS=${PAIRS:-40}
 DECODE_ROUNDS=${DECODE_ROUNDS:-4}
 # TRACE=1: the standalone and routed nodes run under bench/trace_node.py (where their time goes).
+# NODE_COST=1: request_cost.py and token_cost.py after it (see below).
 TRACE=${TRACE:-}
 # The bench itself is cut here whatever happens, so setup + model + bench stay under 8 minutes.
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-330}
@@ -38,6 +39,14 @@ timeout --kill-after=10 "$BENCH_TIMEOUT_S" $PY "$BENCH_DIR/bench_mesh_path.py" -
     --pairs "$PAIRS" --decode-rounds "$DECODE_ROUNDS" --json "$OUT/mesh_path.json" ${TRACE:+--trace} | tee "$OUT/mesh_path_summary.md"
 echo "bench exit status: ${PIPESTATUS[0]}"
 nproc; uptime
+
+# NODE_COST=1: then the node's own CPU on this host, without the model: in process
+# (request_cost.py) and over real sockets split per request and per token (token_cost.py).
+if [ -n "${NODE_COST:-}" ]; then
+    step "request_cost.py (in process) and token_cost.py (sockets, the fake llama-server)"
+    timeout --kill-after=5 60 $PY "$BENCH_DIR/request_cost.py" --requests 2000 --json "$OUT/request_cost.json" | tail -3
+    timeout --kill-after=5 100 $PY "$BENCH_DIR/token_cost.py" --rounds 10 --json "$OUT/token_cost.json"
+fi
 
 step "logs"
 # The bench's nodes keep their logs under bench/.cache/run; the tracker's and relay's sit in its work folder.
