@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """What one streamed request costs the client side of a hop, by HTTP client: httpx (what the
-reference tracker forwards with) against the node's own raw client (`llama/upstream/raw.py`).
+reference tracker forwarded with) against the node's own lean client (`common/http1_client.py`),
+as the node uses it for llama-server (a new connection for each stream, `raw`) and as the
+tracker uses it for nodes (a streamed answer's connection kept for the next, `kept`).
 
     PYTHONPATH=src python bench/http_client_cost.py [--requests N]
 
@@ -20,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from meshnet_gguf.common.http1_client import Http1Client
 from meshnet_gguf.llama.upstream.raw import RawUpstream
 
 _HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -48,6 +51,7 @@ async def measure(requests: int) -> None:
     server = await loop.create_server(_InstantServer, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
     raw = RawUpstream(8)
+    kept = Http1Client(8, keep_streamed=True)  # the tracker's: a node's uvicorn keeps streamed answers' connections
     async with httpx.AsyncClient(trust_env=False) as http:
 
         async def with_httpx() -> None:
@@ -62,7 +66,13 @@ async def measure(requests: int) -> None:
                 break
             await response.aclose()
 
-        clients: list[tuple[str, Callable[[], Awaitable[None]]]] = [("httpx", with_httpx), ("raw", with_raw)] * ROUNDS
+        async def with_kept() -> None:
+            response = await kept.send("POST", url, HEADERS, BODY)
+            async for _ in response.iter_chunks():
+                pass
+            await response.aclose()
+
+        clients: list[tuple[str, Callable[[], Awaitable[None]]]] = [("httpx", with_httpx), ("raw", with_raw), ("kept", with_kept)] * ROUNDS
         for name, one in clients:
             for _ in range(WARMUP_REQUESTS):
                 await one()
@@ -74,7 +84,9 @@ async def measure(requests: int) -> None:
                 samples.append(time.perf_counter() - started)
             cpu = time.process_time() - cpu
             print(f"{name:>6}: first chunk p50 {statistics.median(samples) * 1e6:6.0f} µs, CPU {cpu / requests * 1e6:6.0f} µs a request")
+    print(f"  (kept: {kept.opened} connection(s) opened for {len(clients) // 3 * (requests + WARMUP_REQUESTS)} requests)")
     await raw.aclose()
+    await kept.aclose()
     server.close()
 
 

@@ -46,15 +46,15 @@ async def one_round(conns: list[Conn], tokens: int) -> int:
     return sum(s.n_content for s in streams)
 
 
-async def profile(pid: int, conns: list[Conn], out: Path) -> None:
-    """py-spy's collapsed stacks of the node over long streams (no GIL-idle samples), to `out`."""
+async def profile(pid: int, conns: list[Conn], out: Path, tokens: int) -> None:
+    """py-spy's collapsed stacks of the node over streams of `tokens` tokens, to `out`."""
     spy = Path(sys.executable).with_name("py-spy")
     recorder = subprocess.Popen([str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "500", "-o", str(out)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         await asyncio.sleep(1.0)  # py-spy attaches
-        for _ in range(6):
-            await one_round(conns, LONG_TOKENS)
+        for _ in range(6 * LONG_TOKENS // tokens):
+            await one_round(conns, tokens)
     finally:
         recorder.send_signal(2)  # SIGINT: py-spy writes what it has and exits
         recorder.wait(timeout=30)
@@ -73,7 +73,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
         for tokens in (SHORT_TOKENS, LONG_TOKENS):  # warm both
             await one_round(conns, tokens)
         if args.py_spy:
-            await profile(node.proc.pid, conns, args.py_spy)
+            await profile(node.proc.pid, conns, args.py_spy, args.py_spy_tokens)
         cpu = {SHORT_TOKENS: 0.0, LONG_TOKENS: 0.0}
         streamed = {SHORT_TOKENS: 0, LONG_TOKENS: 0}
         per_round: dict[int, list[float]] = {SHORT_TOKENS: [], LONG_TOKENS: []}
@@ -112,7 +112,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--delay-ms", type=float, default=1.0, help="pause between the stub's token writes")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--py-spy", type=Path, metavar="OUT", help="also profile the node over long streams (collapsed stacks)")
+    parser.add_argument("--py-spy", type=Path, metavar="OUT", help="also profile the node (py-spy's collapsed stacks)")
+    parser.add_argument("--py-spy-tokens", type=int, default=LONG_TOKENS, help="tokens per stream while profiling")
     args = parser.parse_args()
     result = asyncio.run(measure(args))
     print(
