@@ -18,7 +18,8 @@ request sent straight to that path's node's own llama-server (its port or socket
 internal key read from /proc), so drift hits both alike. Each prompt starts with a fresh
 number, so llama-server's prompt cache never serves one request from another's work.
 Reported per path: added TTFT (median of the pairs' differences, and p90/p99) on a
-short and a ~1,500-token prompt; client-side tokens/s at c=1 and c=8 against direct;
+short and a ~1,500-token prompt (and, paired the same way against each other, what each hop
+adds: a route over standalone, the tracker over the route, the relay over the tracker); client-side tokens/s at c=1 and c=8 against direct;
 the node process's CPU per request (on the short-prompt pairs) and per 1,000 streamed
 tokens (on the decode rounds). M and R serve the same file under two names (hard links),
 so the tracker's choice of node is the model the request names.
@@ -207,6 +208,30 @@ async def ttft_pairs(p: PathUnderTest, prompt: str, pairs: int, start: int) -> d
     }  # fmt: skip
 
 
+# Each hop measured on its own: the outer path against the inner one it adds to, request by
+# request (ABBA), rather than as the difference of two paths' figures taken minutes apart.
+HOPS = (
+    ("a route over standalone", "route", "standalone"),
+    ("the tracker over the route", "tracker", "route"),
+    ("the relay over the tracker", "tracker+relay", "tracker"),
+)
+
+
+async def hop_pairs(outer: PathUnderTest, inner: PathUnderTest, prompt: str, pairs: int, start: int) -> dict[str, Any]:
+    """What `outer` adds over `inner`: TTFT differences of the same prompt sent both ways, alternating."""
+    diffs: list[float] = []
+    errors = 0
+    for i in range(pairs):
+        got: dict[str, Stream] = {}
+        for p in (outer, inner) if i % 2 == 0 else (inner, outer):
+            got[p.name] = await p.send(p.conn, body_for(p.model, prompt, 2, start + 2 * i + (p is inner)))
+        if all(s.ok and s.ttft is not None for s in got.values()):
+            diffs.append(got[outer.name].ttft - got[inner.name].ttft)  # type: ignore[operator]
+        else:
+            errors += 1
+    return {"added_p50": pct(diffs, 50), "added_p90": pct(diffs, 90), "added_p99": pct(diffs, 99), "pairs": len(diffs), "errors": errors}
+
+
 async def decode(p: PathUnderTest, c: int, rounds: int, tokens: int, start: int) -> dict[str, Any]:
     """Rounds of c streams, in the order direct, path, path, direct; each path round is paired with
     the direct round beside it, and the ratio is the median of the pairs' ratios."""
@@ -321,6 +346,13 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             results["paths"][p.name] = r
             print(f"[{p.name}] short +{r['short']['added_p50'] * 1000:.2f} ms, long +{r['long']['added_p50'] * 1000:.2f} ms, "
                   f"c1 {r['c1']['ratio']:.3f}, c8 {r['c8']['ratio']:.3f}, cpu/req {r['short']['cpu_ms_per_request']:.2f} ms", flush=True)  # fmt: skip
+        by_name = {p.name: p for p in paths}
+        results["hops"] = {}
+        for label, outer, inner in HOPS:
+            hop = await hop_pairs(by_name[outer], by_name[inner], "Say hello.", args.pairs, n)
+            n += 2 * args.pairs
+            results["hops"][label] = hop
+            print(f"[hop] {label}: +{hop['added_p50'] * 1000:.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)", flush=True)
     finally:
         for node in nodes.values():
             node.close()
@@ -352,6 +384,10 @@ def table(results: dict[str, Any]) -> str:
             f"| {r['c1']['ratio'] * 100:.1f} % | {r['c8']['ratio'] * 100:.1f} % | {s['cpu_ms_per_request']:.2f} ms "
             f"| {r['c8']['cpu_ms_per_1k_tokens']:.0f} ms |"
         )
+    if results.get("hops"):
+        lines += ["", "| hop, short prompt, paired with the path it adds to | p50 | p90 | p99 |", "|---|---|---|---|"]
+        for label, hop in results["hops"].items():
+            lines.append(f"| {label} | +{hop['added_p50'] * 1000:.2f} ms | +{hop['added_p90'] * 1000:.2f} ms | +{hop['added_p99'] * 1000:.2f} ms |")
     return "\n".join(lines)
 
 
