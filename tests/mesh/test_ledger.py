@@ -219,3 +219,50 @@ async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
         await ledger.aclose()
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0] == 2
+
+
+@pytest.mark.parametrize("which", ["node", "tracker"])
+async def test_the_log_is_checkpointed_on_the_writer_thread_never_in_a_commit_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """SQLite checkpoints its write-ahead log inside whichever commit takes it past 1,000 pages
+    (~10 ms here, far longer on a slow disk). Rows go in on the event loop when quick, so the
+    connection must never checkpoint by itself: the writer thread does, and the log stays small."""
+    from meshnet_gguf.common import sqlite_wal
+    from meshnet_gguf.reference.tracker_ledger import TrackerLedger
+
+    monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)  # every row on the loop
+    body = b'{"messages":[{"role":"user","content":"' + b"the quick brown fox " * 300 + b'"}]}'  # ~6 KB: two pages
+    path = tmp_path / f"{which}.sqlite3"
+    ledger = UsageLedger(path) if which == "node" else TrackerLedger(path)
+    db = ledger._db
+    assert db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0  # no commit checkpoints by itself
+    threads: list[str] = []
+    checkpoint = ledger._checkpoints.checkpoint_sync
+
+    def noting_thread() -> None:
+        threads.append(threading.current_thread().name)
+        checkpoint()
+
+    ledger._checkpoints.checkpoint_sync = noting_thread  # type: ignore[method-assign]
+    writes = 6 * sqlite_wal.CHECKPOINT_EVERY_CALLS
+    wal = tmp_path / f"{which}.sqlite3-wal"
+    for i in range(writes):
+        if isinstance(ledger, UsageLedger):
+            assert await ledger.open_request(record(f"req-{i}"), 2000.0, body)
+        else:
+            await ledger.open_request(f"req-{i}", "node-a", "m", "/v1/chat/completions", True, body_bytes=len(body) + i)
+        await anyio.sleep(0)  # as between two requests, the loop runs its other tasks
+        if i == writes // 2:
+            halfway = wal.stat().st_size
+    await anyio.sleep(0.2)  # the last one handed over finishes
+    assert len(threads) >= 4 and set(threads) == {ledger._worker._name}, threads
+    # Left to grow, the log would hold every row and double from halfway to the end; checkpointed,
+    # it is written again from its start and stays the size one period of rows needs.
+    assert wal.stat().st_size < 1.3 * halfway, f"the log grew from {halfway} to {wal.stat().st_size} bytes"
+    if isinstance(ledger, UsageLedger):
+        await ledger.aclose()
+        with sqlite3.connect(path) as reopened:
+            assert reopened.execute("SELECT COUNT(*) FROM usage").fetchone()[0] == writes
+    else:
+        ledger.close()

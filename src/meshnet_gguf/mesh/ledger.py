@@ -37,6 +37,7 @@ from typing import TypeVar
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.common.serial_worker import SerialWorker
 from meshnet_gguf.common.sqlite_nowait import execute_without_waiting
+from meshnet_gguf.common.sqlite_wal import WalCheckpoints
 from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
 
 LEDGER_FILE = "usage.sqlite3"
@@ -137,6 +138,8 @@ class UsageLedger:
                     self._db.execute(f"ALTER TABLE usage ADD COLUMN {column} {decl}")
             self._db.executescript(_INDEXES_V2)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        # Rows go in on the event loop when quick: no commit there may be the one that checkpoints.
+        self._checkpoints = WalCheckpoints(self._db, self._lock, self._worker)
 
     @classmethod
     def in_state_dir(cls, state_dir: Path) -> UsageLedger:
@@ -148,9 +151,11 @@ class UsageLedger:
 
         The request waits for this synced row, so it is written on the event loop itself while the
         disk is quick and the writer thread idle (`SerialWorker.run_inline_when_quick`)."""
-        return await self._worker.run_inline_when_quick(
+        opened = await self._worker.run_inline_when_quick(
             self.open_request_sync, record, route_expires_at, prompt_body, on_loop=self._open_request_without_waiting
         )
+        self._checkpoints.after_call()
+        return opened
 
     async def note_prompt(self, request_id: str, prompt_tokens: int) -> bool:
         """The prompt's count, into its open row (whose body is then dropped)."""
@@ -181,10 +186,13 @@ class UsageLedger:
         return await self._run(self.request_ids_since_sync, started_after)
 
     async def aclose(self) -> None:
-        await self._run(self.close)
+        await self._checkpoints.settle()
+        await self._worker.run(self.close)
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await self._worker.run(fn, *args)
+        result = await self._worker.run(fn, *args)
+        self._checkpoints.after_call()
+        return result
 
     # --- sync API (worker threads, the CLI) --------------------------------------
     def open_request_sync(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:

@@ -18,6 +18,7 @@ from typing import Literal, TypeVar
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.common.serial_worker import SerialWorker
 from meshnet_gguf.common.sqlite_nowait import execute_without_waiting
+from meshnet_gguf.common.sqlite_wal import WalCheckpoints
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
 
 TRACKER_LEDGER_FILE = "tracker.sqlite3"
@@ -111,6 +112,8 @@ class TrackerLedger:
             for column, kind in _ADDED_COLUMNS.items():
                 if column not in have:
                     self._db.execute(f"ALTER TABLE forwarded ADD COLUMN {column} {kind}")
+        # Rows go in on the event loop when quick: no commit there may be the one that checkpoints.
+        self._checkpoints = WalCheckpoints(self._db, self._lock, self._worker)
 
     def close(self) -> None:
         with self._lock:
@@ -118,7 +121,9 @@ class TrackerLedger:
         self._worker.stop()
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await self._worker.run(fn, *args)
+        result = await self._worker.run(fn, *args)
+        self._checkpoints.after_call()
+        return result
 
     def _write(self, sql: str, params: tuple[object, ...]) -> int:
         with self._lock:
@@ -166,6 +171,7 @@ class TrackerLedger:
             (request_id, node_id, model, path, int(stream), time.time(), max_tokens, choices, body_bytes, prompt_ceiling),
             on_loop=self._write_without_waiting,
         )  # fmt: skip
+        self._checkpoints.after_call()
 
     async def finish_request(
         self, request_id: str, status: int | None, outcome: Outcome, counts: UsageCounts | None, *, completion_ceiling: int | None = None
