@@ -18,7 +18,7 @@ from meshnet_gguf.contract.node_tls import node_certificate, pinned_client_conte
 from meshnet_gguf.contract.protocol import NodeAnnouncement, RelayAttachment
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.reference.node_address import AddressPolicy, pin_node_url
-from meshnet_gguf.reference.relay_dialer import NodeDialer, RelayedNodeTarget, RelayRefused, RelayTunnel
+from meshnet_gguf.reference.relay_dialer import ConnectRefused, NodeDialer, RelayedNodeTarget, RelayTunnel
 from support.relay_harness import Mesh, mesh
 
 pytestmark = pytest.mark.anyio
@@ -199,7 +199,7 @@ async def test_a_relay_that_refuses_or_misspeaks_is_a_connect_error(answer: byte
         with anyio.fail_after(5), pytest.raises(HttpConnectError, match=why) as refused:
             await client.send("POST", f"https://{node.node_id}{CHAT}", {}, b"{}")
         if answer is not None and answer.startswith(b"HTTP/1.1 200 OK\r\n\r\n"):
-            assert isinstance(refused.value, RelayRefused)
+            assert isinstance(refused.value, ConnectRefused)
         if heads:  # what the relay was asked: this node, with the tracker's token
             assert heads[0].startswith(f"CONNECT {node.node_id}:443 HTTP/1.1\r\n".encode())
             assert f"Proxy-Authorization: Bearer token-for-{node.node_id}".encode() in heads[0]

@@ -73,7 +73,7 @@ RELAYED_READ_IDLE_TIMEOUT_S = 600.0
 TLS_IN_TLS = sys.version_info >= (3, 11)
 
 
-class RelayRefused(HttpConnectError):
+class ConnectRefused(HttpConnectError):
     """The relay would not open the tunnel (or spoke no HTTP): the node never saw the request."""
 
 
@@ -87,9 +87,9 @@ def _check_connect_answer(answer: bytes) -> None:
     past the head is the relay's own and would be taken for the node's."""
     status_line = answer.split(b"\r\n", 1)[0].decode("latin-1", "replace")
     if status_line.split(" ")[1:2] != ["200"]:
-        raise RelayRefused(f"the relay answered CONNECT with {status_line!r}")
+        raise ConnectRefused(f"the relay answered CONNECT with {status_line!r}")
     if not answer.endswith(b"\r\n\r\n"):
-        raise RelayRefused("the relay sent bytes after its answer to CONNECT")
+        raise ConnectRefused("the relay sent bytes after its answer to CONNECT")
 
 
 class _RelayNetwork(httpcore.AsyncNetworkBackend):
@@ -153,7 +153,7 @@ class _ConnectAnswer(asyncio.Protocol):
             self._end(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._end(RelayRefused(f"the relay closed the CONNECT without an answer ({exc or 'EOF'})"))
+        self._end(ConnectRefused(f"the relay closed the CONNECT without an answer ({exc or 'EOF'})"))
 
     def _end(self, error: Exception | None) -> None:
         if not self.ended.done():
@@ -182,7 +182,7 @@ class RelayTunnel:
             transport.write(_connect_head(self._node_id, self._sign(relay.url, self._node_id)))
             await head.ended
             if len(head.answer) > MAX_RELAY_HEAD_BYTES:
-                raise RelayRefused("the relay's answer to CONNECT is too long")
+                raise ConnectRefused("the relay's answer to CONNECT is too long")
             _check_connect_answer(head.answer)
             node = await loop.start_tls(transport, protocol, self._node_tls, server_hostname=self._node_id)
         except BaseException:
@@ -190,7 +190,7 @@ class RelayTunnel:
             raise
         if node is None:  # the connection closed during the handshake
             transport.close()
-            raise RelayRefused("the tunnel closed during the node's TLS handshake")
+            raise ConnectRefused("the tunnel closed during the node's TLS handshake")
         protocol.connection_made(node)
 
 
@@ -347,4 +347,4 @@ def new_connect_claims(issuer: str, relay_url: str, node_id: str, lifetime_s: in
     ).model_dump()
 
 
-__all__ = ["NodeDialer", "RelayTunnel", "RelayedNodeTarget", "RelayRefused", "new_connect_claims"]
+__all__ = ["ConnectRefused", "NodeDialer", "RelayTunnel", "RelayedNodeTarget", "new_connect_claims"]
