@@ -390,7 +390,6 @@ class Http1Client:
         if self._closed:
             raise HttpConnectError(f"the client for {self._peer} is closed")
         connection = _Connection(loop, self._peer, self._read_idle_timeout_s, self._keep_streamed)
-        self.opened += 1
         try:
             if self._open_connection is not None:
                 await asyncio.wait_for(self._open_connection(connection), self._connect_timeout_s)
@@ -405,6 +404,7 @@ class Http1Client:
         except (OSError, asyncio.TimeoutError) as exc:  # the second is no OSError before Python 3.11
             where = address.unix_path or f"{address.host}:{address.port}"
             raise HttpConnectError(f"{self._peer} unreachable at {where}: {exc!r}") from exc
+        self.opened += 1
         return connection, False
 
     def close(self) -> None:

@@ -186,6 +186,7 @@ class RelayTunnel:
             _check_connect_answer(head.answer)
             node = await loop.start_tls(transport, protocol, self._node_tls, server_hostname=self._node_id)
         except BaseException:
+            head.ended.cancel()  # its close below must not leave an error nobody reads
             transport.close()
             raise
         if node is None:  # the connection closed during the handshake
