@@ -10,7 +10,7 @@ import anyio
 import httpx
 import pytest
 
-from support.relay_harness import mesh, read_events
+from support.relay_harness import mesh, read_events, reading_relay, tampering_relay
 
 pytestmark = pytest.mark.anyio
 
@@ -242,7 +242,6 @@ async def test_a_silent_relay_is_detected_within_one_ping_interval(tmp_path: Pat
 
 # --- the relay can neither read nor change what it carries ------------------------------------------
 
-import meshnet_gguf.reference.relay as relay_module
 from meshnet_gguf.contract.node_tls import node_certificate, pinned_client_context
 
 SECRET_PROMPT = "the-plaintext-prompt-7f3a9c"
@@ -264,27 +263,7 @@ async def test_the_tracker_trusts_only_the_registered_node_certificate(tmp_path:
 
 async def test_a_reading_relay_sees_only_ciphertext(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = bytearray()
-    original = relay_module._splice
-
-    async def tapping_splice(a, b, **kwargs):  # type: ignore[no-untyped-def]
-        class Tap:
-            def __init__(self, inner):  # type: ignore[no-untyped-def]
-                self.inner = inner
-
-            async def receive(self, max_bytes: int = 65536) -> bytes:
-                data = await self.inner.receive(max_bytes)
-                seen.extend(data)
-                return data
-
-            async def send(self, data: bytes) -> None:
-                await self.inner.send(data)
-
-            async def aclose(self) -> None:
-                await self.inner.aclose()
-
-        await original(Tap(a), Tap(b), **kwargs)
-
-    monkeypatch.setattr(relay_module, "_splice", tapping_splice)
+    reading_relay(monkeypatch, seen)
     async with mesh(tmp_path) as m, m.client() as client:
         async with client.stream("POST", m.node_url + "/v1/chat/completions", json={"n": 3, "prompt": SECRET_PROMPT}) as response:
             assert await read_events(response) == ["0", "1", "2", "[DONE]"]
@@ -295,31 +274,7 @@ async def test_a_reading_relay_sees_only_ciphertext(tmp_path: Path, monkeypatch:
 
 
 async def test_a_tampering_relay_gets_the_request_refused_not_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = relay_module._splice
-
-    async def flipping_splice(a, b, **kwargs):  # type: ignore[no-untyped-def]
-        class Flip:
-            """Flips one bit in the tracker's first application-data record (after the handshake)."""
-
-            def __init__(self, inner):  # type: ignore[no-untyped-def]
-                self.inner, self.count = inner, 0
-
-            async def receive(self, max_bytes: int = 65536) -> bytes:
-                data = bytearray(await self.inner.receive(max_bytes))
-                self.count += 1
-                if self.count == 3 and len(data) > 20:  # ClientHello, then Finished, then the request
-                    data[-5] ^= 0x01
-                return bytes(data)
-
-            async def send(self, data: bytes) -> None:
-                await self.inner.send(data)
-
-            async def aclose(self) -> None:
-                await self.inner.aclose()
-
-        await original(Flip(a), b, **kwargs)
-
-    monkeypatch.setattr(relay_module, "_splice", flipping_splice)
+    tampering_relay(monkeypatch)
     async with mesh(tmp_path) as m, m.client() as client:
         with pytest.raises(httpx.TransportError):
             await client.post(m.node_url + "/v1/chat/completions", json={"n": 3, "prompt": SECRET_PROMPT})

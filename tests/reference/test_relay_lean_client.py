@@ -12,14 +12,13 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-import meshnet_gguf.reference.relay as relay_module
 from meshnet_gguf.common.http1_client import Http1Client, HttpClientError, HttpConnectError
 from meshnet_gguf.contract.node_tls import node_certificate, pinned_client_context
 from meshnet_gguf.contract.protocol import NodeAnnouncement, RelayAttachment
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.reference.node_address import AddressPolicy, pin_node_url
 from meshnet_gguf.reference.relay_dialer import ConnectRefused, NodeDialer, RelayedNodeTarget, RelayTunnel
-from support.relay_harness import Mesh, mesh
+from support.relay_harness import Mesh, mesh, reading_relay, tampering_relay
 
 pytestmark = pytest.mark.anyio
 
@@ -41,8 +40,9 @@ async def _target(m: Mesh, dialer: NodeDialer) -> RelayedNodeTarget:
     return target
 
 
-async def _post(client: Http1Client, target: RelayedNodeTarget, body: bytes) -> tuple[int, bytes]:
-    response = await client.send("POST", target.forward_url(CHAT), {"content-type": "application/json"}, body)
+async def _post(target: RelayedNodeTarget, body: bytes) -> tuple[int, bytes]:
+    assert target.client is not None
+    response = await target.client.send("POST", target.forward_url(CHAT), {"content-type": "application/json"}, body)
     try:
         return response.status, await response.read()
     finally:
@@ -53,9 +53,8 @@ async def test_routed_requests_reach_a_relayed_node_through_one_kept_tunnel(tmp_
     async with mesh(tmp_path) as m:
         dialer = NodeDialer(httpx.Limits(), lambda relay_url, node_id: OPEN_RELAY)
         target = await _target(m, dialer)
-        assert target.client is not None
         for n in (3, 5, 1):
-            status, body = await _post(target.client, target, b'{"n": %d}' % n)
+            status, body = await _post(target, b'{"n": %d}' % n)
             assert status == 200
             assert body.count(b"data: ") == n + 1 and body.endswith(b"data: [DONE]\n\n")
             assert b": keep-this-comment" in body  # the node's bytes, unchanged
@@ -68,32 +67,11 @@ async def test_routed_requests_reach_a_relayed_node_through_one_kept_tunnel(tmp_
 
 async def test_a_reading_relay_sees_only_ciphertext_of_a_lean_tunnel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = bytearray()
-    original = relay_module._splice
-
-    async def tapping_splice(a, b, **kwargs):  # type: ignore[no-untyped-def]
-        class Tap:
-            def __init__(self, inner):  # type: ignore[no-untyped-def]
-                self.inner = inner
-
-            async def receive(self, max_bytes: int = 65536) -> bytes:
-                data = await self.inner.receive(max_bytes)
-                seen.extend(data)
-                return data
-
-            async def send(self, data: bytes) -> None:
-                await self.inner.send(data)
-
-            async def aclose(self) -> None:
-                await self.inner.aclose()
-
-        await original(Tap(a), Tap(b), **kwargs)
-
-    monkeypatch.setattr(relay_module, "_splice", tapping_splice)
+    reading_relay(monkeypatch, seen)
     async with mesh(tmp_path) as m:
         dialer = NodeDialer(httpx.Limits(), lambda relay_url, node_id: OPEN_RELAY)
         target = await _target(m, dialer)
-        assert target.client is not None
-        status, body = await _post(target.client, target, b'{"n": 3, "prompt": "%s"}' % SECRET_PROMPT.encode())
+        status, body = await _post(target, b'{"n": 3, "prompt": "%s"}' % SECRET_PROMPT.encode())
         assert status == 200 and body.endswith(b"data: [DONE]\n\n")
         assert SECRET_PROMPT.encode() in m.app.bodies[0]  # the node got it...
         assert len(seen) > 1000
@@ -116,37 +94,12 @@ async def test_a_tunnel_to_a_node_showing_another_certificate_is_refused_before_
 
 
 async def test_a_tampering_relay_gets_the_lean_request_refused_not_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = relay_module._splice
-
-    async def flipping_splice(a, b, **kwargs):  # type: ignore[no-untyped-def]
-        class Flip:
-            """Flips one bit in the tracker's first application-data record (after the handshake)."""
-
-            def __init__(self, inner):  # type: ignore[no-untyped-def]
-                self.inner, self.count = inner, 0
-
-            async def receive(self, max_bytes: int = 65536) -> bytes:
-                data = bytearray(await self.inner.receive(max_bytes))
-                self.count += 1
-                if self.count == 3 and len(data) > 20:  # ClientHello, then Finished, then the request
-                    data[-5] ^= 0x01
-                return bytes(data)
-
-            async def send(self, data: bytes) -> None:
-                await self.inner.send(data)
-
-            async def aclose(self) -> None:
-                await self.inner.aclose()
-
-        await original(Flip(a), b, **kwargs)
-
-    monkeypatch.setattr(relay_module, "_splice", flipping_splice)
+    tampering_relay(monkeypatch)
     async with mesh(tmp_path) as m:
         dialer = NodeDialer(httpx.Limits(), lambda relay_url, node_id: OPEN_RELAY)
         target = await _target(m, dialer)
-        assert target.client is not None
         with pytest.raises(HttpClientError):
-            await _post(target.client, target, b'{"n": 3, "prompt": "%s"}' % SECRET_PROMPT.encode())
+            await _post(target, b'{"n": 3, "prompt": "%s"}' % SECRET_PROMPT.encode())
         assert all(SECRET_PROMPT.encode() not in body for body in m.app.bodies)
         await dialer.aclose()
 
@@ -215,7 +168,7 @@ async def test_a_forgotten_target_closes_its_kept_tunnels_and_lets_a_running_ans
         first = await _target(m, dialer)
         assert first.client is not None
         dialer.adopt(first)
-        assert (await _post(first.client, first, b'{"n": 1}'))[0] == 200  # one tunnel, kept
+        assert (await _post(first, b'{"n": 1}'))[0] == 200  # one tunnel, kept
         running = await first.client.send("POST", first.forward_url(CHAT), {}, b'{"n": 6, "delay": 0.05}')
         # The node misses its heartbeats and is dropped: its way in is retired.
         await dialer.forget_all_but([])

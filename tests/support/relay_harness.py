@@ -136,6 +136,59 @@ async def mesh(
                 tg.cancel_scope.cancel()
 
 
+class _SpliceSide:
+    """One side of a relay's splice, seen (and perhaps altered) by a test playing a dishonest relay."""
+
+    def __init__(self, inner: Any, on_receive: Any) -> None:
+        self.inner, self.on_receive, self.count = inner, on_receive, 0
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        self.count += 1
+        return self.on_receive(self.count, await self.inner.receive(max_bytes))
+
+    async def send(self, data: bytes) -> None:
+        await self.inner.send(data)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def reading_relay(monkeypatch: Any, seen: bytearray) -> None:
+    """The reference relay, made to copy every byte it splices (both ways) into `seen`."""
+    import meshnet_gguf.reference.relay as relay_module
+
+    original = relay_module._splice
+
+    def note(count: int, data: bytes) -> bytes:
+        seen.extend(data)
+        return data
+
+    async def tapping_splice(a: Any, b: Any, **kwargs: Any) -> None:
+        await original(_SpliceSide(a, note), _SpliceSide(b, note), **kwargs)
+
+    monkeypatch.setattr(relay_module, "_splice", tapping_splice)
+
+
+def tampering_relay(monkeypatch: Any) -> None:
+    """The reference relay, made to flip one bit in the tracker's first application-data record
+    (its third read: ClientHello, then Finished, then the request)."""
+    import meshnet_gguf.reference.relay as relay_module
+
+    original = relay_module._splice
+
+    def flip(count: int, data: bytes) -> bytes:
+        if count == 3 and len(data) > 20:
+            altered = bytearray(data)
+            altered[-5] ^= 0x01
+            return bytes(altered)
+        return data
+
+    async def flipping_splice(a: Any, b: Any, **kwargs: Any) -> None:
+        await original(_SpliceSide(a, flip), b, **kwargs)
+
+    monkeypatch.setattr(relay_module, "_splice", flipping_splice)
+
+
 async def read_events(response: httpx.Response) -> list[str]:
     events = []
     async for line in response.aiter_lines():
