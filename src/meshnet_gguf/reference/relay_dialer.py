@@ -110,10 +110,7 @@ class _RelayNetwork(httpcore.AsyncNetworkBackend):
         try:
             if relay.scheme == "https":  # the pinned address dialled, the relay's own name checked and sent as SNI
                 stream = await stream.start_tls(self._relay_tls, server_hostname=relay.host, timeout=timeout)
-            target = f"{self._node_id}:{RELAY_CONNECT_PORT}"
-            token = self._sign(relay.url, self._node_id)
-            head = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {RELAY_CONNECT_AUTH_SCHEME} {token}\r\n\r\n"
-            await stream.write(head.encode("latin-1"), timeout=timeout)
+            await stream.write(_connect_head(self._node_id, self._sign(relay.url, self._node_id)), timeout=timeout)
             answer = b""
             while b"\r\n\r\n" not in answer:
                 chunk = await stream.read(MAX_RELAY_HEAD_BYTES, timeout=timeout)
@@ -122,9 +119,10 @@ class _RelayNetwork(httpcore.AsyncNetworkBackend):
                 answer += chunk
                 if len(answer) > MAX_RELAY_HEAD_BYTES:
                     raise httpcore.ProxyError("the relay's answer to CONNECT is too long")
-            status_line = answer.split(b"\r\n", 1)[0].decode("latin-1", "replace")
-            if status_line.split(" ")[1:2] != ["200"] or not answer.endswith(b"\r\n\r\n"):
-                raise httpcore.ProxyError(f"the relay answered CONNECT with {status_line!r}")
+            try:
+                _check_connect_answer(answer)
+            except ConnectRefused as refused:
+                raise httpcore.ProxyError(str(refused)) from None
         except BaseException:
             await stream.aclose()
             raise
