@@ -264,7 +264,7 @@ class _Connection(asyncio.Protocol):
         pooling it would make the next request race that close, so unless the client was told
         its server keeps streamed answers' connections (`keep_streamed`: uvicorn, the node's
         server, does), only answers of a known length are kept."""
-        if not (self.complete and self.keep_alive) or self.closed or self._chunks or self.error is not None:
+        if not (self.complete and self.keep_alive) or self.closed or self._chunks:
             return False
         return self._keep_streamed or any(name.lower() == "content-length" for name, _ in self.headers)
 

@@ -222,6 +222,7 @@ class RelayedNodeTarget:
     client: Http1Client | None = field(compare=False, repr=False)
 
     def forward_url(self, path: str) -> str:
+        """`path` on the node, as both clients ask for it (the relay and the pinned TLS do the reaching)."""
         return f"https://{self.node_id}{path}"
 
     @property
@@ -244,7 +245,7 @@ class RelayedNodeTarget:
         content: bytes | None = None,
     ) -> httpx.Request:
         return http.build_request(
-            method, f"https://{self.node_id}{path}", params=params, headers=headers, content=content,
+            method, self.forward_url(path), params=params, headers=headers, content=content,
             extensions={_TRANSPORT_EXTENSION: self.transport},
         )  # fmt: skip
 

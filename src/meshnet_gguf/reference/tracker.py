@@ -306,7 +306,7 @@ class Tracker:
             with anyio.move_on_after(self.config.health_poll_interval_s):
                 await self._poll_wake.wait()
 
-    async def forward(self, entry: NodeEntry, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | DirectAnswer:
+    async def forward(self, entry: NodeEntry, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | LeanAnswer:
         """POST a routed request to the node; its answer's head has arrived, its body is not read.
         A plain-http or relayed node is reached with the lean client (a relayed one's own, whose
         connections are tunnels through its relay), an https one through httpx and the dialer.
@@ -314,9 +314,9 @@ class Tracker:
         target = entry.target
         if isinstance(target, NodeTarget) and target.scheme == "http" and self._direct is not None:
             sent = {**headers, "host": target.host_header}
-            return DirectAnswer(await self._direct.send("POST", target.pinned_url(path), sent, body))
+            return LeanAnswer(await self._direct.send("POST", target.pinned_url(path), sent, body))
         if isinstance(target, RelayedNodeTarget) and target.client is not None:
-            return DirectAnswer(await target.client.send("POST", target.forward_url(path), headers, body))
+            return LeanAnswer(await target.client.send("POST", target.forward_url(path), headers, body))
         return await self.http.send(self.node_request(entry, "POST", path, content=body, headers=headers), stream=True)
 
     def node_request(self, entry: NodeEntry | NodeTarget, method: str, path: str, **kw: Any) -> httpx.Request:
@@ -696,7 +696,7 @@ class _ForwardEndpoint:
 
     async def _open(
         self, path: str, model: str, payload: dict[str, Any], body: bytes
-    ) -> tuple[httpx.Response | DirectAnswer, NodeEntry, str]:
+    ) -> tuple[httpx.Response | LeanAnswer, NodeEntry, str]:
         tracker = self.tracker
         if not tracker.registry.serves(model):
             raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
@@ -745,7 +745,7 @@ class _ForwardEndpoint:
             headers={"retry-after": str(max(1, int(tracker.config.heartbeat_interval_s)))},
         )
 
-    async def _pump(self, upstream: httpx.Response | DirectAnswer, meter: ForwardMeter, send: Any) -> Outcome:
+    async def _pump(self, upstream: httpx.Response | LeanAnswer, meter: ForwardMeter, send: Any) -> Outcome:
         try:
             async for chunk in upstream.aiter_raw():
                 meter.feed(chunk)
@@ -762,8 +762,9 @@ class _ForwardEndpoint:
         return "complete"
 
 
-class DirectAnswer:
-    """A plain-http or relayed node's answer read with the lean client, as the forward reads an httpx.Response."""
+class LeanAnswer:
+    """A plain-http or relayed node's answer read with the lean client (`common/http1_client`), as the
+    forward reads an httpx.Response."""
 
     __slots__ = ("_response", "headers", "status_code")
 
