@@ -23,10 +23,13 @@ from meshnet_gguf.mesh.tracker_client import NodeUnknown, TrackerClient, Tracker
 from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS
 from meshnet_gguf.reference.node_address import NodeTarget
 from meshnet_gguf.reference.registry import NodeRegistry
+from meshnet_gguf.reference.relay import Relay, RelayConfig
+from meshnet_gguf.reference.relay_dialer import RelayedNodeTarget
 from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
 from support.loopback import serve_asgi
 from support.mesh_node import MODEL, FakeLlama, MeshNode
-from support.mesh_tracker import HEARTBEAT_S, SECRET, models, start_tracker, wait_until
+from support.mesh_tracker import HEALTH_POLL_S, HEARTBEAT_S, SECRET, models, start_tracker, wait_until
+from support.relay_harness import running_relay
 
 pytestmark = pytest.mark.anyio
 
@@ -170,6 +173,34 @@ async def test_node_re_registers_after_the_tracker_forgets_it(tracker, tmp_path:
         with pytest.raises(NodeUnknown):
             await mesh.link.client.heartbeat("online", NodeLoad(slots_total=1))
         await wait_until(lambda: _eq(models(http, url), [MODEL]))
+
+
+async def test_a_relayed_node_stays_reachable_when_its_registration_outlasts_a_node_watch(
+    tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The node watch (every HEALTH_POLL_S) closes each relayed way in that is not registered. A
+    # registration whose ledger write takes longer than that (a slow disk) must not have its new
+    # node's tunnels closed under it: that left the node registered, healthy and unreachable.
+    service, url = tracker
+    remember_node = service.ledger.remember_node
+
+    async def slow_remember_node(node_id: str, public_key: str) -> None:
+        await anyio.sleep(HEALTH_POLL_S * 3)
+        await remember_node(node_id, public_key)
+
+    monkeypatch.setattr(service.ledger, "remember_node", slow_remember_node)
+    relay = Relay(RelayConfig(port=0, trusted_tracker_keys=(service.public_key_text,)))
+    async with running_relay(relay) as relay_url:
+        mesh = node(tmp_path, tiny_gguf, llama, tracker, relay_url=relay_url)
+        async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
+            await wait_until(lambda: _eq(models(http, url), [MODEL]))
+            await anyio.sleep(HEALTH_POLL_S * 2)  # more node watches, now with the node registered
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            for _ in range(3):
+                answer = await http.post(url + "/v1/chat/completions", json=body)
+                assert answer.status_code == 200, answer.text
+            held = service.registry.get(mesh.node_id)
+            assert held is not None and isinstance(held.target, RelayedNodeTarget) and held.target.relay.url == relay_url
 
 
 async def test_relay_streams_unbuffered_through_the_real_proxy_and_both_ledgers_agree(tracker, tmp_path: Path, tiny_gguf: Path) -> None:

@@ -25,6 +25,7 @@ from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.link import MeshnetLink, ServedModel
+from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
 from meshnet_gguf.node import build_mesh_link, build_proxy
 from meshnet_gguf.prepare.announcement import model_layout, shard_digests
 from meshnet_gguf.serving.admission import Admission
@@ -69,12 +70,15 @@ class FakeLlama:
             self.proc.wait(5)
 
 
-def mesh_link(settings: NodeSettings, gguf: Path, health: Callable[[], HealthReport], *, slots: int = 1) -> MeshnetLink:
+def mesh_link(
+    settings: NodeSettings, gguf: Path, health: Callable[[], HealthReport], *, slots: int = 1, relay: RelayLink | None = None
+) -> MeshnetLink:
     """The mesh link as the node builds it, serving `gguf` as MODEL (no hardware probe: the announcement says none)."""
     layout = model_layout([gguf])
     served = ServedModel(model_id=MODEL, total_layers=layout.total_layers, slots=slots)
-    identity = NodeIdentity.load_or_create(settings.state_dir)
-    return build_mesh_link(settings, identity, served, health, lambda: (shard_digests(layout.shards, [], settings.state_dir), None))
+    identity = relay.identity if relay else NodeIdentity.load_or_create(settings.state_dir)
+    describe = lambda: (shard_digests(layout.shards, [], settings.state_dir), None)  # noqa: E731
+    return build_mesh_link(settings, identity, served, health, describe, relay.attachment() if relay else None)
 
 
 class MeshNode:
@@ -91,6 +95,7 @@ class MeshNode:
         enrolment_secret: str | None,
         slots: int = 2,
         advertised_url: str | None = None,
+        relay_url: str | None = None,
     ) -> None:
         self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -99,7 +104,12 @@ class MeshNode:
             state_dir=state_dir, tracker=tracker_url, tracker_public_key=tracker_key, enrolment_secret=enrolment_secret,
             advertised_url=advertised_url or self.url, usage_report_interval_s=0, parallel=slots,
         )  # fmt: skip
-        self.link = mesh_link(self.settings, tiny_gguf, self.health, slots=slots)
+        # With a relay: reached only through it, as `node.build_node` wires a node started with --relay.
+        self.relay = (
+            build_relay_link(relay_url, NodeIdentity.load_or_create(state_dir), state_dir, local_address_for("127.0.0.1", self.port))
+            if relay_url else None
+        )  # fmt: skip
+        self.link = mesh_link(self.settings, tiny_gguf, self.health, slots=slots, relay=self.relay)
         self.upstream_client = make_upstream_client("httpx", slots)
         self.admission = Admission(slots=slots)
         self.proxy = build_proxy(
@@ -129,10 +139,14 @@ class MeshNode:
         """Serve on loopback and run the mesh link; on exit its tasks stop and its clients close."""
         async with serve_asgi(self.app, self.port):
             async with anyio.create_task_group() as tg:
+                if self.relay is not None:
+                    tg.start_soon(self.relay.run)
                 tg.start_soon(self.link.run)
                 try:
                     yield self
                 finally:
+                    if self.relay is not None:
+                        await self.relay.close()
                     tg.cancel_scope.cancel()
             # Only once the link's tasks have ended: none of them may find its client closed.
             with anyio.CancelScope(shield=True), anyio.move_on_after(1):

@@ -394,6 +394,7 @@ class Tracker:
                 target = await self.dialer.through_relay(announcement, self.config.addresses)  # type: ignore[assignment]
             try:
                 await self._prove_control(target, announcement.node_id, key)
+                await self.ledger.remember_node(announcement.node_id, announcement.public_key)
             except BaseException:
                 if isinstance(target, RelayedNodeTarget):
                     with anyio.CancelScope(shield=True):
@@ -402,9 +403,10 @@ class Tracker:
         except ApiError as refusal:
             log.warning("registration refused (%s): %s", refusal.code, refusal.message)
             return _error_response(refusal)
+        # Adopted and registered with no await between: the node watch forgets every adopted way in
+        # that is not registered (closing its tunnels), so it must never see one without the other.
         if isinstance(target, RelayedNodeTarget):
             self.dialer.adopt(target)
-        await self.ledger.remember_node(announcement.node_id, announcement.public_key)
         _, displaced = self.registry.register(announcement, target)
         for node_id in displaced:
             log.warning("node %s displaced: %s now answers at its URL with its own key", node_id, announcement.node_id)
