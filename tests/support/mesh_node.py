@@ -21,7 +21,7 @@ import httpx
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.settings import NodeSettings
-from meshnet_gguf.contract.protocol import HealthReport, NodeState
+from meshnet_gguf.contract.protocol import HealthReport, NodeState, ShardDigest
 from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.link import MeshnetLink, ServedModel
@@ -77,7 +77,10 @@ def mesh_link(
     layout = model_layout([gguf])
     served = ServedModel(model_id=MODEL, total_layers=layout.total_layers, slots=slots)
     identity = relay.identity if relay else NodeIdentity.load_or_create(settings.state_dir)
-    describe = lambda: (shard_digests(layout.shards, [], settings.state_dir), None)  # noqa: E731
+
+    def describe() -> tuple[list[ShardDigest], None]:
+        return shard_digests(layout.shards, [], settings.state_dir), None
+
     return build_mesh_link(settings, identity, served, health, describe, relay.attachment() if relay else None)
 
 
