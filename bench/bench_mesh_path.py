@@ -11,7 +11,10 @@ a reference tracker and a reference relay, all on loopback:
 - **route**: client -> node M with a route token the bench signs with the tracker's key
   (the meshed node's own path: route check, durable ledger row, prompt count; no tracker hop);
 - **tracker**: client -> tracker -> node M;
-- **tracker+relay**: client -> tracker -> relay -> node R (which dials out to the relay).
+- **tracker+relay**: client -> tracker -> relay -> node R (which dials out to the relay);
+- **splice**: client -> a bare byte splice (`splice_hop.py`) -> node S's llama-server: not a way
+  the mesh uses but its floor, what one more process on the path costs on this machine with
+  nothing parsed or checked (the node over it is what the node's own work costs).
 
 Every figure is paired: each request through a path alternates (ABBA) with the same
 request sent straight to that path's node's own llama-server (its port or socket and
@@ -32,15 +35,18 @@ import asyncio
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -56,7 +62,8 @@ SERVICE_START_TIMEOUT_S = 30.0
 ROUTABLE_TIMEOUT_S = 120.0
 ROUTE_LIFETIME_S = 60
 ENROLMENT_SECRET = "bench-mesh-path-enrolment-secret"
-PATHS = ("standalone", "route", "tracker", "tracker+relay")
+PATHS = ("splice", "standalone", "route", "tracker", "tracker+relay")
+SPLICE_START_TIMEOUT_S = 10.0
 # Under --trace: the warm-up requests left out of the traced nodes' summaries.
 TRACE_SKIP = 10
 
@@ -121,6 +128,41 @@ class Service:
         self.log.close()
 
 
+class SpliceProcess:
+    """`splice_hop.py` in front of a llama-server, on a free loopback port, stopped by its PID."""
+
+    def __init__(self, work: Path, to: int | str) -> None:
+        self.port = free_local_port()
+        self.log = (work / "splice.log").open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "splice_hop.py"), "--port", str(self.port), "--to", str(to)],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self.ps = psutil.Process(self.proc.pid)
+        deadline = time.monotonic() + SPLICE_START_TIMEOUT_S
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("the splice did not start")
+
+    def cpu_s(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
 class RouteMinter:
     """Signs routes for node M as the tracker would (the tracker's own key, read from its state dir)."""
 
@@ -168,10 +210,15 @@ def long_prompt(llama: Node, target_tokens: int) -> tuple[str, int]:
 
 
 class PathUnderTest:
-    def __init__(self, name: str, node: Node, conn: RoutedConn, model: str, minter: RouteMinter | None = None) -> None:
+    def __init__(
+        self, name: str, node: Node, conn: RoutedConn, model: str, minter: RouteMinter | None = None,
+        cpu_s: Callable[[], float] | None = None,
+    ) -> None:  # fmt: skip
         self.name, self.node, self.conn, self.model, self.minter = name, node, conn, model, minter
         self.direct = Conn(node.llama_port, node.llama_key, fresh=True)
-        self.extra = [RoutedConn(conn.port) for _ in range(7)]  # the other streams at c=8
+        self.extra = [RoutedConn(conn.port, conn.key, fresh=conn.fresh) for _ in range(7)]  # the other streams at c=8
+        # Whose CPU the path's figures are: the node's, or the splice's on the splice path.
+        self.cpu_s = cpu_s or node.cpu_s
 
     async def send(self, conn: RoutedConn, body: bytes) -> Stream:
         conn.headers = {ROUTE_HEADER: self.minter.token(body)} if self.minter else {}
@@ -191,9 +238,9 @@ async def ttft_pairs(p: PathUnderTest, prompt: str, pairs: int, start: int) -> d
             if which == "direct":
                 got[which] = await p.direct.request("POST", CHAT_PATH, body_for(p.model, prompt, 2, start + pairs + i))
             else:
-                before = p.node.cpu_s()
+                before = p.cpu_s()
                 got[which] = await p.send(p.conn, body)
-                cpu += p.node.cpu_s() - before
+                cpu += p.cpu_s() - before
         if all(s.ok and s.ttft is not None for s in got.values()):
             diffs.append(got["path"].ttft - got["direct"].ttft)  # type: ignore[operator]
             direct.append(got["direct"].ttft)  # type: ignore[arg-type]
@@ -211,6 +258,7 @@ async def ttft_pairs(p: PathUnderTest, prompt: str, pairs: int, start: int) -> d
 # Each hop measured on its own: the outer path against the inner one it adds to, request by
 # request (ABBA), rather than as the difference of two paths' figures taken minutes apart.
 HOPS = (
+    ("the node over a bare splice", "standalone", "splice"),
     ("a route over standalone", "route", "standalone"),
     ("the tracker over the route", "tracker", "route"),
     ("the relay over the tracker", "tracker+relay", "tracker"),
@@ -244,12 +292,12 @@ async def decode(p: PathUnderTest, c: int, rounds: int, tokens: int, start: int)
         which = ("direct", "path", "path", "direct")[i % 4]
         bodies = [body_for(p.model, "Tell me a long story.", tokens, n + k) for k in range(c)]
         n += c
-        before = p.node.cpu_s()
+        before = p.cpu_s()
         if which == "direct":
             streams = await asyncio.gather(*(conn.request("POST", CHAT_PATH, b) for conn, b in zip(directs, bodies)))
         else:
             streams = await asyncio.gather(*(p.send(conn, b) for conn, b in zip(conns, bodies)))
-            cpu += p.node.cpu_s() - before
+            cpu += p.cpu_s() - before
             streamed += sum(s.n_content for s in streams)
         ok = [s for s in streams if s.ok and s.t_first_content is not None and s.t_last_content is not None and s.n_content > 1]
         errors += len(streams) - len(ok)
@@ -314,15 +362,18 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "r": Node("path-r", ["--gguf", str(models["r"]), *node_args, *mesh, "--relay", relay.url], secret),
     }
     results: dict[str, Any] = {"paths": {}}
+    splice: SpliceProcess | None = None
     try:
         for node in nodes.values():
             await node.wait_ready()
+        splice = SpliceProcess(work, nodes["s"].llama_port)
         registered = wait_routable(tracker, {models["m"].stem, models["r"].stem})
         node_m = next(n["announcement"] | {"node_id": n["node_id"]} for n in registered if n["model"] == models["m"].stem)
         prompt, prompt_tokens = long_prompt(nodes["s"], args.long_tokens)
         results["long_prompt_tokens"] = prompt_tokens
         minter = RouteMinter(work / "tracker", node_m)
         paths = [
+            PathUnderTest("splice", nodes["s"], RoutedConn(splice.port, nodes["s"].llama_key, fresh=True), models["s"].stem, cpu_s=splice.cpu_s),
             PathUnderTest("standalone", nodes["s"], RoutedConn(nodes["s"].port), models["s"].stem),
             PathUnderTest("route", nodes["m"], RoutedConn(nodes["m"].port), models["m"].stem, minter),
             PathUnderTest("tracker", nodes["m"], RoutedConn(tracker.port), models["m"].stem),
@@ -354,6 +405,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             results["hops"][label] = hop
             print(f"[hop] {label}: +{hop['added_p50'] * 1000:.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)", flush=True)
     finally:
+        if splice is not None:
+            splice.close()
         for node in nodes.values():
             node.close()
         relay.close()

@@ -15,7 +15,15 @@ default: a fresh folder under the node's state directory). The steps:
   as the node writes it (`open_request`: on the loop itself while such writes are quick);
 - the same row unsynced (synchronous=NORMAL: what the durability costs);
 - the disk alone: a 4 KiB `pwrite` + `fdatasync` into a preallocated file, the same with
-  `O_DSYNC`, and an append + `fsync` that grows the file (what a journal of any design pays).
+  `O_DSYNC`, and an append + `fsync` that grows the file (what a journal of any design pays);
+- after an idle gap (`--gap-ms`, default 15: a request's pause before the next, as in the
+  mesh-path bench, where each routed request follows a ~13-15 ms one): the disk's sync and the
+  node's row, the sync again with the CPU kept busy through the gap (a slower sync then is the
+  disk's own wake-up, not the CPU's), and the route check with the row one after the other (what
+  the node does) against the check on a thread beside the row (an overlap, measured, not built).
+
+Back to back, each step finds everything warm; a routed request in the flow finds what an idle
+machine left it, and the figures after a gap are the ones to hold its first token against.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from meshnet_gguf.common.serial_worker import SerialWorker
 from meshnet_gguf.common.settings import default_state_dir
+from meshnet_gguf.common.sqlite_wal import CHECKPOINT_EVERY_CALLS
 from meshnet_gguf.contract.protocol import ROUTE_HEADER, UsageRecord
 from meshnet_gguf.contract.signing import HotVerifyKey, body_sha256, encode_token, tracker_issuer_for
 from meshnet_gguf.mesh.ledger import UsageLedger
@@ -50,6 +60,14 @@ LONG_BODY = json.dumps(
 BLOCK = 4096
 T = TypeVar("T")
 WARMUP_CALLS = 20
+GAP_MS = 15.0
+GAP_CALLS = 200
+GAP_FLOWS = {
+    "check": "route token check (whole)",
+    "row": "ledger row as the node writes it",
+    "serial": "route check, then the row (what the node does)",
+    "overlap": "route check on a thread beside the row (not built)",
+}
 
 
 def timed(fn: Callable[[], object], calls: int) -> dict[str, float]:
@@ -182,6 +200,92 @@ def disk_steps(folder: Path, calls: int) -> dict[str, dict[str, float]]:
     return results
 
 
+def after_gap_steps(folder: Path, calls: int, gap_s: float) -> dict[str, dict[str, float]]:
+    """Each step once per idle gap: sleeping through it (the CPU idles too) unless said otherwise."""
+    label = f"after a {gap_s * 1000:.0f} ms idle gap"
+    block = os.urandom(BLOCK)
+    fd = os.open(folder / "gap.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    os.write(fd, b"\0" * BLOCK * 16)
+    os.fsync(fd)
+
+    def disk_after_gap(spin: bool) -> dict[str, float]:
+        samples = []
+        for i in range(calls + WARMUP_CALLS):
+            if spin:
+                until = time.perf_counter() + gap_s
+                while time.perf_counter() < until:
+                    pass
+            else:
+                time.sleep(gap_s)
+            t = time.perf_counter()
+            os.pwrite(fd, block, BLOCK * (i % 16))
+            os.fdatasync(fd)
+            if i >= WARMUP_CALLS:
+                samples.append((time.perf_counter() - t) * 1e6)
+        return summary(samples)
+
+    results = {
+        f"4 KiB pwrite + fdatasync, {label}": disk_after_gap(spin=False),
+        f"4 KiB pwrite + fdatasync, {label} with the CPU kept busy": disk_after_gap(spin=True),
+    }
+    os.close(fd)
+
+    ledger = UsageLedger(folder / "gap.sqlite3")
+    key = Ed25519PrivateKey.generate()
+    verifier = RouteVerifier(key.public_key(), node_id=NODE, model_id=MODEL, total_layers=LAYERS)
+    check_thread = SerialWorker("route-check")
+    serial = iter(range(10**9))
+
+    def record() -> UsageRecord:
+        return UsageRecord(request_id=f"gap-{next(serial)}", route=PATH, model=MODEL, status=0, stream=True, started_at=time.time())
+
+    async def flows() -> dict[str, list[float]]:
+        # The four take turns, call by call, so whatever the machine drifts through hits each alike.
+        samples: dict[str, list[float]] = {how: [] for how in GAP_FLOWS}
+        started = time.time()
+        for i in range(calls + WARMUP_CALLS):
+            if i == 0 or time.time() - started > 30:  # a route lives at most 60 s
+                started = time.time()
+                now = int(started)
+                headers = {ROUTE_HEADER.lower(): encode_token({
+                    "iss": tracker_issuer_for(key.public_key()), "sub": NODE, "jti": "req-gap", "iat": now, "exp": now + 60,
+                    "path": PATH, "model": MODEL, "hops": [{"node_id": NODE, "first_layer": 0, "last_layer": LAYERS - 1}],
+                    "body_sha256": body_sha256(SHORT_BODY),
+                }, key)}  # fmt: skip
+            for how in GAP_FLOWS:
+                await asyncio.sleep(gap_s)
+                rec = record()
+                t = time.perf_counter()
+                if how == "check":
+                    verifier.check_token(headers, PATH)
+                elif how == "row":
+                    await ledger.open_request(rec, now + 60, SHORT_BODY)
+                elif how == "serial":
+                    verifier.check_token(headers, PATH)
+                    await ledger.open_request(rec, now + 60, SHORT_BODY)
+                else:
+                    checked = asyncio.ensure_future(check_thread.run(verifier.check_token, headers, PATH))
+                    await ledger.open_request(rec, now + 60, SHORT_BODY)
+                    await checked
+                if i >= WARMUP_CALLS:
+                    samples[how].append((time.perf_counter() - t) * 1e6)
+        return samples
+
+    async def fill_the_log() -> None:
+        # The node's log in its steady state: grown to its full size once and restarted by a
+        # checkpoint, so each commit overwrites it rather than growing the file (a costlier sync).
+        for _ in range(2 * CHECKPOINT_EVERY_CALLS + 1):
+            await ledger.open_request(record(), time.time() + 60, SHORT_BODY)
+        await ledger._checkpoints.settle()
+
+    run_loop(fill_the_log())
+    for how, samples in run_loop(flows()).items():
+        results[f"{GAP_FLOWS[how]}, {label}"] = summary(samples)
+    check_thread.stop()
+    ledger.close()
+    return results
+
+
 def filesystem_of(folder: Path) -> str:
     best, kind = "", "unknown"
     with open("/proc/mounts") as mounts:
@@ -196,6 +300,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help="where the ledger would live (default: under the node's state dir)")
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--gap-ms", type=float, default=GAP_MS, help="the idle gap before each call of the last steps")
+    parser.add_argument("--gap-calls", type=int, default=GAP_CALLS, help="calls of each step after a gap")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     base = args.dir or default_state_dir()
@@ -205,12 +311,15 @@ def main() -> int:
         results = {
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "filesystem": filesystem_of(folder.resolve()),
-            "steps": {**route_steps(args.calls), **ledger_steps(folder, args.calls), **disk_steps(folder, args.calls)},
+            "steps": {
+                **route_steps(args.calls), **ledger_steps(folder, args.calls), **disk_steps(folder, args.calls),
+                **after_gap_steps(folder, args.gap_calls, args.gap_ms / 1000),
+            },  # fmt: skip
         }
     print(f"{results['machine']}; ledger filesystem: {results['filesystem']}")
-    print(f"{'step':<68} {'p50 µs':>9} {'p90 µs':>9} {'p99 µs':>9}")
+    print(f"{'step':<96} {'p50 µs':>9} {'p90 µs':>9} {'p99 µs':>9}")
     for name, s in results["steps"].items():
-        print(f"{name:<68} {s['p50_us']:>9.1f} {s['p90_us']:>9.1f} {s['p99_us']:>9.1f}")
+        print(f"{name:<96} {s['p50_us']:>9.1f} {s['p90_us']:>9.1f} {s['p99_us']:>9.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

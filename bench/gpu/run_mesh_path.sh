@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The mesh path's four ways side by side (bench/bench_mesh_path.py) on the lent H200, in one call
+# The mesh path's four ways (and the bare splice under them) side by side (bench/bench_mesh_path.py) on the lent H200, in one call
 # (see bench/gpu/README.md for CARRY and how run_plan_sweep.sh is called). Run from the repository
 # root of the device's copy:
 #   bash CARRY/run_mesh_path.sh CARRY
@@ -23,6 +23,7 @@ DECODE_ROUNDS=${DECODE_ROUNDS:-4}
 # TRACE=1: the standalone and routed nodes run under bench/trace_node.py (where their time goes).
 # NODE_COST=1: request_cost.py and token_cost.py after it (see below).
 TRACE=${TRACE:-}
+GAP_CALLS=${GAP_CALLS:-200}
 # The bench itself is cut here whatever happens, so setup + model + bench stay under 8 minutes.
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-330}
 # Where the bench scripts are (BENCH_DIR=$PWD/bench with SRC=$PWD/src runs the device copy of the checkout).
@@ -34,7 +35,7 @@ setup_device 12
 MODEL=/tmp/mesh-path-models/bench-f16.gguf
 write_model "$MODEL" "$MODEL_SPEC" mesh-path
 
-step "bench_mesh_path: standalone, route, tracker, tracker+relay ($PAIRS pairs, --gpu-layers $GPU_LAYERS)"
+step "bench_mesh_path: splice, standalone, route, tracker, tracker+relay ($PAIRS pairs, --gpu-layers $GPU_LAYERS)"
 timeout --kill-after=10 "$BENCH_TIMEOUT_S" $PY "$BENCH_DIR/bench_mesh_path.py" --model "$MODEL" --gpu-layers "$GPU_LAYERS" \
     --pairs "$PAIRS" --decode-rounds "$DECODE_ROUNDS" --json "$OUT/mesh_path.json" ${TRACE:+--trace} | tee "$OUT/mesh_path_summary.md"
 echo "bench exit status: ${PIPESTATUS[0]}"
@@ -46,6 +47,15 @@ if [ -n "${NODE_COST:-}" ]; then
     step "request_cost.py (in process) and token_cost.py (sockets, the fake llama-server)"
     timeout --kill-after=5 60 $PY "$BENCH_DIR/request_cost.py" --requests 2000 --json "$OUT/request_cost.json" | tail -3
     timeout --kill-after=5 100 $PY "$BENCH_DIR/token_cost.py" --rounds 10 --json "$OUT/token_cost.json"
+fi
+
+# FLOOR=1: then bench/mesh_floor.py in the nodes' state folder (each step alone, and after an
+# idle gap as in the bench's flow: what the meshed node's time cannot go below on this host).
+if [ -n "${FLOOR:-}" ]; then
+    step "mesh_floor.py (${FLOOR_CALLS:-2000} calls a step, $GAP_CALLS after a gap)"
+    mkdir -p /tmp/xdg-state/meshnet-gguf
+    timeout --kill-after=5 120 $PY "$BENCH_DIR/mesh_floor.py" --dir /tmp/xdg-state/meshnet-gguf --calls "${FLOOR_CALLS:-2000}" \
+        --gap-calls "$GAP_CALLS" --json "$OUT/mesh_floor.json"
 fi
 
 step "logs"
