@@ -64,6 +64,9 @@ ROUTE_LIFETIME_S = 60
 ENROLMENT_SECRET = "bench-mesh-path-enrolment-secret"
 PATHS = ("splice", "standalone", "route", "tracker", "tracker+relay")
 SPLICE_START_TIMEOUT_S = 10.0
+# The paths whose requests write ledger rows (the meshed nodes' and the tracker's).
+LEDGER_PATHS = ("route", "tracker", "tracker+relay")
+LEDGER_WARMUP_REQUESTS = 320
 # Under --trace: the warm-up requests left out of the traced nodes' summaries.
 TRACE_SKIP = 10
 
@@ -323,6 +326,12 @@ async def decode(p: PathUnderTest, c: int, rounds: int, tokens: int, start: int)
     }
 
 
+async def send_many(p: PathUnderTest, conn: RoutedConn, count: int, start: int) -> None:
+    """`count` one-token requests through `p` on `conn`, one after another."""
+    for i in range(count):
+        await p.send(conn, body_for(p.model, "warm up", 1, start + i))
+
+
 def wait_routable(tracker: Service, models: set[str]) -> list[dict[str, Any]]:
     deadline = time.monotonic() + ROUTABLE_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -385,6 +394,16 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 await p.send(p.conn, body_for(p.model, "warm up", 4, n))
                 await p.direct.request("POST", CHAT_PATH, body_for(p.model, "warm up", 4, n + 1))
                 n += 2
+        # Then the ledgers (the meshed nodes' and the tracker's) to their working state: SQLite's log
+        # grows over a fresh ledger's first few hundred rows, and each of those commits pays for the
+        # file's growth (~0.2-0.3 ms more a row on these VMs); a node that has served a while
+        # overwrites a log of its working size. --ledger-warmup 0 measures a freshly started mesh.
+        for p in paths:
+            if p.name in LEDGER_PATHS and args.ledger_warmup:
+                conns = [p.conn, *p.extra]
+                per_conn = -(-args.ledger_warmup // len(conns))
+                await asyncio.gather(*(send_many(p, conn, per_conn, n + k * per_conn) for k, conn in enumerate(conns)))
+                n += per_conn * len(conns)
         for p in paths:
             r: dict[str, Any] = {}
             r["short"] = await ttft_pairs(p, "Say hello.", args.pairs, n)
@@ -451,6 +470,8 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=1500, help="the long prompt's length in tokens")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens per stream in the tokens/s rounds")
     parser.add_argument("--decode-rounds", type=int, default=4, help="rounds per path and concurrency (each direct + path twice)")
+    parser.add_argument("--ledger-warmup", type=int, default=LEDGER_WARMUP_REQUESTS,
+                        help="requests through each ledger-writing path before measuring (0: a fresh mesh)")
     parser.add_argument("--ctx-size", type=int, default=16384, help="node context (split over 8 slots)")
     parser.add_argument("--gpu-layers", help="passed to the nodes as --n-gpu-layers")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
