@@ -24,6 +24,7 @@ DECODE_ROUNDS=${DECODE_ROUNDS:-4}
 # NODE_COST=1: request_cost.py and token_cost.py after it (see below).
 TRACE=${TRACE:-}
 GAP_CALLS=${GAP_CALLS:-200}
+# BENCH_ARGS: more options for bench_mesh_path.py (e.g. "--ledger-warmup 0").
 # The bench itself is cut here whatever happens, so setup + model + bench stay under 8 minutes.
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-330}
 # Where the bench scripts are (BENCH_DIR=$PWD/bench with SRC=$PWD/src runs the device copy of the checkout).
@@ -37,7 +38,7 @@ write_model "$MODEL" "$MODEL_SPEC" mesh-path
 
 step "bench_mesh_path: splice, standalone, route, tracker, tracker+relay ($PAIRS pairs, --gpu-layers $GPU_LAYERS)"
 timeout --kill-after=10 "$BENCH_TIMEOUT_S" $PY "$BENCH_DIR/bench_mesh_path.py" --model "$MODEL" --gpu-layers "$GPU_LAYERS" \
-    --pairs "$PAIRS" --decode-rounds "$DECODE_ROUNDS" --json "$OUT/mesh_path.json" ${TRACE:+--trace} | tee "$OUT/mesh_path_summary.md"
+    --pairs "$PAIRS" --decode-rounds "$DECODE_ROUNDS" --json "$OUT/mesh_path.json" ${TRACE:+--trace} ${BENCH_ARGS:-} | tee "$OUT/mesh_path_summary.md"
 echo "bench exit status: ${PIPESTATUS[0]}"
 nproc; uptime
 
@@ -60,5 +61,5 @@ fi
 
 step "logs"
 # The bench's nodes keep their logs under bench/.cache/run; the tracker's and relay's sit in its work folder.
-tar -czf "$OUT/logs.tgz" -C "$BENCH_DIR/.cache" run /tmp/meshnet-mesh-path-* 2>/dev/null
+tar -czf "$OUT/logs.tgz" --exclude='*.gguf' -C "$BENCH_DIR/.cache" run /tmp/meshnet-mesh-path-* 2>/dev/null
 step "done"
