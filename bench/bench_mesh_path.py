@@ -394,10 +394,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 await p.send(p.conn, body_for(p.model, "warm up", 4, n))
                 await p.direct.request("POST", CHAT_PATH, body_for(p.model, "warm up", 4, n + 1))
                 n += 2
-        # Then the ledgers (the meshed nodes' and the tracker's) to their working state: SQLite's log
-        # grows over a fresh ledger's first few hundred rows, and each of those commits pays for the
-        # file's growth (~0.2-0.3 ms more a row on these VMs); a node that has served a while
-        # overwrites a log of its working size. --ledger-warmup 0 measures a freshly started mesh.
+        # Then a mesh that has served a while: a few hundred requests through each ledger-writing
+        # path. A freshly started one is slower for its first few hundred (its ledgers' logs grow,
+        # its processes warm: bench/RESULTS.md, "Round 6"); --ledger-warmup 0 measures that.
         for p in paths:
             if p.name in LEDGER_PATHS and args.ledger_warmup:
                 conns = [p.conn, *p.extra]
