@@ -413,7 +413,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 r[f"c{c}"] = await decode(p, c, args.decode_rounds, args.decode_tokens, n)
                 n += 2 * args.decode_rounds * c
             results["paths"][p.name] = r
-            print(f"[{p.name}] short +{r['short']['added_p50'] * 1000:.2f} ms, long +{r['long']['added_p50'] * 1000:.2f} ms, "
+            print(f"[{p.name}] short {r['short']['added_p50'] * 1000:+.2f} ms, long {r['long']['added_p50'] * 1000:+.2f} ms, "
                   f"c1 {r['c1']['ratio']:.3f}, c8 {r['c8']['ratio']:.3f}, cpu/req {r['short']['cpu_ms_per_request']:.2f} ms", flush=True)  # fmt: skip
         by_name = {p.name: p for p in paths}
         results["hops"] = {}
@@ -421,7 +421,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             hop = await hop_pairs(by_name[outer], by_name[inner], "Say hello.", args.pairs, n)
             n += 2 * args.pairs
             results["hops"][label] = hop
-            print(f"[hop] {label}: +{hop['added_p50'] * 1000:.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)", flush=True)
+            print(f"[hop] {label}: {hop['added_p50'] * 1000:+.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)", flush=True)
     finally:
         if splice is not None:
             splice.close()
@@ -450,15 +450,15 @@ def table(results: dict[str, Any]) -> str:
             continue
         s, lg = r["short"], r["long"]
         lines.append(
-            f"| {name} | +{s['added_p50'] * 1000:.2f} ms ({s['added_p90'] * 1000:.2f}, {s['added_p99'] * 1000:.2f}) "
-            f"| +{lg['added_p50'] * 1000:.2f} ms ({lg['added_p90'] * 1000:.2f}, {lg['added_p99'] * 1000:.2f}) "
+            f"| {name} | {s['added_p50'] * 1000:+.2f} ms ({s['added_p90'] * 1000:.2f}, {s['added_p99'] * 1000:.2f}) "
+            f"| {lg['added_p50'] * 1000:+.2f} ms ({lg['added_p90'] * 1000:.2f}, {lg['added_p99'] * 1000:.2f}) "
             f"| {r['c1']['ratio'] * 100:.1f} % | {r['c8']['ratio'] * 100:.1f} % | {s['cpu_ms_per_request']:.2f} ms "
             f"| {r['c8']['cpu_ms_per_1k_tokens']:.0f} ms |"
         )
     if results.get("hops"):
         lines += ["", "| hop, short prompt, paired with the path it adds to | p50 | p90 | p99 |", "|---|---|---|---|"]
         for label, hop in results["hops"].items():
-            lines.append(f"| {label} | +{hop['added_p50'] * 1000:.2f} ms | +{hop['added_p90'] * 1000:.2f} ms | +{hop['added_p99'] * 1000:.2f} ms |")
+            lines.append(f"| {label} | {hop['added_p50'] * 1000:+.2f} ms | {hop['added_p90'] * 1000:+.2f} ms | {hop['added_p99'] * 1000:+.2f} ms |")
     return "\n".join(lines)
 
 
