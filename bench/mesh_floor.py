@@ -57,6 +57,10 @@ SHORT_BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content"
 LONG_BODY = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 160}], "stream": True}
 ).encode()
+# About 8,000 tokens: the longest prompt the meshed target must stay flat up to.
+LONGEST_BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 850}], "stream": True}
+).encode()
 BLOCK = 4096
 T = TypeVar("T")
 WARMUP_CALLS = 20
@@ -107,12 +111,14 @@ def route_steps(calls: int) -> dict[str, dict[str, float]]:
     public = key.public_key()
     hot = HotVerifyKey(public)
     long_sha = body_sha256(LONG_BODY)
+    longest_sha = body_sha256(LONGEST_BODY)
     return {
         "ed25519 verify, OpenSSL (cryptography)": timed(lambda: public.verify(signature, signing_input), calls),
         "ed25519 verify, libsodium (PyNaCl; what the route gate uses)": timed(lambda: hot.verify(signature, signing_input), calls),
         "route token check (whole)": timed(lambda: verifier.check_token(headers, PATH), calls),
         "body hash check, short chat": timed(lambda: RouteVerifier.check_body(claims["body_sha256"], SHORT_BODY), calls),
         "body hash check, ~1,500 tokens": timed(lambda: RouteVerifier.check_body(long_sha, LONG_BODY), calls),
+        "body hash check, ~8,000 tokens": timed(lambda: RouteVerifier.check_body(longest_sha, LONGEST_BODY), calls),
     }
 
 
@@ -139,6 +145,7 @@ def ledger_steps(folder: Path, calls: int) -> dict[str, dict[str, float]]:
     results = {
         "ledger row, synced, short body": timed(lambda: ledger.open_request_sync(record(), expires, SHORT_BODY), calls),
         "ledger row, synced, ~1,500-token body": timed(lambda: ledger.open_request_sync(record(), expires, LONG_BODY), calls),
+        "ledger row, synced, ~8,000-token body": timed(lambda: ledger.open_request_sync(record(), expires, LONGEST_BODY), calls),
     }
 
     async def from_the_loop(through_the_thread: bool) -> dict[str, float]:
