@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 import psutil
@@ -64,6 +64,7 @@ ROUTE_LIFETIME_S = 60
 ENROLMENT_SECRET = "bench-mesh-path-enrolment-secret"
 PATHS = ("splice", "standalone", "route", "tracker", "tracker+relay")
 SPLICE_START_TIMEOUT_S = 10.0
+CHILD_STOP_TIMEOUT_S = 10.0
 # The paths whose requests write ledger rows (the meshed nodes' and the tracker's).
 LEDGER_PATHS = ("route", "tracker", "tracker+relay")
 LEDGER_WARMUP_REQUESTS = 320
@@ -85,6 +86,18 @@ class RoutedConn(Conn):
         head, rest = raw.split(b"\r\n", 1)
         extra = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items()).encode()
         return head + b"\r\n" + extra + rest
+
+
+def stop_child(proc: subprocess.Popen[bytes], log: BinaryIO) -> None:
+    """SIGTERM by PID, SIGKILL if it lingers past CHILD_STOP_TIMEOUT_S; then its log is closed."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(CHILD_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
 
 
 class Service:
@@ -121,14 +134,7 @@ class Service:
         self._start()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        stop_child(self.proc, self.log)
 
 
 class SpliceProcess:
@@ -149,6 +155,7 @@ class SpliceProcess:
                 return
             except OSError:
                 time.sleep(0.05)
+        self.close()
         raise RuntimeError("the splice did not start")
 
     def cpu_s(self) -> float:
@@ -156,14 +163,7 @@ class SpliceProcess:
         return t.user + t.system
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        stop_child(self.proc, self.log)
 
 
 class RouteMinter:

@@ -97,6 +97,9 @@ class Client(asyncio.Protocol):
             self._transport.close()
             return
         assert upstream.transport is not None and self._transport is not None
+        if self._transport.is_closing():  # the client left while its upstream was being opened
+            upstream.transport.close()
+            return
         upstream.client = self._transport
         self._upstream = upstream
         for data in self._early:
