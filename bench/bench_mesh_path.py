@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -51,12 +52,17 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_proxy import CHAT_PATH, Conn, Node, Stream, pct  # noqa: E402
+from bench_proxy import CHAT_PATH, Conn, Node, Stream, _Proto, pct  # noqa: E402
+from cryptography import x509  # noqa: E402
 
+from meshnet_gguf.common.http1_client import HttpConnectError  # noqa: E402
 from meshnet_gguf.common.ports import free_local_port  # noqa: E402
+from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_context  # noqa: E402
 from meshnet_gguf.contract.protocol import ROUTE_HEADER, WELL_KNOWN_PATH  # noqa: E402
 from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for  # noqa: E402
 from meshnet_gguf.models.tiny_model import write_tiny_model  # noqa: E402
+from meshnet_gguf.reference.node_address import AddressPolicy, pin_node_url  # noqa: E402
+from meshnet_gguf.reference.relay_dialer import RelayTunnel, new_connect_claims  # noqa: E402
 
 SERVICE_START_TIMEOUT_S = 30.0
 ROUTABLE_TIMEOUT_S = 120.0
@@ -79,6 +85,10 @@ class RoutedConn(Conn):
         super().__init__(port, key, fresh=fresh)
         self.headers: dict[str, str] = {}
 
+    def twin(self) -> RoutedConn:
+        """Another connection like this one (the other streams at c=8)."""
+        return RoutedConn(self.port, self.key, fresh=self.fresh)
+
     def _request_bytes(self, method: str, path: str, body: bytes) -> bytes:
         raw = super()._request_bytes(method, path, body)
         if not self.headers:
@@ -86,6 +96,43 @@ class RoutedConn(Conn):
         head, rest = raw.split(b"\r\n", 1)
         extra = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items()).encode()
         return head + b"\r\n" + extra + rest
+
+
+class RelayedConn(RoutedConn):
+    """A `RoutedConn` through the relay, as the tracker reaches a relayed node: the tracker's own
+    `RelayTunnel` (CONNECT with a tracker-signed token, then TLS pinned to the node's certificate),
+    the connection kept between requests as the tracker keeps it."""
+
+    def __init__(self, tunnel: RelayTunnel) -> None:
+        super().__init__(0)  # no port: the tunnel reaches the node
+        self.tunnel = tunnel
+
+    def twin(self) -> RelayedConn:
+        return RelayedConn(self.tunnel)
+
+    async def _ensure(self) -> _Proto:
+        if self.proto is None or self.proto.lost:
+            proto = _Proto()
+            try:
+                await self.tunnel(proto)
+            except HttpConnectError as exc:
+                raise OSError(f"through the relay: {exc}") from exc
+            self.proto = proto
+        return self.proto
+
+
+async def relay_tunnel(minter: RouteMinter, node: dict[str, Any]) -> RelayTunnel:
+    """The tracker's way to a relayed node (`node`: its /v1/nodes announcement), with the tracker's key."""
+    relay = node["relay"]
+    certificate = certificate_from_text(relay["tls_certificate"])
+    node_tls = pinned_client_context(certificate, x509.load_der_x509_certificate(certificate).public_key())  # type: ignore[arg-type]
+    issuer = tracker_issuer_for(minter.key.public_key())
+
+    def sign(relay_url: str, node_id: str) -> str:
+        return encode_token(new_connect_claims(issuer, relay_url, node_id, ROUTE_LIFETIME_S), minter.key)
+
+    relay_target = await pin_node_url(relay["url"], AddressPolicy(allow_loopback=True))
+    return RelayTunnel(relay_target, node["node_id"], sign, ssl.create_default_context(), node_tls)
 
 
 def stop_child(proc: subprocess.Popen[bytes], log: BinaryIO) -> None:
@@ -140,9 +187,9 @@ class Service:
 class SpliceProcess:
     """`splice_hop.py` in front of a llama-server, on a free loopback port, stopped by its PID."""
 
-    def __init__(self, work: Path, to: int | str) -> None:
+    def __init__(self, work: Path, to: int | str, name: str = "splice") -> None:
         self.port = free_local_port()
-        self.log = (work / "splice.log").open("ab")
+        self.log = (work / f"{name}.log").open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "splice_hop.py"), "--port", str(self.port), "--to", str(to)],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -219,7 +266,7 @@ class PathUnderTest:
     ) -> None:  # fmt: skip
         self.name, self.node, self.conn, self.model, self.minter = name, node, conn, model, minter
         self.direct = Conn(node.llama_port, node.llama_key, fresh=True)
-        self.extra = [RoutedConn(conn.port, conn.key, fresh=conn.fresh) for _ in range(7)]  # the other streams at c=8
+        self.extra = [conn.twin() for _ in range(7)]  # the other streams at c=8
         # Whose CPU the path's figures are: the node's, or the splice's on the splice path.
         self.cpu_s = cpu_s or node.cpu_s
 
@@ -265,6 +312,9 @@ HOPS = (
     ("a route over standalone", "route", "standalone"),
     ("the tracker over the route", "tracker", "route"),
     ("the relay over the tracker", "tracker+relay", "tracker"),
+    ("the relay and the node's link over the node reached directly", "node R through the relay", "node R direct"),
+    # The relay splices a kept tunnel's bytes as the bare splice does: what is left is the node's link.
+    ("the relay and the node's link over a bare splice in their place", "node R through the relay", "node R through a bare splice"),
 )
 
 
@@ -372,12 +422,15 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     }
     results: dict[str, Any] = {"paths": {}}
     splice: SpliceProcess | None = None
+    splice_r: SpliceProcess | None = None
     try:
         for node in nodes.values():
             await node.wait_ready()
         splice = SpliceProcess(work, nodes["s"].llama_port)
         registered = wait_routable(tracker, {models["m"].stem, models["r"].stem})
-        node_m = next(n["announcement"] | {"node_id": n["node_id"]} for n in registered if n["model"] == models["m"].stem)
+        node_m, node_r = (
+            next(n["announcement"] | {"node_id": n["node_id"]} for n in registered if n["model"] == models[k].stem) for k in ("m", "r")
+        )
         prompt, prompt_tokens = long_prompt(nodes["s"], args.long_tokens)
         results["long_prompt_tokens"] = prompt_tokens
         minter = RouteMinter(work / "tracker", node_m)
@@ -388,8 +441,17 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             PathUnderTest("tracker", nodes["m"], RoutedConn(tracker.port), models["m"].stem),
             PathUnderTest("tracker+relay", nodes["r"], RoutedConn(tracker.port), models["r"].stem),
         ]
+        # For the relay link's hop alone: node R with its routes, reached directly and through the relay
+        # as the tracker reaches it (only paired with each other, no phases of their own).
+        minter_r = RouteMinter(work / "tracker", node_r)
+        splice_r = SpliceProcess(work, nodes["r"].port, "splice-r")
+        link_paths = [
+            PathUnderTest("node R direct", nodes["r"], RoutedConn(nodes["r"].port), models["r"].stem, minter_r),
+            PathUnderTest("node R through the relay", nodes["r"], RelayedConn(await relay_tunnel(minter_r, node_r)), models["r"].stem, minter_r),
+            PathUnderTest("node R through a bare splice", nodes["r"], RoutedConn(splice_r.port), models["r"].stem, minter_r),
+        ]
         n = 0
-        for p in paths:  # warm-up: connections, caches, the relay's idle work connections
+        for p in paths + link_paths:  # warm-up: connections, caches, the relay's idle work connections
             for _ in range(3):
                 await p.send(p.conn, body_for(p.model, "warm up", 4, n))
                 await p.direct.request("POST", CHAT_PATH, body_for(p.model, "warm up", 4, n + 1))
@@ -415,7 +477,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             results["paths"][p.name] = r
             print(f"[{p.name}] short {r['short']['added_p50'] * 1000:+.2f} ms, long {r['long']['added_p50'] * 1000:+.2f} ms, "
                   f"c1 {r['c1']['ratio']:.3f}, c8 {r['c8']['ratio']:.3f}, cpu/req {r['short']['cpu_ms_per_request']:.2f} ms", flush=True)  # fmt: skip
-        by_name = {p.name: p for p in paths}
+        by_name = {p.name: p for p in paths + link_paths}
         results["hops"] = {}
         for label, outer, inner in HOPS:
             hop = await hop_pairs(by_name[outer], by_name[inner], "Say hello.", args.pairs, n)
@@ -423,8 +485,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             results["hops"][label] = hop
             print(f"[hop] {label}: {hop['added_p50'] * 1000:+.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)", flush=True)
     finally:
-        if splice is not None:
-            splice.close()
+        for bare in (splice, splice_r):
+            if bare is not None:
+                bare.close()
         for node in nodes.values():
             node.close()
         relay.close()
