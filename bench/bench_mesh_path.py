@@ -22,9 +22,11 @@ internal key read from /proc), so drift hits both alike. Each prompt starts with
 number, so llama-server's prompt cache never serves one request from another's work.
 Reported per path: added TTFT (median of the pairs' differences, and p90/p99) on a
 short and a ~1,500-token prompt (and, paired the same way against each other, what each hop
-adds: a route over standalone, the tracker over the route, the relay over the tracker); client-side tokens/s at c=1 and c=8 against direct;
-the node process's CPU per request (on the short-prompt pairs) and per 1,000 streamed
-tokens (on the decode rounds). M and R serve the same file under two names (hard links),
+adds: the node over the splice, a route over standalone, the tracker over the route, the relay
+over the tracker, and the relay link alone: node R through the relay as the tracker reaches it
+against node R directly and against a bare splice in the relay's place); client-side tokens/s
+at c=1 and c=8 against direct; the node process's CPU per request (on the short-prompt pairs)
+and per 1,000 streamed tokens (on the decode rounds). M and R serve the same file under two names (hard links),
 so the tracker's choice of node is the model the request names.
 """
 
