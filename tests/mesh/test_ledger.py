@@ -117,11 +117,12 @@ class LoopWatch:
     """How long the event loop stood still at most: a task that sleeps 1 ms at a time, timed."""
 
     longest_stall_s = 0.0
+    TICK_S = 0.001
 
     async def run(self) -> None:
         while True:
             before = time.perf_counter()
-            await anyio.sleep(0.001)
+            await anyio.sleep(self.TICK_S)
             self.longest_stall_s = max(self.longest_stall_s, time.perf_counter() - before)
 
 
@@ -131,6 +132,8 @@ async def loop_watch() -> AsyncIterator[LoopWatch]:
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch.run)
         yield watch
+        # A last write made on the loop with no await after it: the watch wakes late only now.
+        await anyio.sleep(5 * watch.TICK_S)
         tg.cancel_scope.cancel()
 
 
@@ -191,16 +194,50 @@ async def test_a_quick_disk_writes_the_row_before_forwarding_on_the_loop_and_it_
         assert db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0] == 5
 
 
+async def test_a_quick_disk_settles_each_request_on_the_loop_and_the_settled_row_is_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, identity: NodeIdentity
+) -> None:
+    """The settled row (final record and receipt) goes in on the loop too once writes are quick: handed
+    to the writer thread it cost the node more CPU than the synced write itself. Durable all the same."""
+    monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)
+    ledger = UsageLedger(tmp_path / LEDGER_FILE)
+    threads: list[str] = []
+    on_thread, on_loop = ledger.add_sync, ledger._add_without_waiting
+
+    def noting_thread(write):  # type: ignore[no-untyped-def]
+        def noted(*args: object) -> bool:
+            threads.append(threading.current_thread().name)
+            return write(*args)
+
+        return noted
+
+    ledger.add_sync = noting_thread(on_thread)  # type: ignore[method-assign]
+    ledger._add_without_waiting = noting_thread(on_loop)  # type: ignore[method-assign]
+    try:
+        for i in range(5):
+            assert await ledger.open_request(record(f"req-settle-{i}"), 2000.0, b"{}")
+            assert await add(ledger, identity, record(f"req-settle-{i}", completion=7))
+        assert not await add(ledger, identity, record("req-settle-0", completion=9))  # settled once: the first wins
+    finally:
+        await ledger.aclose()
+    assert set(threads[1:]) == {threading.main_thread().name}, threads
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
+        rows = db.execute("SELECT in_flight, completion_tokens, receipt != '' FROM usage ORDER BY request_id").fetchall()
+    assert rows == [(0, 7, 1)] * 5
+
+
+@pytest.mark.parametrize("step", ["open", "settle"])
 async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, identity: NodeIdentity, step: str
 ) -> None:
     """`meshnet-gguf usage` (or a backup) holding SQLite's write lock while a routed request opens
-    its row: the row is not written on the loop (that would wait there, up to the busy timeout),
-    it goes to the writer thread, which waits for the lock while every other task runs on."""
+    or settles its row: the row is not written on the loop (that would wait there, up to the busy
+    timeout), it goes to the writer thread, which waits for the lock while every other task runs on."""
     monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)  # rows would go in on the loop
     path = tmp_path / LEDGER_FILE
     ledger = UsageLedger(path)
     assert await ledger.open_request(record("req-first"), 2000.0, b"{}")  # on the thread: the estimate starts pessimistic
+    assert await ledger.open_request(record("req-while-locked"), 2000.0, b"{}")
     other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     other.execute("BEGIN IMMEDIATE")  # another process's write transaction
     release = threading.Timer(LOCK_HELD_S, other.execute, args=("COMMIT",))
@@ -209,7 +246,10 @@ async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
             await anyio.sleep(0.005)  # the watch is asleep in the loop when the write starts
             started = time.perf_counter()
             release.start()
-            assert await ledger.open_request(record("req-while-locked"), 2000.0, b"{}")
+            if step == "open":
+                assert await ledger.open_request(record("req-while-locked-2"), 2000.0, b"{}")
+            else:
+                assert await add(ledger, identity, record("req-while-locked"))
             waited = time.perf_counter() - started
         assert waited >= LOCK_HELD_S * 0.9  # it did wait for the lock: on the thread
         assert watch.longest_stall_s < LOCK_HELD_S / 3, f"the loop stood still {watch.longest_stall_s * 1000:.0f} ms"
@@ -218,7 +258,9 @@ async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
         other.close()
         await ledger.aclose()
     with sqlite3.connect(path) as db:
-        assert db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0] == 2
+        in_flight = db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0]
+        settled = db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 0 AND receipt != ''").fetchone()[0]
+    assert (in_flight, settled) == ((3, 0) if step == "open" else (1, 1))
 
 
 @pytest.mark.parametrize("which", ["node", "tracker"])
