@@ -194,38 +194,6 @@ async def test_a_quick_disk_writes_the_row_before_forwarding_on_the_loop_and_it_
         assert db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0] == 5
 
 
-async def test_a_quick_disk_settles_each_request_on_the_loop_and_the_settled_row_is_on_disk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, identity: NodeIdentity
-) -> None:
-    """The settled row (final record and receipt) goes in on the loop too once writes are quick: handed
-    to the writer thread it cost the node more CPU than the synced write itself. Durable all the same."""
-    monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)
-    ledger = UsageLedger(tmp_path / LEDGER_FILE)
-    threads: list[str] = []
-    on_thread, on_loop = ledger.add_sync, ledger._add_without_waiting
-
-    def noting_thread(write):  # type: ignore[no-untyped-def]
-        def noted(*args: object) -> bool:
-            threads.append(threading.current_thread().name)
-            return write(*args)
-
-        return noted
-
-    ledger.add_sync = noting_thread(on_thread)  # type: ignore[method-assign]
-    ledger._add_without_waiting = noting_thread(on_loop)  # type: ignore[method-assign]
-    try:
-        for i in range(5):
-            assert await ledger.open_request(record(f"req-settle-{i}"), 2000.0, b"{}")
-            assert await add(ledger, identity, record(f"req-settle-{i}", completion=7))
-        assert not await add(ledger, identity, record("req-settle-0", completion=9))  # settled once: the first wins
-    finally:
-        await ledger.aclose()
-    assert set(threads[1:]) == {threading.main_thread().name}, threads
-    with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
-        rows = db.execute("SELECT in_flight, completion_tokens, receipt != '' FROM usage ORDER BY request_id").fetchall()
-    assert rows == [(0, 7, 1)] * 5
-
-
 @pytest.mark.parametrize("step", ["open", "settle"])
 async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, identity: NodeIdentity, step: str

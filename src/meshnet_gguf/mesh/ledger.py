@@ -2,11 +2,8 @@
 
 The ledger owns the database; everyone else asks through `UsageLedger`. Each
 call runs the stdlib `sqlite3` on the ledger's own thread (`SerialWorker`), so the
-event loop never waits on a slow disk or a lock, and a call, once started, completes
-even if its caller is cancelled: a row is written whole or not at all. The two rows
-every request writes (opened, settled) go in on the event loop itself while synced
-writes are quick and nothing holds the database (`run_inline_when_quick`): a thread's
-wake-ups would cost more than such a write.
+event loop never waits on the disk, and a call, once started, completes even
+if its caller is cancelled: a row is written whole or not at all.
 
 A row is *opened* (`in_flight` = 1, no receipt yet) before the request is
 forwarded, durably, with what is known then: until when the route that paid for it
@@ -39,7 +36,7 @@ from typing import TypeVar
 
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.common.serial_worker import SerialWorker
-from meshnet_gguf.common.sqlite_nowait import execute_without_waiting, run_without_waiting
+from meshnet_gguf.common.sqlite_nowait import execute_without_waiting
 from meshnet_gguf.common.sqlite_wal import WalCheckpoints
 from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
 
@@ -165,14 +162,8 @@ class UsageLedger:
         return await self._run(self.note_prompt_sync, request_id, prompt_tokens)
 
     async def add(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
-        """Store a request's usage; False when its request id is already there (the first row wins).
-
-        On the event loop when quick, as the opened row: the request has answered by now, but handing
-        this synced write to the writer thread cost the node more CPU than the write itself (a sleeping
-        thread woken each way: ~0.3 ms a meshed request here, bench/RESULTS.md "Round 6")."""
-        added = await self._worker.run_inline_when_quick(self.add_sync, record, receipt, on_loop=self._add_without_waiting)
-        self._checkpoints.after_call()
-        return added
+        """Store a request's usage; False when its request id is already there (the first row wins)."""
+        return await self._run(self.add_sync, record, receipt)
 
     async def pending(self, limit: int) -> list[UsageReceipt]:
         """Oldest receipts not yet acknowledged nor rejected."""
@@ -271,34 +262,24 @@ class UsageLedger:
 
     def add_sync(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
         """Settle a request: its open row if it has one, else a new row. False when it is already settled."""
-        _check_receipt(record, receipt)
+        if receipt.request_id != record.request_id:
+            raise ValueError(f"receipt {receipt.request_id} does not belong to record {record.request_id}")
         with self._lock:
-            return self._settle(record, receipt)
-
-    def _add_without_waiting(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
-        """`add_sync` for the event loop: `WouldBlock` rather than wait on a lock (`_settle` may then run
-        again whole on the thread: its update matches only an unsettled row, its insert ignores a
-        settled one)."""
-        _check_receipt(record, receipt)
-        return run_without_waiting(self._db, self._lock, lambda: self._settle(record, receipt), BUSY_TIMEOUT_MS)
-
-    def _settle(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
-        """Under the lock: settle the open row, or add the settled one."""
-        cursor = self._db.execute(
-            "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, route = ?, status = ?, stream = ?,"
-            " prompt_tokens = ?, cached_tokens = ?, completion_tokens = ?, finish_reason = ?, record_json = ?,"
-            " receipt = ?, in_flight = 0, prompt_body = NULL WHERE request_id = ? AND in_flight != 0",
-            (*_record_columns(record)[1:], receipt.token, record.request_id),
-        )
-        if cursor.rowcount == 1:
-            return True
-        cursor = self._db.execute(
-            "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
-            " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (*_record_columns(record), receipt.token),
-        )
-        return cursor.rowcount == 1
+            cursor = self._db.execute(
+                "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, route = ?, status = ?, stream = ?,"
+                " prompt_tokens = ?, cached_tokens = ?, completion_tokens = ?, finish_reason = ?, record_json = ?,"
+                " receipt = ?, in_flight = 0, prompt_body = NULL WHERE request_id = ? AND in_flight != 0",
+                (*_record_columns(record)[1:], receipt.token, record.request_id),
+            )
+            if cursor.rowcount == 1:
+                return True
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
+                " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*_record_columns(record), receipt.token),
+            )
+            return cursor.rowcount == 1
 
     def outbox_depth_sync(self) -> int:
         """Receipts recorded but not yet acknowledged or rejected by the tracker."""
@@ -394,11 +375,6 @@ class UsageLedger:
         with self._lock:
             self._db.close()
         self._worker.stop()  # its thread ends after this call
-
-
-def _check_receipt(record: UsageRecord, receipt: UsageReceipt) -> None:
-    if receipt.request_id != record.request_id:
-        raise ValueError(f"receipt {receipt.request_id} does not belong to record {record.request_id}")
 
 
 def _record_columns(record: UsageRecord) -> tuple[object, ...]:
