@@ -54,7 +54,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_proxy import CHAT_PATH, Conn, Node, Stream, _Proto, pct  # noqa: E402
+from bench_proxy import CHAT_PATH, Conn, Node, Stream, _Proto, pct, stop_process  # noqa: E402
 from cryptography import x509  # noqa: E402
 
 from meshnet_gguf.common.http1_client import HttpConnectError  # noqa: E402
@@ -138,14 +138,8 @@ async def relay_tunnel(minter: RouteMinter, node: dict[str, Any]) -> RelayTunnel
 
 
 def stop_child(proc: subprocess.Popen[bytes], log: BinaryIO) -> None:
-    """SIGTERM by PID, SIGKILL if it lingers past CHILD_STOP_TIMEOUT_S; then its log is closed."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(CHILD_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """`stop_process` with CHILD_STOP_TIMEOUT_S; then its log is closed."""
+    stop_process(proc, CHILD_STOP_TIMEOUT_S)
     log.close()
 
 

@@ -340,19 +340,24 @@ class Node:
         return t.user + t.system
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, STOP_TIMEOUT_S)
         from meshnet_gguf.llama.child import reap_stale_child
 
         reap_stale_child(self.state_dir / "llama-server.pid")
         if self.llama is not None and self.llama.is_running() and self.llama.status() != psutil.STATUS_ZOMBIE:
             self.llama.kill()  # by pid, the one this node started
         self._log.close()
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM by PID, SIGKILL if it lingers past `timeout_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stub_wrapper() -> Path:
