@@ -230,9 +230,11 @@ class RouteMinter:
         return encode_token(claims, self.key)
 
 
-def body_for(model: str, prompt: str, max_tokens: int, n: int) -> bytes:
-    """A streamed chat; the leading number makes each prompt new to llama-server's prompt cache."""
-    content = f"{n} {prompt}"
+def body_for(model: str, prompt: str, max_tokens: int, n: int, *, cached: bool = False) -> bytes:
+    """A streamed chat; the leading number makes each prompt new to llama-server's prompt cache.
+    `cached`: the number goes last instead, so llama-server reuses the prompt's cached prefix and
+    evaluates only its last few tokens, while the node still handles the whole body."""
+    content = f"{prompt} {n}" if cached else f"{n} {prompt}"
     return json.dumps(
         {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
          "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
@@ -271,18 +273,18 @@ class PathUnderTest:
         return await conn.request("POST", CHAT_PATH, body)
 
 
-async def ttft_pairs(p: PathUnderTest, prompt: str, pairs: int, start: int) -> dict[str, Any]:
+async def ttft_pairs(p: PathUnderTest, prompt: str, pairs: int, start: int, *, cached: bool = False) -> dict[str, Any]:
     diffs: list[float] = []
     direct: list[float] = []
     errors = 0
     cpu = 0.0
     for i in range(pairs):
-        body = body_for(p.model, prompt, 2, start + i)
+        body = body_for(p.model, prompt, 2, start + i, cached=cached)
         order = ("direct", "path") if i % 2 == 0 else ("path", "direct")
         got: dict[str, Stream] = {}
         for which in order:
             if which == "direct":
-                got[which] = await p.direct.request("POST", CHAT_PATH, body_for(p.model, prompt, 2, start + pairs + i))
+                got[which] = await p.direct.request("POST", CHAT_PATH, body_for(p.model, prompt, 2, start + pairs + i, cached=cached))
             else:
                 before = p.cpu_s()
                 got[which] = await p.send(p.conn, body)
@@ -312,16 +314,20 @@ HOPS = (
     # The relay splices a kept tunnel's bytes as the bare splice does: what is left is the node's link.
     ("the relay and the node's link over a bare splice in their place", "node R through the relay", "node R through a bare splice"),
 )
+# --long-hops: the first this many hops again with the long prompt (the node's own, and the route's).
+LONG_HOPS = 2
 
 
-async def hop_pairs(outer: PathUnderTest, inner: PathUnderTest, prompt: str, pairs: int, start: int) -> dict[str, Any]:
+async def hop_pairs(
+    outer: PathUnderTest, inner: PathUnderTest, prompt: str, pairs: int, start: int, *, cached: bool = False
+) -> dict[str, Any]:
     """What `outer` adds over `inner`: TTFT differences of the same prompt sent both ways, alternating."""
     diffs: list[float] = []
     errors = 0
     for i in range(pairs):
         got: dict[str, Stream] = {}
         for p in (outer, inner) if i % 2 == 0 else (inner, outer):
-            got[p.name] = await p.send(p.conn, body_for(p.model, prompt, 2, start + 2 * i + (p is inner)))
+            got[p.name] = await p.send(p.conn, body_for(p.model, prompt, 2, start + 2 * i + (p is inner), cached=cached))
         if all(s.ok and s.ttft is not None for s in got.values()):
             diffs.append(got[outer.name].ttft - got[inner.name].ttft)  # type: ignore[operator]
         else:
@@ -465,7 +471,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             r: dict[str, Any] = {}
             r["short"] = await ttft_pairs(p, "Say hello.", args.pairs, n)
             n += 2 * args.pairs
-            r["long"] = await ttft_pairs(p, prompt, args.pairs, n)
+            r["long"] = await ttft_pairs(p, prompt, args.pairs, n, cached=args.long_cached)
             n += 2 * args.pairs
             for c in (1, 8):
                 r[f"c{c}"] = await decode(p, c, args.decode_rounds, args.decode_tokens, n)
@@ -480,6 +486,15 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             n += 2 * args.pairs
             results["hops"][label] = hop
             print(f"[hop] {label}: {hop['added_p50'] * 1000:+.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)", flush=True)
+        if args.long_hops:
+            # The node's own work that grows with the prompt (the body parsed, hashed and kept in
+            # the synced row), paired at the long prompt where a path's own figure drowns in prefill.
+            results["hops_long"] = {}
+            for label, outer, inner in HOPS[:LONG_HOPS]:
+                hop = await hop_pairs(by_name[outer], by_name[inner], prompt, args.pairs, n, cached=args.long_cached)
+                n += 2 * args.pairs
+                results["hops_long"][label] = hop
+                print(f"[hop, long prompt] {label}: {hop['added_p50'] * 1000:+.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)", flush=True)
     finally:
         for bare in (splice, splice_r):
             if bare is not None:
@@ -498,8 +513,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
+    long = f"~{results['long_prompt_tokens']:,}-token prompt" + (", its prefix cached" if results.get("args", {}).get("long_cached") else "")
     lines = [
-        f"| path | added TTFT, short prompt: p50 (p90, p99) | added TTFT, ~{results['long_prompt_tokens']:,}-token prompt: p50 (p90, p99) "
+        f"| path | added TTFT, short prompt: p50 (p90, p99) | added TTFT, {long}: p50 (p90, p99) "
         "| tok/s vs direct, c=1 | tok/s vs direct, c=8 | node CPU per request | node CPU per 1,000 streamed tokens (c=8) |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -518,6 +534,10 @@ def table(results: dict[str, Any]) -> str:
         lines += ["", "| hop, short prompt, paired with the path it adds to | p50 | p90 | p99 |", "|---|---|---|---|"]
         for label, hop in results["hops"].items():
             lines.append(f"| {label} | {hop['added_p50'] * 1000:+.2f} ms | {hop['added_p90'] * 1000:+.2f} ms | {hop['added_p99'] * 1000:+.2f} ms |")
+    if results.get("hops_long"):
+        lines += ["", f"| hop, {long} | p50 | p90 | p99 |", "|---|---|---|---|"]
+        for label, hop in results["hops_long"].items():
+            lines.append(f"| {label} | {hop['added_p50'] * 1000:+.2f} ms | {hop['added_p90'] * 1000:+.2f} ms | {hop['added_p99'] * 1000:+.2f} ms |")
     return "\n".join(lines)
 
 
@@ -531,6 +551,10 @@ def main() -> None:
     parser.add_argument("--ledger-warmup", type=int, default=LEDGER_WARMUP_REQUESTS,
                         help="requests through each ledger-writing path before measuring (0: a fresh mesh)")
     parser.add_argument("--ctx-size", type=int, default=16384, help="node context (split over 8 slots)")
+    parser.add_argument("--long-hops", action="store_true", help="pair the node's and the route's hops at the long prompt too")
+    parser.add_argument("--long-cached", action="store_true",
+                        help="long prompts end with their number, so llama-server reuses their cached prefix: the nodes' "
+                             "work on a long body without the prefill's spread")  # fmt: skip
     parser.add_argument("--gpu-layers", help="passed to the nodes as --n-gpu-layers")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
     parser.add_argument("--trace", action="store_true", help="run the standalone and routed nodes under trace_node.py and print where their time goes")

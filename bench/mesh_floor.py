@@ -20,7 +20,8 @@ default: a fresh folder under the node's state directory). The steps:
   mesh-path bench, where each routed request follows a ~13-15 ms one): the disk's sync and the
   node's row, the sync again with the CPU kept busy through the gap (a slower sync then is the
   disk's own wake-up, not the CPU's), and the route check with the row one after the other (what
-  the node does) against the check on a thread beside the row (an overlap, measured, not built).
+  the node does) against the check on a thread beside the row (an overlap, measured, not built),
+  and the check, hash and row of an ~8,000-token body (what of it grows with the prompt).
 
 Back to back, each step finds everything warm; a routed request in the flow finds what an idle
 machine left it, and the figures after a gap are the ones to hold its first token against.
@@ -71,6 +72,7 @@ GAP_FLOWS = {
     "row": "ledger row as the node writes it",
     "serial": "route check, then the row (what the node does)",
     "overlap": "route check on a thread beside the row (not built)",
+    "longest": "route check, ~8,000-token body's hash, then its row",
 }
 
 
@@ -242,6 +244,7 @@ def after_gap_steps(folder: Path, calls: int, gap_s: float) -> dict[str, dict[st
     verifier = RouteVerifier(key.public_key(), node_id=NODE, model_id=MODEL, total_layers=LAYERS)
     check_thread = SerialWorker("route-check")
     serial = iter(range(10**9))
+    longest_sha = body_sha256(LONGEST_BODY)
 
     def record() -> UsageRecord:
         return UsageRecord(request_id=f"gap-{next(serial)}", route=PATH, model=MODEL, status=0, stream=True, started_at=time.time())
@@ -270,6 +273,10 @@ def after_gap_steps(folder: Path, calls: int, gap_s: float) -> dict[str, dict[st
                 elif how == "serial":
                     verifier.check_token(headers, PATH)
                     await ledger.open_request(rec, now + 60, SHORT_BODY)
+                elif how == "longest":  # what grows with the prompt: the hash, and the body kept in the row
+                    verifier.check_token(headers, PATH)
+                    RouteVerifier.check_body(longest_sha, LONGEST_BODY)
+                    await ledger.open_request(rec, now + 60, LONGEST_BODY)
                 else:
                     checked = asyncio.ensure_future(check_thread.run(verifier.check_token, headers, PATH))
                     await ledger.open_request(rec, now + 60, SHORT_BODY)

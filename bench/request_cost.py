@@ -3,7 +3,7 @@
 node's usage sinks, and for `meshed` the real route gate, ledger and receipts) called in process,
 in front of an in-process llama-server stand-in that answers at once with a short stream.
 
-    PYTHONPATH=src python bench/request_cost.py [--requests N] [--tokens T] [--profile K] [--json OUT]
+    PYTHONPATH=src python bench/request_cost.py [--requests N] [--tokens T] [--prompt-tokens P] [--profile K] [--json OUT]
 
 For each mode it prints, per request: the time from the app being called to the upstream `send`
 (all admission work before forwarding: on a meshed node the route check and the synced ledger
@@ -51,7 +51,14 @@ from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 MODEL, LAYERS, PATH = "cost-model", 22, "/v1/chat/completions"
-BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "stream": True, "max_tokens": 64}).encode()
+# English of about ten tokens a sentence, for --prompt-tokens.
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+def chat_body(prompt_tokens: int) -> bytes:
+    """The streamed chat each request sends: "Say hi.", or about `prompt_tokens` tokens of English."""
+    content = SENTENCE * (prompt_tokens // 10) if prompt_tokens else "Say hi."
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": True, "max_tokens": 64}).encode()
 WARMUP_REQUESTS = 200
 
 
@@ -104,7 +111,7 @@ class InstantUpstream:
         return None
 
 
-def build(mode_name: str, state_dir: Path, upstream: InstantUpstream) -> tuple[ProxyApp, Callable[[], dict[str, str]], UsageLedger | None]:
+def build(mode_name: str, state_dir: Path, upstream: InstantUpstream, body: bytes) -> tuple[ProxyApp, Callable[[], dict[str, str]], UsageLedger | None]:
     admission = Admission(slots=8)
     target = UpstreamTarget("http://127.0.0.1:1", "llama-key")
     sinks: list[Any] = [UsageStats(), RecentRequests(), UsageLog(), NodeMetrics(in_flight=lambda: admission.in_flight)]
@@ -127,7 +134,7 @@ def build(mode_name: str, state_dir: Path, upstream: InstantUpstream) -> tuple[P
                 "iss": tracker_issuer_for(tracker.public_key()), "sub": identity.node_id, "jti": f"req-{next(serial)}",
                 "iat": now, "exp": now + 60, "path": PATH, "model": MODEL,
                 "hops": [{"node_id": identity.node_id, "first_layer": 0, "last_layer": LAYERS - 1}],
-                "body_sha256": body_sha256(BODY), "max_tokens": 512,
+                "body_sha256": body_sha256(body), "max_tokens": 512,
             }  # fmt: skip
             return {ROUTE_HEADER.lower(): encode_token(claims, tracker)}
 
@@ -145,9 +152,9 @@ def build(mode_name: str, state_dir: Path, upstream: InstantUpstream) -> tuple[P
     return app, headers, ledger
 
 
-async def one_request(app: ProxyApp, extra_headers: dict[str, str]) -> tuple[float, int]:
+async def one_request(app: ProxyApp, extra_headers: dict[str, str], body: bytes) -> tuple[float, int]:
     """(when the app was called, the status it answered)."""
-    headers = [(b"host", b"127.0.0.1:8080"), (b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())]
+    headers = [(b"host", b"127.0.0.1:8080"), (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in extra_headers.items()]
     scope = {"type": "http", "method": "POST", "path": PATH, "headers": headers, "query_string": b""}
     delivered = False
@@ -158,7 +165,7 @@ async def one_request(app: ProxyApp, extra_headers: dict[str, str]) -> tuple[flo
         nonlocal delivered
         if not delivered:
             delivered = True
-            return {"type": "http.request", "body": BODY, "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
         await never.wait()
         return {"type": "http.disconnect"}
 
@@ -172,10 +179,10 @@ async def one_request(app: ProxyApp, extra_headers: dict[str, str]) -> tuple[flo
     return called, status
 
 
-async def measure(mode_name: str, requests: int, tokens: int, profile: cProfile.Profile | None) -> dict[str, float]:
+async def measure(mode_name: str, requests: int, tokens: int, body: bytes, profile: cProfile.Profile | None) -> dict[str, float]:
     upstream = InstantUpstream(stream_chunks(tokens))
     with tempfile.TemporaryDirectory(prefix="request-cost-") as tmp:
-        app, headers, ledger = build(mode_name, Path(tmp), upstream)
+        app, headers, ledger = build(mode_name, Path(tmp), upstream, body)
         pre_forward: list[float] = []
         cpu = 0.0
         for i in range(WARMUP_REQUESTS + requests):
@@ -184,7 +191,7 @@ async def measure(mode_name: str, requests: int, tokens: int, profile: cProfile.
             if measured and profile is not None:
                 profile.enable()
             cpu_before = time.process_time()
-            called, status = await one_request(app, extra)
+            called, status = await one_request(app, extra, body)
             cpu_after = time.process_time()
             if measured and profile is not None:
                 profile.disable()
@@ -217,21 +224,24 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per streamed answer (one SSE event each)")
     parser.add_argument("--modes", default="standalone,meshed")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of about this many tokens (default: a short chat)")
     parser.add_argument("--profile", type=int, default=0, metavar="K", help="print the top K functions by own time")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=io.StringIO())  # the usage line is formatted, as in a node
     os.environ.setdefault("MESHNET_STATE_DIR", tempfile.mkdtemp(prefix="request-cost-state-"))
     results: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"}
+    results["prompt_tokens"] = args.prompt_tokens
     print(results["machine"])
+    prompt = f"~{args.prompt_tokens:,}-token" if args.prompt_tokens else "a short"
     for mode_name in args.modes.split(","):
         profile = cProfile.Profile() if args.profile else None
-        r = run_loop(measure(mode_name, args.requests, args.tokens, profile))
+        r = run_loop(measure(mode_name, args.requests, args.tokens, chat_body(args.prompt_tokens), profile))
         results[mode_name] = r
         print(
             f"{mode_name:>10}: before forwarding p50 {r['pre_forward_p50_us']:.0f} µs (p90 {r['pre_forward_p90_us']:.0f}); "
             f"CPU {r['cpu_ms_per_request']:.3f} ms per request, {r['cpu_us_per_token']:.1f} µs per streamed token "
-            f"({args.tokens}-token streams, {args.requests} requests)"
+            f"({args.tokens}-token streams, {prompt} prompt, {args.requests} requests)"
         )
         if profile is not None:
             out = io.StringIO()

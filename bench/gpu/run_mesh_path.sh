@@ -43,11 +43,18 @@ echo "bench exit status: ${PIPESTATUS[0]}"
 nproc; uptime
 
 # NODE_COST=1: then the node's own CPU on this host, without the model: in process
-# (request_cost.py) and over real sockets split per request and per token (token_cost.py).
+# (request_cost.py), its ledger on this host's disk and then in memory (/dev/shm: what the disk's
+# two synced commits a request cost the CPU), and over real sockets split per request and per
+# token (token_cost.py; NODE_COST=request leaves that out).
 if [ -n "${NODE_COST:-}" ]; then
-    step "request_cost.py (in process) and token_cost.py (sockets, the fake llama-server)"
+    step "request_cost.py (in process; ledger on disk, then in /dev/shm)"
     timeout --kill-after=5 60 $PY "$BENCH_DIR/request_cost.py" --requests 2000 --json "$OUT/request_cost.json" | tail -3
-    timeout --kill-after=5 100 $PY "$BENCH_DIR/token_cost.py" --rounds 10 --json "$OUT/token_cost.json"
+    TMPDIR=/dev/shm timeout --kill-after=5 60 $PY "$BENCH_DIR/request_cost.py" --requests 2000 --modes meshed \
+        --json "$OUT/request_cost_shm.json" | tail -1
+    if [ "$NODE_COST" != request ]; then
+        step "token_cost.py (sockets, the fake llama-server)"
+        timeout --kill-after=5 100 $PY "$BENCH_DIR/token_cost.py" --rounds 10 --json "$OUT/token_cost.json"
+    fi
 fi
 
 # FLOOR=1: then bench/mesh_floor.py in the nodes' state folder (each step alone, and after an
