@@ -51,6 +51,7 @@ from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 MODEL, LAYERS, PATH = "cost-model", 22, "/v1/chat/completions"
+WARMUP_REQUESTS = 200
 # English of about ten tokens a sentence, for --prompt-tokens.
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
@@ -59,7 +60,6 @@ def chat_body(prompt_tokens: int) -> bytes:
     """The streamed chat each request sends: "Say hi.", or about `prompt_tokens` tokens of English."""
     content = SENTENCE * (prompt_tokens // 10) if prompt_tokens else "Say hi."
     return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": True, "max_tokens": 64}).encode()
-WARMUP_REQUESTS = 200
 
 
 def stream_chunks(tokens: int) -> list[bytes]:
