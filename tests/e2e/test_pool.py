@@ -19,12 +19,19 @@ import pytest
 
 from meshnet_gguf.common.ports import free_local_port, free_local_port_pair
 from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.llama.features import BinaryFeatures
 from meshnet_gguf.llama.rpc_status import STATUS_PATH
 from meshnet_gguf.mesh.identity import NodeIdentity
 from support.node_process import NodeProcess
 
 pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 WORKER_START_S = 20.0
+
+
+@pytest.fixture(autouse=True)
+def _rpc_in_the_real_build(real_llama: BinaryInfo, real_llama_features: BinaryFeatures) -> None:
+    if not real_llama_features.rpc:
+        pytest.skip(f"{real_llama.describe()} has no RPC (a build without GGML_RPC): the pool cannot run on it")
 
 
 class WorkerProcess:

@@ -17,6 +17,7 @@ from meshnet_gguf.hardware.report import (
 )
 from meshnet_gguf.hardware.sources import parse_list_devices, parse_nvidia_smi
 from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.llama.features import BinaryFeatures
 from support.hardware_fixtures import FIXTURES, fixture_binary, load_box, require_software_vulkan
 
 
@@ -164,8 +165,10 @@ def test_json_report_round_trips() -> None:
 
 
 @pytest.mark.real_llama
-def test_real_list_devices_sees_llvmpipe_as_vulkan0(real_llama: BinaryInfo) -> None:
+def test_real_list_devices_sees_llvmpipe_as_vulkan0(real_llama: BinaryInfo, real_llama_features: BinaryFeatures) -> None:
     require_software_vulkan()
+    if not real_llama_features.vulkan:
+        pytest.skip(f"{real_llama.describe()} was built without Vulkan (see build-llama-server's note on the headers)")
     report = probe_hardware(real_llama, device_env={"GGML_VK_VISIBLE_DEVICES": "0"})
 
     assert report.llama_devices, report.probes

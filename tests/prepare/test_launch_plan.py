@@ -12,6 +12,7 @@ import pytest
 
 from meshnet_gguf.hardware.report import GB, probe_hardware
 from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.llama.features import BinaryFeatures
 from meshnet_gguf.models.gguf_info import read_gguf_info
 from meshnet_gguf.prepare.memory import ModelFacts, ctx_floor
 from meshnet_gguf.prepare.plan import plan_launch
@@ -210,8 +211,12 @@ _VULKAN_BUFFER = re.compile(r"Vulkan0 model buffer size\s*=\s*([\d.]+) MiB")
 
 @pytest.mark.real_llama
 @pytest.mark.slow
-def test_real_llama_server_puts_every_layer_on_vulkan0(real_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path) -> None:
+def test_real_llama_server_puts_every_layer_on_vulkan0(
+    real_llama: BinaryInfo, real_llama_features: BinaryFeatures, tiny_gguf: Path, tmp_path: Path
+) -> None:
     require_software_vulkan()
+    if not real_llama_features.vulkan:
+        pytest.skip(f"{real_llama.describe()} was built without Vulkan (see build-llama-server's note on the headers)")
     hw = probe_hardware(real_llama, device_env={"GGML_VK_VISIBLE_DEVICES": "0"})
     assert hw.llama_devices, hw.probes
     info = read_gguf_info(tiny_gguf)

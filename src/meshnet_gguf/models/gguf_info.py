@@ -44,6 +44,8 @@ class GGUFInfo:
     split_count: int
     tensor_count: int
     file_bytes: int
+    # The ggml types (`gguf.GGMLQuantizationType` values) of this file's tensors: which kernels it runs.
+    tensor_types: frozenset[int] = frozenset()
     metadata: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @property
@@ -125,9 +127,10 @@ class _MetadataReader:
         return self.take(fmt)
 
 
-def _tensor_data_end(reader: _MetadataReader, tensor_count: int, alignment: int) -> int:
-    """Where the last tensor's bytes end, from the tensor infos that follow the metadata."""
+def _tensor_data_end(reader: _MetadataReader, tensor_count: int, alignment: int) -> tuple[int, frozenset[int]]:
+    """Where the last tensor's bytes end, and the tensors' types, from the tensor infos that follow the metadata."""
     data_end = 0
+    types: set[int] = set()
     for _ in range(tensor_count):
         reader.string()  # name
         dims = [reader.take("Q") for _ in range(reader.take("I"))]
@@ -139,12 +142,13 @@ def _tensor_data_end(reader: _MetadataReader, tensor_count: int, alignment: int)
             raise GGUFError(f"unknown tensor type {ggml_type}; a newer llama.cpp may know it") from None
         elements = math.prod(dims)
         data_end = max(data_end, offset + elements // block_size * type_size)
+        types.add(ggml_type)
     data_start = -(-reader.pos // alignment) * alignment
-    return data_start + data_end
+    return data_start + data_end, frozenset(types)
 
 
-def _read_metadata(path: Path) -> tuple[int, int, dict[str, Any], int]:
-    """(version, tensor count, metadata, bytes the tensors need) of one GGUF file; long arrays come back as None."""
+def _read_metadata(path: Path) -> tuple[int, int, dict[str, Any], int, frozenset[int]]:
+    """(version, tensor count, metadata, bytes the tensors need, tensor types) of one GGUF file; long arrays come back as None."""
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
         # A big-endian GGUF shows its version byte-swapped (e.g. 0x03000000) when read little-endian.
         order = "<" if struct.unpack_from("<I", data, 4)[0] < 0x10000 else ">"
@@ -157,8 +161,8 @@ def _read_metadata(path: Path) -> tuple[int, int, dict[str, Any], int]:
         for _ in range(kv_count):
             key = reader.string()
             metadata[key] = reader.value(reader.take("I"))
-        needed = _tensor_data_end(reader, tensor_count, int(metadata.get("general.alignment") or DEFAULT_ALIGNMENT))
-    return version, tensor_count, metadata, needed
+        needed, types = _tensor_data_end(reader, tensor_count, int(metadata.get("general.alignment") or DEFAULT_ALIGNMENT))
+    return version, tensor_count, metadata, needed, types
 
 
 def _as_int(value: Any) -> int | None:
@@ -180,7 +184,7 @@ def read_gguf_info(path: Path) -> GGUFInfo:
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        version, tensor_count, meta, needed_bytes = _read_metadata(path)
+        version, tensor_count, meta, needed_bytes, tensor_types = _read_metadata(path)
     except (struct.error, ValueError, OverflowError, MemoryError) as exc:
         raise GGUFError(f"{path}: unreadable GGUF header ({exc}); the file is probably truncated") from exc
     if version not in SUPPORTED_VERSIONS:
@@ -210,6 +214,7 @@ def read_gguf_info(path: Path) -> GGUFInfo:
         split_count=_as_int(meta.get("split.count")) or 1,
         tensor_count=tensor_count,
         file_bytes=size,
+        tensor_types=tensor_types,
         metadata={k: v for k, v in meta.items() if v is not None and not isinstance(v, list)},
     )
 

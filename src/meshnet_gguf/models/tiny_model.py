@@ -33,7 +33,20 @@ class TinyModelSpec:
     # "Q8_0" stores the matrices quantized, so llama.cpp runs its integer dot-product
     # kernels (the ones a binary built for another CPU can die on); "F32" avoids them;
     # "F16" halves the size of a benchmark-sized model (the usual unquantized GGUF).
+    # Any type in WRITABLE_TYPES works.
     weight_type: str = "F32"
+    # Per-layer matrix types, cycled over the layers (the run probe's mix of a model's
+    # weight types); None: every matrix is `weight_type`.
+    layer_types: tuple[str, ...] | None = None
+
+
+# The matrix types the `gguf` package can quantize to, so a tiny model can hold them.
+WRITABLE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+_FILE_TYPES = {
+    "F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+    "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}  # fmt: skip
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -90,8 +103,11 @@ def write_tiny_model(
     writer.add_head_count_kv(spec.n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
-    file_types = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "F16": gguf.LlamaFileType.MOSTLY_F16}
-    writer.add_file_type(file_types.get(spec.weight_type, gguf.LlamaFileType.ALL_F32))
+    layer_types = spec.layer_types or (spec.weight_type,)
+    unknown = sorted({spec.weight_type, *layer_types} - set(WRITABLE_TYPES))
+    if unknown:
+        raise ValueError(f"weight types must be among {', '.join(WRITABLE_TYPES)}, not {', '.join(unknown)}")
+    writer.add_file_type(_FILE_TYPES[spec.weight_type])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -101,35 +117,32 @@ def write_tiny_model(
     writer.add_bos_token_id(n_vocab - 1)
     writer.add_add_bos_token(False)
 
-    quantized = spec.weight_type == "Q8_0"
-    if spec.weight_type not in ("F32", "F16", "Q8_0"):
-        raise ValueError(f"weight_type must be F32, F16 or Q8_0, not {spec.weight_type}")
-
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
 
-    def add_matrix(name: str, data: np.ndarray) -> None:
-        if quantized:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
-        elif spec.weight_type == "F16":
+    def add_matrix(name: str, data: np.ndarray, type_name: str = spec.weight_type) -> None:
+        if type_name == "F32":
+            writer.add_tensor(name, data)
+        elif type_name == "F16":
             writer.add_tensor(name, data.astype(np.float16))
         else:
-            writer.add_tensor(name, data)
+            qtype = gguf.GGMLQuantizationType[type_name]
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
     kv_dim = head_dim * spec.n_head_kv
     writer.add_tensor("token_embd.weight", weight(n_vocab, spec.n_embd))
     for layer in range(spec.n_layers):
         prefix = f"blk.{layer}"
+        kind = layer_types[layer % len(layer_types)]
         writer.add_tensor(f"{prefix}.attn_norm.weight", np.ones(spec.n_embd, np.float32))
-        add_matrix(f"{prefix}.attn_q.weight", weight(spec.n_embd, spec.n_embd))
-        add_matrix(f"{prefix}.attn_k.weight", weight(kv_dim, spec.n_embd))
-        add_matrix(f"{prefix}.attn_v.weight", weight(kv_dim, spec.n_embd))
-        add_matrix(f"{prefix}.attn_output.weight", weight(spec.n_embd, spec.n_embd))
+        add_matrix(f"{prefix}.attn_q.weight", weight(spec.n_embd, spec.n_embd), kind)
+        add_matrix(f"{prefix}.attn_k.weight", weight(kv_dim, spec.n_embd), kind)
+        add_matrix(f"{prefix}.attn_v.weight", weight(kv_dim, spec.n_embd), kind)
+        add_matrix(f"{prefix}.attn_output.weight", weight(spec.n_embd, spec.n_embd), kind)
         writer.add_tensor(f"{prefix}.ffn_norm.weight", np.ones(spec.n_embd, np.float32))
-        add_matrix(f"{prefix}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd))
-        add_matrix(f"{prefix}.ffn_up.weight", weight(spec.n_ff, spec.n_embd))
-        add_matrix(f"{prefix}.ffn_down.weight", weight(spec.n_embd, spec.n_ff))
+        add_matrix(f"{prefix}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd), kind)
+        add_matrix(f"{prefix}.ffn_up.weight", weight(spec.n_ff, spec.n_embd), kind)
+        add_matrix(f"{prefix}.ffn_down.weight", weight(spec.n_embd, spec.n_ff), kind)
     writer.add_tensor("output_norm.weight", np.ones(spec.n_embd, np.float32))
     add_matrix("output.weight", weight(n_vocab, spec.n_embd))
 

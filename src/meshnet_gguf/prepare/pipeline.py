@@ -1,12 +1,12 @@
 """Preparing a launch: everything decided before a node opens its port, as one straight pipeline.
 
-    read the request ─► find the binary ─► probe the hardware ─► choose the quant
-      ─► get the model (resolve, download, verify) ─► read its facts (the headers) ─► plan
+    read the request ─► a binary that runs it here (built if none does) ─► probe the hardware
+      ─► choose the quant ─► get the model (resolve, download, verify) ─► read its facts (the headers) ─► plan
 
 Each step takes only the values it needs and returns the value the next one
 takes; `prepare_launch` runs them in this order, and `--dry-run` runs the same
-steps with "get the model" replaced by "find it on disk" (nothing is
-downloaded or written). A quant that cannot fit is refused before any byte is
+steps with "get the model" replaced by "find it on disk" and no build (nothing
+is downloaded, built or written). A quant that cannot fit is refused before any byte is
 downloaded, a model is launched only once downloaded and verified, and a plan
 that does not fit is refused (`--force` overrides both). Whatever fails here
 fails with a `NodeSetupError` that says what to do.
@@ -29,13 +29,14 @@ from typing import Literal
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.common.units import format_bytes
 from meshnet_gguf.hardware.report import HardwareReport, probe_configured
-from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound, find_llama_server
+from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound
 from meshnet_gguf.llama.child import ChildSpec
-from meshnet_gguf.llama.cpu_compat import kernel_support
-from meshnet_gguf.models.catalog import DEMO_ID, load_catalog, model_aliases
+from meshnet_gguf.llama.features import BinaryFeatures, missing_rpc
+from meshnet_gguf.llama.run_probe import model_weight_types
+from meshnet_gguf.llama.runnable import BinaryCannotRun, RunnableBinary, quant_weight_types, runnable_llama_server
+from meshnet_gguf.models.catalog import load_catalog, model_aliases
 from meshnet_gguf.models.download import HubAccess
-from meshnet_gguf.models.gguf_convert import dequantize_to_f16
-from meshnet_gguf.models.gguf_info import read_gguf_info
+from meshnet_gguf.models.gguf_info import GGUFError, read_gguf_info
 from meshnet_gguf.models.source import (
     ModelResolutionError,
     ModelSpec,
@@ -70,8 +71,6 @@ from meshnet_gguf.prepare.quant_advisor import (
 
 log = logging.getLogger(__name__)
 
-# Where `--demo` keeps its dequantized copy on CPUs the llama-server build is too new for.
-DEMO_F16_FILE = "gemma-3-270m-f16.gguf"
 # Notes that a serving node logs as warnings: a plan made for another machine, or forced.
 RECORDED_MACHINE_NOTE = "hardware: planned for the recorded machine (a testing aid)"
 _WARNING_NOTES = (RECORDED_MACHINE_NOTE, "--force")
@@ -87,6 +86,8 @@ class PreparedLaunch:
 
     settings: NodeSettings  # as given, with `parallel` from `--llama-arg --parallel` when set there
     binary: BinaryInfo
+    # What the binary can do (web UI, RPC, Vulkan): the page links a chat only where there is one.
+    features: BinaryFeatures | None
     model_path: Path  # shard 1: what `--model` gets (in a dry run, possibly where it will be)
     model_name: str  # `--alias`, /v1/models, /health and usage records: see `_model_name`
     quant: str | None
@@ -114,6 +115,8 @@ class PreparedLaunch:
             f"model:     {self.model_name} ({self.model_path})",
             f"binary:    {self.binary.describe()}",
         ]
+        if self.features is not None:
+            lines.append(f"features:  {self.features.describe()}")
         lines += [f"note:      {note}" for note in self.notes]
         if self.advice is not None:
             lines.append("quants:    " + self.advice.describe().replace("\n", "\n           "))
@@ -161,19 +164,46 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False, pool_token:
     """Run the pipeline for `serve`. A dry run downloads nothing, and logs nothing it then prints.
     `pool_token` gives a status token signed by the node's key, for the pool workers' check."""
     request = read_request(settings)
-    binary = find_binary(settings.llama_server)
+    runnable = runnable_binary(settings, request.spec, dry_run=dry_run)
+    binary = runnable.binary
     hardware = probe(binary, settings.hardware_fixture)
     pool = check_pool_workers(settings, binary, pool_token)
-    launch = prepare_with(request, settings, binary, hardware, dry_run=dry_run, pool=pool)
+    launch = prepare_with(request, settings, binary, hardware, dry_run=dry_run, pool=pool, features=runnable.features)
+    launch.notes[:0] = runnable.notes
     if not dry_run:
         _log_launch(launch)
     return launch
+
+
+def runnable_binary(settings: NodeSettings, spec: ModelSpec, *, dry_run: bool) -> RunnableBinary:
+    """Step 2: a llama-server that runs this model's weight types on this machine, built here when none does
+    (not in a dry run, which says so instead; not with `--no-build`, which refuses with the fix)."""
+    try:
+        return runnable_llama_server(
+            settings.llama_server, spec_weight_types(spec), may_build=settings.build, dry_run=dry_run,
+            build_source=settings.build_source,
+        )  # fmt: skip
+    except (BinaryNotFound, BinaryCannotRun) as exc:
+        raise NodeSetupError(str(exc)) from exc
+
+
+def spec_weight_types(spec: ModelSpec) -> tuple[str, ...]:
+    """The weight types to probe a binary with before the model is fetched: a local file's own, else its quant's name."""
+    if spec.kind == "file" and spec.path is not None:
+        try:
+            header = read_gguf_info(spec.path)
+        except GGUFError:
+            return quant_weight_types(spec.quant)  # getting the model says what is wrong with the file
+        return model_weight_types(header.file_type, header.tensor_types)
+    return quant_weight_types(spec.quant_or_only() or (spec.entry.quants[0].name if spec.entry is not None else None))
 
 
 def check_pool_workers(settings: NodeSettings, binary: BinaryInfo, token: Callable[[], str] | None) -> list[PoolMember]:
     """Step 3b: every `--pool-worker` reachable, on this build's RPC protocol, with its budget free."""
     if not settings.pool_workers:
         return []
+    if not binary.supports("--rpc"):
+        raise NodeSetupError(f"--pool-worker: {missing_rpc(binary)}")
     if token is None:
         raise NodeSetupError("pool workers need the node's key to read their status")
     try:
@@ -196,14 +226,6 @@ def read_request(settings: NodeSettings) -> LaunchRequest:
     return LaunchRequest(spec, operator)
 
 
-def find_binary(explicit: Path | None) -> BinaryInfo:
-    """Step 2: the llama-server this node runs (its `--help` decides which flags the plan may use)."""
-    try:
-        return find_llama_server(explicit)
-    except BinaryNotFound as exc:
-        raise NodeSetupError(str(exc)) from exc
-
-
 def probe(binary: BinaryInfo | None, fixture: Path | None) -> HardwareReport:
     """Step 3: this machine, or the recorded one `fixture` names (a testing and diagnosis aid)."""
     try:
@@ -220,6 +242,7 @@ def prepare_with(
     *,
     dry_run: bool,
     pool: Sequence[PoolMember] = (),
+    features: BinaryFeatures | None = None,
 ) -> PreparedLaunch:
     """Steps 4 to 7, for a binary and hardware already known (and a pool already checked)."""
     force = settings.force
@@ -227,9 +250,9 @@ def prepare_with(
     # With a pool, fitting this box alone is not the question: the pooled plan's check decides.
     choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=force or bool(pool))
     if dry_run:
-        model = _demo_as_served(find_model(choice, settings.download_dir), binary)
+        model = find_model(choice, settings.download_dir)
     else:
-        model = get_model(choice.spec, settings.download_dir, access, binary, hardware)
+        model = get_model(choice.spec, settings.download_dir, access, hardware)
     plan = checked_plan(model, hardware, request.operator, binary, force=force or bool(pool))
     shares: tuple[PoolShare, ...] = ()
     if pool:
@@ -249,6 +272,7 @@ def prepare_with(
     return PreparedLaunch(
         settings=settings.model_copy(update={"parallel": request.operator.parallel}),
         binary=binary,
+        features=features,
         model_path=model.facts.path if model.facts.path is not None else Path(name),
         model_name=name,
         quant=model.quant,
@@ -330,14 +354,13 @@ def choose_quant(
     )
 
 
-def get_model(spec: ModelSpec, download_dir: Path, access: HubAccess, binary: BinaryInfo, hardware: HardwareReport) -> ModelOnDisk:
-    """Step 5 (serving): resolve, download and verify the model, header-checked; the demo as this CPU runs it."""
+def get_model(spec: ModelSpec, download_dir: Path, access: HubAccess, hardware: HardwareReport) -> ModelOnDisk:
+    """Step 5 (serving): resolve, download and verify the model, header-checked."""
     capacity = hardware.capacity().total_bytes
     try:
         resolved = fetch_model(spec, download_dir, access=access, budget=lambda: capacity)
     except ModelResolutionError as exc:
         raise NodeSetupError(str(exc)) from exc
-    resolved = _runnable_on_this_cpu(resolved, binary, download_dir)
     return ModelOnDisk(resolved, _facts_of(resolved), _model_name(resolved), resolved.quant)
 
 
@@ -405,47 +428,6 @@ def checked_pool_plan(
 
 
 # --------------------------------------------------------------------------- step helpers
-
-
-def _runnable_on_this_cpu(resolved: ResolvedModel, binary: BinaryInfo, download_dir: Path) -> ResolvedModel:
-    """The demo as this llama-server can run it on this CPU: as downloaded, or an F16 copy.
-
-    A build compiled for a newer CPU dies with SIGILL on quantized kernels (see
-    `cpu_compat`). For the demo, whose job is to show a working node in one
-    command, the dequantized copy (about 543 MB, made once) is the better answer;
-    any other model is served as asked, and a crash is explained by the supervisor.
-    Not called in a dry run, which must not write model files (`_demo_as_served` says it instead).
-    """
-    if resolved.catalog_id != DEMO_ID:
-        return resolved
-    note = kernel_support(binary).demo_note()
-    if note is None:
-        return resolved
-    log.warning("%s", note)  # once, before the wait: why the demo runs as F16 and how to get quantized models running
-    f16 = Path(download_dir).expanduser().absolute() / "demo" / DEMO_F16_FILE
-    if not f16.is_file() or f16.stat().st_mtime < resolved.first_shard.stat().st_mtime:
-        log.info("writing %s (once)", f16)
-        dequantize_to_f16(resolved.first_shard, f16)
-    return replace(
-        resolved,
-        first_shard=f16,
-        shards=(f16,),
-        total_bytes=f16.stat().st_size,
-        sha256s=(None,),
-        quant="F16",  # the name clients see says what really runs
-        header=read_gguf_info(f16),
-    )
-
-
-def _demo_as_served(model: ModelOnDisk, binary: BinaryInfo) -> ModelOnDisk:
-    """A dry run of the demo names and explains what serving will run on this CPU (the F16 copy, when it must)."""
-    is_demo = (model.resolved.catalog_id if model.resolved is not None else model.name.split(":")[0]) == DEMO_ID
-    support = kernel_support(binary) if is_demo else None
-    note = support.demo_note() if support is not None else None
-    if support is None or note is None:
-        return model
-    quant = support.demo_quant(model.quant or "")
-    return replace(model, name=f"{DEMO_ID}:{quant}", quant=quant, notes=(note, *model.notes))
 
 
 def _model_name(resolved: ResolvedModel) -> str:

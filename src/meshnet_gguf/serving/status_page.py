@@ -95,11 +95,13 @@ class StatusSource:
     plan: str
     tracker: str | None = None
     chat: bool = False  # whether /chat/ is served here
+    llama_server: str = ""  # the binary, its build and what it can do (web UI, RPC, Vulkan)
 
     def document(self) -> dict[str, Any]:
         return {
             "health": self.health().model_dump(mode="json"),
             "plan": self.plan,
+            "llama_server": self.llama_server,
             "tracker": self.tracker,
             "recent_requests": self.recent.latest_first(),
             "chat": self.chat,

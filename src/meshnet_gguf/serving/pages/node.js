@@ -47,6 +47,7 @@ function render(doc) {
     }
   }
   set("plan", doc.plan || "–");
+  set("llama-server", doc.llama_server || "–");
   set("quant", h.quant || "–");
   set("slots", `${h.slots_busy} / ${h.slots_total}`);
   set("speed", h.recent_tokens_per_s ? `${h.recent_tokens_per_s.toFixed(1)} tokens/s (last minute)` : "no requests in the last minute");
