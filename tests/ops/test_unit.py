@@ -276,14 +276,40 @@ def test_every_serve_option_maps_to_a_setting() -> None:
     """A new `serve` flag must reach the service's config, not vanish silently."""
     from typer.main import get_command
 
-    from meshnet_gguf.cli.service import _SERVE_ONLY_OPTIONS, _SERVE_OPTION_FIELDS
+    from meshnet_gguf.cli.service import _SERVE_NEGATING_FLAGS, _SERVE_ONLY_OPTIONS, _SERVE_OPTION_FIELDS
 
     serve = get_command(app).commands["serve"]  # type: ignore[attr-defined]
     for param in serve.params:
         name = str(param.name)
         if name in _SERVE_ONLY_OPTIONS:
             continue
-        assert _SERVE_OPTION_FIELDS.get(name, name) in NodeSettings.model_fields, name
+        field = _SERVE_NEGATING_FLAGS.get(name) or _SERVE_OPTION_FIELDS.get(name, name)
+        assert field in NodeSettings.model_fields, name
+
+
+def test_cli_install_keeps_no_build(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["service", "install", "--user", "--dry-run", "--gguf", "owner/name:Q4_K_M", "--no-build"],
+        env={"XDG_CONFIG_HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "build = false" in result.output
+
+
+def test_the_unit_runs_the_llama_server_built_for_this_machine(tmp_path: Path, fake_llama_path: Path) -> None:
+    # A build in the operator's data folder is what the node would run; the service (another user, another
+    # environment) would not look there and would fall back to the bundled build this CPU may not run.
+    built = tmp_path / "data" / "meshnet" / "llama-server" / "llama-server"
+    built.parent.mkdir(parents=True)
+    shutil.copy2(fake_llama_path, built)
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = CliRunner().invoke(app, ["service", "install", "--user", "--dry-run", "--gguf", "owner/name:Q4_K_M"], env=env)
+    assert result.exit_code == 0, result.output
+    assert f'llama_server = "{built}"' in result.output
+    # Without a build there, nothing is pinned: the node searches as usual.
+    shutil.rmtree(tmp_path / "data")
+    result = CliRunner().invoke(app, ["service", "install", "--user", "--dry-run", "--gguf", "owner/name:Q4_K_M"], env=env)
+    assert result.exit_code == 0 and "llama_server" not in result.output
 
 
 def test_status_from_systemctl_show_output() -> None:

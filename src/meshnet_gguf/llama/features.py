@@ -59,7 +59,10 @@ def _has_rpc(binary: BinaryInfo) -> bool:
 
 
 def _has_vulkan(path: Path, library_dirs: tuple[Path, ...]) -> bool:
-    stat = path.stat()
+    try:
+        stat = path.stat()
+    except OSError:  # a recorded machine's binary, or none: nothing to look at
+        return False
     return _vulkan_cached(path, stat.st_mtime_ns, stat.st_size, library_dirs)
 
 

@@ -55,6 +55,8 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # What a binary that dies is probed for when no model is known yet (`doctor`, `worker`,
 # `build-llama-server --if-needed`): the float and the quantized kernels of the demo.
 DEFAULT_PROBE_TYPES = ("F16", "Q8_0")
+# How a binary built for other instructions dies: an illegal instruction (or, on some kernels, a bus error).
+CPU_DEATHS = frozenset({"SIGILL", "SIGBUS"})
 PROBE_CACHE_FILE = "llama-probes.json"
 # The cache is rewritten whole; a few hundred entries (binaries x CPUs x type sets) is years of use.
 PROBE_CACHE_MAX_ENTRIES = 256
@@ -187,7 +189,13 @@ def probe_run(binary: BinaryInfo, types: Iterable[str] = DEFAULT_PROBE_TYPES, *,
     started = time.monotonic()
     probe = _run_tiny_model(binary, wanted)
     log.debug("probed %s on %s in %.1f s: %s", binary.path, ",".join(wanted), time.monotonic() - started, probe)
-    if probe.runs or probe.died_with is not None:  # conclusive answers only: a wedge is asked again next time
+    if not probe.runs and probe.died_with not in CPU_DEATHS:
+        # It died of something else (a missing library, a stand-in that serves no model): not this CPU's
+        # verdict. Launching says what is wrong, with the child's own output; nothing is kept.
+        log.debug("the run probe of %s is inconclusive (%s); not refusing it", binary.path, probe.died_with)
+        return RunProbe(runs=True, types=wanted)
+    # Kept: a death by this CPU, or a model served (and `/` asked). A wedge or no start is asked again next time.
+    if not probe.runs or probe.web_ui is not None:
         cache.put(key, probe)
     return probe
 
