@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import sys
 import tempfile
 import time
@@ -55,17 +54,13 @@ def main() -> None:
     parser.add_argument("--portable", action="store_true")
     parser.add_argument("--no-web-ui", action="store_true", help="build as a box without npm does")
     args = parser.parse_args()
-    if args.no_web_ui:
-        # The build decides by whether npm is on PATH: leave it off for this run.
-        npm = shutil.which("npm")
-        if npm:
-            os.environ["PATH"] = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(npm).parent)
     clock = StageClock()
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-build-") as tmp:
         cache = ProbeCache(Path(tmp) / "probes.json")
         started = time.monotonic()
         result = build_llama_server(
             install_root=Path(tmp) / "install", source=args.source, jobs=args.jobs, portable=args.portable, progress=clock,
+            web_ui=False if args.no_web_ui else None,
             notes=lambda line: print(f"note: {line}", flush=True), check_runs=lambda b: probe_run(b, cache=cache).runs,
         )  # fmt: skip
         end = time.monotonic()

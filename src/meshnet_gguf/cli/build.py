@@ -18,6 +18,9 @@ def register(app: typer.Typer) -> None:
             Optional[bool],
             typer.Option("--vulkan/--no-vulkan", help="Build the Vulkan backend [default: when libvulkan-dev, glslc and spirv-headers here can build it]"),
         ] = None,
+        web_ui: Annotated[
+            Optional[bool], typer.Option("--web-ui/--no-web-ui", help="Build the web UI (/chat/) [default: when npm is installed]")
+        ] = None,
         portable: Annotated[
             bool, typer.Option("--portable", help="One build for any x86-64 CPU (each CPU variant, picked at run time), to copy across a fleet")
         ] = False,
@@ -64,7 +67,7 @@ def register(app: typer.Typer) -> None:
         bar = ProgressBar(expected_build_seconds(), stream=sys.stderr)
         try:
             result = build(
-                install_root=target, source=source, vulkan=vulkan, portable=portable, jobs=jobs, work_dir=work_dir,
+                install_root=target, source=source, vulkan=vulkan, web_ui=web_ui, portable=portable, jobs=jobs, work_dir=work_dir,
                 progress=bar, notes=lambda line: typer.echo(line, err=True), check_runs=lambda fresh: probe_run(fresh).runs,
             )  # fmt: skip
         except BuildError as exc:

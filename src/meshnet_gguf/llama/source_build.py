@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+import psutil
+
 from meshnet_gguf.llama.binary import BINARY_NAME, BUILD_INFO_FILE, BinaryInfo, BinaryNotFound, built_binary_dir, probe_binary
 from meshnet_gguf.llama.build_progress import BuildProgress, QuietProgress
 from meshnet_gguf.llama.child import die_with_parent, signal_group
@@ -247,8 +249,8 @@ class BuildChoices:
     notes: tuple[str, ...]
 
 
-def choose_build(*, vulkan: bool | None, portable: bool) -> BuildChoices:
-    """Check the tools, then decide Vulkan and the web UI. `vulkan=None`: when it can be built here."""
+def choose_build(*, vulkan: bool | None, portable: bool, web_ui: bool | None = None) -> BuildChoices:
+    """Check the tools, then decide Vulkan and the web UI. None: each when it can be built here."""
     missing = missing_tools()
     if missing:
         raise BuildError(f"building llama-server needs {', '.join(missing)}: apt-get install {' '.join(missing)}")
@@ -259,7 +261,9 @@ def choose_build(*, vulkan: bool | None, portable: bool) -> BuildChoices:
     use_vulkan = blocker is None if vulkan is None else vulkan
     if vulkan is None and blocker is not None:
         notes.append(f"building for the CPU without Vulkan: {blocker}")
-    ui_blocker = web_ui_blocker()
+    ui_blocker = web_ui_blocker() if web_ui is not False else "--no-web-ui"
+    if web_ui and ui_blocker is not None:
+        raise BuildError(f"--web-ui: {ui_blocker}")
     if ui_blocker is not None:
         notes.append(f"building without the web UI (/chat/): {ui_blocker}")
     return BuildChoices(vulkan=use_vulkan, web_ui=ui_blocker is None, portable=portable, notes=tuple(notes))
@@ -270,6 +274,7 @@ def build_llama_server(
     install_root: Path | None = None,
     source: Path | None = None,
     vulkan: bool | None = None,
+    web_ui: bool | None = None,
     portable: bool = False,
     jobs: int | None = None,
     targets: Sequence[str] = BUILD_TARGETS,
@@ -282,14 +287,14 @@ def build_llama_server(
 
     `source`: an sdist tarball, the sdist's folder, or a llama.cpp folder. `vulkan`:
     None builds Vulkan when it can be built here (and for the CPU when that build
-    fails). `portable`: one build for any x86-64 CPU. `work_dir` keeps the build tree
+    fails). `web_ui`: None builds the web UI when npm is there. `portable`: one build for any x86-64 CPU. `work_dir` keeps the build tree
     (a second run then only relinks); by default it is a temporary folder.
     `check_runs` (`run_probe`) runs the fresh binary on a tiny model before it is
     installed: a build that would die is never found. `notes` hears each decision
     the build makes on its way (no Vulkan, no web UI), in one line each.
     """
     progress = QuietProgress() if progress is None else progress
-    choices = choose_build(vulkan=vulkan, portable=portable)
+    choices = choose_build(vulkan=vulkan, portable=portable, web_ui=web_ui)
     for note in choices.notes:
         notes(note)
     install_root = built_binary_dir() if install_root is None else install_root
@@ -408,7 +413,7 @@ class _StepRunner:
 
         def give_up() -> None:
             timed_out.set()
-            signal_group(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
 
         timer = threading.Timer(timeout_s, give_up)
         timer.start()
@@ -421,7 +426,7 @@ class _StepRunner:
                 self.progress.line(line)
             code = proc.wait()
         except BaseException:
-            signal_group(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             proc.wait()
             raise
         finally:
@@ -431,6 +436,19 @@ class _StepRunner:
         if code != 0:
             lines = "\n  ".join(tail)
             raise BuildError(f"{step} failed (exit {code}): {' '.join(argv)}\n  {lines}\n(whole log: {self._log.name})")
+
+
+def _kill_tree(pid: int) -> None:
+    """End a step and everything under it, by PID: ninja gives each compiler a process group of its own,
+    so the step's group alone would leave compilers running."""
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    signal_group(pid, signal.SIGKILL)
+    for process in descendants:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 def _source_tree(source: Path | None, work: Path, runner: _StepRunner) -> tuple[Path, int | None]:
