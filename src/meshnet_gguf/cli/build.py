@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
         installed, and Vulkan where the headers allow. For CPUs the bundled build
         cannot run (it dies with SIGILL) on a box that reaches only PyPI and
         Debian. Needs cmake, ninja and g++ (apt-get install cmake ninja-build g++);
-        about 8 minutes on 2 cores. `serve` does the same by itself when it must.
+        about 10 minutes on 2 cores. `serve` does the same by itself when it must.
         The node finds the result by itself (before the bundled wheel).
         """
         import sys

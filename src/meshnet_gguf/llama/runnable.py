@@ -106,22 +106,22 @@ def runnable_llama_server(
             f"{problem}. It was chosen with {'--llama-server' if explicit else '$' + BINARY_ENV_VAR}, so the node uses "
             f"no other. Fix: leave it out and the node builds one for this machine by itself, or {BUILD_FOR_THIS_MACHINE_FIX}"
         )
-    installed = installed_llama_servers(env)
-    problems: list[str] = []
-    for binary in installed:
+    refused: list[tuple[BinaryInfo, RunProbe]] = []
+    for binary in installed_llama_servers(env):
         probe = probe_run(binary, types)
         if probe.runs:
-            notes = tuple(f"skipped: {p}" for p in problems)
+            notes = tuple(f"skipped: {failed.problem(other)}" for other, failed in refused)
             for note in notes:
                 log.info("%s", note)
             return _chosen(binary, probe, notes)
-        problems.append(probe.problem(binary) or f"{binary.path} cannot run it")
-    why = "; ".join(problems) or "no llama-server is installed"
+        refused.append((binary, probe))
+    why = "; ".join(str(failed.problem(other)) for other, failed in refused) or "no llama-server is installed"
     if dry_run:
         note = f"serving builds a llama-server for this machine first ({BUILD_TIME_TEXT}), because {why}"
-        if not installed:
+        if not refused:
             raise BinaryNotFound(f"No llama-server found; {note}. A dry run needs one to plan with.")
-        return RunnableBinary(installed[0], probe_run(installed[0], types), binary_features(installed[0], None), True, (note,))
+        first, probe = refused[0]
+        return RunnableBinary(first, probe, binary_features(first, None), build_needed=True, notes=(note,))
     if not may_build:
         raise BinaryCannotRun(f"{why}. Not building one (--no-build). Fix: {BUILD_FOR_THIS_MACHINE_FIX}")
     return _build_for_this_machine(why, types, build_source, say, progress_stream, env)
