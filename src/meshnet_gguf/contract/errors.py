@@ -40,5 +40,13 @@ def _default_type(status: int) -> str:
     return "invalid_request_error"
 
 
-def openai_error_body(message: str, error_type: str, code: str | int | None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}}).encode()
+def openai_error_body(message: str, error_type: str, code: str | int | None, *, with_param: bool = True) -> bytes:
+    """OpenAI's error JSON, the one spelling the node, the tracker and the relay send.
+
+    `with_param=False` leaves out `param`: the node's error event in a stream that broke
+    (`serving/proxy`) has always been sent without it, and clients may match those bytes.
+    """
+    error: dict[str, object] = {"message": message, "type": error_type, "param": None, "code": code}
+    if not with_param:
+        del error["param"]
+    return json.dumps({"error": error}).encode()

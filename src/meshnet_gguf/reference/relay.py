@@ -38,6 +38,7 @@ from anyio.streams.stapled import StapledByteStream
 from anyio.streams.tls import TLSStream
 from pydantic import BaseModel, ValidationError
 
+from meshnet_gguf.contract.errors import openai_error_body
 from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
     MAX_RELAY_CONNECT_TOKEN_LIFETIME_S,
@@ -740,8 +741,7 @@ def _http_response(status: int, body: bytes, *, reason: str = "", extra: str = "
 
 
 def _http_error(status: int, code: str, message: str, *, extra: str = "") -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "relay_error", "param": None, "code": code}}).encode()
-    return _http_response(status, body, extra=extra)
+    return _http_response(status, openai_error_body(message, "relay_error", code), extra=extra)
 
 
 async def run_relay(config: RelayConfig, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:

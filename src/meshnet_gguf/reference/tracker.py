@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from meshnet_gguf.common.http1_client import Http1Client, Http1Response, HttpClientError, HttpConnectError
 from meshnet_gguf.common.private_files import private_dir
-from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.errors import ApiError, openai_error_body
 from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
     DEFAULT_HEARTBEAT_INTERVAL_S,
@@ -824,8 +824,7 @@ def _check_plausible(usage: Any, forwarded: ForwardedRequest) -> None:
 
 
 def _stream_error_event(message: str) -> bytes:
-    detail = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_broken"}}
-    return b"data: " + json.dumps(detail).encode() + b"\n\n"
+    return b"data: " + openai_error_body(message, "server_error", "upstream_broken") + b"\n\n"
 
 
 def _error_response(error: ApiError) -> Response:
