@@ -33,7 +33,6 @@ from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.llama.warmup import CPU_WARMUP, GPU_WARMUP, WarmupPolicy
 from meshnet_gguf.models.gguf_info import GGUFError
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
-from meshnet_gguf.ops.metrics_access import MetricsAccess
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
 from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
@@ -43,8 +42,10 @@ from meshnet_gguf.serving.admission import Admission
 from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
 from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
-from meshnet_gguf.serving.proxy import ExtraRoute, ProxyApp, ProxyLimits, QueryRoute, UpstreamTarget, UsageSink
-from meshnet_gguf.serving.status_page import ChatUi, NodePages, PageAccess, RecentRequests, StatusSource, plan_line
+from meshnet_gguf.serving.access import MetricsAccess, PageAccess
+from meshnet_gguf.serving.asgi import ExtraRoute, QueryRoute
+from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget, UsageSink
+from meshnet_gguf.serving.status_page import ChatUi, NodePages, RecentRequests, StatusSource, plan_line
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:
@@ -156,8 +157,7 @@ def build_node(launch: PreparedLaunch) -> Node:
         on_rejected=metrics.count_request,
     )
     # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
-    guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=relay.is_relayed if relay else lambda peer: False,
-                            operator_key=settings.metrics_key)  # fmt: skip
+    guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=relay.is_relayed if relay else None, operator_key=settings.metrics_key)
     # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the
     # tracker's), and only where llama-server has its web UI (a build without npm has none).
     features = launch.features

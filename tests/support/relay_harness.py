@@ -19,7 +19,7 @@ from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_
 from meshnet_gguf.contract.signing import parse_public_key
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
-from meshnet_gguf.ops.metrics_access import MetricsAccess
+from meshnet_gguf.serving.access import MetricsAccess
 from meshnet_gguf.reference.relay import Relay, RelayConfig
 from support.loopback import serve_asgi
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from meshnet_gguf import __version__
+from meshnet_gguf.contract.bearer import bearer_token
 from meshnet_gguf.contract.signing import decode_token, encode_token
 from meshnet_gguf.llama.rpc_worker import RpcWorker, cache_bytes
 
@@ -78,8 +79,8 @@ def worker_status(worker: RpcWorker) -> dict[str, Any]:
 
 def status_app(worker: RpcWorker, node_key: Ed25519PublicKey, *, status: Callable[[RpcWorker], dict[str, Any]] = worker_status) -> Starlette:
     async def read_status(request: Request) -> JSONResponse:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(request.headers.get("authorization", ""))
+        if token is None:
             return JSONResponse({"error": "a status token signed by the node's key is required"}, status_code=401)
         try:
             check_status_token(token, node_key)

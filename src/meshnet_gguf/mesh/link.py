@@ -69,7 +69,7 @@ from meshnet_gguf.mesh.tracker_client import (
     TrackerUnavailable,
     first_contact_problem,
 )
-from meshnet_gguf.serving.proxy import QueryRoute
+from meshnet_gguf.serving.asgi import QueryRoute
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import UsageRecord
 from meshnet_gguf.mesh.receipts import LedgerUsageSink
 from meshnet_gguf.mesh.route_auth import ReplayCache, RouteRejected, RouteVerifier
-from meshnet_gguf.serving.admission_modes import RouteGrant, check_api_key, unavailable
+from meshnet_gguf.serving.access import check_api_key
+from meshnet_gguf.serving.admission_modes import RouteGrant, unavailable
 
 log = logging.getLogger(__name__)
 

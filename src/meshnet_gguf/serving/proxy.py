@@ -14,12 +14,11 @@ least busy node) or the client can go elsewhere instead of waiting blind.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -41,6 +40,19 @@ from meshnet_gguf.contract.sse import DONE_DATA, data_event
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from meshnet_gguf.serving.admission import Admission
 from meshnet_gguf.serving.admission_modes import AdmissionMode, RouteGrant, unavailable
+from meshnet_gguf.serving.asgi import (
+    CLIENT_CLOSED_STATUS,
+    JSON_HEADER,
+    ExtraRoute,
+    QueryRoute,
+    Receive,
+    Scope,
+    Send,
+    forwardable,
+    request_headers,
+    respond,
+    send_error,
+)
 from meshnet_gguf.serving.meter import RequestMeter, StreamMeter, meter_whole_body
 from meshnet_gguf.serving.prompt_count import PromptCount, PromptCounter
 from meshnet_gguf.serving.request_validation import parse_json_object, rewrite_top_level, validate_request
@@ -49,14 +61,7 @@ from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_header
 
 log = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 CLIENT_REQUEST_ID_HEADER = "x-request-id"
-# Recorded (never sent) as the status of a request whose client left before its answer.
-CLIENT_CLOSED_STATUS = 499
 # ASGI header names are lower-case bytes.
 _REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
 _PROMPT_TOKENS_KEY = USAGE_PROMPT_TOKENS_HEADER.lower().encode()
@@ -71,10 +76,6 @@ INFERENCE_ROUTES: dict[str, str] = {
     "/v1/embeddings": "input",
 }
 STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
-# Response headers never copied from llama-server: they describe its hop, not ours.
-_HOP_HEADERS = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date", "access-control-allow-origin"}
-)
 # A client that trickles its body this slowly is holding a slot's worth of memory for nothing.
 BODY_READ_TIMEOUT_S = 30.0
 _STREAM_HEADERS = [
@@ -86,11 +87,6 @@ _STREAM_HEADERS = [
 
 class UsageSink(Protocol):
     async def record(self, usage: UsageRecord) -> None: ...
-
-
-ExtraRoute = Callable[[], Awaitable[tuple[int, bytes, str]]]
-# A GET route that reads its query string (the mesh link's control challenge).
-QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
 
 
 @dataclass(frozen=True)
@@ -153,11 +149,11 @@ class ProxyApp:
             await self._serve_models(scope, send)
         elif path in self._extra_get_routes and method == "GET":
             status, body, content_type = await self._extra_get_routes[path]()
-            await _respond(send, status, body, [(b"content-type", content_type.encode())])
+            await respond(send, status, body, [(b"content-type", content_type.encode())])
         elif path in self._query_get_routes and method == "GET":
             query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
             status, body, content_type = await self._query_get_routes[path](query)
-            await _respond(send, status, body, [(b"content-type", content_type.encode())])
+            await respond(send, status, body, [(b"content-type", content_type.encode())])
         elif path in INFERENCE_ROUTES or path == "/v1/models" or path == "/health":
             await _send_error(send, ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}"))
         else:
@@ -167,13 +163,13 @@ class ProxyApp:
     async def _serve_health(self, send: Send) -> None:
         report = self._health()
         ready = report.state == "ready"
-        headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-cache")]
+        headers = [JSON_HEADER, (b"cache-control", b"no-cache")]
         if not ready:
             headers.append((b"retry-after", str(self.limits.retry_after_s).encode()))
-        await _respond(send, 200 if ready else 503, report.model_dump_json().encode(), headers)
+        await respond(send, 200 if ready else 503, report.model_dump_json().encode(), headers)
 
     async def _serve_models(self, scope: Scope, send: Send) -> None:
-        headers = _headers(scope)
+        headers = request_headers(scope)
         request_id = _client_request_id(headers)
         try:
             self._mode.admit_listing(headers)
@@ -190,14 +186,14 @@ class ProxyApp:
         except UpstreamError as exc:
             await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"), request_id)
             return
-        await _respond(
-            send, response.status, body, [(b"content-type", b"application/json"), (_REQUEST_ID_KEY, request_id.encode())]
+        await respond(
+            send, response.status, body, [JSON_HEADER, (_REQUEST_ID_KEY, request_id.encode())]
         )
 
     # --- inference --------------------------------------------------------
     async def _serve_inference(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
-        headers = _headers(scope)
+        headers = request_headers(scope)
         request_id = _client_request_id(headers)
         # Each request runs in its own task, so the id stays with this request's log lines.
         request_id_var.set(request_id)
@@ -339,9 +335,7 @@ class ProxyApp:
             meter.finish_reason = "error"
             meter.refused_upstream = True
             body = node_hint(meter.path, response.status, body) or body
-        headers = [
-            (k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS
-        ]
+        headers = forwardable(response.headers)
         headers += [
             (_REQUEST_ID_KEY, meter.request_id.encode()),
             (_PROMPT_TOKENS_KEY, str(meter.prompt_tokens).encode()),
@@ -349,7 +343,7 @@ class ProxyApp:
         ]
         meter.release()
         meter.answered = True
-        await _respond(send, response.status, body, headers)
+        await respond(send, response.status, body, headers)
 
     async def _forward_stream(self, meter: RequestMeter, response: UpstreamResponse, send: Send, count: PromptCount) -> None:
         meter.status = 200
@@ -376,9 +370,7 @@ class ProxyApp:
             if meter.finish_reason != "error":
                 # The stream ended without [DONE]: llama-server went away between events.
                 meter.finish_reason = "error"
-            error = json.dumps(
-                {"error": {"message": "llama-server stopped mid-answer", "type": "server_error", "code": 502}}
-            ).encode()
+            error = openai_error_body("llama-server stopped mid-answer", "server_error", 502, with_param=False)
             meter.prompt_counted = await count.settled()  # the usage comment below bills it
             await send(
                 {
@@ -476,29 +468,14 @@ def _prepare_upstream_body(payload: dict[str, Any], body: bytes, max_tokens: int
     return rewrite_top_level(body, changes) if changes else body
 
 
-def _headers(scope: Scope) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-
-
 def _client_request_id(headers: Mapping[str, str]) -> str:
     given = headers.get(CLIENT_REQUEST_ID_HEADER, "")
     return given if _REQUEST_ID_RE.match(given) else f"req-{uuid.uuid4().hex}"
 
 
 # --- ASGI plumbing ------------------------------------------------------------
-async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    headers = [*headers, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
 async def _send_error(send: Send, error: ApiError, request_id: str | None = None) -> None:
-    headers = [(b"content-type", b"application/json")]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    if request_id:
-        headers.append((_REQUEST_ID_KEY, request_id.encode()))
-    status = 400 if error.status == 499 else error.status  # 499 is log-only; the client is gone anyway
-    await _respond(send, status, error.body(), headers)
+    await send_error(send, error, [(_REQUEST_ID_KEY, request_id.encode())] if request_id else ())
 
 
 async def _refuse_lifespan(receive: Receive, send: Send) -> None:
@@ -512,4 +489,4 @@ async def _refuse_lifespan(receive: Receive, send: Send) -> None:
             return
 
 
-__all__ = ["ProxyApp", "ProxyLimits", "QueryRoute", "RouteGrant", "UpstreamTarget", "UsageSink", "openai_error_body"]
+__all__ = ["ProxyApp", "ProxyLimits", "RouteGrant", "UpstreamTarget", "UsageSink", "openai_error_body"]

@@ -20,12 +20,10 @@ and hands every other request to the proxy unchanged, so the OpenAI routes,
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import json
 import re
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +32,8 @@ from meshnet_gguf.common.page_files import PAGE_SECURITY_HEADERS, read_page_file
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
-from meshnet_gguf.serving.admission_modes import LOOPBACK_HOST_NAMES, host_allowed
-from meshnet_gguf.serving.proxy import Receive, Scope, Send
+from meshnet_gguf.serving.access import PageAccess
+from meshnet_gguf.serving.asgi import JSON_HEADER, AsgiApp, Receive, Scope, Send, forwardable, request_headers, respond, send_error
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 
 PAGES_DIR = Path(__file__).parent / "pages"
@@ -56,8 +54,6 @@ _CHAT_STATIC = re.compile(r"^(|_app/[A-Za-z0-9_./-]+|[A-Za-z0-9_-]+\.(?:ico|svg|
 _CHAT_PROXIED = {"v1/chat/completions": "POST", "v1/models": "GET"}
 # The web UI's read-only look at the server (model, context size, modalities), behind the key.
 _CHAT_PROPS = "props"
-# llama-server's response headers that describe its own hop, not ours.
-_HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
 
 
 class RecentRequests:
@@ -109,42 +105,6 @@ class StatusSource:
         }
 
 
-@dataclass(frozen=True)
-class PageAccess:
-    """Who may read /status.json: the node's own rules for its API, applied to its pages.
-
-    - standalone: whoever may call the API (the bearer key when one is set);
-    - meshed: loopback only, unless the operator opted in (`remote`);
-    - never through the relay tunnel: its streams arrive on loopback too, so the relay
-      link says which client addresses are its own (`relayed`).
-    The Host header is checked either way, so a page on another site cannot read it
-    through a DNS name rebound to this machine.
-    """
-
-    api_key: str | None
-    meshed: bool
-    remote: bool = False
-    host_names: tuple[str, ...] = ()  # besides loopback's: the names the node listens under
-    relayed: Callable[[tuple[str, int]], bool] | None = None
-
-    def check(self, scope: Scope, headers: dict[str, str]) -> None:
-        client = scope.get("client")
-        address = (str(client[0]), int(client[1])) if client else None
-        if address is not None and self.relayed is not None and self.relayed(address):
-            raise ApiError(404, "not_found", "The status page is not served through the relay")
-        if self.meshed and not self.remote and not _is_loopback(address[0] if address else None):
-            raise ApiError(
-                403, "loopback_only", "A meshed node shows its status on this machine only (status_page_remote opts in)"
-            )
-        if not host_allowed(headers.get("host", ""), LOOPBACK_HOST_NAMES | {h.lower() for h in self.host_names}):
-            raise ApiError(403, "host_not_allowed", "Host header names neither this machine's loopback nor a configured name")
-        if self.api_key is not None:
-            given = headers.get("authorization", "").encode("latin-1")
-            # Constant time: the comparison must not tell an attacker how much of a guess was right.
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode("latin-1", "replace")):
-                raise ApiError(401, "invalid_api_key", "Missing or wrong API key (Authorization: Bearer ...)")
-
-
 class ChatUi:
     """llama-server's web UI, fetched from it with the internal key and handed over as it came."""
 
@@ -171,12 +131,7 @@ class ChatUi:
                 await response.aclose()
         except UpstreamError as exc:
             raise ApiError(503, "unavailable", f"llama-server did not answer: {exc}") from None
-        kept = [(k.lower().encode(), v.encode()) for k, v in response.headers if k.lower() not in _HOP_HEADERS]
-        await _respond(send, response.status, body, kept)
-
-
-# The app the pages stand in front of: the proxy, or a guard around it.
-AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+        await respond(send, response.status, body, forwardable(response.headers))
 
 
 class NodePages:
@@ -199,20 +154,19 @@ class NodePages:
         try:
             if path in STATIC_FILES and method in ("GET", "HEAD"):
                 file, content_type = STATIC_FILES[path]
-                await _respond(send, 200, read_page_file(file), [(b"content-type", content_type.encode()), *_PAGE_SECURITY_HEADERS])
+                await respond(send, 200, read_page_file(file), [(b"content-type", content_type.encode()), *_PAGE_SECURITY_HEADERS])
             elif path == STATUS_JSON_PATH and method == "GET":
-                self._access.check(scope, _headers(scope))
+                self._access.check(scope, request_headers(scope))
                 body = json.dumps(self._status.document()).encode()
-                await _respond(send, 200, body, [(b"content-type", b"application/json"), (b"cache-control", b"no-store")])
+                await respond(send, 200, body, [JSON_HEADER, (b"cache-control", b"no-store")])
             elif path == CHAT_PREFIX.rstrip("/") and self._chat is not None:
-                await _respond(send, 308, b"", [(b"location", CHAT_PREFIX.encode())])
+                await respond(send, 308, b"", [(b"location", CHAT_PREFIX.encode())])
             elif path.startswith(CHAT_PREFIX) and self._chat is not None:
                 await self._serve_chat(scope, receive, send, path.removeprefix(CHAT_PREFIX))
             else:
                 await self._proxy(scope, receive, send)
         except ApiError as exc:
-            headers = [(b"content-type", b"application/json"), *[(k.encode(), v.encode()) for k, v in exc.headers.items()]]
-            await _respond(send, exc.status, exc.body(), headers)
+            await send_error(send, exc)
 
     async def _serve_chat(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
         assert self._chat is not None
@@ -223,7 +177,7 @@ class NodePages:
             return
         if method != "GET":
             raise ApiError(404, "not_found", f"No route {method} {scope['path']} on this node")
-        headers = _headers(scope)
+        headers = request_headers(scope)
         if rest == _CHAT_PROPS:
             self._access.check(scope, headers)
         elif not _CHAT_STATIC.match(rest) or ".." in rest:
@@ -236,25 +190,6 @@ def plan_line(plan_text: str | None, slots: int) -> str:
     if not plan_text:
         return f"{slots} slots (llama-server decides the rest)"
     return plan_text.splitlines()[0].removeprefix("plan: ")
-
-
-def _is_loopback(host: str | None) -> bool:
-    if host is None:
-        return False
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def _headers(scope: Scope) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-
-
-async def _respond(send: Send, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]) -> None:
-    all_headers = [*headers, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": all_headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 __all__ = ["ChatUi", "NodePages", "PageAccess", "RecentRequests", "StatusSource", "plan_line"]
