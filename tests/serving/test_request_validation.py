@@ -13,11 +13,12 @@ import anyio
 import httpx
 import pytest
 
+from meshnet_gguf.contract import bearer
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.child import child_environment
-from meshnet_gguf.serving import admission_modes, http_server, proxy
+from meshnet_gguf.serving import access, http_server, proxy
 from meshnet_gguf.serving.request_validation import MAX_JSON_DEPTH, parse_json_object, rewrite_top_level, validate_request
 from support.billing_harness import LlamaChild, Tracker, serve_front
 
@@ -160,16 +161,16 @@ async def _raw_exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
 
 def test_the_api_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[bytes, bytes]] = []
-    real = admission_modes.hmac.compare_digest
+    real = bearer.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(admission_modes.hmac, "compare_digest", spy)
+    monkeypatch.setattr(bearer.hmac, "compare_digest", spy)
     with pytest.raises(ApiError):
-        admission_modes.check_api_key({"authorization": "Bearer s3cre"}, "s3cret")
-    admission_modes.check_api_key({"authorization": "Bearer s3cret"}, "s3cret")
+        access.check_api_key({"authorization": "Bearer s3cre"}, "s3cret")
+    access.check_api_key({"authorization": "Bearer s3cret"}, "s3cret")
     assert len(calls) == 2
 
 

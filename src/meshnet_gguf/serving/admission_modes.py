@@ -15,16 +15,13 @@ refused, and nothing is used up by a request refused for another reason:
 
 from __future__ import annotations
 
-# Not used here: test_request_validation spies on the key's constant-time comparison (now
-# contract/bearer's) through this module's `hmac` and `check_api_key`, and that test stays as it is.
-import hmac  # noqa: F401
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import UsageRecord
-from meshnet_gguf.serving.access import answered_hosts, check_api_key, check_host  # check_api_key: see hmac above
+from meshnet_gguf.serving.access import answered_hosts, check_api_key, check_host
 
 JSON_CONTENT_TYPE = "application/json"
 
