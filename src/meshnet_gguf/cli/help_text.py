@@ -1,6 +1,6 @@
 """What every `--help` shows: each option's default and `MESHNET_*` variable, in words, not Python types.
 
-The node's settings live in `config.NodeSettings` (pydantic-settings), not in
+The node's settings live in `common.settings.NodeSettings` (pydantic-settings), not in
 the CLI: a `serve` flag defaults to None so that the environment and the config
 file can fill it. Help generated from the flags alone would therefore show no
 defaults and no variables, and typer labels every option with its Python type

@@ -9,7 +9,7 @@ the rule.
 
 Entries may carry the model's attention shape (`layers`, `kv_heads`,
 `head_dim_k`, `head_dim_v`), so a KV cache and a launch plan can be estimated
-before a byte is downloaded (`launch_plan.ModelFacts.from_catalog`).
+before a byte is downloaded (`prepare.memory.ModelFacts.from_catalog`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Rewrite a quantized GGUF with F16 weights (via the gguf package).
 
-Used when this CPU cannot run the llama-server build's quantized kernels (see
-`cpu_compat`): the same model, dequantized, still runs on the plain float
-kernels. Only sensible for small models, such as the demo: F16 doubles or
-quadruples a Q4 file.
+Used by the benchmarks on a CPU whose llama-server cannot run quantized kernels
+(see `llama.run_probe`; a node builds a llama-server for such a machine instead):
+the same model, dequantized, still runs on the plain float kernels. Only sensible
+for small models, such as the demo: F16 doubles or quadruples a Q4 file.
 """
 
 from __future__ import annotations

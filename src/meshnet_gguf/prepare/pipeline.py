@@ -13,8 +13,8 @@ fails with a `NodeSetupError` that says what to do.
 
 The words: a *launch* is one start of llama-server for one model.
 `PreparedLaunch` is what this module decides (model, binary, plan, command);
-its `plan` is a `launch_plan.LaunchPlan` (llama-server's flags and their memory,
-`memory_model`); its `child` is the `supervisor.ChildSpec` the supervisor runs.
+its `plan` is a `prepare.plan.LaunchPlan` (llama-server's flags and their memory,
+`prepare.memory`); its `child` is the `llama.child.ChildSpec` the supervisor runs.
 """
 
 from __future__ import annotations
@@ -444,8 +444,8 @@ def _model_name(resolved: ResolvedModel) -> str:
 
 
 def _facts_of(resolved: ResolvedModel) -> ModelFacts:
-    """Step 6: the model's facts from shard 1's header, which `model_source` has already checked."""
-    assert resolved.header is not None, "model_source returns header-checked models only"
+    """Step 6: the model's facts from shard 1's header, which `models.source` has already checked."""
+    assert resolved.header is not None, "models.source returns header-checked models only"
     return ModelFacts.from_gguf(resolved.header, resolved.total_bytes, path=resolved.first_shard)
 
 
@@ -472,7 +472,7 @@ class ModelSize:
     label: str
     total_bytes: int  # the weights: what is on disk, or what a download fetches
     local: bool  # already on disk (nothing to download)
-    need_bytes: int  # what must fit: weights + KV cache for `ctx_size` + compute buffers (`memory_model`)
+    need_bytes: int  # what must fit: weights + KV cache for `ctx_size` + compute buffers (`prepare.memory`)
     ctx_size: int | None = None  # the planned context the figure holds
     prompt_cache_bytes: int = 0  # the plan's `--cache-ram`, on top of `need_bytes` (only RAM left free)
     # The plan's verdict when there is a plan: does it fit, and where do the layers go.

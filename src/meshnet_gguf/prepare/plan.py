@@ -3,7 +3,7 @@
 Inputs are model facts (from the GGUF header or the catalog), the hardware
 report, the operator's choices and what the binary's `--help` offers; nothing
 here touches a file or a process, so every decision is testable from recorded
-facts. The memory figures come from `memory_model`. The supervisor adds the
+facts. The memory figures come from `prepare.memory`. The supervisor adds the
 binary path, host, port and API key.
 
 Every planned option gives way to the operator: `--ctx-size`,
@@ -42,7 +42,7 @@ MAX_CTX_PER_SLOT = 65536
 # llama.cpp pads the KV cache to this many cells.
 CTX_GRANULARITY = 256
 # llama.cpp's defaults, stated explicitly so the compute-buffer estimate
-# (`memory_model.COMPUTE_OVERHEAD_BYTES`) stays true whatever a future build defaults to.
+# (`prepare.memory.COMPUTE_OVERHEAD_BYTES`) stays true whatever a future build defaults to.
 BATCH_SIZE = 2048
 UBATCH_SIZE = 512
 # One backend per GPU, most capable first: CUDA/Metal are the vendors' own;
@@ -468,7 +468,7 @@ def _choose_prompt_cache(
 
     llama.cpp's default (8 GiB) is outside any plan: under traffic it fills with
     the KV states of finished prompts, hours after a clean start. The plan gives
-    it `memory_model.prompt_cache_bytes`: what is left, at most one more context.
+    it `prepare.memory.prompt_cache_bytes`: what is left, at most one more context.
     """
     if "cache_ram" in operator.given:
         if int(operator.values["cache_ram"]) == UNLIMITED_CACHE_RAM:

@@ -1,7 +1,7 @@
 """Which quant of a model fits this box: said before a 100 GB download, not after a crashed load.
 
 A quant fits when its weights, the KV cache for the target context and the
-compute buffers (`memory_model.memory_need_bytes`, the figures the launch plan
+compute buffers (`prepare.memory.memory_need_bytes`, the figures the launch plan
 uses too) fit the box's capacity (`HardwareReport.capacity()`, which
 already keeps the system reserve back). The advice names the largest quant
 that fits; asking for one that does not raises `QuantDoesNotFit` with a
@@ -157,7 +157,7 @@ def advise_quant(
 
 def target_context(model: ModelFacts | None, *, parallel: int, ctx_size: int | None) -> int:
     """The context a quant must leave room for: `--ctx-size` when given (0: the model's own),
-    else every slot's minimum (`memory_model.ctx_floor`), the least the plan would launch with."""
+    else every slot's minimum (`prepare.memory.ctx_floor`), the least the plan would launch with."""
     if model is None:
         return ctx_size or 0
     if ctx_size is not None:
