@@ -10,6 +10,7 @@ size bound, so a restart of the node does not send every weight over the wire ag
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -24,8 +25,8 @@ from pathlib import Path
 import anyio
 
 from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound
+from meshnet_gguf.llama.child_loop import ChildLoop, Outcome, RestartPolicy
 from meshnet_gguf.llama.features import RPC_SERVER_NAME, missing_rpc
-from meshnet_gguf.llama.child import spawn, terminate
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ RESTART_STABLE_AFTER_S = 120.0
 STOP_TIMEOUT_S = 5.0
 LOG_RING_LINES = 200
 OUTPUT_READ_SIZE = 4096
+RESTART_POLICY = RestartPolicy(RESTART_BACKOFF_INITIAL_S, RESTART_BACKOFF_MAX_S, RESTART_STABLE_AFTER_S, STOP_TIMEOUT_S)
 
 _BANNER_VERSION = re.compile(r"Starting RPC server v(?P<version>\d+\.\d+\.\d+)")
 _BANNER_ENDPOINT = re.compile(r"^\s*endpoint\s*:\s*(?P<endpoint>\S+)")
@@ -190,72 +192,49 @@ class WorkerConfig:
         return env
 
 
-class RpcWorker:
-    """Owns one ggml-rpc-server: starts it, restarts it with backoff when it exits, stops it on close()."""
+class RpcWorker(ChildLoop):
+    """Owns one ggml-rpc-server (a `ChildLoop`): starts it, restarts it with backoff when it exits
+    (never giving up), stops it on close()."""
+
+    name = RPC_SERVER_NAME
+    logger = log
+    output_read_size = OUTPUT_READ_SIZE
 
     def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(RESTART_POLICY)
         self.config = config
         self.state = "starting"
-        self.restarts = 0
-        self.pid: int | None = None
         self.banner = RpcBanner()
         self.started_at = time.time()
-        self.up_since: float | None = None
         self.log_ring: deque[str] = deque(maxlen=LOG_RING_LINES)
-        self._stop = anyio.Event()
-        self._stopped = anyio.Event()
 
-    async def run(self) -> None:
-        backoff = RESTART_BACKOFF_INITIAL_S
-        try:
-            while not self._stop.is_set():
-                if self.config.cache_dir is not None:
-                    self.config.cache_dir.mkdir(parents=True, exist_ok=True)
-                    await anyio.to_thread.run_sync(prune_cache, self.config.cache_dir, self.config.cache_limit_bytes)
-                self.banner = RpcBanner()
-                argv = self.config.argv()
-                log.info("launching %s", " ".join(argv))
-                proc = await spawn(argv, self.config.environment())
-                self.pid, self.state, self.up_since = proc.pid, "running", time.monotonic()
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._pump, proc)
+    async def before_spawn(self) -> bool:
+        if self.config.cache_dir is not None:
+            self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+            await anyio.to_thread.run_sync(prune_cache, self.config.cache_dir, self.config.cache_limit_bytes)
+        self.banner = RpcBanner()
+        return True
 
-                    async def stop_when_asked() -> None:
-                        await self._stop.wait()
-                        await terminate(proc, STOP_TIMEOUT_S, RPC_SERVER_NAME)
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        return self.config.argv(), self.config.environment()
 
-                    tg.start_soon(stop_when_asked)
-                    await proc.wait()
-                    tg.cancel_scope.cancel()
-                up_for = time.monotonic() - self.up_since
-                self.pid, self.up_since = None, None
-                if self._stop.is_set():
-                    break
-                if up_for >= RESTART_STABLE_AFTER_S:
-                    backoff = RESTART_BACKOFF_INITIAL_S
-                self.state = "restarting"
-                log.warning("%s exited with %s after %.1f s; restarting in %.0f s", RPC_SERVER_NAME, proc.returncode, up_for, backoff)
-                with anyio.move_on_after(backoff):
-                    await self._stop.wait()
-                backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
-                self.restarts += 1
-        finally:
-            self.state = "stopped"
-            self._stopped.set()
+    def spawned(self, proc: asyncio.subprocess.Process) -> None:
+        self.state, self.up_since = "running", time.monotonic()
 
-    async def close(self) -> None:
-        self._stop.set()
-        await self._stopped.wait()
+    def child_line(self, line: str) -> None:
+        self.log_ring.append(line)
+        self.banner.feed(line)
+        log.info("%s: %s", RPC_SERVER_NAME, line)
 
-    async def _pump(self, proc: object) -> None:
-        stdout = proc.stdout  # type: ignore[attr-defined]
-        partial = b""
-        while chunk := await stdout.read(OUTPUT_READ_SIZE):
-            partial += chunk
-            *lines, partial = partial.split(b"\n")
-            for raw in lines:
-                line = raw.decode("utf-8", "replace").rstrip("\r")
-                if line.strip():
-                    self.log_ring.append(line)
-                    self.banner.feed(line)
-                    log.info("%s: %s", RPC_SERVER_NAME, line)
+    def child_ended(self) -> None:
+        self.pid = None
+
+    def describe_end(self, outcome: Outcome, proc: asyncio.subprocess.Process) -> str:
+        return f"{RPC_SERVER_NAME} exited with {proc.returncode}"
+
+    def restarting(self, reason: str, up_for_s: float) -> None:
+        self.state = "restarting"
+        log.warning("%s after %.1f s; restarting in %.0f s", reason, up_for_s, self.backoff.delay_s)
+
+    async def after_run(self) -> None:
+        self.state = "stopped"

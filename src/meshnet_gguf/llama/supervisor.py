@@ -1,10 +1,11 @@
-"""The restart loop around the llama-server child: one owner task for its life, its states and its restarts.
+"""The llama-server child's supervisor: one owner task for its life, its states and its restarts.
 
 States: starting -> loading -> ready; a crash after ready -> restarting (with
 exponential backoff) -> loading -> ready; too many quick crashes -> failed;
 stop() -> draining/stopped. Only `run()` changes the child; everyone else reads
 `state`, `upstream()` and the log ring, or asks for `stop()`. The child process itself
-(spawn, stop, reap, socket folder) is `child`; the generations before `ready` are `warmup`.
+(spawn, stop, reap, socket folder) is `child`; the restart loop (spawn, pump, backoff, stop)
+is `child_loop`, which this class extends with hooks; the generations before `ready` are `warmup`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import anyio
 
@@ -38,11 +39,9 @@ from meshnet_gguf.llama.child import (
     reap_stale_child_in_thread,
     remove_socket,
     socket_path_for,
-    spawn,
-    terminate,
     write_pidfile,
 )
-from meshnet_gguf.llama.outcome_race import OutcomeRace
+from meshnet_gguf.llama.child_loop import ChildLoop, Outcome, OutcomeRace, RestartPolicy
 from meshnet_gguf.llama.upstream import UpstreamError, unix_socket_url
 from meshnet_gguf.llama.upstream.raw import RawUpstream
 from meshnet_gguf.llama.warmup import CPU_WARMUP, WarmupPolicy, warm_up
@@ -103,6 +102,15 @@ class SupervisorPolicy:
             busy_stall_timeout_s=settings.busy_stall_timeout_s if settings.pool_workers else None,
         )
 
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(
+            backoff_initial_s=self.restart_backoff_initial_s,
+            backoff_max_s=self.restart_backoff_max_s,
+            stable_after_s=self.restart_stable_after_s,
+            stop_timeout_s=self.stop_timeout_s,
+            max_quick_crashes=self.max_quick_crashes,
+        )
+
 
 class ChildListener(Protocol):
     """Told, from the supervisor's task, of every line llama-server prints and every state change."""
@@ -126,10 +134,12 @@ class PoolGate(Protocol):
     def unloaded(self) -> str | None: ...
 
 
-class Supervisor(BasePart):
-    """A node part: `run()` owns the child; `close()` stops it (SIGTERM to its group, then SIGKILL)."""
+class Supervisor(ChildLoop, BasePart):
+    """A node part: `run()` owns the child (the `ChildLoop`); `close()` stops it (SIGTERM to its group, then SIGKILL)."""
 
     name = "llama-server"
+    logger = log
+    output_read_size = OUTPUT_READ_SIZE
 
     def __init__(
         self,
@@ -140,27 +150,23 @@ class Supervisor(BasePart):
         listeners: Sequence[ChildListener] = (),
         pool: PoolGate | None = None,
     ) -> None:
+        super().__init__(policy.restart_policy())
         self.spec = spec
         self.pool = pool
         self.policy = policy
         self.state: NodeState = "starting"
         self.detail: str | None = None
-        self.restarts = 0
         self.port: int | None = None
         self.socket_path: Path | None = socket_path_for(spec.binary, state_dir) if state_dir is not None else None
         self._socket_folder_checked = False
         self.warmup_s: float | None = None
-        self.pid: int | None = None
         self.api_key = secrets.token_urlsafe(32)
         self.log_ring: deque[str] = deque(maxlen=LOG_RING_LINES)
         self._listeners = tuple(listeners)
-        self.ready_since: float | None = None
         self._pidfile = state_dir / PIDFILE_NAME if state_dir else None
-        self._stop_requested = anyio.Event()
-        self._stopped = anyio.Event()
-        self._last_activity = time.monotonic()
+        self._ever_ready = False
         self._pool_unloaded: str | None = None
-        self._proc: asyncio.subprocess.Process | None = None
+        self._http = RawUpstream(max_connections=1)
 
     # --- what others may read -------------------------------------------
     @property
@@ -173,104 +179,26 @@ class Supervisor(BasePart):
     def listen_address(self) -> str:
         return str(self.socket_path) if self.socket_path is not None else f"127.0.0.1:{self.port}"
 
+    @property
+    def ready_since(self) -> float | None:
+        """When the running llama-server became ready (monotonic); None while it is not."""
+        return self.up_since
+
     def is_ready(self) -> bool:
         return self.state == "ready"
 
     def tail(self, lines: int = FAILURE_TAIL_LINES) -> list[str]:
         return list(self.log_ring)[-lines:]
 
-    # --- control ------------------------------------------------------------
-    def request_stop(self) -> None:
-        self._stop_requested.set()
-
-    async def stop(self) -> None:
-        """Ask the owner task to stop the child and wait until it has."""
-        self._stop_requested.set()
-        await self._stopped.wait()
-
-    async def close(self) -> None:
-        await self.stop()
-
-    async def run(self) -> None:
-        """Own the child until stop() or give-up. Raises ChildFailed when it cannot serve."""
-        try:
-            await self._run()
-        finally:
-            if self._proc is not None and self._proc.returncode is None:
-                with anyio.CancelScope(shield=True):
-                    await self._terminate(self._proc)
-            self._remove_pidfile()
-            if self._socket_folder_checked:  # never unlink in a folder that failed the ownership check
-                remove_socket(self.socket_path)  # the child has exited
-            if self.state != "failed":
-                self._set_state("stopped")
-            self._stopped.set()
-
-    async def _run(self) -> None:
+    # --- the loop's hooks: one child's life ------------------------------------------
+    async def before_loop(self) -> None:
+        self._http = RawUpstream(max_connections=1)  # one per run(): after_run closes it
         await reap_stale_child_in_thread(self._pidfile, self.policy.stop_timeout_s)
-        backoff = self.policy.restart_backoff_initial_s
-        quick_crashes = 0
-        ever_ready = False
-        http = RawUpstream(max_connections=1)
-        try:
-            while not self._stop_requested.is_set():
-                if self.pool is not None and not await self._wait_for_pool():
-                    return
-                proc = await self._spawn()
-                async with anyio.create_task_group() as readers:
-                    readers.start_soon(self._pump_output, proc)
-                    outcome = await self._wait_ready(proc, http)
-                    if outcome == "ready" and self.pool is not None:
-                        outcome = self._check_pool_loaded()
-                    if outcome == "ready" and self.policy.warmup is not None:
-                        outcome = await self._warm_up(proc, http, self.policy.warmup)
-                    up_for = 0.0
-                    if outcome == "ready":
-                        ever_ready = True
-                        self.ready_since = time.monotonic()
-                        self._set_state("ready")
-                        log.info("llama-server ready on %s (pid %s)", self.listen_address, proc.pid)
-                        outcome = await self._watch(proc, http)
-                        up_for = time.monotonic() - self.ready_since
-                        self.ready_since = None
-                    if self._stop_requested.is_set():
-                        self._set_state("draining", "stopping llama-server")
-                    # A lost worker took llama-server's state with it; a graceful stop would only let the
-                    # streams in flight hang on it: end it now, so they end with an error at once.
-                    await self._terminate(proc, POOL_LOST_STOP_TIMEOUT_S if outcome == "pool" else None)
-                    readers.cancel_scope.cancel()
-                if self._stop_requested.is_set():
-                    return
-                reason = self._describe_end(outcome, proc)
-                away = await self.pool.recheck() if self.pool is not None else None
-                if away is not None or outcome == "pool":
-                    # A worker went away: no crash of llama-server's to count; it is launched again,
-                    # without backoff, as soon as the pool is whole (the top of the loop waits for it).
-                    log.warning("llama-server %s: the pool is not whole (%s)", reason, away or "a worker was away")
-                    quick_crashes, backoff = 0, self.policy.restart_backoff_initial_s
-                    self.restarts += 1
-                    continue
-                # A worker skipped at load (it came back a moment late) is worth the usual restarts, even before ready.
-                if not ever_ready and outcome != "pool-unloaded":
-                    self._set_state("failed", reason)
-                    raise ChildFailed(self._failure_message(reason))
-                if up_for >= self.policy.restart_stable_after_s:
-                    quick_crashes, backoff = 0, self.policy.restart_backoff_initial_s
-                quick_crashes += 1
-                if quick_crashes > self.policy.max_quick_crashes:
-                    self._set_state("failed", f"{reason}; gave up after {quick_crashes - 1} quick restarts")
-                    raise ChildFailed(self._failure_message(self.detail or reason))
-                self._set_state("restarting", f"{reason}; restarting in {backoff:.0f} s")
-                log.warning("llama-server %s; restart %d in %.1f s", reason, self.restarts + 1, backoff)
-                with anyio.move_on_after(backoff):
-                    await self._stop_requested.wait()
-                backoff = min(backoff * 2, self.policy.restart_backoff_max_s)
-                self.restarts += 1
-        finally:
-            await http.aclose()
 
-    # --- one child's life -------------------------------------------------
-    async def _spawn(self) -> asyncio.subprocess.Process:
+    async def before_spawn(self) -> bool:
+        return self.pool is None or await self._wait_for_pool()
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
         if self.socket_path is not None:
             prepare_socket_dir(self.socket_path)
             self._socket_folder_checked = True
@@ -282,41 +210,78 @@ class Supervisor(BasePart):
         env = child_environment(self.spec.binary.environment(), self.spec.env)
         env[API_KEY_ENV] = self.api_key
         self._set_state("starting" if self.restarts == 0 else "restarting", "launching llama-server")
-        log.info("launching %s", " ".join(argv))
-        self._last_activity = time.monotonic()
-        proc = await spawn(argv, env)
-        self._proc = proc
-        self.pid = proc.pid
+        return argv, env
+
+    def spawned(self, proc: asyncio.subprocess.Process) -> None:
         self._write_pidfile(proc.pid)
         self._set_state("loading", "loading model")
-        return proc
 
-    async def _pump_output(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdout is not None
-        partial = b""
-        while chunk := await proc.stdout.read(OUTPUT_READ_SIZE):
-            # Any byte counts as life: big loads print progress dots without newlines.
-            self._last_activity = time.monotonic()
-            partial += chunk
-            *lines, partial = partial.split(b"\n")
-            for raw in lines:
-                self._on_line(raw.decode("utf-8", "replace").rstrip("\r"))
-        if partial:
-            self._on_line(partial.decode("utf-8", "replace"))
+    async def watch(self, proc: asyncio.subprocess.Process) -> Outcome:
+        """Load, warm up, serve: until the child ends, or should, or we are told to stop."""
+        outcome = await self._wait_ready(proc)
+        if outcome is Outcome.READY and self.pool is not None:
+            outcome = self._check_pool_loaded()
+        if outcome is Outcome.READY and self.policy.warmup is not None:
+            outcome = await self._warm_up(proc, self.policy.warmup)
+        if outcome is Outcome.READY:
+            self._ever_ready = True
+            self.up_since = time.monotonic()
+            self._set_state("ready")
+            log.info("llama-server ready on %s (pid %s)", self.listen_address, proc.pid)
+            outcome = await self._serve(proc)
+        if self._stop_requested.is_set():
+            self._set_state("draining", "stopping llama-server")
+        return outcome
 
-    def _on_line(self, line: str) -> None:
-        if not line.strip():
-            return
+    def stop_timeout_s(self, outcome: Outcome) -> float:
+        # A lost worker took llama-server's state with it; a graceful stop would only let the
+        # streams in flight hang on it: end it now, so they end with an error at once.
+        return POOL_LOST_STOP_TIMEOUT_S if outcome is Outcome.POOL else self.policy.stop_timeout_s
+
+    def child_ended(self) -> None:
+        self._remove_pidfile()
+
+    async def restart_at_once(self, outcome: Outcome, reason: str) -> bool:
+        away = await self.pool.recheck() if self.pool is not None else None
+        if away is None and outcome is not Outcome.POOL:
+            return False
+        # A worker went away: no crash of llama-server's to count; it is launched again,
+        # without backoff, as soon as the pool is whole (the top of the loop waits for it).
+        log.warning("llama-server %s: the pool is not whole (%s)", reason, away or "a worker was away")
+        return True
+
+    def fatal(self, outcome: Outcome) -> bool:
+        # A worker skipped at load (it came back a moment late) is worth the usual restarts, even before ready.
+        return not self._ever_ready and outcome is not Outcome.POOL_UNLOADED
+
+    def fail(self, detail: str) -> NoReturn:
+        self._set_state("failed", detail)
+        raise ChildFailed(self._failure_message(detail))
+
+    def restarting(self, reason: str, up_for_s: float) -> None:
+        backoff = self.backoff.delay_s
+        self._set_state("restarting", f"{reason}; restarting in {backoff:.0f} s")
+        log.warning("llama-server %s; restart %d in %.1f s", reason, self.restarts + 1, backoff)
+
+    async def after_run(self) -> None:
+        await self._http.aclose()
+        self._remove_pidfile()
+        if self._socket_folder_checked:  # never unlink in a folder that failed the ownership check
+            remove_socket(self.socket_path)  # the child has exited
+        if self.state != "failed":
+            self._set_state("stopped")
+
+    def child_line(self, line: str) -> None:
         self.log_ring.append(line)
         child_log.log(llama_log_level(line), "%s", line)
         for listener in self._listeners:
             listener.child_line(line)
 
-    async def _probe_health(self, http: RawUpstream) -> bool:
+    async def _probe_health(self) -> bool:
         """One GET /health; True on 200. Never raises for a child that is not (yet) answering."""
         with anyio.move_on_after(HEALTH_REQUEST_TIMEOUT_S):
             try:
-                response = await http.send("GET", f"{self.base_url}/health", {}, None)
+                response = await self._http.send("GET", f"{self.base_url}/health", {}, None)
                 try:
                     await response.read()
                 finally:
@@ -348,54 +313,55 @@ class Supervisor(BasePart):
             tg.start_soon(stop)
         return not self._stop_requested.is_set()
 
-    def _check_pool_loaded(self) -> str:
+    def _check_pool_loaded(self) -> Outcome:
         """Ready only with model buffers on every worker: llama-server skips an unreachable one silently."""
         assert self.pool is not None
         self._pool_unloaded = self.pool.unloaded()
         if self._pool_unloaded is not None:
             log.warning("%s", self._pool_unloaded)
-            return "pool-unloaded"
-        return "ready"
+            return Outcome.POOL_UNLOADED
+        return Outcome.READY
 
-    async def _warm_up(self, proc: asyncio.subprocess.Process, http: RawUpstream, policy: WarmupPolicy) -> str:
+    async def _warm_up(self, proc: asyncio.subprocess.Process, policy: WarmupPolicy) -> Outcome:
         self.detail = "warming up"
         started = time.monotonic()
         assert self.base_url is not None
-        outcome = await warm_up(proc, http, self.base_url, self.api_key, self._stop_requested, policy)
+        outcome = await warm_up(proc, self._http, self.base_url, self.api_key, self._stop_requested, policy)
         self.warmup_s = time.monotonic() - started
-        if outcome == "ready":
+        if outcome is Outcome.READY:
             log.info("llama-server warmed up in %.2f s", self.warmup_s)
         return outcome
 
-    async def _wait_ready(self, proc: asyncio.subprocess.Process, http: RawUpstream) -> str:
+    async def _wait_ready(self, proc: asyncio.subprocess.Process) -> Outcome:
         while True:
             if self._stop_requested.is_set():
-                return "stopping"
+                return Outcome.STOPPING
             if proc.returncode is not None:
-                return "exited"
+                return Outcome.EXITED
             if self.pool is not None and self.pool.missing() is not None:
-                return "pool"
-            silent_for = time.monotonic() - self._last_activity
+                return Outcome.POOL
+            silent_for = time.monotonic() - self.last_output
             if silent_for > self.policy.load_stall_timeout_s:
-                return "stalled"
-            if await self._probe_health(http):
-                return "ready"
+                return Outcome.STALLED
+            if await self._probe_health():
+                return Outcome.READY
             with anyio.move_on_after(self.policy.health_poll_interval_s):
                 await self._stop_requested.wait()
 
-    async def _watch(self, proc: asyncio.subprocess.Process, http: RawUpstream) -> str:
-        """Wait until the child exits, stops answering /health, or we are told to stop."""
+    async def _serve(self, proc: asyncio.subprocess.Process) -> Outcome:
+        """After ready: wait until the child exits, stops answering /health, makes no progress,
+        loses a pool worker, or we are told to stop."""
         async with anyio.create_task_group() as tg:
-            race = OutcomeRace(tg, "stopping")
+            race = OutcomeRace(tg, Outcome.STOPPING)
 
             async def liveness() -> None:
                 failures = 0
                 while True:
                     await anyio.sleep(self.policy.liveness_interval_s)
-                    ok = await self._probe_health(http)
+                    ok = await self._probe_health()
                     failures = 0 if ok else failures + 1
                     if failures >= self.policy.liveness_failures:
-                        race.end("unresponsive")
+                        race.end(Outcome.UNRESPONSIVE)
                         return
 
             async def progress() -> None:
@@ -406,30 +372,30 @@ class Supervisor(BasePart):
                 while True:
                     await anyio.sleep(self.policy.liveness_interval_s)
                     with anyio.move_on_after(bound):
-                        seen = await self._slot_progress(http)
+                        seen = await self._slot_progress()
                     if seen is None or seen != last:
                         # Idle, or something moved: the stall clock starts again.
                         last, still_since = seen, time.monotonic()
                     elif time.monotonic() - still_since >= bound:
-                        race.end("stuck")
+                        race.end(Outcome.STUCK)
                         return
 
-            race.end_when(proc.wait, "exited")
+            race.end_when(proc.wait, Outcome.EXITED)
             tg.start_soon(liveness)
             if self.pool is not None:
-                race.end_when(self.pool.wait_broken, "pool")
-            # A stop leaves the outcome as it is: "stopping" unless a watcher named another first.
+                race.end_when(self.pool.wait_broken, Outcome.POOL)
+            # A stop leaves the outcome as it is: STOPPING unless a watcher named another first.
             race.end_when(self._stop_requested.wait, None)
             if self.policy.busy_stall_timeout_s is not None:
                 tg.start_soon(progress)
         return race.outcome
 
-    async def _slot_progress(self, http: RawUpstream) -> object:
+    async def _slot_progress(self) -> object:
         """What the busy slots have done so far (per slot: its task, prompt tokens processed, tokens
         decoded), from GET /slots; None when no slot is busy or the answer cannot be read. A stopped
         pool worker freezes these numbers while /health still answers 200."""
         try:
-            response = await http.send("GET", f"{self.base_url}/slots", {"authorization": f"Bearer {self.api_key}"}, None)
+            response = await self._http.send("GET", f"{self.base_url}/slots", {"authorization": f"Bearer {self.api_key}"}, None)
             try:
                 body = await response.read()
             finally:
@@ -451,10 +417,6 @@ class Supervisor(BasePart):
         )
         return busy or None
 
-    async def _terminate(self, proc: asyncio.subprocess.Process, stop_timeout_s: float | None = None) -> None:
-        await terminate(proc, self.policy.stop_timeout_s if stop_timeout_s is None else stop_timeout_s)
-        self._remove_pidfile()
-
     # --- bookkeeping -----------------------------------------------------------
     def _set_state(self, state: NodeState, detail: str | None = None) -> None:
         changed = state != self.state
@@ -463,19 +425,19 @@ class Supervisor(BasePart):
             for listener in self._listeners:
                 listener.child_state(state, detail, self.pid)
 
-    def _describe_end(self, outcome: str, proc: asyncio.subprocess.Process) -> str:
-        if outcome == "stalled":
+    def describe_end(self, outcome: Outcome, proc: asyncio.subprocess.Process) -> str:
+        if outcome is Outcome.STALLED:
             return f"llama-server printed nothing for {self.policy.load_stall_timeout_s:.0f} s while loading"
-        if outcome == "stuck":
+        if outcome is Outcome.STUCK:
             return (
                 f"llama-server made no progress for {self.policy.busy_stall_timeout_s:.0f} s "
                 "with requests in flight (a pool worker stopped, or its link is down?)"
             )
-        if outcome == "pool":
+        if outcome is Outcome.POOL:
             return f"llama-server ended: the pool is not whole ({self.pool.missing() if self.pool else ''})"
-        if outcome == "pool-unloaded":
+        if outcome is Outcome.POOL_UNLOADED:
             return self._pool_unloaded or "llama-server did not load onto every pool worker"
-        if outcome == "unresponsive":
+        if outcome is Outcome.UNRESPONSIVE:
             return f"llama-server stopped answering /health ({self.policy.liveness_failures} probes failed)"
         if proc.returncode == -signal.SIGILL:
             return f"llama-server crashed with an illegal instruction (SIGILL): {ILLEGAL_INSTRUCTION_HINT}"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from meshnet_gguf.llama.outcome_race import OutcomeRace
+from meshnet_gguf.llama.child_loop import Outcome, OutcomeRace
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,12 @@ async def warm_up(
     api_key: str,
     stop_requested: anyio.Event,
     policy: WarmupPolicy,
-) -> str:
-    """Run the warm-up generations; "ready" when done (or when they cannot run), else why not
-    ("exited": the child died; "stopping": a stop was asked for)."""
+) -> Outcome:
+    """Run the warm-up generations; READY when done (or when they cannot run), else why not
+    (EXITED: the child died; STOPPING: a stop was asked for)."""
     async with anyio.create_task_group() as tg:
         # Whichever ends first ends the warm-up: the child exiting, a stop, or the generations.
-        race = OutcomeRace(tg, "ready")
+        race = OutcomeRace(tg, Outcome.READY)
 
         async def generate() -> None:
             with anyio.move_on_after(policy.timeout_s) as deadline:
@@ -64,8 +64,8 @@ async def warm_up(
                 log.warning("llama-server warm-up took over %.0f s; reporting ready without it", policy.timeout_s)
             race.end()
 
-        race.end_when(proc.wait, "exited")
-        race.end_when(stop_requested.wait, "stopping")
+        race.end_when(proc.wait, Outcome.EXITED)
+        race.end_when(stop_requested.wait, Outcome.STOPPING)
         tg.start_soon(generate)
     return race.outcome
 
