@@ -175,3 +175,15 @@ def test_a_chosen_build_too_new_for_this_cpu_is_refused_before_launch_with_the_f
     log = node.log_text()
     assert "dies with SIGILL on this CPU running Q8_0 weights" in log and "meshnet-gguf build-llama-server" in log
     assert node.llama_pid() is None  # no llama-server was launched to crash
+
+
+def test_a_crash_the_probe_could_not_foresee_is_explained_with_the_fix(  # type: ignore[no-untyped-def]
+    newer_cpu_llama_path: Path, start_node, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    wrapper = tmp_path / "llama-server"
+    wrapper.write_text(f'#!/bin/sh\nexport STAND_IN_DIES_ON=every-model-but-the-probe\nexec "{newer_cpu_llama_path}" "$@"\n')
+    wrapper.chmod(0o755)
+    node = start_node("--gguf", str(tiny_gguf), "--llama-server", str(wrapper))
+    assert node.wait_exit() == 1
+    log = node.log_text()
+    assert "illegal instruction (SIGILL)" in log and "meshnet-gguf build-llama-server" in log and "cmake ninja-build g++" in log

@@ -5,7 +5,8 @@ It runs float (F32/F16/BF16) models, as the fake llama-server does, and dies
 with SIGILL the moment it would run a quantized kernel, as the real build does
 on a CPU without the instructions it was compiled for (AMD Zen 4). With
 `STAND_IN_DIES_ON=every-model` it dies on float models too, as the bundled
-build does on a CPU with AVX2 but no AVX-512. Tests use it to check what the
+build does on a CPU with AVX2 but no AVX-512; with `every-model-but-the-probe`
+it passes the run probe and dies on the real model (a kernel the probe missed). Tests use it to check what the
 node does with such a build on any machine, not only where it crashes.
 """
 
@@ -34,8 +35,10 @@ def model_of(argv: list[str]) -> Path | None:
 
 def main(argv: list[str]) -> None:
     model = model_of(argv)
-    every_model = os.environ.get("STAND_IN_DIES_ON") == "every-model"
-    if model is not None and (every_model or not read_gguf_info(model).tensor_types <= FLOAT_TENSOR_TYPES):
+    dies_on = os.environ.get("STAND_IN_DIES_ON")
+    # "every-model-but-the-probe": a kernel the run probe's tiny model does not reach (its file is probe.gguf).
+    unforeseen = dies_on == "every-model-but-the-probe" and model is not None and model.name != "probe.gguf"
+    if model is not None and (dies_on == "every-model" or unforeseen or not read_gguf_info(model).tensor_types <= FLOAT_TENSOR_TYPES):
         print(f"main: loading model '{model}'", flush=True)
         print("load_tensors: warming up the quantized kernels", flush=True)
         signal.signal(signal.SIGILL, signal.SIG_DFL)

@@ -42,6 +42,7 @@ from meshnet_gguf.llama.child import (
     write_pidfile,
 )
 from meshnet_gguf.llama.child_loop import ChildLoop, Outcome, OutcomeRace, RestartPolicy
+from meshnet_gguf.llama.runnable import BUILD_FOR_THIS_MACHINE_FIX
 from meshnet_gguf.llama.upstream import UpstreamError, unix_socket_url
 from meshnet_gguf.llama.upstream.raw import RawUpstream
 from meshnet_gguf.llama.warmup import CPU_WARMUP, WarmupPolicy, warm_up
@@ -60,10 +61,11 @@ LIVENESS_FAILURES = 3
 OUTPUT_READ_SIZE = 16 * 1024
 # SIGTERM -> SIGKILL grace for a llama-server whose pool lost a worker (it cannot finish anything).
 POOL_LOST_STOP_TIMEOUT_S = 0.5
+# The run probe refuses such a build before launch; this explains a crash it could not foresee
+# (a kernel the tiny model did not reach).
 ILLEGAL_INSTRUCTION_HINT = (
     "this llama-server build uses CPU instructions this processor lacks (it was compiled for a newer CPU). "
-    "Build one for this machine from PyPI's llama.cpp source: meshnet-gguf build-llama-server (about 6 minutes; "
-    "the node finds it by itself), or fetch one: scripts/fetch_llama_server.sh cpu|vulkan|rocm and pass "
+    f"Fix: {BUILD_FOR_THIS_MACHINE_FIX}; or fetch one: scripts/fetch_llama_server.sh cpu|vulkan|rocm and pass "
     "--llama-server PATH; offloading every layer to a GPU also avoids the CPU kernels"
 )
 _ERROR_MARKERS = ("error", "failed", "fatal", "abort", "exception", "what():", "cannot", "unable")
