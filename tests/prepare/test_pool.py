@@ -116,3 +116,14 @@ def test_a_pool_too_small_says_which_member_is_short() -> None:
     pooled = pooled_plan(plan, [small], WORKER_BUDGET, 158_300_000_000 + 88_064 * plan.ctx_size)
     assert not pooled.fits
     assert any("10.0.0.9:50052" in w and "the pool does not hold the model" in w for w in pooled.warnings)
+
+
+def test_a_pool_on_a_build_without_rpc_is_refused_before_launch_with_the_fix(tmp_path: Path) -> None:
+    from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.llama.binary import BinaryInfo
+    from meshnet_gguf.prepare.pipeline import NodeSetupError, check_pool_workers
+
+    no_rpc = BinaryInfo(path=tmp_path / "llama-server", source="test", version="1", build=None, help_text="--port PORT   port\n")
+    settings = NodeSettings(gguf="model.gguf", pool_workers=["127.0.0.1:50052=1G"], state_dir=tmp_path / "state")
+    with pytest.raises(NodeSetupError, match=r"--pool-worker: .*built without RPC.*meshnet-gguf build-llama-server --force"):
+        check_pool_workers(settings, no_rpc, lambda: "token")
