@@ -23,17 +23,9 @@ from meshnet_gguf.llama.binary import (
     BUILT_SOURCE,
     find_llama_server,
 )
+from meshnet_gguf.llama.build_checks import MIN_VULKAN_HEADER, BuildError, choose_build, vulkan_blocker, vulkan_buildable
 from meshnet_gguf.llama.build_progress import step_of
-from meshnet_gguf.llama.source_build import (
-    BUILD_LOG_FILE,
-    MIN_VULKAN_HEADER,
-    BuildError,
-    build_llama_server,
-    choose_build,
-    cmake_flags,
-    vulkan_blocker,
-    vulkan_buildable,
-)
+from meshnet_gguf.llama.source_build import BUILD_LOG_FILE, build_llama_server, cmake_flags
 
 pytestmark = pytest.mark.skipif(
     any(shutil.which(tool) is None for tool in ("cmake", "ninja", "cc")),
@@ -196,7 +188,7 @@ def test_each_missing_vulkan_part_is_named_with_its_debian_package(tmp_path: Pat
 
 
 def test_without_vulkan_the_automatic_build_is_for_the_cpu_with_one_line_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("meshnet_gguf.llama.source_build.vulkan_blocker", lambda: "the Vulkan headers here are 1.3.239; ...")
+    monkeypatch.setattr("meshnet_gguf.llama.build_checks.vulkan_blocker", lambda: "the Vulkan headers here are 1.3.239; ...")
     choices = choose_build(vulkan=None, portable=False)
     assert choices.vulkan is False
     assert [n for n in choices.notes if n.startswith("building for the CPU without Vulkan: the Vulkan headers here are 1.3.239")]
@@ -204,7 +196,7 @@ def test_without_vulkan_the_automatic_build_is_for_the_cpu_with_one_line_saying_
 
 def test_a_failed_vulkan_build_is_built_again_for_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Headers that pass every check and still do not compile (a future llama.cpp, a distro's patch): the build finishes.
-    monkeypatch.setattr("meshnet_gguf.llama.source_build.vulkan_blocker", lambda: None)
+    monkeypatch.setattr("meshnet_gguf.llama.build_checks.vulkan_blocker", lambda: None)
     cmake_lists = CMAKE_LISTS + "if (GGML_VULKAN)\n    target_sources(llama-server PRIVATE broken.c)\nendif()\n"
     notes: list[str] = []
     result = build_llama_server(install_root=tmp_path / "install", source=_sdist(tmp_path, cmake_lists=cmake_lists), notes=notes.append)
@@ -232,7 +224,7 @@ def test_portable_builds_ask_for_every_cpu_variant_loaded_at_run_time() -> None:
 
 def test_the_web_ui_is_built_with_npm_when_there_is_npm(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "-DLLAMA_BUILD_UI=ON" in cmake_flags(vulkan=False, build_number=None, web_ui=True)
-    monkeypatch.setattr("meshnet_gguf.llama.source_build.vulkan_blocker", lambda: None)
+    monkeypatch.setattr("meshnet_gguf.llama.build_checks.vulkan_blocker", lambda: None)
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda tool, *a, **k: None if tool == "npm" else real_which(tool, *a, **k))
     choices = choose_build(vulkan=False, portable=False)

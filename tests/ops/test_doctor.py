@@ -22,7 +22,7 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
 from meshnet_gguf.hardware.report import HardwareReport
 from meshnet_gguf.llama.run_probe import RunProbe
-from meshnet_gguf.llama.source_build import missing_tools
+from meshnet_gguf.llama.build_checks import missing_tools
 from meshnet_gguf.llama.binary import BinaryNotFound
 from meshnet_gguf.models.tiny_model import write_tiny_model
 from meshnet_gguf.ops.doctor import (

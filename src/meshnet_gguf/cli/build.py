@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.llama.binary import BINARY_NAME, built_binary_dir, installed_llama_servers
         from meshnet_gguf.llama.build_progress import ProgressBar, expected_build_seconds
         from meshnet_gguf.llama.run_probe import probe_run
-        from meshnet_gguf.llama.source_build import BuildError
+        from meshnet_gguf.llama.build_checks import BuildError
         from meshnet_gguf.llama.source_build import build_llama_server as build
 
         target = install_dir or built_binary_dir()

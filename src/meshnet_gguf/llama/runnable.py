@@ -39,7 +39,8 @@ from meshnet_gguf.llama.binary import (
 from meshnet_gguf.llama.build_progress import ProgressBar, expected_build_seconds
 from meshnet_gguf.llama.features import BinaryFeatures, binary_features
 from meshnet_gguf.llama.run_probe import DEFAULT_PROBE_TYPES, FLOAT_TYPES, QUANTIZED_STAND_IN, RunProbe, probe_run
-from meshnet_gguf.llama.source_build import BUILD_TIMEOUT_S, BUILD_TOOLS, BuildError, build_llama_server
+from meshnet_gguf.llama.build_checks import BUILD_TOOLS, BuildError
+from meshnet_gguf.llama.source_build import BUILD_TIMEOUT_S, build_llama_server
 from meshnet_gguf.models.tiny_model import WRITABLE_TYPES
 
 log = logging.getLogger(__name__)

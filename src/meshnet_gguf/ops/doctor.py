@@ -38,7 +38,7 @@ from meshnet_gguf.llama.binary import BUILD_TIME_TEXT, BinaryInfo, BinaryNotFoun
 from meshnet_gguf.llama.features import binary_features, missing_rpc
 from meshnet_gguf.llama.run_probe import RunProbe, probe_run
 from meshnet_gguf.llama.runnable import BUILD_FOR_THIS_MACHINE_FIX
-from meshnet_gguf.llama.source_build import missing_tools
+from meshnet_gguf.llama.build_checks import missing_tools
 from meshnet_gguf.mesh.tracker_client import TRACKER_KEY_PIN_FILE, first_contact_problem
 from meshnet_gguf.models.download import DISK_FREE_MARGIN_BYTES, FreeBytes, default_free_bytes
 from meshnet_gguf.prepare.pipeline import ModelSize, NodeSetupError
