@@ -39,9 +39,6 @@ class BinaryFeatures:
         ui = "web UI unknown" if self.web_ui is None else "web UI" if self.web_ui else "no web UI"
         return ", ".join([ui, "RPC" if self.rpc else "no RPC", "Vulkan" if self.vulkan else "no Vulkan"])
 
-    def as_json(self) -> dict[str, bool | None]:
-        return {"web_ui": self.web_ui, "rpc": self.rpc, "vulkan": self.vulkan}
-
 
 def binary_features(binary: BinaryInfo, web_ui: bool | None) -> BinaryFeatures:
     return BinaryFeatures(web_ui=web_ui, rpc=_has_rpc(binary), vulkan=_has_vulkan(binary.path, binary.library_dirs))
