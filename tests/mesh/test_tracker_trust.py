@@ -406,6 +406,44 @@ async def test_hostile_bodies_headers_and_queries_get_4xx_not_500(tracker) -> No
         assert (await http.get(url + "/v1/usage", params={"limit": "5"})).status_code == 200
 
 
+@pytest.mark.parametrize("number", ["NaN", "1e999"])
+async def test_a_non_finite_figure_from_a_node_is_refused_and_the_pages_stay_up(number: str, tmp_path: Path) -> None:
+    """JSON has no NaN or infinity, but Python's json writes `NaN` and reads `1e999` as inf: one such
+    heartbeat, accepted, made `/dashboard.json` and `/v1/nodes` 500 for everyone (json.dumps refuses it)."""
+    # Heartbeats every 5 s: the enrolled node sends none of its own, so only the poisoned one lands.
+    async with start_tracker(tmp_path, heartbeat_interval_s=5.0) as (service, url):
+        node = HostileNode(tmp_path / "h", service, url)
+        poisoned_health = '{"state": "ready", "slots_total": 2, "recent_tokens_per_s": %s, "uptime_s": %s}' % (number, number)
+
+        async def health(request: Request) -> Response:
+            return Response(poisoned_health, media_type="application/json")
+
+        node.health = health  # type: ignore[method-assign]
+        async with serve_asgi(node.app(), node.port), httpx.AsyncClient(timeout=10) as http:
+            await node.client.register(node.announcement())
+            path = f"/v1/nodes/{node.identity.node_id}/heartbeat"
+            body = ('{"node_id": "%s", "state": "online", "load": {"slots_total": 2, "recent_tokens_per_s": %s}}'
+                    % (node.identity.node_id, number)).encode()  # fmt: skip
+            signed = {"authorization": "Bearer " + node.identity.request_auth("POST", path, body, service.issuer),
+                      "content-type": "application/json"}  # fmt: skip
+            beat = await http.post(url + path, content=body, headers=signed)
+            assert beat.status_code == 400, beat.text
+            assert beat.json()["error"]["code"] == "malformed" and "load.recent_tokens_per_s" in beat.json()["error"]["message"]
+            # The node's /health with the same figure is a failed poll, never a report the tracker keeps.
+            (entry,) = service.registry.all()
+            await wait_until(lambda: _true(entry.health_misses >= 2))
+            assert entry.health is None
+            for page in ("/", "/dashboard.json", "/v1/nodes", "/v1/models", "/health"):
+                answer = await http.get(url + page)
+                assert answer.status_code == 200, (page, answer.text)
+            assert [n["node_id"] for n in (await http.get(url + "/dashboard.json")).json()["nodes"]] == [node.identity.node_id]
+        await node.client.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 async def test_only_allow_listed_node_headers_reach_the_client(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     service, url = tracker
     node = HostileNode(tmp_path / "h", service, url)

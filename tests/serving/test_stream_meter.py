@@ -84,3 +84,16 @@ def test_the_spelled_out_marker_check_is_the_marker_list() -> None:
     assert not _needs_events(delta)
     for marker in _SLOW_PATH_MARKERS:
         assert _needs_events(delta[:40] + marker + delta[40:]), marker
+
+
+def test_a_non_finite_decode_speed_from_upstream_leaves_the_usage_record_whole() -> None:
+    """Python's json reads `NaN` and `1e999`; the usage record refuses a non-finite figure, so the meter
+    keeps none: the request's one record is still made, and goes on the wire finite."""
+    for rate in ("NaN", "1e999", "-1", "1" + "0" * 400):
+        relay = StreamMeter(_meter())
+        relay.feed(b'data: {"choices":[{"delta":{"content":"x"}}],"timings":{"predicted_n":1,"predicted_per_second":%s}}\n\n' % rate.encode())
+        relay.feed(b"data: [DONE]\n\n")
+        assert relay.meter.usage_record("tiny").decode_tokens_per_s is None, rate
+    relay = StreamMeter(_meter())
+    relay.feed(b'data: {"choices":[],"timings":{"predicted_n":1,"predicted_per_second":42.5}}\n\ndata: [DONE]\n\n')
+    assert relay.meter.usage_record("tiny").decode_tokens_per_s == 42.5

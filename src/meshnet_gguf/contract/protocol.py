@@ -76,9 +76,15 @@ ROUTE_ERRORS: dict[str, int] = {
 
 
 class _Wire(BaseModel):
-    """Unknown fields are ignored so a newer peer can add fields without breaking an older one."""
+    """Unknown fields are ignored so a newer peer can add fields without breaking an older one.
 
-    model_config = ConfigDict(extra="ignore")
+    Every float is finite. JSON has no NaN or infinity, yet Python's json reads and writes `NaN`
+    and `1e999` (as inf); one such figure in a heartbeat made every tracker page built from it
+    a 500 (json.dumps refuses it). Set here, on the base of every wire model, so that no field,
+    nested list or dict of floats included, can be added without it.
+    """
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class UsageRecord(_Wire):

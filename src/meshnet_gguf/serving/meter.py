@@ -14,6 +14,7 @@ goes through `meter_events`.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -69,8 +70,8 @@ class RequestMeter:
             self.cached_tokens = _count(timings.get("cache_n"))
             self.prompt_tokens = _count(timings.get("prompt_n")) + self.cached_tokens
             self.completion_tokens = _count(timings.get("predicted_n"))
-        if isinstance(timings, Mapping) and isinstance(timings.get("predicted_per_second"), (int, float)):
-            self.decode_tokens_per_s = float(timings["predicted_per_second"])
+        if isinstance(timings, Mapping) and (rate := _finite_rate(timings.get("predicted_per_second"))) is not None:
+            self.decode_tokens_per_s = rate
 
     def prompt_billed(self) -> int:
         if self.usage_seen:
@@ -114,6 +115,18 @@ class RequestMeter:
             ttft_s=(self.first_token_at - self.started) if self.first_token_at else None,
             decode_tokens_per_s=self.decode_tokens_per_s,
         )
+
+
+def _finite_rate(value: Any) -> float | None:
+    """A decode speed as a finite float, else None: Python's json reads `NaN` and `1e999`, and the
+    usage record refuses a non-finite figure (it goes on the wire, `protocol._Wire`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        rate = float(value)
+    except OverflowError:  # an int past a float's range
+        return None
+    return rate if math.isfinite(rate) and rate >= 0 else None
 
 
 def meter_events(meter: RequestMeter, events: list[bytes]) -> tuple[list[bytes] | None, bool]:

@@ -42,7 +42,9 @@ class UsageStats:
             self._recent.popleft()
         if not self._recent:
             return None
-        return sum(rate for _, rate in self._recent) / len(self._recent)
+        # Each rate divided first: two rates near a float's limit cannot add up to inf (HealthReport refuses it).
+        count = len(self._recent)
+        return sum(rate / count for _, rate in self._recent)
 
 
 class UsageLog:
