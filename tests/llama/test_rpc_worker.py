@@ -41,7 +41,11 @@ Accepted client connection
 """
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "8.8.8.8", "2001:4860:4860::8888"])
+# The IPv4 wildcard and a public address spelt as IPv4-mapped IPv6, every way ipaddress reads as the same address.
+MAPPED = ["::ffff:0.0.0.0", "0:0:0:0:0:ffff:0:0", "::ffff:0:0", "[::FFFF:0000:0000]", "0000::ffff:0.0.0.0", "::ffff:8.8.8.8"]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "8.8.8.8", "2001:4860:4860::8888", *MAPPED])
 def test_a_wildcard_or_public_address_is_refused_unless_forced_and_the_warning_says_why(host: str) -> None:
     with pytest.raises(UnsafeBindAddress, match="no authentication"):
         check_bind_address(host, force=False)
@@ -49,7 +53,7 @@ def test_a_wildcard_or_public_address_is_refused_unless_forced_and_the_warning_s
     assert warning is not None and "no authentication" in warning and host in warning
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "192.168.1.20", "10.8.0.2", "100.64.0.7", "fd00::2", "fe80::1"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "192.168.1.20", "10.8.0.2", "100.64.0.7", "fd00::2", "fe80::1", "::ffff:192.168.1.20"])
 def test_a_named_lan_wireguard_or_loopback_address_is_fine(host: str) -> None:
     assert check_bind_address(host, force=False) is None
 

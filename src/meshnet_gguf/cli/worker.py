@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -33,7 +34,6 @@ def register(app: typer.Typer) -> None:
         llama.cpp's RPC protocol, with a status endpoint only that node can read.
         """
         import anyio
-        import uvicorn
 
         from meshnet_gguf.common.logs import configure_logging
         from meshnet_gguf.common.units import parse_bytes
@@ -42,6 +42,7 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.llama.rpc_status import status_app
         from meshnet_gguf.llama.runnable import BinaryCannotRun, runnable_llama_server
         from meshnet_gguf.llama.rpc_worker import (
+            STATUS_PORT_OFFSET,
             RpcWorker,
             UnsafeBindAddress,
             WorkerConfig,
@@ -49,6 +50,7 @@ def register(app: typer.Typer) -> None:
             default_cache_dir,
             find_rpc_server,
         )
+        from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
 
         try:
             warning = check_bind_address(host, force)
@@ -70,17 +72,23 @@ def register(app: typer.Typer) -> None:
             cache_dir=None if no_cache else (cache_dir or default_cache_dir()), cache_limit_bytes=limit,
         )  # fmt: skip
         rpc_worker = RpcWorker(config)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                status_app(rpc_worker, key), host=host, port=status_port or port + 1, log_level="warning", lifespan="off",
-                log_config=None,  # uvicorn's lines in the node's format (configure_logging above)
+        try:
+            # The node's own guarded listener: a request head past its limit gets 431, one not sent in time 408.
+            status = HttpServerPart(
+                status_app(rpc_worker, key), host, status_port or port + STATUS_PORT_OFFSET, serves="pool worker status"
             )
-        )
+        except ListenError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
 
         async def run() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(rpc_worker.run)
-                await server.serve()  # returns on SIGINT/SIGTERM
+                tg.start_soon(status.run)
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        break
+                await status.close()
                 await rpc_worker.close()
 
         anyio.run(run)

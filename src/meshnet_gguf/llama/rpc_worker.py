@@ -69,6 +69,10 @@ def bind_address_risk(host: str) -> str | None:
         raise UnsafeBindAddress(
             f"{host!r} is not an IP address: name the one LAN or WireGuard address the node reaches this box on"
         ) from exc
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        # `::ffff:0.0.0.0` (however it is spelt) is the IPv4 wildcard to the kernel, `::ffff:8.8.8.8` a public
+        # address; ipaddress answers for the IPv6 form only (neither unspecified nor global), so ask the IPv4 one.
+        address = address.ipv4_mapped
     if address.is_unspecified:
         return f"{host} listens on every interface, so anyone who can reach this box can use the RPC port"
     if address.is_global:

@@ -1,4 +1,5 @@
-"""The node's HTTP listener: uvicorn serving the proxy app, as a node part.
+"""The node's HTTP listener: uvicorn serving the proxy app, as a node part; a pool worker's
+status port listens on the same guarded listener (`cli/worker`).
 
 The socket is bound at construction, so a taken port fails before anything
 starts. uvicorn's own signal handling is off: the node drains first, then
@@ -55,9 +56,10 @@ class _Server(uvicorn.Server):
 class HttpServerPart(BasePart):
     name = "http"
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, *, serves: str = "node") -> None:
         self._sock = bind_listener(host, port)
         self.host = host
+        self.serves = serves  # who listens, for the log line: the node, or a pool worker's status port
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(
             app,
@@ -78,7 +80,7 @@ class HttpServerPart(BasePart):
         self._done = anyio.Event()
 
     async def run(self) -> None:
-        log.info("node listening on http://%s:%s", self.host, self.port)
+        log.info("%s listening on http://%s:%s", self.serves, self.host, self.port)
         try:
             await self._server.serve([self._sock])
         finally:
