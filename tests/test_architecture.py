@@ -21,11 +21,13 @@ AREA_MAY_IMPORT: dict[str, set[str]] = {
     "prepare": {"common", "contract", "models", "llama", "hardware"},
     "serving": {"common", "contract", "llama"},
     "mesh": {"common", "contract", "serving"},
-    "ops": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh"},
+    # ops runs beside a serving node and never prepares a launch: doctor, which does, stands above it.
+    "ops": {"common", "contract", "models", "llama", "hardware", "serving", "mesh"},
+    "doctor": {"common", "contract", "models", "llama", "hardware", "prepare", "mesh"},
     "devtools": {"common", "contract", "models"},
     "reference": {"common", "contract"},
     "node": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops"},
-    "cli": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops", "devtools", "reference", "node"},
+    "cli": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops", "doctor", "devtools", "reference", "node"},
 }
 # Modules outside any area: the package's own __init__ and `python -m meshnet_gguf`.
 NO_AREA = {"__init__", "__main__"}
@@ -87,6 +89,8 @@ def test_serving_knows_nothing_of_preparation_the_mesh_or_the_cli() -> None:
     for forbidden in ("prepare", "mesh", "cli", "ops"):
         assert forbidden not in AREA_MAY_IMPORT["serving"]
     assert AREA_MAY_IMPORT["reference"] == {"common", "contract"}
+    # ops runs beside a serving node; preparing a launch (and doctor, which runs it dry) stands above it.
+    assert "prepare" not in AREA_MAY_IMPORT["ops"] and "doctor" not in AREA_MAY_IMPORT["ops"]
 
 
 def test_proxy_and_supervisor_never_import_each_other() -> None:

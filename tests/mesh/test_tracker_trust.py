@@ -585,7 +585,7 @@ async def test_shutdown_with_a_dead_tracker_is_bounded(tmp_path: Path, tiny_gguf
 
 
 async def test_doctor_names_a_tracker_key_mismatch_and_an_unsafe_first_contact(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from meshnet_gguf.ops.doctor import DoctorEnvironment, check_tracker_key
+    from meshnet_gguf.doctor.checks import DoctorEnvironment, check_tracker_key
 
     service, url = tracker
     other = tracker_key(tmp_path / "other")

@@ -289,7 +289,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport
-from meshnet_gguf.ops.relay_health import RelayLinkCollector, check_relay
+from meshnet_gguf.doctor.relay import check_relay
+from meshnet_gguf.ops.relay_health import RelayLinkCollector
 
 
 async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:

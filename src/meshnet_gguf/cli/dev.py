@@ -219,7 +219,7 @@ def mesh(
         configure_logging("auto", "INFO")
         try:
             settings = NodeSettings(demo=demo, gguf=gguf)
-            runnable_binary(settings, read_request(settings).spec, dry_run=False)
+            runnable_binary(settings, read_request(settings).source, dry_run=False)
         except NodeSetupError as exc:
             return str(exc)
         return None

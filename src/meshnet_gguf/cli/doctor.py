@@ -41,8 +41,8 @@ def register(app: typer.Typer) -> None:
         Binary, GPUs, memory, disk, clock and port: each problem explained, with its fix.
         """
         from meshnet_gguf.common.settings import NodeSettings
-        from meshnet_gguf.ops.doctor import DoctorEnvironment, DoctorReport, run_doctor
-        from meshnet_gguf.ops.relay_health import check_relay
+        from meshnet_gguf.doctor.checks import DoctorEnvironment, DoctorReport, run_doctor
+        from meshnet_gguf.doctor.relay import check_relay
         from meshnet_gguf.prepare.pipeline import model_size
 
         given = dict(
@@ -61,7 +61,6 @@ def register(app: typer.Typer) -> None:
 
             environment.hardware = lambda binary: probe_configured(binary, fixture)
             typer.echo(f"warning: checking against the recorded machine {fixture}, not this one (MESHNET_HARDWARE_FIXTURE)", err=True)
-        # The relay check lives beside the relay link (it attaches with the node's key), above doctor's floor.
         report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings)))
         typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
         if report.blocking:

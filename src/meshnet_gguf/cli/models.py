@@ -9,6 +9,7 @@ import typer
 
 if TYPE_CHECKING:
     from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.prepare.quant_table import ModelSize
 
 DOWNLOAD_DIR_HELP = "Where GGUF files go, under owner/name/ with their original names"
 # Exit code for an operator-fixable problem (unknown model, no space, gated...), as `serve` uses.
@@ -80,18 +81,14 @@ def register(app: typer.Typer) -> None:
         Each with its size and what the launch plan needs on this box (weights, KV cache
         for the planned context, compute buffers, and the prompt cache on top).
         """
-        from dataclasses import replace
-
         from meshnet_gguf.common.units import format_bytes
         from meshnet_gguf.hardware.report import probe_configured
         from meshnet_gguf.llama.binary import local_llama_server
         from meshnet_gguf.models.catalog import load_catalog
         from meshnet_gguf.models.download import HubAccess
-        from meshnet_gguf.models.source import ModelResolutionError, offered_quants
-        from meshnet_gguf.prepare.memory import ModelFacts
-        from meshnet_gguf.prepare.pipeline import ModelSize, NodeSetupError, size_as_planned
+        from meshnet_gguf.models.source import ModelResolutionError
         from meshnet_gguf.prepare.plan import OperatorChoiceError, OperatorChoices
-        from meshnet_gguf.prepare.quant_advisor import QuantOption, advise_quant, target_context
+        from meshnet_gguf.prepare.quant_table import PlanRefused, catalog_quant_tables, listed_quant_table
 
         settings = _settings(download_dir=download_dir, offline=offline, llama_server=llama_server, pool_workers=pool_worker, state_dir=state_dir)
         binary = local_llama_server(settings.llama_server)
@@ -110,72 +107,43 @@ def register(app: typer.Typer) -> None:
         capacity = hardware.capacity()
         pool_fits = _pool_fit(settings, binary, capacity)
         catalog = load_catalog()
-
-        def planned(name: str, facts: ModelFacts) -> ModelSize:
-            """The launch plan's figure for this quant on this box: what `serve` and `doctor` print."""
-            try:
-                return size_as_planned(name, facts, hardware, operator, binary, local=False)
-            except NodeSetupError as exc:
-                typer.echo(f"error: {exc}", err=True)
-                raise typer.Exit(EXIT_SETUP_ERROR) from exc
-
-        def cells(size: ModelSize) -> list[str]:
-            need = f"{'>=' if size.minimum else ''}{format_bytes(size.need_bytes)}"
-            cache = format_bytes(size.prompt_cache_bytes) if size.prompt_cache_bytes else "-"
-            return [need, str(size.ctx_size or "?"), cache, "yes" if size.fits else "no"]
-
         memory_line = (
             f"memory here: {capacity.describe()}\n"
             "NEEDS = weights + KV cache for CONTEXT tokens + compute buffers, as `serve` plans the launch on this box; "
             "CACHE = RAM the plan gives the prompt cache on top; >= marks a minimum (no plan: model shape unknown)"
         )
+        try:
+            if repo is not None:
+                access = HubAccess.from_environment(offline=settings.offline)
+                table = listed_quant_table(repo, settings.download_dir, access, catalog, hardware, operator, binary)
+            else:
+                tables = catalog_quant_tables(catalog, hardware, operator, binary)
+        except (ModelResolutionError, PlanRefused) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_SETUP_ERROR) from exc
 
         if repo is not None:
-            try:
-                access = HubAccess.from_environment(offline=settings.offline)
-                offered = offered_quants(repo, settings.download_dir, access=access, catalog=catalog)
-            except ModelResolutionError as exc:
-                typer.echo(f"error: {exc}", err=True)
-                raise typer.Exit(EXIT_SETUP_ERROR) from exc
-            curated = catalog.get(repo) or catalog.by_repo(repo)
-            facts = ModelFacts.from_catalog(curated, curated.quants[0]) if curated and curated.shape else None
-            options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants]
-            target = target_context(facts, parallel=operator.parallel, ctx_size=operator.ctx_size)
-            advice = advise_quant(options, capacity, model=facts, target_ctx=target, minimum=True)
-            fits = {o.quant: o for o in advice.options}
             rows = [["QUANT", "SIZE", "SHARDS", "NEEDS", "CONTEXT", "CACHE", "FITS", "FILE"]]
-            for q, option in zip(offered.quants, options):
+            for row in table.rows:
+                q = row.quant
                 shards = str(q.shards) if q.complete else f"{q.shards} (incomplete)"
-                if facts is not None:
-                    quant_facts = replace(facts, name=q.name, total_bytes=q.total_bytes, shard_count=q.shards)
-                    size = planned(q.name, quant_facts)
-                else:
-                    fit = fits[option]
-                    size = ModelSize(q.name, q.total_bytes, False, fit.need_bytes, ctx_size=None, fits=fit.fits, minimum=True)
-                rows.append([q.name, format_bytes(q.total_bytes), shards, *cells(size), q.first_file])
-            typer.echo(f"{offered.title} ({offered.source})")
-            typer.echo(_table(rows, right={1, 2, 3, 4, 5}) if offered.quants else "no GGUF models found")
-            kv = "" if facts else "\n(KV cache unknown until downloaded: not counted)"
+                rows.append([q.name, format_bytes(q.total_bytes), shards, *_cells(row.size), q.first_file])
+            typer.echo(f"{table.offered.title} ({table.offered.source})")
+            typer.echo(_table(rows, right={1, 2, 3, 4, 5}) if table.rows else "no GGUF models found")
+            kv = "" if table.shape_known else "\n(KV cache unknown until downloaded: not counted)"
             typer.echo(f"\n{memory_line}{kv}")
             return
 
         rows = [["ID", "FEATURED", "QUANT", "SIZE", "SHARDS", "NEEDS", "CONTEXT", "CACHE", "FITS", *(["POOL"] if pool_fits else [])]]
-        for entry in catalog.entries:
-            sizes = []
-            for q in entry.quants:
-                if entry.shape is not None:
-                    sizes.append(planned(f"{entry.id}:{q.name}", ModelFacts.from_catalog(entry, q)))
-                else:
-                    fit = advise_quant([QuantOption(q.name, q.total_bytes, q.shards)], capacity, model=None, target_ctx=0).options[0]
-                    sizes.append(ModelSize(q.name, q.total_bytes, False, fit.need_bytes, fits=fit.fits, minimum=True))
+        for entry, table in tables:
             # Featured: a llama-server is here and the plan fits at least one quant on this box.
-            is_featured = binary is not None and any(size.fits for size in sizes)
-            for i, (q, size) in enumerate(zip(entry.quants, sizes)):
+            is_featured = binary is not None and any(row.size.fits for row in table.rows)
+            for i, (q, row) in enumerate(zip(entry.quants, table.rows)):
                 first = i == 0
-                pooled = [_pool_cell(pool_fits, entry, q, size)] if pool_fits else []
+                pooled = [_pool_cell(pool_fits, entry, q, row.size)] if pool_fits else []
                 rows.append([
                     entry.id if first else "", ("yes" if is_featured else "no") if first else "",
-                    q.name, format_bytes(q.total_bytes), str(q.shards), *cells(size), *pooled,
+                    q.name, format_bytes(q.total_bytes), str(q.shards), *_cells(row.size), *pooled,
                 ])  # fmt: skip
         typer.echo(_table(rows, right={3, 4, 5, 6, 7}))
         if pool_fits:
@@ -183,6 +151,15 @@ def register(app: typer.Typer) -> None:
         found = f"llama-server {binary.describe()}" if binary is not None else "no llama-server found"
         typer.echo(f"\n{memory_line}\n{found}")
         typer.echo("featured = a llama-server is available and at least one quant fits this machine")
+
+
+def _cells(size: ModelSize) -> list[str]:
+    """NEEDS, CONTEXT, CACHE and FITS of one quant, as the launch plan figures them."""
+    from meshnet_gguf.common.units import format_bytes
+
+    need = f"{'>=' if size.minimum else ''}{format_bytes(size.need_bytes)}"
+    cache = format_bytes(size.prompt_cache_bytes) if size.prompt_cache_bytes else "-"
+    return [need, str(size.ctx_size or "?"), cache, "yes" if size.fits else "no"]
 
 
 class _PoolFit:

@@ -1,12 +1,13 @@
 """Preparing a launch: everything decided before a node opens its port, as one straight pipeline.
 
     read the request ─► a binary that runs it here (built if none does) ─► probe the hardware
-      ─► choose the quant ─► get the model (resolve, download, verify) ─► read its facts (the headers) ─► plan
+      ─► choose the quant (quant_table) ─► get the model (resolve, download, verify) ─► read its facts (the headers) ─► plan
 
 Each step takes only the values it needs and returns the value the next one
-takes; `prepare_launch` runs them in this order, and `--dry-run` runs the same
-steps with "get the model" replaced by "find it on disk" and no build (nothing
-is downloaded, built or written). A quant that cannot fit is refused before any byte is
+takes; `prepare_launch` runs them in this order. `--dry-run` and `doctor` run the
+same steps with one flag down (`may_write`): the model is found on disk rather
+than fetched, the hub's listing is not saved and nothing is built (nothing is
+downloaded, built or written). A quant that cannot fit is refused before any byte is
 downloaded, a model is launched only once downloaded and verified, and a plan
 that does not fit is refused (`--force` overrides both). Whatever fails here
 fails with a `NodeSetupError` that says what to do.
@@ -24,7 +25,6 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.common.units import format_bytes
@@ -35,17 +35,22 @@ from meshnet_gguf.llama.features import BinaryFeatures, missing_rpc
 from meshnet_gguf.llama.run_probe import model_weight_types
 from meshnet_gguf.llama.runnable import BinaryCannotRun, RunnableBinary, quant_weight_types, runnable_llama_server
 from meshnet_gguf.models.catalog import load_catalog, model_aliases
-from meshnet_gguf.models.download import HubAccess
+from meshnet_gguf.models.download import DownloadError, HubAccess, default_free_bytes
 from meshnet_gguf.models.gguf_info import GGUFError, read_gguf_info
+from meshnet_gguf.models.quants import QuantRequired
 from meshnet_gguf.models.source import (
+    CatalogSource,
+    FileSource,
+    HubFetch,
     ModelResolutionError,
-    ModelSpec,
+    ModelSource,
+    Offered,
+    OfferedQuant,
     ResolvedModel,
+    checked,
+    choose_quant,
     expected_first_shard,
-    fetch_model,
-    find_on_disk,
-    offered_quants,
-    parse_model_spec,
+    pick_source,
 )
 from meshnet_gguf.prepare.memory import ModelFacts
 from meshnet_gguf.prepare.plan import BinaryCapabilities, LaunchPlan, OperatorChoiceError, OperatorChoices, plan_launch
@@ -60,14 +65,8 @@ from meshnet_gguf.prepare.pool import (
     pool_shares,
     pooled_plan,
 )
-from meshnet_gguf.prepare.quant_advisor import (
-    QuantAdvice,
-    QuantDoesNotFit,
-    QuantOption,
-    advise_quant,
-    catalog_quant_options,
-    target_context,
-)
+from meshnet_gguf.prepare.quant_advisor import QuantAdvice, QuantDoesNotFit
+from meshnet_gguf.prepare.quant_table import UNKNOWN_BINARY, ModelSize, PlanRefused, QuantTable, quant_table, size_of
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +94,7 @@ class PreparedLaunch:
     notes: list[str] = field(default_factory=list)
     hardware: HardwareReport | None = None
     plan: LaunchPlan | None = None
+    facts: ModelFacts | None = None  # what the plan was made from: shard 1's header, or the catalog's figures
     advice: QuantAdvice | None = None  # catalog and hub models: how every quant fits this box
     # The verified model on disk; in a dry run the unverified files found on disk, or None
     # when nothing is downloaded yet and the plan came from the catalog's figures.
@@ -131,19 +131,22 @@ class PreparedLaunch:
 
 @dataclass(frozen=True)
 class LaunchRequest:
-    """Step 1's answer: what the operator asked for, read once (the model spec and llama-server's options)."""
+    """Step 1's answer: what the operator asked for, read once (the model source and llama-server's options)."""
 
-    spec: ModelSpec
+    source: ModelSource
     operator: OperatorChoices
 
 
 @dataclass(frozen=True)
 class QuantChoice:
-    """Step 4's answer: the spec with its quant settled, and how every offered quant fits."""
+    """Step 4's answer: the source with its quant settled, the row chosen, and how every offered quant fits."""
 
-    spec: ModelSpec
+    source: ModelSource
     advice: QuantAdvice | None
     notes: tuple[str, ...] = ()
+    offered: Offered | None = None  # None: a dry run that could not list the source (nothing to plan from but the catalog)
+    chosen: OfferedQuant | None = None
+    table: QuantTable | None = None  # catalog and hub models: every offered quant with the plan's figure here
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,14 @@ class ModelOnDisk:
     notes: tuple[str, ...] = ()
 
 
+class NotDownloadedYet(NodeSetupError):
+    """A dry run (or `doctor`) with nothing on disk to plan from, and no catalog figures: `choice` says what fits."""
+
+    def __init__(self, message: str, choice: QuantChoice) -> None:
+        super().__init__(message)
+        self.choice = choice
+
+
 # --------------------------------------------------------------------------- the pipeline
 
 
@@ -164,7 +175,7 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False, pool_token:
     """Run the pipeline for `serve`. A dry run downloads nothing, and logs nothing it then prints.
     `pool_token` gives a status token signed by the node's key, for the pool workers' check."""
     request = read_request(settings)
-    runnable = runnable_binary(settings, request.spec, dry_run=dry_run)
+    runnable = runnable_binary(settings, request.source, dry_run=dry_run)
     binary = runnable.binary
     hardware = probe(binary, settings.hardware_fixture)
     pool = check_pool_workers(settings, binary, pool_token)
@@ -175,27 +186,28 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False, pool_token:
     return launch
 
 
-def runnable_binary(settings: NodeSettings, spec: ModelSpec, *, dry_run: bool) -> RunnableBinary:
+def runnable_binary(settings: NodeSettings, source: ModelSource, *, dry_run: bool) -> RunnableBinary:
     """Step 2: a llama-server that runs this model's weight types on this machine, built here when none does
     (not in a dry run, which says so instead; not with `--no-build`, which refuses with the fix)."""
     try:
         return runnable_llama_server(
-            settings.llama_server, spec_weight_types(spec), may_build=settings.build, dry_run=dry_run,
+            settings.llama_server, source_weight_types(source), may_build=settings.build, dry_run=dry_run,
             build_source=settings.build_source,
         )  # fmt: skip
     except (BinaryNotFound, BinaryCannotRun) as exc:
         raise NodeSetupError(str(exc)) from exc
 
 
-def spec_weight_types(spec: ModelSpec) -> tuple[str, ...]:
+def source_weight_types(source: ModelSource) -> tuple[str, ...]:
     """The weight types to probe a binary with before the model is fetched: a local file's own, else its quant's name."""
-    if spec.kind == "file" and spec.path is not None:
+    if isinstance(source, FileSource):
         try:
-            header = read_gguf_info(spec.path)
+            header = read_gguf_info(source.path)
         except GGUFError:
-            return quant_weight_types(spec.quant)  # getting the model says what is wrong with the file
+            return quant_weight_types(source.quant)  # getting the model says what is wrong with the file
         return model_weight_types(header.file_type, header.tensor_types)
-    return quant_weight_types(spec.quant_or_only() or (spec.entry.quants[0].name if spec.entry is not None else None))
+    entry = source.entry
+    return quant_weight_types(source.quant_or_only() or (entry.quants[0].name if entry is not None else None))
 
 
 def check_pool_workers(settings: NodeSettings, binary: BinaryInfo, token: Callable[[], str] | None) -> list[PoolMember]:
@@ -214,16 +226,16 @@ def check_pool_workers(settings: NodeSettings, binary: BinaryInfo, token: Callab
 
 
 def read_request(settings: NodeSettings) -> LaunchRequest:
-    """Step 1: the model spec and llama-server's options, parsed once."""
+    """Step 1: the model source and llama-server's options, parsed once."""
     try:
-        spec = parse_model_spec(settings.gguf, quant=settings.quant, demo=settings.demo, catalog=load_catalog())
+        source = pick_source(settings.gguf, quant=settings.quant, demo=settings.demo, catalog=load_catalog())
         operator = OperatorChoices.read(
             parallel=settings.parallel, ctx_size=settings.ctx_size, n_gpu_layers=settings.n_gpu_layers,
             llama_args=settings.llama_args,
         )  # fmt: skip
     except (ModelResolutionError, OperatorChoiceError) as exc:
         raise NodeSetupError(str(exc)) from exc
-    return LaunchRequest(spec, operator)
+    return LaunchRequest(source, operator)
 
 
 def probe(binary: BinaryInfo | None, fixture: Path | None) -> HardwareReport:
@@ -248,11 +260,11 @@ def prepare_with(
     force = settings.force
     access = HubAccess.from_environment(offline=settings.offline)
     # With a pool, fitting this box alone is not the question: the pooled plan's check decides.
-    choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=force or bool(pool))
-    if dry_run:
-        model = find_model(choice, settings.download_dir)
-    else:
-        model = get_model(choice.spec, settings.download_dir, access, hardware)
+    choice = settle_quant(
+        request.source, request.operator, hardware, binary, settings.download_dir, access, force=force or bool(pool),
+        may_write=not dry_run,
+    )  # fmt: skip
+    model = get_model(choice, settings.download_dir, access, hardware, may_write=not dry_run)
     plan = checked_plan(model, hardware, request.operator, binary, force=force or bool(pool))
     shares: tuple[PoolShare, ...] = ()
     if pool:
@@ -261,7 +273,7 @@ def prepare_with(
     # llama-server answers to the operator's alias when one is given; so must the proxy.
     name = operator_alias or model.name
     # The catalog's chat flags (the demo's template and stop) go first: the operator's --llama-arg, later, wins.
-    entry = choice.spec.entry
+    entry = choice.source.entry
     catalog_args = entry.llama_args(binary.supports) if entry is not None else []
     args = [*catalog_args, *plan.argv] if operator_alias else [*catalog_args, *plan.argv, "--alias", name]
     notes = [*choice.notes, *model.notes]
@@ -280,12 +292,13 @@ def prepare_with(
         notes=notes,
         hardware=hardware,
         plan=plan,
+        facts=model.facts,
         advice=choice.advice,
         resolved=model.resolved,
         downloaded_bytes=model.resolved.fetched_bytes if model.resolved is not None else 0,
         model_aliases=model_aliases(
             name, load_catalog(),
-            catalog_id=entry.id if entry is not None else None, repo_id=choice.spec.repo_id, quant=model.quant,
+            catalog_id=entry.id if entry is not None else None, repo_id=choice.source.repo_id, quant=model.quant,
             file_name=model.facts.path.name if model.facts.path is not None else None,
         ),  # fmt: skip
         pool=tuple(pool),
@@ -293,106 +306,127 @@ def prepare_with(
     )
 
 
-def choose_quant(
-    spec: ModelSpec, operator: OperatorChoices, hardware: HardwareReport, download_dir: Path, access: HubAccess, *, force: bool
+def settle_quant(
+    source: ModelSource,
+    operator: OperatorChoices,
+    hardware: HardwareReport,
+    binary: BinaryCapabilities | None,
+    download_dir: Path,
+    access: HubAccess,
+    *,
+    force: bool,
+    may_write: bool,
 ) -> QuantChoice:
-    """Step 4, before any download: rate the offered quants on this box and refuse one that cannot fit.
+    """Step 4, before any download: what the source offers, rated on this box (`quant_table`), one quant
+    chosen (`models.source.choose_quant`), and refused when it cannot fit.
 
     Catalog models and curated repos are rated with the catalog's model shape (KV
     cache); a hub repo's quants come from its listing (sizes only; no model byte is
     fetched), and a curated repo's from the catalog when the hub cannot be asked.
-    Local files have nothing to choose from: the launch plan alone decides for them.
+    Local files and folders are not rated: the launch plan alone decides for them.
+    Without `may_write` (a dry run, `doctor`) the hub's listing is not saved, and a hub that
+    cannot be asked leaves the listing saved by the last download to answer.
     """
-    if spec.local:
-        return QuantChoice(spec, None)
-    curated = spec.curated
-    facts = ModelFacts.from_catalog(curated, curated.quants[0]) if curated is not None and curated.shape is not None else None
     notes: list[str] = []
-    if spec.entry is not None:
-        options = catalog_quant_options(spec.entry)
-    else:
-        assert spec.repo_id is not None
-        try:
-            offered = offered_quants(spec.repo_id, download_dir, access=access, catalog=load_catalog())
-        except ModelResolutionError as exc:
-            if curated is None:
-                log.debug("no listing of %s for the quant check: %s", spec.repo_id, exc)
-                return QuantChoice(spec, None)  # getting the model reports the same problem, with what to do
-            offered = None
-            notes.append(f"the hub did not list {spec.repo_id} ({exc}): rated the catalog's quants of it")
-        if offered is None:
-            assert curated is not None
-            options = catalog_quant_options(curated)
-        else:
-            options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants if q.complete]
-    if not options:
-        return QuantChoice(spec, None)
-    target = target_context(facts, parallel=operator.parallel, ctx_size=operator.ctx_size)
-    capacity = hardware.capacity()
-    advice = advise_quant(options, capacity, model=facts, target_ctx=target, minimum=operator.ctx_size is None)
-    quant = spec.quant_or_only() or (options[0].name if len(options) == 1 else None)
-    if quant is None:
-        raise NodeSetupError(
-            f"{spec.text} offers several quants; choose one with --quant (or {spec.text}:QUANT):\n" + advice.describe()
-        )
-    spec = replace(spec, quant=quant)
-    if advice.find(quant) is None:
-        if spec.entry is not None:
-            offered_names = ", ".join(q.name for q in spec.entry.quants)
-            raise NodeSetupError(f"{spec.entry.id} has no quant {quant}; the catalog offers {offered_names}")
-        return QuantChoice(spec, advice, tuple(notes))  # getting the model lists what the repo offers
     try:
-        fit = advice.check(quant)
+        offered = source.offered(download_dir, access, may_write=may_write)
+    except (ModelResolutionError, DownloadError) as exc:
+        if may_write or source.local:
+            raise NodeSetupError(str(exc)) from exc
+        offered = _offered_offline(source, download_dir)
+        if offered is None:
+            log.debug("no listing of %s for the quant check: %s", source.text, exc)
+            return QuantChoice(source, None)  # planning reports what to do
+        if offered.source == "catalog":
+            notes.append(f"the hub did not list {source.repo_id} ({exc}): rated the catalog's quants of it")
+    try:
+        table = None if source.local else quant_table(offered, source.curated, hardware, operator, binary)
+    except PlanRefused as exc:
+        raise NodeSetupError(str(exc)) from exc
+    advice = table.advice if table is not None and table.advice.options else None
+    try:
+        chosen = choose_quant(offered, source.quant, source.text)
+    except ModelResolutionError as exc:
+        if isinstance(exc.__cause__, QuantRequired) and advice is not None:
+            raise NodeSetupError(
+                f"{source.text} offers several quants; choose one with --quant (or {source.text}:QUANT):\n" + advice.describe()
+            ) from exc
+        raise NodeSetupError(str(exc)) from exc
+    source = source.with_quant(chosen.name) if not isinstance(source, FileSource) else source
+    choice = QuantChoice(source, advice, tuple(notes), offered, chosen, table)
+    if advice is None or advice.find(chosen.name) is None:
+        return choice
+    capacity = hardware.capacity()
+    try:
+        fit = advice.check(chosen.name)
     except QuantDoesNotFit as exc:
         if not force:
             raise NodeSetupError(str(exc)) from exc
-        return QuantChoice(spec, advice, (*notes, f"--force: trying anyway although {exc.shortfall}"))
+        return replace(choice, notes=(*notes, f"--force: trying anyway although {exc.shortfall}"))
     where = "on the GPU" if fit.fits_gpu else "partly on the CPU" if capacity.gpu_bytes else "in RAM"
     floor = "the least context a plan launches with; the plan below gives it what memory allows" if advice.minimum else "--ctx-size"
-    return QuantChoice(
-        spec, advice, (*notes, f"quant {fit.quant.name} fits {where}: {fit.describe(target, minimum=advice.minimum)} ({floor})")
-    )
+    fitting = f"quant {fit.quant.name} fits {where}: {fit.describe(advice.target_ctx, minimum=advice.minimum)} ({floor})"
+    return replace(choice, notes=(*notes, fitting))
 
 
-def get_model(spec: ModelSpec, download_dir: Path, access: HubAccess, hardware: HardwareReport) -> ModelOnDisk:
-    """Step 5 (serving): resolve, download and verify the model, header-checked."""
-    capacity = hardware.capacity().total_bytes
+def _offered_offline(source: ModelSource, download_dir: Path) -> Offered | None:
+    """What a source offers as this machine knows it (the saved listing, its folder, the catalog), or None."""
     try:
-        resolved = fetch_model(spec, download_dir, access=access, budget=lambda: capacity)
+        return source.offered(download_dir, HubAccess(endpoint="", token=None, offline=True), may_write=False)
+    except (ModelResolutionError, DownloadError):
+        return None
+
+
+def get_model(choice: QuantChoice, download_dir: Path, access: HubAccess, hardware: HardwareReport, *, may_write: bool) -> ModelOnDisk:
+    """Step 5: serving, resolve, download and verify the chosen quant, header-checked. Without `may_write`
+    (a dry run, `doctor`): the files already on disk, or where the catalog says they will be; nothing is
+    fetched or written, and files on disk are header-checked but not re-hashed."""
+    if not may_write:
+        return _find_model(choice, download_dir)
+    assert choice.offered is not None and choice.chosen is not None, "serving lists the source or stops"
+    capacity = hardware.capacity().total_bytes
+    hub = HubFetch(download_dir, access, True, default_free_bytes, lambda: capacity)
+    try:
+        resolved = checked(choice.source.fetch(choice.offered, choice.chosen, hub))
+    except DownloadError as exc:
+        raise NodeSetupError(str(exc)) from exc
     except ModelResolutionError as exc:
         raise NodeSetupError(str(exc)) from exc
+    log.info(
+        "model %s: %s in %d file(s)%s, first shard %s",
+        resolved.label, format_bytes(resolved.total_bytes), len(resolved.shards),
+        ", sha256 verified" if resolved.verified else "", resolved.first_shard,
+    )  # fmt: skip
     return ModelOnDisk(resolved, _facts_of(resolved), _model_name(resolved), resolved.quant)
 
 
-def find_model(choice: QuantChoice, download_dir: Path) -> ModelOnDisk:
-    """Step 5 (dry run, `doctor`): the files already on disk, or where the catalog says they will be.
-
-    Writes and fetches nothing: files on disk are header-checked but not re-hashed.
-    """
-    spec = choice.spec
+def _find_model(choice: QuantChoice, download_dir: Path) -> ModelOnDisk:
+    source = choice.source
     try:
-        resolved = find_on_disk(spec, download_dir)
+        found = source.on_disk(choice.chosen, download_dir) if choice.chosen is not None else None
+        resolved = checked(found) if found is not None else None
     except ModelResolutionError as exc:
         raise NodeSetupError(str(exc)) from exc
     if resolved is not None:
-        notes = () if spec.local else ("on disk; a dry run does not re-check sha256 (serving does)",)
+        notes = () if source.local else ("on disk; a dry run does not re-check sha256 (serving does)",)
         return ModelOnDisk(resolved, _facts_of(resolved), _model_name(resolved), resolved.quant, notes)
-    quant = spec.quant_or_only()
-    entry = spec.curated
+    quant = source.quant_or_only()
+    entry = source.curated
     chosen = entry.quant(quant) if entry is not None and quant else None
     if entry is None or chosen is None or entry.shape is None:
         advised = f"\n{choice.advice.describe()}" if choice.advice is not None else ""
-        raise NodeSetupError(
-            f"{spec.text}{':' + quant if quant else ''} is not downloaded yet, and the catalog has no figures for it: "
+        raise NotDownloadedYet(
+            f"{source.text}{':' + quant if quant else ''} is not downloaded yet, and the catalog has no figures for it: "
             "the plan needs its GGUF header (layers, attention shape). Run `meshnet-gguf download "
-            f"{spec.text}{' --quant ' + quant if quant else ''}` (or serve without --dry-run), then --dry-run again."
-            + advised
+            f"{source.text}{' --quant ' + quant if quant else ''}` (or serve without --dry-run), then --dry-run again."
+            + advised,
+            choice,
         )
     path = expected_first_shard(entry, chosen, download_dir)
     note = (f"not downloaded yet: planned from the catalog's figures ({format_bytes(chosen.total_bytes)}, "
             f"{chosen.shards} shard{'s' if chosen.shards != 1 else ''})")  # fmt: skip
     # A curated quant reached through its repo id keeps the name serving would give it.
-    name = f"{entry.id}:{chosen.name}" if spec.kind == "catalog" else f"{spec.repo_id}:{chosen.name}"
+    name = f"{entry.id}:{chosen.name}" if isinstance(source, CatalogSource) else f"{source.repo_id}:{chosen.name}"
     return ModelOnDisk(None, ModelFacts.from_catalog(entry, chosen, path=path), name, chosen.name, (note,))
 
 
@@ -465,81 +499,26 @@ def _log_launch(launch: PreparedLaunch) -> None:
 
 # --------------------------------------------------------------------------- doctor
 
-@dataclass
-class ModelSize:
-    """The configured model as the launch plan sees it (`model_size`): the figures `serve` prints."""
-
-    label: str
-    total_bytes: int  # the weights: what is on disk, or what a download fetches
-    local: bool  # already on disk (nothing to download)
-    need_bytes: int  # what must fit: weights + KV cache for `ctx_size` + compute buffers (`prepare.memory`)
-    ctx_size: int | None = None  # the planned context the figure holds
-    prompt_cache_bytes: int = 0  # the plan's `--cache-ram`, on top of `need_bytes` (only RAM left free)
-    # The plan's verdict when there is a plan: does it fit, and where do the layers go.
-    fits: bool | None = None
-    placement: Literal["gpu", "split", "cpu"] | None = None
-    # True when there was no plan (no header, no catalog shape) and `need_bytes` is the quant
-    # advisor's floor: weights + KV for the least context planned + compute buffers.
-    minimum: bool = False
-
-    def describe_need(self) -> str:
-        """The figure in the words every command uses (`memory.MemoryUse.summary`)."""
-        need = f"{'at least ' if self.minimum else ''}{format_bytes(self.need_bytes)}"
-        context = f" with {self.ctx_size} tokens of context" if self.ctx_size else ""
-        cache = f" + {format_bytes(self.prompt_cache_bytes)} of RAM for the prompt cache" if self.prompt_cache_bytes else ""
-        return f"needs {need}{context}{cache}"
-
-
-def size_as_planned(
-    name: str, facts: ModelFacts, hardware: HardwareReport, operator: OperatorChoices, binary: BinaryCapabilities | None, *, local: bool
-) -> ModelSize:
-    """What the launch plan for `facts` on `hardware` needs: the one memory figure `serve`, `doctor` and `models` print."""
-    try:
-        plan = plan_launch(facts, hardware, operator, binary or _UNKNOWN_BINARY)
-    except ValueError as exc:  # a malformed --n-gpu-layers
-        raise NodeSetupError(str(exc)) from exc
-    return _size_of(name, facts, plan, local=local)
-
-
-def _size_of(name: str, facts: ModelFacts, plan: LaunchPlan, *, local: bool) -> ModelSize:
-    placement: Literal["gpu", "split", "cpu"] = (
-        "cpu" if plan.cpu_only else "gpu" if plan.gpu_layers in (plan.total_layers, "auto") else "split"
-    )
-    return ModelSize(
-        name, facts.total_bytes, local, plan.memory.need_bytes,
-        ctx_size=plan.memory.ctx_size, prompt_cache_bytes=plan.memory.prompt_cache, fits=plan.fits, placement=placement,
-    )  # fmt: skip
-
-
-
-# What `doctor` plans with when no llama-server was found: a binary that offers no option.
-_UNKNOWN_BINARY = BinaryInfo(path=Path("llama-server"), source="not found", version="unknown", build=None, help_text="")
-
 
 def model_size(settings: NodeSettings, binary: BinaryInfo | None, hardware: HardwareReport) -> ModelSize | None:
     """The configured model's size and memory as `serve --dry-run` plans it, for `doctor`'s memory and disk checks.
 
-    The same pipeline steps as `serve`, with the binary and hardware doctor has
-    already probed, and nothing downloaded. A hub model that is neither on disk nor
-    in the catalog has no header to plan from: the quant advisor's figure stands in.
+    The same pipeline as `serve`, with the binary and hardware doctor has already
+    probed, and nothing downloaded or written (forced: doctor reports a misfit, it
+    does not stop at it). A hub model that is neither on disk nor in the catalog has
+    no header to plan from: its row of the quant table (the advisor's floor) stands in.
     """
-    request = read_request(settings)
-    access = HubAccess.from_environment(offline=settings.offline)
-    choice = choose_quant(request.spec, request.operator, hardware, settings.download_dir, access, force=True)
+    forced = settings.model_copy(update={"force": True})
     try:
-        model = find_model(choice, settings.download_dir)
-    except NodeSetupError:
-        quant = choice.spec.quant
-        fit = choice.advice.find(quant) if choice.advice is not None and quant else None
-        if fit is None or choice.advice is None:
+        launch = prepare_with(read_request(settings), forced, binary or UNKNOWN_BINARY, hardware, dry_run=True)
+    except NotDownloadedYet as exc:
+        choice = exc.choice
+        row = choice.table.row(choice.chosen.name) if choice.table is not None and choice.chosen is not None else None
+        if row is None or choice.advice is None:
             raise
-        label = f"{choice.spec.text}:{fit.quant.name}"
-        return ModelSize(
-            label, fit.quant.total_bytes, False, fit.need_bytes, ctx_size=choice.advice.target_ctx or None, fits=fit.fits,
-            minimum=choice.advice.minimum,
-        )  # fmt: skip
-    plan = checked_plan(model, hardware, request.operator, binary or _UNKNOWN_BINARY, force=True)
-    return _size_of(model.name, model.facts, plan, local=model.resolved is not None)
+        return replace(row.size, label=f"{choice.source.text}:{row.quant.name}", ctx_size=choice.advice.target_ctx or None)
+    assert launch.plan is not None and launch.facts is not None
+    return size_of(launch.model_name, launch.facts, launch.plan, local=launch.resolved is not None)
 
 
 def pool_summary(settings: NodeSettings, token: Callable[[], str], binary: BinaryInfo, hardware: HardwareReport) -> str:

@@ -25,7 +25,7 @@ from meshnet_gguf.llama.run_probe import RunProbe
 from meshnet_gguf.llama.build_checks import missing_tools
 from meshnet_gguf.llama.binary import BinaryNotFound
 from meshnet_gguf.models.tiny_model import write_tiny_model
-from meshnet_gguf.ops.doctor import (
+from meshnet_gguf.doctor.checks import (
     DoctorEnvironment,
     DoctorReport,
     Finding,

@@ -5,7 +5,7 @@ Each check yields `Finding`s: what was seen, what it means, how to fix it. A
 clock is too far off for signed routes); a `warn` serves but badly (a GPU the
 binary cannot use, a GTT limit that pushes layers to the CPU). The machine is
 read through `hardware.probe_hardware`, whose `root` and command runner make
-every check replayable from the recorded boxes under tests/fixtures/hardware.
+every check replayable from the recorded boxes of the test suite's hardware fixtures.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from meshnet_gguf.llama.runnable import BUILD_FOR_THIS_MACHINE_FIX
 from meshnet_gguf.llama.build_checks import missing_tools
 from meshnet_gguf.mesh.tracker_client import TRACKER_KEY_PIN_FILE, first_contact_problem
 from meshnet_gguf.models.download import DISK_FREE_MARGIN_BYTES, FreeBytes, default_free_bytes
-from meshnet_gguf.prepare.pipeline import ModelSize, NodeSetupError
+from meshnet_gguf.prepare.pipeline import NodeSetupError
+from meshnet_gguf.prepare.quant_table import ModelSize
 
 Status = Literal["ok", "warn", "fail", "skip"]
 

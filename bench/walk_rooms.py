@@ -1,0 +1,109 @@
+"""The preparation walk's room count: how often `serve --dry-run`'s preparation enters each module.
+
+Runs `prepare_launch(settings, dry_run=True)` under `sys.setprofile` and counts, per module
+of meshnet_gguf, the calls whose caller stands in another module (an entry into that room).
+A call within a module is not counted: only the walk from room to room. Two walks:
+
+- a local GGUF file (a tiny generated model);
+- a hub repo served by the project's loopback hub (`devtools.hf_server`), downloaded
+  first with `meshnet-gguf download` (not counted), then planned from the files on disk as a dry run does.
+
+The recorded llama-server (release b10434's --help) and the recorded cpu-only box make the
+walk the same on any machine. Nothing is started but the loopback hub.
+
+    PYTHONPATH=src:tests python bench/walk_rooms.py [--all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import subprocess
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from meshnet_gguf.common.settings import NodeSettings  # noqa: E402
+from meshnet_gguf.devtools.hf_server import LocalHub, write_tiny_repo  # noqa: E402
+from meshnet_gguf.models.tiny_model import write_tiny_model  # noqa: E402
+from meshnet_gguf.prepare.pipeline import prepare_launch  # noqa: E402
+from support.hardware_fixtures import FIXTURES, write_recorded_llama  # noqa: E402
+
+PACKAGE = "meshnet_gguf."
+REPO_ID = "acme/walk-GGUF"
+# The rooms the issue follows; the rest are printed with --all.
+# The tiny repo downloads in about a second; a minute means something hangs.
+DOWNLOAD_TIMEOUT_S = 60
+WATCHED = ("models.source", "models.quants", "models.sources")
+
+
+def count_entries(walk: Callable[[], Any]) -> Counter[str]:
+    """module (below meshnet_gguf) -> calls into it from a frame of another module, while `walk` runs."""
+    entries: Counter[str] = Counter()
+
+    def profile(frame: FrameType, event: str, _arg: object) -> None:
+        if event != "call":
+            return
+        callee = frame.f_globals.get("__name__", "")
+        if not callee.startswith(PACKAGE):
+            return
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back is not None else ""
+        if caller != callee:
+            entries[callee.removeprefix(PACKAGE)] += 1
+
+    sys.setprofile(profile)
+    try:
+        walk()
+    finally:
+        sys.setprofile(None)
+    return entries
+
+
+def settings_for(gguf: str, work: Path, llama: Path) -> NodeSettings:
+    return NodeSettings(
+        gguf=gguf, llama_server=llama, hardware_fixture=FIXTURES / "cpu-only", download_dir=work / "models",
+        state_dir=work / "state",
+    )  # fmt: skip
+
+
+def hub_walk(work: Path, llama: Path) -> Counter[str]:
+    """Download the repo's Q8_0 through the loopback hub (not counted), then count the dry run's walk."""
+    write_tiny_repo(work / "hub", REPO_ID, ["Q8_0", "Q4_K_M"], layout="root-file")
+    with LocalHub(work / "hub") as hub:
+        os.environ["HF_ENDPOINT"] = hub.endpoint
+        os.environ["HF_HOME"] = str(work / "hf-home")
+        settings = settings_for(f"{REPO_ID}:Q8_0", work, llama)
+        download = [sys.executable, "-m", "meshnet_gguf", "download", settings.gguf or "", "--download-dir", str(settings.download_dir)]
+        subprocess.run(download, check=True, capture_output=True, timeout=DOWNLOAD_TIMEOUT_S)
+        return count_entries(lambda: prepare_launch(settings, dry_run=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="print every module entered, not only the watched ones")
+    args = parser.parse_args()
+    logging.disable(logging.CRITICAL)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        llama = write_recorded_llama(work)
+        model = write_tiny_model(work / "tiny.gguf")
+        walks = {
+            "local file": count_entries(lambda: prepare_launch(settings_for(str(model), work, llama), dry_run=True)),
+            f"hub repo {REPO_ID}:Q8_0 (on disk)": hub_walk(work, llama),
+        }
+    for name, entries in walks.items():
+        print(f"{name}: {sum(entries.values())} entries into {len(entries)} modules")
+        shown = entries.most_common() if args.all else [(m, entries[m]) for m in WATCHED if m in entries]
+        for module, count in shown:
+            print(f"  {module:<28} {count:>5}")
+
+
+if __name__ == "__main__":
+    main()
