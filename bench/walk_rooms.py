@@ -41,12 +41,18 @@ REPO_ID = "acme/walk-GGUF"
 # The rooms the issue follows; the rest are printed with --all.
 # The tiny repo downloads in about a second; a minute means something hangs.
 DOWNLOAD_TIMEOUT_S = 60
-WATCHED = ("models.source", "models.quants", "models.sources")
+WATCHED = ("models.source", "models.quants")
 
 
-def count_entries(walk: Callable[[], Any]) -> Counter[str]:
-    """module (below meshnet_gguf) -> calls into it from a frame of another module, while `walk` runs."""
+def _area(module: str) -> str:
+    return module.split(".")[0]
+
+
+def count_entries(walk: Callable[[], Any]) -> tuple[Counter[str], Counter[str]]:
+    """module (below meshnet_gguf) -> calls into it from a frame of another module, while `walk` runs;
+    and the same counting only calls from another area (the pipeline's walk into `models/`)."""
     entries: Counter[str] = Counter()
+    from_outside: Counter[str] = Counter()
 
     def profile(frame: FrameType, event: str, _arg: object) -> None:
         if event != "call":
@@ -56,14 +62,17 @@ def count_entries(walk: Callable[[], Any]) -> Counter[str]:
             return
         caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back is not None else ""
         if caller != callee:
-            entries[callee.removeprefix(PACKAGE)] += 1
+            module = callee.removeprefix(PACKAGE)
+            entries[module] += 1
+            if _area(caller.removeprefix(PACKAGE)) != _area(module):
+                from_outside[module] += 1
 
     sys.setprofile(profile)
     try:
         walk()
     finally:
         sys.setprofile(None)
-    return entries
+    return entries, from_outside
 
 
 def settings_for(gguf: str, work: Path, llama: Path) -> NodeSettings:
@@ -73,7 +82,7 @@ def settings_for(gguf: str, work: Path, llama: Path) -> NodeSettings:
     )  # fmt: skip
 
 
-def hub_walk(work: Path, llama: Path) -> Counter[str]:
+def hub_walk(work: Path, llama: Path) -> tuple[Counter[str], Counter[str]]:
     """Download the repo's Q8_0 through the loopback hub (not counted), then count the dry run's walk."""
     write_tiny_repo(work / "hub", REPO_ID, ["Q8_0", "Q4_K_M"], layout="root-file")
     with LocalHub(work / "hub") as hub:
@@ -98,11 +107,14 @@ def main() -> None:
             "local file": count_entries(lambda: prepare_launch(settings_for(str(model), work, llama), dry_run=True)),
             f"hub repo {REPO_ID}:Q8_0 (on disk)": hub_walk(work, llama),
         }
-    for name, entries in walks.items():
-        print(f"{name}: {sum(entries.values())} entries into {len(entries)} modules")
-        shown = entries.most_common() if args.all else [(m, entries[m]) for m in WATCHED if m in entries]
-        for module, count in shown:
-            print(f"  {module:<28} {count:>5}")
+    for name, (entries, from_outside) in walks.items():
+        print(f"{name}: {sum(entries.values())} entries into {len(entries)} modules (from another module / from another area)")
+        watched = [m for m in entries if m.startswith(WATCHED)]
+        shown = [m for m, _ in entries.most_common()] if args.all else sorted(watched)
+        for module in shown:
+            print(f"  {module:<28} {entries[module]:>5} {from_outside[module]:>5}")
+        if not args.all:
+            print(f"  {'(together)':<28} {sum(entries[m] for m in watched):>5} {sum(from_outside[m] for m in watched):>5}")
 
 
 if __name__ == "__main__":
