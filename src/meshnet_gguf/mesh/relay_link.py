@@ -36,7 +36,6 @@ from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import StapledByteStream
 from anyio.streams.tls import TLSStream
-from pydantic import BaseModel, ValidationError
 
 from meshnet_gguf.common.retry import Backoff
 from meshnet_gguf.contract.node_part import BasePart
@@ -45,8 +44,6 @@ from meshnet_gguf.contract.protocol import (
     MAX_RELAY_HEAD_BYTES,
     MAX_RELAY_MESSAGE_BYTES,
     RELAY_PROOF_LIFETIME_S,
-    RELAY_TUNNEL_PATH,
-    RELAY_UPGRADE_PROTOCOL,
     HealthReport,
     RelayAttach,
     RelayAttachClaims,
@@ -60,6 +57,17 @@ from meshnet_gguf.contract.protocol import (
     RelayRefused,
     RelayRole,
     relay_audience,
+)
+from meshnet_gguf.contract.relay_framing import (
+    HEAD_END,
+    RelayFramingError,
+    message_line,
+    parse_message,
+    read_line,
+    receive_line,
+    send_message,
+    upgrade_refusal,
+    upgrade_request,
 )
 from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
@@ -228,8 +236,8 @@ class RelayLink(BasePart):
                     silence_limit = attached.ping_interval_s + attached.ping_timeout_s
                     while True:
                         with anyio.fail_after(silence_limit):
-                            line = await _receive_line(buffered)
-                        message = _parse_line(line, RelayPing, RelayRefused)
+                            line = await receive_line(buffered)
+                        message = parse_message(line, RelayPing, RelayRefused)
                         if isinstance(message, RelayRefused):
                             raise RelayRefusedError(message.code, message.message)
             finally:
@@ -238,7 +246,7 @@ class RelayLink(BasePart):
     async def _ping(self, stream: ByteStream, interval_s: float) -> None:
         while True:
             await anyio.sleep(interval_s)
-            await _send(stream, RelayPing(type="ping"))
+            await send_message(stream, RelayPing(type="ping"))
 
     async def _work_slot(self) -> None:
         """Keep one idle work connection at the relay: dial, wait for a tracker, hand it over, dial again.
@@ -274,7 +282,7 @@ class RelayLink(BasePart):
             # relay splices a ClientHello only after `ready`, so it can only reach the TLS layer.
             transport = writer.transport
             transport.pause_reading()
-            writer.write(RelayReady().model_dump_json().encode() + b"\n")
+            writer.write(message_line(RelayReady()))
             # Idle until the relay forwards a first byte (or drops the connection); renewed after a while.
             with anyio.move_on_after(IDLE_WORK_LIFETIME_S) as idle_wait:
                 await _wait_readable(transport)
@@ -343,27 +351,19 @@ class RelayLink(BasePart):
             ep.host, ep.port, ssl=ssl.create_default_context() if ep.tls else None, limit=MAX_RELAY_MESSAGE_BYTES
         )
         try:
-            writer.write(self._upgrade_head())
-            answer = await reader.readuntil(b"\r\n\r\n")
-            if not answer.startswith(b"HTTP/1.1 101"):
-                raise RelayProtocolError(f"relay did not upgrade the tunnel: {answer[:60]!r}")
-            challenge = _parse_line(await reader.readuntil(b"\n"), RelayChallenge)
-            assert isinstance(challenge, RelayChallenge)
-            writer.write(self._attach_message("work", challenge.nonce).model_dump_json().encode() + b"\n")
-            answer_message = _parse_line(await reader.readuntil(b"\n"), RelayAttached, RelayRefused)
+            writer.write(upgrade_request(ep.host, ep.port))
+            refusal = upgrade_refusal(await reader.readuntil(HEAD_END))
+            if refusal is not None:
+                raise RelayProtocolError(refusal)
+            challenge = parse_message(await read_line(reader), RelayChallenge)
+            writer.write(message_line(self._attach_message("work", challenge.nonce)))
+            answer_message = parse_message(await read_line(reader), RelayAttached, RelayRefused)
             if isinstance(answer_message, RelayRefused):
                 raise RelayRefusedError(answer_message.code, answer_message.message)
         except BaseException:
             writer.transport.abort()
             raise
         return writer
-
-    def _upgrade_head(self) -> bytes:
-        ep = self.endpoint
-        return (
-            f"GET {RELAY_TUNNEL_PATH} HTTP/1.1\r\nHost: {ep.host}:{ep.port}\r\n"
-            f"Connection: Upgrade\r\nUpgrade: {RELAY_UPGRADE_PROTOCOL}\r\n\r\n"
-        ).encode("latin-1")
 
     # --- dialling --------------------------------------------------------------
     async def _dial(self, role: RelayRole) -> tuple[StapledByteStream, BufferedByteReceiveStream, RelayAttached]:
@@ -376,14 +376,13 @@ class RelayLink(BasePart):
                     transport = await TLSStream.wrap(raw, hostname=ep.host, ssl_context=ssl.create_default_context())
                 buffered = BufferedByteReceiveStream(transport)
                 stream = StapledByteStream(transport, buffered)
-                await transport.send(self._upgrade_head())
-                answer = await buffered.receive_until(b"\r\n\r\n", MAX_RELAY_HEAD_BYTES)
-                status_line = answer.split(b"\r\n", 1)[0].decode("latin-1", "replace")
-                if not status_line.startswith("HTTP/1.1 101"):
-                    raise RelayProtocolError(f"relay did not upgrade the tunnel: {status_line!r}")
-                challenge = _parse_line(await _receive_line(buffered), RelayChallenge)
-                await _send(stream, self._attach_message(role, challenge.nonce))
-                answer_message = _parse_line(await _receive_line(buffered), RelayAttached, RelayRefused)
+                await transport.send(upgrade_request(ep.host, ep.port))
+                refusal = upgrade_refusal(await buffered.receive_until(HEAD_END, MAX_RELAY_HEAD_BYTES))
+                if refusal is not None:
+                    raise RelayProtocolError(refusal)
+                challenge = parse_message(await receive_line(buffered), RelayChallenge)
+                await send_message(stream, self._attach_message(role, challenge.nonce))
+                answer_message = parse_message(await receive_line(buffered), RelayAttached, RelayRefused)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await transport.aclose()
@@ -413,8 +412,8 @@ class RelayLink(BasePart):
 
 # How a session with the relay ends other than by a refusal: the link reconnects after any of them.
 _CONNECTION_ENDS = (
-    OSError, TimeoutError, ssl.SSLError, RelayProtocolError, anyio.BrokenResourceError, anyio.EndOfStream,
-    anyio.IncompleteRead, anyio.ClosedResourceError,
+    OSError, TimeoutError, ssl.SSLError, RelayProtocolError, RelayFramingError, anyio.BrokenResourceError,
+    anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError,
 )  # fmt: skip
 
 
@@ -498,26 +497,6 @@ async def _wait_readable(transport: asyncio.BaseTransport) -> None:
         watcher.close()
 
 
-async def _receive_line(buffered: BufferedByteReceiveStream) -> bytes:
-    try:
-        return await buffered.receive_until(b"\n", MAX_RELAY_MESSAGE_BYTES)
-    except anyio.DelimiterNotFound:
-        raise RelayProtocolError(f"relay sent a message over {MAX_RELAY_MESSAGE_BYTES} bytes") from None
-
-
-def _parse_line(line: bytes, *models: type[BaseModel]) -> BaseModel:  # type: ignore[return]
-    for model in models:
-        try:
-            return model.model_validate_json(line)
-        except ValidationError:
-            continue
-    raise RelayProtocolError(f"unexpected relay message (wanted {' or '.join(m.__name__ for m in models)})")
-
-
-async def _send(stream: ByteStream, message: BaseModel) -> None:
-    await stream.send(message.model_dump_json().encode() + b"\n")
-
-
 async def probe_relay(endpoint: RelayEndpoint, identity: NodeIdentity) -> bool:
     """Attach one work connection and let it go: True when the node's tunnel is up, False when the relay
     verified the key but holds no tunnel for it. Raises what dialling raises otherwise."""
@@ -528,6 +507,8 @@ async def probe_relay(endpoint: RelayEndpoint, identity: NodeIdentity) -> bool:
         if exc.code == "no_control_channel":  # refused only after the proof checked out
             return False
         raise
+    except RelayFramingError as exc:  # the relay's lines made no sense: as for any answer this node does not understand
+        raise RelayProtocolError(str(exc)) from None
     await stream.aclose()
     return True
 

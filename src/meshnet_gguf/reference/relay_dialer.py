@@ -42,14 +42,8 @@ import httpx
 from meshnet_gguf.common.http1_client import Http1Client, HttpConnectError
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.node_tls import NodeCertificateError, certificate_from_text, pinned_client_context
-from meshnet_gguf.contract.protocol import (
-    MAX_RELAY_HEAD_BYTES,
-    RELAY_CONNECT_AUTH_SCHEME,
-    RELAY_CONNECT_PORT,
-    NodeAnnouncement,
-    RelayConnectClaims,
-    relay_audience,
-)
+from meshnet_gguf.contract.protocol import MAX_RELAY_HEAD_BYTES, NodeAnnouncement, RelayConnectClaims, relay_audience
+from meshnet_gguf.contract.relay_framing import HEAD_END, connect_refusal, connect_request
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 
@@ -77,19 +71,10 @@ class ConnectRefused(HttpConnectError):
     """The relay would not open the tunnel (or spoke no HTTP): the node never saw the request."""
 
 
-def _connect_head(node_id: str, token: str) -> bytes:
-    target = f"{node_id}:{RELAY_CONNECT_PORT}"
-    return f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {RELAY_CONNECT_AUTH_SCHEME} {token}\r\n\r\n".encode("latin-1")
-
-
 def _check_connect_answer(answer: bytes) -> None:
-    """A 200 whose head is all there is: the node's TLS server speaks only after our hello, so a byte
-    past the head is the relay's own and would be taken for the node's."""
-    status_line = answer.split(b"\r\n", 1)[0].decode("latin-1", "replace")
-    if status_line.split(" ")[1:2] != ["200"]:
-        raise ConnectRefused(f"the relay answered CONNECT with {status_line!r}")
-    if not answer.endswith(b"\r\n\r\n"):
-        raise ConnectRefused("the relay sent bytes after its answer to CONNECT")
+    refusal = connect_refusal(answer)
+    if refusal is not None:
+        raise ConnectRefused(refusal)
 
 
 class _RelayNetwork(httpcore.AsyncNetworkBackend):
@@ -110,9 +95,9 @@ class _RelayNetwork(httpcore.AsyncNetworkBackend):
         try:
             if relay.scheme == "https":  # the pinned address dialled, the relay's own name checked and sent as SNI
                 stream = await stream.start_tls(self._relay_tls, server_hostname=relay.host, timeout=timeout)
-            await stream.write(_connect_head(self._node_id, self._sign(relay.url, self._node_id)), timeout=timeout)
+            await stream.write(connect_request(self._node_id, self._sign(relay.url, self._node_id)), timeout=timeout)
             answer = b""
-            while b"\r\n\r\n" not in answer:
+            while HEAD_END not in answer:
                 chunk = await stream.read(MAX_RELAY_HEAD_BYTES, timeout=timeout)
                 if not chunk:
                     raise httpcore.ProxyError("the relay closed the CONNECT without an answer")
@@ -145,7 +130,7 @@ class _ConnectAnswer(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.answer += data
-        if b"\r\n\r\n" in self.answer or len(self.answer) > MAX_RELAY_HEAD_BYTES:
+        if HEAD_END in self.answer or len(self.answer) > MAX_RELAY_HEAD_BYTES:
             assert self.transport is not None
             self.transport.pause_reading()
             self._end(None)
@@ -177,7 +162,7 @@ class RelayTunnel:
             if relay.scheme == "https":  # the pinned address dialled, the relay's own name checked and sent as SNI
                 transport = await loop.start_tls(transport, head, self._relay_tls, server_hostname=relay.host)  # type: ignore[assignment]
                 head.transport = transport
-            transport.write(_connect_head(self._node_id, self._sign(relay.url, self._node_id)))
+            transport.write(connect_request(self._node_id, self._sign(relay.url, self._node_id)))
             await head.ended
             if len(head.answer) > MAX_RELAY_HEAD_BYTES:
                 raise ConnectRefused("the relay's answer to CONNECT is too long")
