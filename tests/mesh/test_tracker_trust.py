@@ -682,7 +682,8 @@ async def test_failed_registrations_relayed_or_not_leave_the_tracker_flat(tracke
 
     from meshnet_gguf.contract.node_tls import certificate_text, node_certificate
     from meshnet_gguf.contract.protocol import RelayAttachment
-    from meshnet_gguf.reference.relay import Relay, RelayConfig
+    from meshnet_gguf.reference.relay import Relay
+    from meshnet_gguf.reference.relay_config import RelayConfig
     from support.relay_harness import running_relay
 
     service, url = tracker

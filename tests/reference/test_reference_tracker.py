@@ -23,7 +23,8 @@ from meshnet_gguf.mesh.tracker_client import NodeUnknown, TrackerClient, Tracker
 from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS
 from meshnet_gguf.reference.node_address import NodeTarget
 from meshnet_gguf.reference.registry import NodeRegistry
-from meshnet_gguf.reference.relay import Relay, RelayConfig
+from meshnet_gguf.reference.relay import Relay
+from meshnet_gguf.reference.relay_config import RelayConfig
 from meshnet_gguf.reference.relay_dialer import RelayedNodeTarget
 from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
 from support.loopback import serve_asgi

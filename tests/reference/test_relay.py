@@ -33,7 +33,8 @@ async def test_streams_and_plain_answers_pass_through_the_relay_unchanged(tmp_pa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
-from meshnet_gguf.reference.relay import Relay, RelayConfig
+from meshnet_gguf.reference.relay import Relay
+from meshnet_gguf.reference.relay_config import RelayConfig
 from support.relay_harness import attach_message, raw_tunnel, read_answer, running_relay
 
 

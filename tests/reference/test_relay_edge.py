@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 import meshnet_gguf.mesh.relay_link as relay_link_module
-from meshnet_gguf.reference.relay import RelayConfig
+from meshnet_gguf.reference.relay_config import RelayConfig
 from support.relay_harness import mesh
 
 pytestmark = pytest.mark.anyio
@@ -138,7 +138,8 @@ async def test_half_sent_heads_from_one_address_are_bounded_and_others_are_serve
 
 _LOW_FD_RELAY = """
 import resource, sys, anyio
-from meshnet_gguf.reference.relay import Relay, RelayConfig
+from meshnet_gguf.reference.relay import Relay
+from meshnet_gguf.reference.relay_config import RelayConfig
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
 anyio.run(Relay(RelayConfig(port=int(sys.argv[1]), max_pending_per_peer=100_000, max_pending=100_000,
                             stranger_connection_burst=100_000)).serve)

@@ -20,7 +20,8 @@ from meshnet_gguf.contract.signing import parse_public_key
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
 from meshnet_gguf.serving.access import MetricsAccess
-from meshnet_gguf.reference.relay import Relay, RelayConfig
+from meshnet_gguf.reference.relay import Relay
+from meshnet_gguf.reference.relay_config import RelayConfig
 from support.loopback import serve_asgi
 
 WAIT_S = 10.0

@@ -139,7 +139,8 @@ def relay(
     import anyio
 
     from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
-    from meshnet_gguf.reference.relay import Relay, RelayConfig
+    from meshnet_gguf.reference.relay import Relay
+    from meshnet_gguf.reference.relay_config import RelayConfig
 
     keys = tuple(trust_tracker_key or ())
     if bool(keys) == open_relay:

@@ -1,0 +1,71 @@
+"""What a reference relay is told: where it listens, whom it trusts, and every limit, each with its reason.
+
+The limits on strangers (pending connections, rates, provisional tunnels) are applied by
+`relay_admission`; the tunnels' own (pings, idle work connections, waits) by `relay`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshnet_gguf.contract.protocol import RELAY_PING_INTERVAL_S, RELAY_PING_TIMEOUT_S
+
+# Idle work connections kept per node: enough for a burst of requests to start without a
+# round trip to the node; each costs one socket and ~2 kB here.
+DEFAULT_MAX_IDLE_WORK = 16
+# A CONNECT that finds no idle work connection waits this long for the node to dial one.
+WORK_WAIT_TIMEOUT_S = 5.0
+# A node must finish the upgrade and its attach proof in this time, or it is cut off.
+HANDSHAKE_TIMEOUT_S = 10.0
+# Bounds the relay's memory: one tunnel holds a control connection and up to DEFAULT_MAX_IDLE_WORK sockets.
+DEFAULT_MAX_TUNNELS = 10_000
+# Connections still in their head or attach handshake (nothing proved yet), per source address and in
+# all: each may take HANDSHAKE_TIMEOUT_S, so without a bound a stranger holds every descriptor the relay has.
+DEFAULT_MAX_PENDING_PER_PEER = 64
+DEFAULT_MAX_PENDING = 2048
+# A tunnel is provisional until a trusted tracker CONNECTs to its node with a signed token, which a
+# tracker does only for a node that presented its enrolment secret and signed registration (its control
+# proof goes through the tunnel). Provisional tunnels are few and short-lived: a stranger's fresh keys
+# can hold at most this many, each for at most the window, and never a slot among the admitted.
+DEFAULT_MAX_PROVISIONAL_TUNNELS = 256
+ADMISSION_WINDOW_S = 60.0
+# New control connections per source address: a node reconnects a few times a minute at worst; a
+# NAT with many nodes behind it gets the burst.
+TUNNEL_ATTACHES_PER_S = 2.0
+TUNNEL_ATTACH_BURST = 20
+# Connections that have proved nothing, per source address, as a token bucket taken at accept and given back
+# when the connection proves itself (an authorised CONNECT, an attached tunnel or work connection). A source
+# whose strangers keep failing runs dry, and its next connections are reset at accept: no task, no parse, no
+# answer. The burst matches the per-address pending bound, so a tracker or a node, whose connections prove
+# themselves, never meets it before that bound; a stranger gets this many tries a second once its burst is spent.
+STRANGER_CONNECTIONS_PER_S = 8.0
+STRANGER_CONNECTION_BURST = DEFAULT_MAX_PENDING_PER_PEER
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    ping_interval_s: float = RELAY_PING_INTERVAL_S
+    ping_timeout_s: float = RELAY_PING_TIMEOUT_S
+    max_idle_work: int = DEFAULT_MAX_IDLE_WORK
+    work_wait_timeout_s: float = WORK_WAIT_TIMEOUT_S
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    max_tunnels: int = DEFAULT_MAX_TUNNELS
+    max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
+    max_pending: int = DEFAULT_MAX_PENDING
+    # Public keys (base64url) of the trackers whose CONNECT tokens this relay honours. Empty: an open
+    # relay (local experiments): CONNECT needs no token and every tunnel is admitted at once.
+    trusted_tracker_keys: tuple[str, ...] = ()
+    # The URL nodes and trackers know this relay by (the audience of their tokens) [default: http://host:port].
+    public_url: str | None = None
+    max_provisional_tunnels: int = DEFAULT_MAX_PROVISIONAL_TUNNELS
+    admission_window_s: float = ADMISSION_WINDOW_S
+    tunnel_attaches_per_s: float = TUNNEL_ATTACHES_PER_S
+    tunnel_attach_burst: int = TUNNEL_ATTACH_BURST
+    stranger_connections_per_s: float = STRANGER_CONNECTIONS_PER_S
+    stranger_connection_burst: int = STRANGER_CONNECTION_BURST
+    # Serve https: a certificate chain (PEM) for the relay's host name and its key. Nodes and trackers check it
+    # against the name in the relay's URL.
+    tls_certificate_file: str | None = None
+    tls_key_file: str | None = None
