@@ -15,7 +15,7 @@ import pytest
 
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for
-from meshnet_gguf.reference.tracker import TRACKER_KEY_FILE
+from meshnet_gguf.reference.tracker.app import TRACKER_KEY_FILE
 from support.relay_processes import ledger_rows, node_ledger
 from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker, wait_for  # noqa: F401
 

@@ -40,7 +40,9 @@ from meshnet_gguf.mesh.link import MeshnetLink, MeshSetupError
 from meshnet_gguf.mesh.tracker_client import NodePresence, TrackerClient, TrackerRefused
 from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS, MAX_METERED_EVENT_BYTES, BoundedEventSplitter
 from meshnet_gguf.reference.node_address import AddressPolicy, UnsafeNodeURL, pin_node_url
-from meshnet_gguf.reference.tracker import Tracker, TrackerConfig, load_or_create_enrolment_secret
+from meshnet_gguf.reference.tracker.app import Tracker
+from meshnet_gguf.reference.tracker.config import TrackerConfig
+from meshnet_gguf.reference.tracker.enrolment import load_or_create_enrolment_secret
 from support.loopback import serve_asgi
 from support.mesh_node import MODEL, FakeLlama, MeshNode, mesh_link
 from support.mesh_tracker import SECRET, models, start_tracker, tracker_key, wait_until

@@ -26,7 +26,8 @@ from meshnet_gguf.reference.registry import NodeRegistry
 from meshnet_gguf.reference.relay import Relay
 from meshnet_gguf.reference.relay_config import RelayConfig
 from meshnet_gguf.reference.relay_dialer import RelayedNodeTarget
-from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
+from meshnet_gguf.reference.tracker.app import Tracker
+from meshnet_gguf.reference.tracker.config import TrackerConfig
 from support.loopback import serve_asgi
 from support.mesh_node import MODEL, FakeLlama, MeshNode
 from support.mesh_tracker import HEALTH_POLL_S, HEARTBEAT_S, SECRET, models, start_tracker, wait_until

@@ -12,7 +12,8 @@ import httpx
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.tracker import Tracker, TrackerConfig
+from meshnet_gguf.reference.tracker.app import Tracker
+from meshnet_gguf.reference.tracker.config import TrackerConfig
 from support.loopback import serve_asgi
 
 SECRET = "enrol-me"

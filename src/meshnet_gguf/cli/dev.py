@@ -53,13 +53,10 @@ def tracker(
     from meshnet_gguf.common.settings import default_state_dir
     from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
     from meshnet_gguf.reference.node_address import AddressPolicy
-    from meshnet_gguf.reference.tracker import (
-        ENROLMENT_SECRET_FILE,
-        MAX_REQUEST_HEADER_BYTES,
-        Tracker,
-        TrackerConfig,
-        load_or_create_enrolment_secret,
-    )
+    from meshnet_gguf.reference.tracker.app import Tracker
+    from meshnet_gguf.reference.tracker.config import TrackerConfig
+    from meshnet_gguf.reference.tracker.enrolment import ENROLMENT_SECRET_FILE, load_or_create_enrolment_secret
+    from meshnet_gguf.reference.tracker.request_io import MAX_REQUEST_HEADER_BYTES
 
     _configure_logging(log_level)
     extra = {} if health_poll_interval is None else {"health_poll_interval_s": health_poll_interval}

@@ -46,6 +46,7 @@ from meshnet_gguf.contract.protocol import MAX_RELAY_HEAD_BYTES, NodeAnnouncemen
 from meshnet_gguf.contract.relay_framing import HEAD_END, connect_refusal, connect_request
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
+from meshnet_gguf.reference.node_answer import NodeAnswer, NodeClients, send_through_httpx
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def _relayed_transport(
 
 @dataclass(frozen=True)
 class RelayedNodeTarget:
-    """A node reached through a relay: same interface as `NodeTarget` (url, endpoint, request)."""
+    """A node reached through a relay: same interface as `NodeTarget` (url, endpoint, request, send)."""
 
     node_id: str
     relay: NodeTarget  # the relay's URL, checked against the address policy and pinned like a node's
@@ -233,6 +234,13 @@ class RelayedNodeTarget:
             method, self.forward_url(path), params=params, headers=headers, content=content,
             extensions={_TRANSPORT_EXTENSION: self.transport},
         )  # fmt: skip
+
+    async def send(self, clients: NodeClients, method: str, path: str, headers: dict[str, str], body: bytes) -> NodeAnswer:
+        """As `NodeTarget.send`: with this target's own lean client, whose connections are tunnels through
+        the relay, or through httpx where it has none (TLS_IN_TLS)."""
+        if self.client is not None:
+            return await self.client.send(method, self.forward_url(path), headers, body)
+        return await send_through_httpx(clients.http, self.request(clients.http, method, path, headers=headers, content=body))
 
 
 class NodeDialer(httpx.AsyncBaseTransport):

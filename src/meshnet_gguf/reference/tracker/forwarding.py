@@ -1,0 +1,204 @@
+"""Forwarding: an OpenAI request routed to one ready whole-model node, its answer passed on unbuffered.
+
+The endpoint picks the least busy node that serves the model, signs the route, records the request
+in the ledger before a byte goes out, and sends it with one call on the node's target (`send`:
+lean client, relay tunnel or httpx, the target knows). A node that refuses the connection never saw
+the request, so one more node may be tried. The answer is metered on a copy as it passes
+(`metering.ForwardMeter`); a client that leaves, a node that breaks off or a forward past its total
+time ends it, and the ledger settles what went by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+
+from meshnet_gguf.common.http1_client import HttpClientError, HttpConnectError
+from meshnet_gguf.contract.errors import ApiError, openai_error_body
+from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER, USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
+from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling
+from meshnet_gguf.reference.node_answer import NodeAnswer
+from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker.config import TrackerConfig
+from meshnet_gguf.reference.tracker.reach import NodeReach
+from meshnet_gguf.reference.tracker.request_io import error_response, json_object, limited_body
+from meshnet_gguf.reference.tracker.routing import RouteSigner, choices
+from meshnet_gguf.reference.tracker_ledger import Outcome, TrackerLedger
+
+log = logging.getLogger(__name__)
+
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# A node that refuses the connection never saw the request, so one more node may be tried.
+MAX_ROUTE_ATTEMPTS = 2
+# The only node response headers a client sees: the answer's type and the Meshnet accounting.
+FORWARDED_RESPONSE_HEADERS = frozenset(
+    {
+        "content-type",
+        "cache-control",
+        "x-accel-buffering",
+        "retry-after",
+        "x-request-id",
+        REQUEST_ID_HEADER.lower(),
+        USAGE_PROMPT_TOKENS_HEADER.lower(),
+        USAGE_COMPLETION_TOKENS_HEADER.lower(),
+    }
+)
+
+
+class ForwardEndpoint:
+    """Pure ASGI for the inference routes: full control of streaming, disconnects and clean-up.
+
+    `poll_soon` asks the node watch for a health poll now; `flag_mismatch` settles a request's receipt check."""
+
+    def __init__(
+        self, config: TrackerConfig, registry: NodeRegistry, ledger: TrackerLedger, routes: RouteSigner, reach: NodeReach,
+        poll_soon: Callable[[], None], flag_mismatch: Callable[[str], Awaitable[None]],
+    ) -> None:  # fmt: skip
+        self.config, self.registry, self.ledger, self.routes, self.reach = config, registry, ledger, routes, reach
+        self.poll_soon, self.flag_mismatch = poll_soon, flag_mismatch
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        request = Request(scope, receive)
+        try:
+            body = await limited_body(request, self.config.max_body_bytes)
+            payload = json_object(body)
+            model = payload.get("model")
+            if not isinstance(model, str) or not model:
+                raise ApiError(400, "missing_model", "'model' is required")
+            # One deadline for the whole forward, first byte to last: a node that trickles forever
+            # does not hold the tracker (and a client) for longer than this.
+            deadline = anyio.current_time() + self.config.forward_total_timeout_s
+            with anyio.move_on_at(deadline) as opening:
+                upstream, node, request_id = await self._open(scope["path"], model, payload, body)
+            if opening.cancelled_caught:
+                raise ApiError(504, "node_timeout", "no node answered in time")
+        except ApiError as refusal:
+            await error_response(refusal)(scope, receive, send)
+            return
+        content_type = next((value for name, value in upstream.headers if name.lower() == "content-type"), "")
+        meter = ForwardMeter(content_type.startswith("text/event-stream"))
+        route_ceiling = (self.routes.route_max_tokens(scope["path"], payload) or 0) * choices(payload)
+        outcome: Outcome = "cancelled"
+        try:
+            headers = forwarded_headers(upstream.headers)
+            await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            with anyio.CancelScope() as forward:
+
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    forward.cancel()
+
+                # A bare asyncio task rather than an anyio task group, as in the node's proxy: the
+                # group cost ~50 µs of CPU a request (bench/RESULTS.md, "Round 4").
+                watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+                try:
+                    with anyio.move_on_at(deadline) as forwarding:
+                        outcome = await self._pump(upstream, meter, send)
+                    if forwarding.cancelled_caught:
+                        outcome = "timed_out"
+                        log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.config.forward_total_timeout_s)
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                finally:
+                    watcher.cancel()
+        except OSError:
+            outcome = "cancelled"  # the client went away while we were sending
+        finally:
+            node.in_flight -= 1
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+                if upstream.status >= 400:
+                    outcome = "refused"
+                # Only what went by counts: the node's own usage figures are its receipt's business.
+                counts = meter.counted()
+                completion_ceiling = 0 if outcome == "refused" else meter.completion_ceiling(route_ceiling)
+                await self.ledger.finish_request(request_id, upstream.status, outcome, counts, completion_ceiling=completion_ceiling)
+                log.info(
+                    "request %s -> %s: %s %s, %s content events, completion ceiling %d", request_id, node.node_id,
+                    upstream.status, outcome, counts.completion_tokens, completion_ceiling,
+                )  # fmt: skip
+                await self.flag_mismatch(request_id)
+
+    async def _open(self, path: str, model: str, payload: dict[str, Any], body: bytes) -> tuple[NodeAnswer, NodeEntry, str]:
+        if not self.registry.serves(model):
+            raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
+        stream = payload.get("stream") is True
+        max_tokens = self.routes.route_max_tokens(path, payload)
+        tried: set[str] = set()
+        for _ in range(MAX_ROUTE_ATTEMPTS):
+            node = self.registry.pick(model, exclude=tried)
+            if node is None:
+                break
+            tried.add(node.node_id)
+            request_id = f"req-{uuid.uuid4().hex}"
+            token = self.routes.sign_route(node, request_id, path, model, body, max_tokens)
+            await self.ledger.open_request(
+                request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
+                max_tokens=max_tokens, choices=choices(payload), body_bytes=len(body), prompt_ceiling=prompt_ceiling(payload),
+            )  # fmt: skip
+            headers = {
+                "content-type": "application/json",
+                "accept-encoding": "identity",  # forward bytes as the node wrote them
+                ROUTE_HEADER: token,
+                REQUEST_ID_HEADER: request_id,
+                "x-request-id": request_id,
+            }
+            node.in_flight += 1
+            node.routed += 1
+            try:
+                upstream = await node.target.send(self.reach.clients, "POST", path, headers, body)
+            except HttpConnectError as exc:  # the node never saw the request
+                node.in_flight -= 1
+                node.healthy = False  # until the next health poll says otherwise
+                self.poll_soon()
+                log.warning("node %s unreachable (%s); trying another", node.node_id, exc)
+                await self.ledger.finish_request(request_id, None, "refused", None)
+                continue
+            except HttpClientError as exc:
+                node.in_flight -= 1
+                await self.ledger.finish_request(request_id, None, "upstream_error", None)
+                raise ApiError(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
+            return upstream, node, request_id
+        raise ApiError(
+            503,
+            "no_node_available",
+            f"no ready node for {model!r} right now; retry shortly",
+            headers={"retry-after": str(max(1, int(self.config.heartbeat_interval_s)))},
+        )
+
+    async def _pump(self, upstream: NodeAnswer, meter: ForwardMeter, send: Any) -> Outcome:
+        try:
+            async for chunk in upstream.iter_chunks():
+                meter.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except HttpClientError as exc:
+            log.warning("forward from node broke: %s", exc)
+            # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
+            tail = _stream_error_event(f"the node's answer broke off: {exc}") if meter.event_stream else b""
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            return "upstream_error"
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if meter.error or (meter.event_stream and not meter.done):
+            return "upstream_error"
+        return "complete"
+
+
+def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """The node's headers a client sees (FORWARDED_RESPONSE_HEADERS), names in lower case, a repeated
+    one joined with ", " where it first stood."""
+    kept: dict[str, str] = {}
+    for name, value in headers:
+        key = name.lower()
+        if key in FORWARDED_RESPONSE_HEADERS:
+            kept[key] = f"{kept[key]}, {value}" if key in kept else value
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in kept.items()]
+
+
+def _stream_error_event(message: str) -> bytes:
+    return b"data: " + openai_error_body(message, "server_error", "upstream_broken") + b"\n\n"
