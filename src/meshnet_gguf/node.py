@@ -65,9 +65,13 @@ METRICS_PATH = "/metrics"
 LLAMA_METRICS_FLAG = "--metrics"
 
 
-def build_node(launch: PreparedLaunch) -> Node:
-    """Every part of a node, wired in the order a request meets them."""
+def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
+    """Every part of a node, wired in the order a request meets them. `identity` is the node's key
+    from `node_identity` (loaded once per run): the pool monitor, the relay link and the tracker
+    link all sign with it."""
     settings = launch.settings
+    if identity is None and (launch.pool or settings.tracker or settings.relay_url):
+        raise ValueError("a node with a pool, a tracker or a relay signs with its key: pass node_identity(settings)")
     # First: the identity, ledger and llama-server pidfile in the state dir are this node's alone.
     state_lock = hold_state_dir(settings)
 
@@ -92,7 +96,7 @@ def build_node(launch: PreparedLaunch) -> Node:
         health=health,
     )
     # With a LAN pool: llama-server runs only while every worker is up (the monitor's word).
-    pool = _pool_monitor(launch) if launch.pool else None
+    pool = _pool_monitor(launch, identity) if launch.pool and identity else None
     supervisor = Supervisor(
         launch.child,
         SupervisorPolicy.from_settings(settings, _warmup_policy(launch) if settings.warmup else None),
@@ -109,8 +113,6 @@ def build_node(launch: PreparedLaunch) -> Node:
         return UpstreamTarget(base_url=supervisor.base_url, api_key=supervisor.api_key)
 
     upstream_client = make_upstream_client(settings.upstream_client, settings.parallel)
-    # The node's key, loaded (or created on first start) once and shared by the mesh and relay links.
-    identity = _node_identity(settings) if settings.tracker or settings.relay_url else None
     relay = _relay_link(settings, identity) if settings.relay_url and identity else None
     # A meshed node bills a prompt its previous run died before counting, from the body kept in the ledger.
     count_prompt = stored_prompt_counter(upstream, PromptCounter(upstream_client, settings.retry_after_s))
@@ -241,14 +243,12 @@ def pool_description(launch: PreparedLaunch) -> PoolDescription | None:
     return PoolDescription(workers=len(launch.pool), total_bytes=sum(s.budget_bytes for s in shares), plan=shares_line(shares) or None)
 
 
-def _pool_monitor(launch: PreparedLaunch) -> PoolMonitor:
+def _pool_monitor(launch: PreparedLaunch, identity: NodeIdentity) -> PoolMonitor:
     """The watch over the pool the launch checked: each worker by name, its status read with the node's key."""
     from meshnet_gguf.llama.rpc_status import status_token
-    from meshnet_gguf.mesh.identity import NodeIdentity
     from meshnet_gguf.prepare.pool import worker_name
 
     settings = launch.settings
-    identity = NodeIdentity.load_or_create(settings.state_dir)
     read, close = http_status_reader(lambda: status_token(identity.private_key), settings.pool_status_timeout_s)
     workers = [
         WatchedWorker(worker_name(i), m.spec.endpoint, m.spec.status_url, m.budget_bytes, m.protocol)
@@ -267,12 +267,20 @@ def _warmup_policy(launch: PreparedLaunch) -> WarmupPolicy:
     return GPU_WARMUP if launch.plan is not None and not launch.plan.cpu_only else CPU_WARMUP
 
 
-def _node_identity(settings: NodeSettings) -> NodeIdentity:
-    """The node's key, checked against the mesh settings first: settings that cannot work create no key."""
+def node_identity(settings: NodeSettings, *, dry_run: bool = False) -> NodeIdentity | None:
+    """The node's key, loaded (or created on the first start) once per run, for every part that signs
+    with it: the pool workers' status reads, the relay link, the tracker link. None when none of them runs.
+
+    The mesh settings are checked first: settings that cannot work create no key. A dry run starts
+    no link, so it needs the key only to read the pool workers' status, and checks nothing else.
+    """
     from meshnet_gguf.mesh.identity import NodeIdentity
     from meshnet_gguf.mesh.link import MeshSetupError, check_first_contact, configured_tracker_key
 
-    if settings.tracker:
+    links = not dry_run and bool(settings.tracker or settings.relay_url)
+    if not (links or settings.pool_workers):
+        return None
+    if links and settings.tracker:
         try:
             check_first_contact(settings, configured_tracker_key(settings))
         except MeshSetupError as exc:

@@ -290,6 +290,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport
+from meshnet_gguf.cli.doctor import doctor_identity
+from meshnet_gguf.doctor.checks import Finding
 from meshnet_gguf.doctor.relay import check_relay
 from meshnet_gguf.ops.relay_health import RelayLinkCollector
 
@@ -304,15 +306,18 @@ async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:
         assert f'meshnet_relay_attached{{relay="{m.relay_url}"}} 1.0' in text
         assert "meshnet_relay_idle_work_connections" in text
 
-        up = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay_url=m.relay_url, state_dir=tmp_path / "node"))
+        def doctor(settings: NodeSettings) -> list[Finding]:
+            return check_relay(settings, doctor_identity(settings))  # as `meshnet-gguf doctor` runs it
+
+        up = await anyio.to_thread.run_sync(doctor, NodeSettings(relay_url=m.relay_url, state_dir=tmp_path / "node"))
         assert up[0].status == "ok" and "tunnel is up" in up[0].summary
-        other = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay_url=m.relay_url, state_dir=tmp_path / "other"))
+        other = await anyio.to_thread.run_sync(doctor, NodeSettings(relay_url=m.relay_url, state_dir=tmp_path / "other"))
         assert other[0].status == "ok" and "no tunnel now" in other[0].summary
         assert not (tmp_path / "other" / NODE_KEY_FILE).exists()  # doctor only reads: it never creates a key
         assert m.relay.tunnels[m.identity.node_id] is not None  # the probe left the node's tunnel alone
-    dead = await anyio.to_thread.run_sync(check_relay, NodeSettings(relay_url=f"http://127.0.0.1:{free_local_port()}", state_dir=tmp_path / "x"))
+    dead = await anyio.to_thread.run_sync(doctor, NodeSettings(relay_url=f"http://127.0.0.1:{free_local_port()}", state_dir=tmp_path / "x"))
     assert dead[0].status == "fail"
-    assert (await anyio.to_thread.run_sync(check_relay, NodeSettings(state_dir=tmp_path / "x")))[0].status == "skip"
+    assert (await anyio.to_thread.run_sync(doctor, NodeSettings(state_dir=tmp_path / "x")))[0].status == "skip"
 
 
 async def test_garbage_on_a_live_control_connection_drops_only_that_tunnel(tmp_path: Path) -> None:

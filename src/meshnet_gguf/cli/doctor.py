@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from meshnet_gguf.common.settings import NodeSettings
     from meshnet_gguf.hardware.report import HardwareReport
     from meshnet_gguf.llama.binary import BinaryInfo
+    from meshnet_gguf.mesh.identity import NodeIdentity
 
 # Exit codes: 0 nothing blocks serving (warnings may remain), 1 something does.
 EXIT_BLOCKED = 1
@@ -51,8 +52,9 @@ def register(app: typer.Typer) -> None:
             pool_workers=pool_worker,
         )  # fmt: skip
         settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
+        identity = doctor_identity(settings)
         environment = DoctorEnvironment(
-            settings, model_size=lambda binary, hw: model_size(settings, binary, hw), pool=_pool_check(settings)
+            settings, model_size=lambda binary, hw: model_size(settings, binary, hw), pool=_pool_check(settings, identity)
         )
         fixture = settings.hardware_fixture
         if fixture is not None:
@@ -61,19 +63,32 @@ def register(app: typer.Typer) -> None:
 
             environment.hardware = lambda binary: probe_configured(binary, fixture)
             typer.echo(f"warning: checking against the recorded machine {fixture}, not this one (MESHNET_HARDWARE_FIXTURE)", err=True)
-        report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings)))
+        report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings, identity)))
         typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
         if report.blocking:
             raise typer.Exit(EXIT_BLOCKED)
 
 
-def _pool_check(settings: NodeSettings) -> Callable[[BinaryInfo, HardwareReport], str] | None:
-    """The pool workers' check with this node's key (from its state dir), as `serve` makes it."""
-    if not settings.pool_workers:
+def doctor_identity(settings: NodeSettings) -> NodeIdentity | None:
+    """This node's key, read once for the pool check and the relay probe. Created only for a pool
+    check, as `serve` would create it (the workers check its signature); the relay probe only reads it."""
+    from meshnet_gguf.mesh.identity import NodeIdentity
+
+    if settings.pool_workers:
+        return NodeIdentity.load_or_create(settings.state_dir)
+    if not settings.relay_url:
+        return None
+    try:
+        return NodeIdentity.load(settings.state_dir)
+    except FileNotFoundError:
+        return None
+
+
+def _pool_check(settings: NodeSettings, identity: NodeIdentity | None) -> Callable[[BinaryInfo, HardwareReport], str] | None:
+    """The pool workers' check with this node's key, as `serve` makes it."""
+    if not settings.pool_workers or identity is None:
         return None
     from meshnet_gguf.llama.rpc_status import status_token
-    from meshnet_gguf.mesh.identity import NodeIdentity
     from meshnet_gguf.prepare.pipeline import pool_summary
 
-    identity = NodeIdentity.load_or_create(settings.state_dir)
     return lambda binary, hardware: pool_summary(settings, lambda: status_token(identity.private_key), binary, hardware)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
     from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.mesh.identity import NodeIdentity
 
 
 def settings_from_flags(**flags: Any) -> NodeSettings:
@@ -63,7 +64,7 @@ def register(app: typer.Typer) -> None:
         import anyio
         from pydantic import ValidationError
 
-        from meshnet_gguf.node import build_node
+        from meshnet_gguf.node import build_node, node_identity
         from meshnet_gguf.ops.sd_notify import SystemdNotifier
         from meshnet_gguf.prepare.pipeline import NodeSetupError, prepare_launch
 
@@ -85,9 +86,11 @@ def register(app: typer.Typer) -> None:
         if not dry_run:
             _refuse_a_held_state_dir(settings)
         try:
+            # The node's key, loaded once here and handed to the pool check and to the node.
+            identity = node_identity(settings, dry_run=dry_run)
             # Under systemd a first download can outlast TimeoutStartSec: say what is happening, and extend it.
             with SystemdNotifier.from_environment().extending_start("preparing the model (download and checks)"):
-                launch = prepare_launch(settings, dry_run=dry_run, pool_token=_pool_token(settings))
+                launch = prepare_launch(settings, dry_run=dry_run, pool_token=_pool_token(settings, identity))
         except NodeSetupError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
@@ -96,7 +99,7 @@ def register(app: typer.Typer) -> None:
             return
         try:
             async def run_node() -> int:
-                return await build_node(launch).run()
+                return await build_node(launch, identity).run()
 
             code = anyio.run(run_node, backend_options={"use_uvloop": _uvloop_available()})
         except NodeSetupError as exc:  # e.g. the port is taken, or the mesh link cannot start
@@ -105,14 +108,12 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(code)
 
 
-def _pool_token(settings: NodeSettings) -> Callable[[], str] | None:
+def _pool_token(settings: NodeSettings, identity: NodeIdentity | None) -> Callable[[], str] | None:
     """Status tokens for the pool workers, signed by this node's key (whose public half the workers were given)."""
-    if not settings.pool_workers:
+    if not settings.pool_workers or identity is None:
         return None
     from meshnet_gguf.llama.rpc_status import status_token
-    from meshnet_gguf.mesh.identity import NodeIdentity
 
-    identity = NodeIdentity.load_or_create(settings.state_dir)
     typer.echo(f"pool: this node's public key for `meshnet-gguf worker --node-key`: {identity.public_key_text}", err=True)
     return lambda: status_token(identity.private_key)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import anyio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -16,21 +14,19 @@ from meshnet_gguf.mesh.relay_link import RelayEndpoint, RelayProtocolError, Rela
 DOCTOR_PROBE_TIMEOUT_S = 10.0
 
 
-def check_relay(settings: NodeSettings) -> list[Finding]:
-    """Can this node attach at its relay with its key? Probes with a work connection, so a running
-    node's tunnel is left alone (a control connection would replace it)."""
+def check_relay(settings: NodeSettings, identity: NodeIdentity | None) -> list[Finding]:
+    """Can this node attach at its relay with its key (`identity`, None when the node never started)?
+    Probes with a work connection, so a running node's tunnel is left alone (a control connection
+    would replace it)."""
     if not settings.relay_url:
         return [Finding("relay", "skip", "no relay configured: the tracker reaches this node at its own address")]
     try:
         endpoint = RelayEndpoint.parse(settings.relay_url)
     except ValueError as exc:
         return [Finding("relay", "fail", str(exc), "", "set --relay / MESHNET_RELAY_URL to http://host:port")]
-    # Read only: doctor never creates the node's key. A node that never started probes with a
-    # throwaway key, which tells whether the relay admits a node at all.
-    try:
-        identity = NodeIdentity.load(Path(settings.state_dir))
-        whose = "this node's key"
-    except FileNotFoundError:
+    # A node that never started probes with a throwaway key, which tells whether the relay admits a node at all.
+    whose = "this node's key"
+    if identity is None:
         identity = NodeIdentity.from_private_key(Ed25519PrivateKey.generate())
         whose = "a node key (this node has none yet: it creates one on its first start)"
     try:
