@@ -45,6 +45,7 @@ from meshnet_gguf.mesh.receipts import LedgerUsageSink
 from meshnet_gguf.node import build_proxy
 from meshnet_gguf.ops.metrics import NodeMetrics
 from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.proxy import ProxyApp
 from meshnet_gguf.serving.status_page import RecentRequests
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
@@ -139,11 +140,13 @@ def build(mode_name: str, state_dir: Path, upstream: InstantUpstream, body: byte
             return {ROUTE_HEADER.lower(): encode_token(claims, tracker)}
 
         headers = routed
+    settings = NodeSettings()
     app = build_proxy(
-        NodeSettings(),
+        settings,
         upstream=lambda: target,
         client=upstream,  # type: ignore[arg-type]
         admission=admission,
+        prompt_counter=PromptCounter(upstream, settings.retry_after_s),  # type: ignore[arg-type]
         model_name=MODEL,
         health=lambda: HealthReport(state="ready", model=MODEL, slots_total=8, slots_busy=admission.in_flight),
         usage_sinks=sinks,

@@ -114,8 +114,10 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
 
     upstream_client = make_upstream_client(settings.upstream_client, settings.parallel)
     relay = _relay_link(settings, identity) if settings.relay_url and identity else None
-    # A meshed node bills a prompt its previous run died before counting, from the body kept in the ledger.
-    count_prompt = stored_prompt_counter(upstream, PromptCounter(upstream_client, settings.retry_after_s))
+    # One counter of prompts, for the proxy's requests and, meshed, for a prompt the previous run died
+    # before counting (its body kept in the ledger).
+    prompt_counter = PromptCounter(upstream_client, settings.retry_after_s)
+    count_prompt = stored_prompt_counter(upstream, prompt_counter)
     mesh = (
         _mesh_link(launch, identity, health, relay.attachment() if relay else None, count_prompt)
         if settings.tracker and identity
@@ -149,6 +151,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         upstream=upstream,
         client=upstream_client,
         admission=admission,
+        prompt_counter=prompt_counter,
         model_name=launch.model_name,
         model_aliases=launch.model_aliases,
         health=health,
@@ -203,6 +206,7 @@ def build_proxy(
     upstream: Callable[[], UpstreamTarget | None],
     client: UpstreamClient,
     admission: Admission,
+    prompt_counter: PromptCounter,
     model_name: str,
     health: Callable[[], HealthReport],
     model_aliases: Sequence[str] = (),
@@ -221,6 +225,7 @@ def build_proxy(
         upstream=upstream,
         client=client,
         admission=admission,
+        prompt_counter=prompt_counter,
         limits=limits,
         model_name=model_name,
         model_aliases=model_aliases,

@@ -143,12 +143,14 @@ async def serve_front(
     def target() -> UpstreamTarget | None:
         return UpstreamTarget(upstream[0], LLAMA_KEY) if upstream[0] else None
 
+    prompt_counter = PromptCounter(client, RETRY_AFTER_S)
+
     if tracker is not None:
         assert state_dir is not None
         identity = NodeIdentity.load_or_create(state_dir)
         ledger = UsageLedger.in_state_dir(state_dir)
         gate = RouteGate(identity.node_id, MODEL_ID, TOTAL_LAYERS, tracker.key.public_key())
-        count_prompt = stored_prompt_counter(target, PromptCounter(client, RETRY_AFTER_S))
+        count_prompt = stored_prompt_counter(target, prompt_counter)
         journal = LedgerUsageSink(ledger, identity, count_prompt=count_prompt)
         mode = MeshedMode(gate, journal, retry_after_s=RETRY_AFTER_S, api_key=api_key)
         sinks.append(journal)
@@ -158,6 +160,7 @@ async def serve_front(
         upstream=target,
         client=client,
         admission=admission,
+        prompt_counter=prompt_counter,
         model_name=MODEL_ID,
         health=lambda: HealthReport(state="ready", model=MODEL_ID, slots_total=slots, slots_busy=admission.in_flight),
         usage_sinks=sinks,

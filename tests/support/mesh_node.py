@@ -29,6 +29,7 @@ from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_addr
 from meshnet_gguf.node import build_mesh_link, build_proxy
 from meshnet_gguf.prepare.announcement import model_layout, shard_digests
 from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from support.loopback import serve_asgi
 
@@ -120,6 +121,7 @@ class MeshNode:
             upstream=lambda: UpstreamTarget(llama.url, FAKE_LLAMA_KEY) if self.state == "ready" else None,
             client=self.upstream_client,
             admission=self.admission,
+            prompt_counter=PromptCounter(self.upstream_client, self.settings.retry_after_s),
             model_name=MODEL,
             health=self.health,
             usage_sinks=[self.link.usage_sink],

@@ -27,6 +27,7 @@ from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.upstream import UpstreamClient
 from meshnet_gguf.node import build_proxy as build_node_proxy
 from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.proxy import ProxyApp
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from support.fake_upstream import ALIAS, FakeLlamaUpstream
@@ -94,6 +95,7 @@ def build_proxy(
         upstream=target,
         client=real_client or fake,
         admission=admission,
+        prompt_counter=PromptCounter(real_client or fake, RETRY_AFTER_S),
         model_name=ALIAS,
         health=health,
         usage_sinks=[*extra_sinks, sink],

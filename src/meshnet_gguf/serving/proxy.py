@@ -106,6 +106,7 @@ class ProxyApp:
         upstream: Callable[[], UpstreamTarget | None],
         client: UpstreamClient,
         admission: Admission,
+        prompt_counter: PromptCounter,
         limits: ProxyLimits,
         model_name: str,
         health: Callable[[], HealthReport],
@@ -125,7 +126,7 @@ class ProxyApp:
         self._health = health
         self._usage_sinks = tuple(usage_sinks)
         self._mode = mode
-        self._counter = PromptCounter(client, limits.retry_after_s)
+        self._counter = prompt_counter
         self._extra_get_routes = dict(extra_get_routes or {})
         self._query_get_routes = dict(query_get_routes or {})
         # Told (path, status) of each request refused before reaching llama-server: such
