@@ -44,7 +44,7 @@ from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
 from meshnet_gguf.mesh.receipts import LedgerUsageSink
 from meshnet_gguf.node import build_proxy
 from meshnet_gguf.ops.metrics import NodeMetrics
-from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.proxy import ProxyApp
 from meshnet_gguf.serving.status_page import RecentRequests
@@ -113,9 +113,9 @@ class InstantUpstream:
 
 
 def build(mode_name: str, state_dir: Path, upstream: InstantUpstream, body: bytes) -> tuple[ProxyApp, Callable[[], dict[str, str]], UsageLedger | None]:
-    admission = Admission(slots=8)
+    slots = Slots(total=8)
     target = UpstreamTarget("http://127.0.0.1:1", "llama-key")
-    sinks: list[Any] = [UsageStats(), RecentRequests(), UsageLog(), NodeMetrics(in_flight=lambda: admission.in_flight)]
+    sinks: list[Any] = [UsageStats(), RecentRequests(), UsageLog(), NodeMetrics(in_flight=lambda: slots.in_flight)]
     mode = None
     ledger = None
     headers: Callable[[], dict[str, str]] = lambda: {}  # noqa: E731
@@ -145,10 +145,10 @@ def build(mode_name: str, state_dir: Path, upstream: InstantUpstream, body: byte
         settings,
         upstream=lambda: target,
         client=upstream,  # type: ignore[arg-type]
-        admission=admission,
+        slots=slots,
         prompt_counter=PromptCounter(upstream, settings.retry_after_s),  # type: ignore[arg-type]
         model_name=MODEL,
-        health=lambda: HealthReport(state="ready", model=MODEL, slots_total=8, slots_busy=admission.in_flight),
+        health=lambda: HealthReport(state="ready", model=MODEL, slots_total=8, slots_busy=slots.in_flight),
         usage_sinks=sinks,
         mode=mode,
     )

@@ -38,7 +38,7 @@ from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
 from meshnet_gguf.prepare.announcement import ModelFactsError, hardware_summary, model_layout, shard_digests
 from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
-from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
 from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
@@ -79,7 +79,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
     watchdog_s = watchdog_interval()
     notifier = SystemdNotifier.from_environment(unset=True)
 
-    admission = Admission(slots=settings.parallel)
+    slots = Slots(total=settings.parallel)
     usage_stats = UsageStats()
     recent_requests = RecentRequests()
     # The health report reads the node built at the end of this function; nothing asks for it before.
@@ -90,7 +90,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         model_bytes=model_file_bytes(launch.model_path),
         load_stall_timeout_s=settings.load_stall_timeout_s,
         drain_grace_s=settings.drain_grace_s,
-        admission=admission,
+        slots=slots,
         notifier=notifier,
         watchdog_s=watchdog_s,
         health=health,
@@ -131,10 +131,10 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         return await fetch_llama_metrics(upstream_client, target.base_url, target.api_key)
 
     metrics = NodeMetrics(
-        in_flight=lambda: admission.in_flight,
-        # Admission gives each request in flight one llama-server slot.
-        slots_busy=lambda: admission.in_flight,
-        slots_total=lambda: admission.slots,
+        in_flight=lambda: slots.in_flight,
+        # Each request in flight holds one llama-server slot.
+        slots_busy=lambda: slots.in_flight,
+        slots_total=lambda: slots.total,
         supervisor_state=lambda: supervisor.state,
         restarts=lambda: supervisor.restarts,
         outbox_depth=mesh.outbox_depth if mesh else None,
@@ -150,7 +150,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         settings,
         upstream=upstream,
         client=upstream_client,
-        admission=admission,
+        slots=slots,
         prompt_counter=prompt_counter,
         model_name=launch.model_name,
         model_aliases=launch.model_aliases,
@@ -192,7 +192,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         # and last the state dir's lock, so a second node cannot start while this one still stops.
         parts=[supervisor, http, *([mesh] if mesh else []), *([relay] if relay else []), *([pool] if pool else []), operations, state_lock],
         supervisor=supervisor,
-        admission=admission,
+        slots=slots,
         usage_stats=usage_stats,
         drain_grace_s=settings.drain_grace_s,
         on_close=upstream_client.aclose,
@@ -205,7 +205,7 @@ def build_proxy(
     *,
     upstream: Callable[[], UpstreamTarget | None],
     client: UpstreamClient,
-    admission: Admission,
+    slots: Slots,
     prompt_counter: PromptCounter,
     model_name: str,
     health: Callable[[], HealthReport],
@@ -224,7 +224,7 @@ def build_proxy(
     return ProxyApp(
         upstream=upstream,
         client=client,
-        admission=admission,
+        slots=slots,
         prompt_counter=prompt_counter,
         limits=limits,
         model_name=model_name,
@@ -402,7 +402,7 @@ class Node:
         launch: PreparedLaunch,
         parts: Sequence[NodePart],
         supervisor: Supervisor,
-        admission: Admission,
+        slots: Slots,
         usage_stats: UsageStats,
         drain_grace_s: float,
         on_close: Callable[[], Awaitable[None]] | None = None,
@@ -410,7 +410,7 @@ class Node:
         self.launch = launch
         self.parts = tuple(parts)
         self.supervisor = supervisor
-        self.admission = admission
+        self.slots = slots
         self.usage_stats = usage_stats
         self.drain_grace_s = drain_grace_s
         self._on_close = on_close
@@ -423,12 +423,12 @@ class Node:
     def health_report(self) -> HealthReport:
         sup = self.supervisor
         report = HealthReport(
-            state="draining" if self.admission.draining else sup.state,
+            state="draining" if self.slots.draining else sup.state,
             detail=sup.detail,
             model=self.launch.model_name,
             quant=self.launch.quant,
-            slots_total=self.admission.slots,
-            slots_busy=self.admission.in_flight,
+            slots_total=self.slots.total,
+            slots_busy=self.slots.in_flight,
             uptime_s=time.monotonic() - self.started,
             restarts=sup.restarts,
             recent_tokens_per_s=self.usage_stats.recent_tokens_per_s(),
@@ -476,7 +476,7 @@ class Node:
                 self.request_shutdown(force=True)
 
     async def _drain(self) -> None:
-        self.admission.draining = True
+        self.slots.draining = True
         for part in self.parts:
             try:
                 await part.drain()
@@ -484,14 +484,14 @@ class Node:
                 log.exception("draining %s failed", part.name)
         if self._force:
             return
-        admission = self.admission
-        if admission.in_flight:
-            log.info("draining: %d request(s) in flight, waiting up to %.0f s", admission.in_flight, self.drain_grace_s)
+        slots = self.slots
+        if slots.in_flight:
+            log.info("draining: %d request(s) in flight, waiting up to %.0f s", slots.in_flight, self.drain_grace_s)
         deadline = time.monotonic() + self.drain_grace_s
-        while admission.in_flight and time.monotonic() < deadline and not self._force:
+        while slots.in_flight and time.monotonic() < deadline and not self._force:
             await anyio.sleep(DRAIN_POLL_S)
-        if admission.in_flight:
-            log.warning("drain grace over: cutting %d request(s) short", admission.in_flight)
+        if slots.in_flight:
+            log.warning("drain grace over: cutting %d request(s) short", slots.in_flight)
 
     async def _close(self, part: NodePart) -> None:
         with anyio.CancelScope(shield=True):

@@ -137,11 +137,11 @@ async def test_a_served_route_is_kept_to_its_own_expiry_and_an_unwritable_ledger
 async def test_a_replayed_route_is_refused_before_its_prompt_is_counted_or_a_slot_taken(
     fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshnet_gguf.serving.admission import Admission
+    from meshnet_gguf.serving.slots import Slots
     from meshnet_gguf.serving.prompt_count import PromptCounter
 
     work: list[str] = []
-    counted, acquire = PromptCounter.count, Admission.try_acquire
+    counted, acquire = PromptCounter.count, Slots.try_acquire
 
     async def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         work.append("prompt counted")
@@ -152,7 +152,7 @@ async def test_a_replayed_route_is_refused_before_its_prompt_is_counted_or_a_slo
         return acquire(self, *args, **kwargs)
 
     monkeypatch.setattr(PromptCounter, "count", counting)
-    monkeypatch.setattr(Admission, "try_acquire", acquiring)
+    monkeypatch.setattr(Slots, "try_acquire", acquiring)
     child = LlamaChild(fake_llama, tiny_gguf)
     tracker = Tracker()
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()

@@ -289,7 +289,7 @@ async def test_least_busy_node_gets_the_next_request(tracker, tmp_path: Path, ti
             async with http.stream("POST", url + "/v1/chat/completions", json=body) as held:
                 held_chunks = held.aiter_raw()  # keep a reference: a dropped iterator closes the stream
                 await held_chunks.__anext__()
-                busy = a if a.admission.in_flight else b
+                busy = a if a.slots.in_flight else b
                 idle = b if busy is a else a
                 for _ in range(2):
                     answer = await http.post(url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})
@@ -312,7 +312,7 @@ async def test_client_disconnect_closes_the_node_stream(tracker, tmp_path: Path,
                 rid = response.headers["x-meshnet-request-id"]
             await wait_until(lambda: _outcome(http, url, rid, "cancelled"))
             # The node saw its client (the tracker) go: its own record says cancelled, well short of 50.
-            await wait_until(lambda: _true(mesh.admission.in_flight == 0), timeout=5)
+            await wait_until(lambda: _true(mesh.slots.in_flight == 0), timeout=5)
             await wait_until(lambda: _has_receipt(http, url, rid))
             usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
             assert usage["node_finish_reason"] == "cancelled" and usage["node"]["completion_tokens"] < 50

@@ -116,7 +116,7 @@ def fuzz(child: LlamaChild, examples: int) -> Counter[int]:
             assert client.get("/health").status_code == 200
             ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert ok.status_code == 200
-            assert front.app.admission.in_flight == 0
+            assert front.app.slots.in_flight == 0
     return statuses
 
 

@@ -40,7 +40,7 @@ async def test_bad_input_gets_a_clear_error_and_never_reaches_llama_server() -> 
     assert cases["no messages"][1].json()["error"]["code"] == "missing_field"
     assert proxy.upstream.requests == []
     assert proxy.sink.records == []  # refused requests used nothing and are billed nothing
-    assert proxy.admission.in_flight == 0
+    assert proxy.slots.in_flight == 0
     inference_refusals = [s for name, (s, _) in cases.items() if name not in ("unknown route", "wrong method", "wrong method on models")]
     assert [status for _, status in proxy.rejected] == inference_refusals
 
@@ -92,7 +92,7 @@ async def test_every_slot_busy_answers_503_with_retry_after_at_once_and_the_slot
     proxy = build_proxy(slots=1, upstream=upstream)
     async with proxy.exchange("POST", CHAT_PATH, json_body={**CHAT, "stream": True}) as first:
         await first.wait_until(lambda: b'"content":"x"' in first.body)
-        assert proxy.admission.in_flight == 1
+        assert proxy.slots.in_flight == 1
         async with proxy.client() as client:
             second = await client.post(CHAT_PATH, json=CHAT)
             health = (await client.get("/health")).json()
@@ -103,7 +103,7 @@ async def test_every_slot_busy_answers_503_with_retry_after_at_once_and_the_slot
         assert len(upstream.forwarded()) == 1  # the refused one was never forwarded
         upstream.forwarded_answers()[0].release()
         assert (await first.read_to_end()).endswith(b"data: [DONE]\n\n")
-    assert proxy.admission.in_flight == 0
+    assert proxy.slots.in_flight == 0
     assert proxy.rejected == [(CHAT_PATH, 503)]
     async with proxy.client() as client:
         assert (await client.post(CHAT_PATH, json=CHAT)).status_code == 200
@@ -118,7 +118,7 @@ async def test_a_slot_is_free_again_before_the_last_byte_of_an_answer_reaches_th
     async def watching_app(scope, receive, send):  # type: ignore[no-untyped-def]
         async def spy(message):  # type: ignore[no-untyped-def]
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                in_flight_at_last_byte.append(proxy.admission.in_flight)
+                in_flight_at_last_byte.append(proxy.slots.in_flight)
             await send(message)
 
         await app(scope, receive, spy)
@@ -131,7 +131,7 @@ async def test_a_slot_is_free_again_before_the_last_byte_of_an_answer_reaches_th
 
 async def test_a_draining_node_refuses_new_requests_with_retry_after() -> None:
     proxy = build_proxy()
-    proxy.admission.draining = True
+    proxy.slots.draining = True
     async with proxy.client() as client:
         refused = await client.post(CHAT_PATH, json=CHAT)
         health = await client.get("/health")
@@ -169,5 +169,5 @@ async def test_llama_server_not_answering_is_a_503_with_retry_after_and_frees_th
     for response in (whole, streamed, models):
         assert response.status_code == 503 and response.headers["retry-after"] == str(RETRY_AFTER_S)
         assert "not answer" in _error(response)["message"]
-    assert proxy.admission.in_flight == 0
+    assert proxy.slots.in_flight == 0
 

@@ -78,7 +78,7 @@ async def test_a_broken_answer_from_llama_server_is_a_502_and_counts_as_an_error
     async with proxy.client() as client:
         response = await client.post(CHAT_PATH, json=CHAT)
     assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_failed"
-    assert proxy.admission.in_flight == 0 and broken.closed
+    assert proxy.slots.in_flight == 0 and broken.closed
     (record,) = proxy.sink.records
     assert (record.status, record.finish_reason) == (502, "error")
 

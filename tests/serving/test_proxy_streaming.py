@@ -116,12 +116,12 @@ async def test_a_client_hanging_up_frees_the_slot_and_closes_the_upstream_answer
     proxy = build_proxy(slots=1, upstream=FakeLlamaUpstream(Scripted([answer])))
     async with proxy.exchange("POST", CHAT_PATH, json_body=STREAM) as exchange:
         await exchange.wait_until(lambda: answer.held.is_set() and exchange.body.count(b'"content":"x"') == 3)
-        assert proxy.admission.in_flight == 1 and not answer.closed
+        assert proxy.slots.in_flight == 1 and not answer.closed
         exchange.hang_up()
         await exchange.app_done.wait()
     # Closing the upstream answer is what tells llama-server to stop generating.
     assert answer.closed and answer.delivered == 4
-    assert proxy.admission.in_flight == 0
+    assert proxy.slots.in_flight == 0
     (record,) = proxy.sink.records
     assert record.finish_reason == "cancelled" and record.completion_tokens == 3
     async with proxy.client() as client:
@@ -155,7 +155,7 @@ async def test_llama_server_dying_mid_stream_ends_the_client_stream_with_an_erro
     usage = json.loads(tail[1].removeprefix(USAGE_MARK))
     # The role delta is not a token; three content events are three tokens, counted without a usage chunk.
     assert (usage["request_id"], usage["completion_tokens"], usage["finish_reason"]) == ("dies-1", 3, "error")
-    assert proxy.admission.in_flight == 0 and answer.closed
+    assert proxy.slots.in_flight == 0 and answer.closed
     (record,) = proxy.sink.records
     assert (record.finish_reason, record.completion_tokens) == ("error", 3)
 

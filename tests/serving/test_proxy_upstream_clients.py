@@ -92,7 +92,7 @@ async def test_llama_server_dying_mid_stream_ends_the_stream_with_an_error_event
     assert events[-1] == b"data: [DONE]" and events[-3].startswith(b'data: {"error"')
     usage = json.loads(events[-2].removeprefix(USAGE_MARK))
     assert (usage["completion_tokens"], usage["finish_reason"]) == (3, "error")
-    assert proxy.admission.in_flight == 0
+    assert proxy.slots.in_flight == 0
 
 
 async def test_a_client_hanging_up_frees_the_llama_server_slot_at_once(client_kind: str, fake_llama) -> None:  # type: ignore[no-untyped-def]
@@ -113,6 +113,6 @@ async def test_a_client_hanging_up_frees_the_llama_server_slot_at_once(client_ki
                     await anyio.sleep(0.02)
     finally:
         await client.aclose()
-    assert proxy.admission.in_flight == 0
+    assert proxy.slots.in_flight == 0
     (record,) = proxy.sink.records
     assert record.finish_reason == "cancelled" and 3 <= record.completion_tokens < 200

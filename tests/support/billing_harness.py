@@ -33,7 +33,7 @@ from meshnet_gguf.mesh.ledger import UsageLedger
 from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
 from meshnet_gguf.mesh.receipts import LedgerUsageSink
 from meshnet_gguf.node import build_proxy
-from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.admission_modes import StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart
 from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
@@ -154,15 +154,15 @@ async def serve_front(
         journal = LedgerUsageSink(ledger, identity, count_prompt=count_prompt)
         mode = MeshedMode(gate, journal, retry_after_s=RETRY_AFTER_S, api_key=api_key)
         sinks.append(journal)
-    admission = Admission(slots=slots)
+    node_slots = Slots(total=slots)
     app = build_proxy(
         NodeSettings(max_body_bytes=max_body_bytes, retry_after_s=RETRY_AFTER_S),
         upstream=target,
         client=client,
-        admission=admission,
+        slots=node_slots,
         prompt_counter=prompt_counter,
         model_name=MODEL_ID,
-        health=lambda: HealthReport(state="ready", model=MODEL_ID, slots_total=slots, slots_busy=admission.in_flight),
+        health=lambda: HealthReport(state="ready", model=MODEL_ID, slots_total=slots, slots_busy=node_slots.in_flight),
         usage_sinks=sinks,
         mode=mode,
     )

@@ -28,7 +28,7 @@ from meshnet_gguf.mesh.link import MeshnetLink, ServedModel
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
 from meshnet_gguf.node import build_mesh_link, build_proxy
 from meshnet_gguf.prepare.announcement import model_layout, shard_digests
-from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from support.loopback import serve_asgi
@@ -115,12 +115,12 @@ class MeshNode:
         )  # fmt: skip
         self.link = mesh_link(self.settings, tiny_gguf, self.health, slots=slots, relay=self.relay)
         self.upstream_client = make_upstream_client("httpx", slots)
-        self.admission = Admission(slots=slots)
+        self.slots = Slots(total=slots)
         self.proxy = build_proxy(
             self.settings,
             upstream=lambda: UpstreamTarget(llama.url, FAKE_LLAMA_KEY) if self.state == "ready" else None,
             client=self.upstream_client,
-            admission=self.admission,
+            slots=self.slots,
             prompt_counter=PromptCounter(self.upstream_client, self.settings.retry_after_s),
             model_name=MODEL,
             health=self.health,
@@ -131,7 +131,7 @@ class MeshNode:
         self.app = self.proxy
 
     def health(self) -> HealthReport:
-        busy = self.admission.in_flight if hasattr(self, "admission") else 0
+        busy = self.slots.in_flight if hasattr(self, "slots") else 0
         report = HealthReport(state=self.state, model=MODEL, slots_total=self.settings.parallel, slots_busy=busy)
         return self.link.health(report)
 

@@ -26,7 +26,7 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.upstream import UpstreamClient
 from meshnet_gguf.node import build_proxy as build_node_proxy
-from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.proxy import ProxyApp
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
@@ -51,7 +51,7 @@ CHAT_PROMPT_TOKENS = 8
 class ProxyUnderTest:
     app: ProxyApp
     upstream: FakeLlamaUpstream
-    admission: Admission
+    slots: Slots
     sink: RecordingSink
     rejected: list[tuple[str, int]] = field(default_factory=list)
     state: NodeState = "ready"
@@ -76,16 +76,16 @@ def build_proxy(
     """The proxy as the node builds it. It talks to `upstream` (the in-process fake) unless
     given a `real_client`, which it sends to `upstream_url` with the internal key."""
     fake = upstream or FakeLlamaUpstream()
-    admission = Admission(slots=slots)
+    node_slots = Slots(total=slots)
     sink = RecordingSink()
     rejected: list[tuple[str, int]] = []
     holder: dict[str, ProxyUnderTest] = {}
 
     def state() -> NodeState:
-        return "draining" if admission.draining else holder["proxy"].state
+        return "draining" if node_slots.draining else holder["proxy"].state
 
     def health() -> HealthReport:
-        return HealthReport(state=state(), model=ALIAS, slots_total=admission.slots, slots_busy=admission.in_flight)
+        return HealthReport(state=state(), model=ALIAS, slots_total=node_slots.total, slots_busy=node_slots.in_flight)
 
     def target() -> UpstreamTarget | None:
         return UpstreamTarget(upstream_url, INTERNAL_KEY) if holder["proxy"].state == "ready" else None
@@ -94,7 +94,7 @@ def build_proxy(
         NodeSettings(max_body_bytes=MAX_BODY_BYTES, retry_after_s=RETRY_AFTER_S, api_key=api_key),
         upstream=target,
         client=real_client or fake,
-        admission=admission,
+        slots=node_slots,
         prompt_counter=PromptCounter(real_client or fake, RETRY_AFTER_S),
         model_name=ALIAS,
         health=health,
@@ -102,7 +102,7 @@ def build_proxy(
         extra_get_routes=extra_get_routes,
         on_rejected=lambda path, status: rejected.append((path, status)),
     )
-    holder["proxy"] = ProxyUnderTest(app, fake, admission, sink, rejected)
+    holder["proxy"] = ProxyUnderTest(app, fake, node_slots, sink, rejected)
     return holder["proxy"]
 
 

@@ -25,7 +25,7 @@ from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.load_progress import LoadProgress, LoadProgressTracker
 from meshnet_gguf.ops.sd_notify import WATCHDOG_PING_FRACTION, SystemdNotifier
-from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.slots import Slots
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class OperationsPart(BasePart):
         model_bytes: int | None,
         load_stall_timeout_s: float,
         drain_grace_s: float,
-        admission: Admission,
+        slots: Slots,
         notifier: SystemdNotifier,
         watchdog_s: float | None,
         health: Callable[[], HealthReport],
@@ -75,7 +75,7 @@ class OperationsPart(BasePart):
         self._model_bytes = model_bytes
         self._load_stall_timeout_s = load_stall_timeout_s
         self._drain_grace_s = drain_grace_s
-        self._admission = admission
+        self._slots = slots
         self.notifier = notifier
         self._watchdog_s = watchdog_s
         self._health = health
@@ -170,7 +170,7 @@ class OperationsPart(BasePart):
 
     async def drain(self) -> None:
         self.notifier.stopping(
-            f"draining: {self._admission.in_flight} request(s) in flight, up to {self._drain_grace_s:.0f} s"
+            f"draining: {self._slots.in_flight} request(s) in flight, up to {self._drain_grace_s:.0f} s"
         )
 
     async def close(self) -> None:

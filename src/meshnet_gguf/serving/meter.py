@@ -52,7 +52,7 @@ class RequestMeter:
     # The whole answer is being handed to the client: a disconnect from now on is the
     # client closing after it, not a cancellation.
     answered: bool = False
-    # Gives the admission slot back; called just before the answer's last bytes so a
+    # Gives the request's slot back; called just before the answer's last bytes so a
     # client that sends its next request the moment this one ends is not refused.
     release: Callable[[], None] = lambda: None
 

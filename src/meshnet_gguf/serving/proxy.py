@@ -1,7 +1,7 @@
 """The node's public face: a pure-ASGI OpenAI-compatible reverse proxy in front of llama-server.
 
 It admits a request (through its admission mode: standalone or meshed; size and
-JSON checks; one slot per request), forwards it to llama-server with the internal key, streams the answer
+JSON checks; one of its slots per request), forwards it to llama-server with the internal key, streams the answer
 back byte for byte as it arrives, meters a copy, and hands one `UsageRecord`
 per request to the usage sinks. It knows nothing about the child process: it is
 given a callable that says where llama-server is right now, or that it is not.
@@ -38,7 +38,7 @@ from meshnet_gguf.contract.protocol import (
 )
 from meshnet_gguf.contract.sse import DONE_DATA, data_event
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamResponse
-from meshnet_gguf.serving.admission import Admission
+from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.admission_modes import AdmissionMode, RouteGrant, unavailable
 from meshnet_gguf.serving.asgi import (
     CLIENT_CLOSED_STATUS,
@@ -105,7 +105,7 @@ class ProxyApp:
         *,
         upstream: Callable[[], UpstreamTarget | None],
         client: UpstreamClient,
-        admission: Admission,
+        slots: Slots,
         prompt_counter: PromptCounter,
         limits: ProxyLimits,
         model_name: str,
@@ -119,7 +119,7 @@ class ProxyApp:
     ) -> None:
         self._upstream = upstream
         self._client = client
-        self.admission = admission
+        self.slots = slots
         self.limits = limits
         self.model_name = model_name
         self.model_aliases = tuple(model_aliases)
@@ -200,7 +200,7 @@ class ProxyApp:
         request_id_var.set(request_id)
         release: Callable[[], None] | None = None
         try:
-            if self.admission.draining:
+            if self.slots.draining:
                 raise self._unavailable("This node is draining for shutdown; retry on another node")
             # Who may send a body is settled before a byte of it is read.
             grant = self._mode.admit(headers, path)
@@ -216,9 +216,9 @@ class ProxyApp:
             validate_request(path, payload)
             self._check_model(payload.get("model"))
             target = self._ready_target()
-            release = self.admission.try_acquire(1)
+            release = self.slots.try_acquire(1)
             if release is None:
-                raise self._unavailable(f"All {self.admission.slots} slots of this node are busy; retry shortly")
+                raise self._unavailable(f"All {self.slots.total} slots of this node are busy; retry shortly")
             meter = RequestMeter(
                 request_id=request_id,
                 path=path,

@@ -12,7 +12,7 @@ bodies itself:
 - nesting at most `MAX_JSON_DEPTH` levels (never a RecursionError);
 - the types of the keys llama-server does not check itself;
 - one completion per request: `n` / `n_cmpl` above 1 and lists of prompts are
-  refused, since each would run several generations on one admission slot.
+  refused, since each would run several generations on one slot.
 
 `rewrite_top_level` changes top-level keys of a valid body without
 re-serialising the values it keeps, so a valid body never turns invalid on
