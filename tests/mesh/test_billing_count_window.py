@@ -18,6 +18,7 @@ import pytest
 
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.mesh.ledger import RowState
 from support.billing_harness import LlamaChild, Tracker, serve_front
 from support.relay_processes import ledger_rows
 from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F401
@@ -62,7 +63,7 @@ def test_a_node_killed_after_forwarding_and_before_the_count_bills_the_prompt_on
     # llama-server has the request and is generating it: the kill lands before its answer ends.
     wait_for(lambda: forwarded.exists() and forwarded.read_text().strip() != "", "the request forwarded", node.log_path)
     [row] = ledger_rows(node.state_dir)
-    assert row["in_flight"] == 1 and row["prompt"] == 0 and row["has_body"]  # on disk before forwarding, with its body
+    assert row["state"] == RowState.OPEN and row["prompt"] == 0 and row["has_body"]  # on disk before forwarding, with its body
     node.signal(signal.SIGKILL)
     node.wait_exit()
     asker.join(60)
@@ -71,7 +72,7 @@ def test_a_node_killed_after_forwarding_and_before_the_count_bills_the_prompt_on
     restarted = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir)
     wait_for(lambda: ledger_rows(restarted.state_dir)[0]["reported_at"] is not None, "the receipt delivered", restarted.log_path)
     [row] = ledger_rows(restarted.state_dir)
-    assert row["in_flight"] == 0 and row["has_receipt"] and not row["has_body"]
+    assert row["state"] == RowState.SETTLED and row["has_receipt"] and not row["has_body"]
     assert row["prompt"] == EXPECTED_PROMPT_TOKENS and row["finish_reason"] == "error"
     # Billed exactly once: one receipt at the tracker, for the request it forwarded, with the prompt.
     assert tracker.receipt_rows() == [row["request_id"]]
@@ -110,7 +111,7 @@ async def test_llama_server_gone_after_forwarding_and_before_the_count_still_bil
             assert record.prompt_tokens == 0  # the request itself ended without its prompt counted
 
             def settled() -> list[dict[str, object]]:
-                return [r for r in ledger_rows(state) if r["in_flight"] == 0]
+                return [r for r in ledger_rows(state) if r["state"] == RowState.SETTLED]
 
             with anyio.fail_after(30):
                 while not settled():

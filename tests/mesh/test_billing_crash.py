@@ -15,6 +15,7 @@ import pytest
 
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for
+from meshnet_gguf.mesh.ledger import RowState
 from meshnet_gguf.reference.tracker.app import TRACKER_KEY_FILE
 from support.relay_processes import ledger_rows, node_ledger
 from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker, wait_for  # noqa: F401
@@ -56,16 +57,16 @@ def test_a_route_cut_short_by_kill_9_is_refused_after_restart_and_billed_once(  
     node.wait_exit()
     [row] = ledger_rows(node.state_dir)
     # On disk before forwarding, with the body its prompt is counted from at restart.
-    assert row["request_id"] == jti and row["in_flight"] == 1 and row["has_body"]
+    assert row["request_id"] == jti and row["state"] == RowState.OPEN and row["has_body"]
 
     restarted = start_meshed_node(start_node, tracker, tiny_gguf, workdir, MESHNET_TRACKER_PUBLIC_KEY=key)
     replay = httpx.post(restarted.url + "/v1/completions", content=body, headers=headers, timeout=30)
     assert replay.status_code == 403 and replay.json()["error"]["code"] == "route_replayed"
     # Settled once the restarted llama-server has counted the kept body (mesh/receipts.settle_uncounted runs
     # beside the node after start, polling for llama-server every 0.5 s): one row, its prompt billed, one receipt.
-    wait_for(lambda: ledger_rows(restarted.state_dir)[0]["in_flight"] == 0, "the crashed row settled", restarted.log_path)
+    wait_for(lambda: ledger_rows(restarted.state_dir)[0]["state"] == RowState.SETTLED, "the crashed row settled", restarted.log_path)
     [row] = ledger_rows(restarted.state_dir)
-    assert row["in_flight"] == 0 and row["has_receipt"] and row["finish_reason"] == "error" and row["prompt"] == 600
+    assert row["state"] == RowState.SETTLED and row["has_receipt"] and row["finish_reason"] == "error" and row["prompt"] == 600
     # This route was minted by the test, not relayed by the tracker, which refuses its receipt for good.
     wait_for(lambda: ledger_rows(restarted.state_dir)[0]["rejected"] is not None, "the receipt delivered", restarted.log_path)
 
@@ -102,7 +103,7 @@ def test_kill_9_under_concurrent_streams_then_restart_bills_every_request_exactl
     node.wait_exit()
     for t in threads:
         t.join(60)
-    in_flight = [r for r in ledger_rows(node.state_dir) if r["in_flight"]]
+    in_flight = [r for r in ledger_rows(node.state_dir) if r["state"] != RowState.SETTLED]
     assert in_flight, "the kill should catch requests mid-stream"
 
     restarted = start_meshed_node(start_node, tracker, tiny_gguf, workdir, MESHNET_TRACKER_PUBLIC_KEY=key)

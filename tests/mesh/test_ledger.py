@@ -16,7 +16,7 @@ import pytest
 from meshnet_gguf.contract.protocol import FinishReason, UsageRecord
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.common import serial_worker
-from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
+from meshnet_gguf.mesh.ledger import LEDGER_FILE, RowState, UsageLedger
 
 pytestmark = pytest.mark.anyio
 # A disk this slow to sync must never hold the event loop (far above what a loaded machine's scheduler delays a wake-up).
@@ -191,7 +191,7 @@ async def test_a_quick_disk_writes_the_row_before_forwarding_on_the_loop_and_it_
         await ledger.aclose()
     assert threads[0] == "usage-ledger" and threads[1:5] == [threading.main_thread().name] * 4, threads
     with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
-        assert db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0] == 5
+        assert db.execute(f"SELECT COUNT(*) FROM usage WHERE state = {RowState.OPEN:d}").fetchone()[0] == 5
 
 
 @pytest.mark.parametrize("step", ["open", "settle"])
@@ -226,9 +226,9 @@ async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
         other.close()
         await ledger.aclose()
     with sqlite3.connect(path) as db:
-        in_flight = db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 1").fetchone()[0]
-        settled = db.execute("SELECT COUNT(*) FROM usage WHERE in_flight = 0 AND receipt != ''").fetchone()[0]
-    assert (in_flight, settled) == ((3, 0) if step == "open" else (1, 1))
+        opened = db.execute(f"SELECT COUNT(*) FROM usage WHERE state = {RowState.OPEN:d}").fetchone()[0]
+        settled = db.execute(f"SELECT COUNT(*) FROM usage WHERE state = {RowState.SETTLED:d} AND receipt != ''").fetchone()[0]
+    assert (opened, settled) == ((3, 0) if step == "open" else (1, 1))
 
 
 @pytest.mark.parametrize("which", ["node", "tracker"])

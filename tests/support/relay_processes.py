@@ -17,7 +17,7 @@ import httpx
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
-from meshnet_gguf.mesh.ledger import LEDGER_FILE
+from meshnet_gguf.mesh.ledger import LEDGER_FILE, RowState
 
 WAIT_S = 30.0
 HEARTBEAT_S = 1.0
@@ -119,7 +119,7 @@ def node_ledger(state_dir: Path) -> dict[str, dict[str, Any]]:
         return {}
     return {
         row["request_id"]: {
-            "reported": row["reported_at"] is not None, "settled": not row["in_flight"],
+            "reported": row["reported_at"] is not None, "settled": row["state"] == RowState.SETTLED,
             "prompt": row["prompt"], "completion": row["completion"],
         }
         for row in ledger_rows(state_dir)
@@ -128,7 +128,7 @@ def node_ledger(state_dir: Path) -> dict[str, dict[str, Any]]:
 
 # What `ledger_rows` reads of each usage row: name -> SQL expression.
 LEDGER_COLUMNS = {
-    "request_id": "request_id", "in_flight": "in_flight", "prompt": "prompt_tokens", "completion": "completion_tokens",
+    "request_id": "request_id", "state": "state", "prompt": "prompt_tokens", "completion": "completion_tokens",
     "finish_reason": "finish_reason", "has_receipt": "receipt != ''", "has_body": "prompt_body IS NOT NULL",
     "reported_at": "reported_at", "rejected": "rejected",
 }  # fmt: skip

@@ -5,7 +5,7 @@ call runs the stdlib `sqlite3` on the ledger's own thread (`SerialWorker`), so t
 event loop never waits on the disk, and a call, once started, completes even
 if its caller is cancelled: a row is written whole or not at all.
 
-A row is *opened* (`in_flight` = 1, no receipt yet) before the request is
+A row is *opened* (`state` OPEN, no receipt yet) before the request is
 forwarded, durably, with what is known then: until when the route that paid for it
 stays valid, and the request's body (`prompt_body`), from which its prompt can be
 counted. That row is what refuses a replayed route after a restart, and what bills
@@ -13,11 +13,11 @@ a request the node was killed in the middle of. The prompt is counted beside the
 generation; the count is *noted* in the row (and the body dropped) before the
 answer's first byte leaves the node. That write need not reach the platter: were it
 lost, the body is still on disk and is counted again. The row is *settled*
-(`in_flight` = 0, receipt set) when the request ends, or, for a row a crash left
+(`state` SETTLED, receipt set) when the request ends, or, for a row a crash left
 open, when the node starts again: at once when its count is in the row, else once
 llama-server can count the body. A request that ended without its prompt counted
-(llama-server went away between forwarding and the count) is *parked* (`in_flight`
-= 2, its final record in, its body kept) until llama-server counts the body.
+(llama-server went away between forwarding and the count) is *parked* (`state`
+PARKED, its final record in, its body kept) until llama-server counts the body.
 
 A settled row is *pending* until the tracker acknowledges it (`reported_at` set)
 or refuses it for good (`rejected` set). Pending rows are the outbox; they live
@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 from typing import TypeVar
 
@@ -44,15 +45,25 @@ LEDGER_FILE = "usage.sqlite3"
 # Another process (`meshnet-gguf usage`, a backup) may hold a lock briefly; wait rather than fail.
 BUSY_TIMEOUT_S = 10.0
 BUSY_TIMEOUT_MS = int(BUSY_TIMEOUT_S * 1000)
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
+
+class RowState(IntEnum):
+    """Where a request's row stands: the `state` column (integers on disk, as schema 3's `in_flight` held them)."""
+
+    SETTLED = 0  # the request ended: receipt set, in the outbox until reported or rejected
+    OPEN = 1  # written before forwarding: no receipt yet
+    PARKED = 2  # ended before its prompt was counted: final record in, body kept until it is
+
+
+# A new ledger's table; an older one is brought to it by `_upgrade`.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
     request_id        TEXT PRIMARY KEY,
     recorded_at       REAL NOT NULL,
     started_at        REAL NOT NULL,
     model             TEXT NOT NULL,
-    route             TEXT NOT NULL,
+    path              TEXT NOT NULL,
     status            INTEGER NOT NULL,
     stream            INTEGER NOT NULL,
     prompt_tokens     INTEGER NOT NULL,
@@ -66,27 +77,35 @@ CREATE TABLE IF NOT EXISTS usage (
 );
 CREATE INDEX IF NOT EXISTS usage_started ON usage (started_at);
 """
-# Added in schemas 2 and 3 (an older ledger gains them in place).
+# Renamed in schema 4, old name -> new: `route` held the request's HTTP path (beside
+# `route_expires_at`, the signed route's), and `in_flight` held three states, not a flag.
+_RENAMED_V4 = {"route": "path", "in_flight": "state"}
+# Added in schemas 2 and 3 (an older ledger gains them in place; schema 1's rows are all settled).
 _COLUMNS_V2 = {
-    "in_flight": "INTEGER NOT NULL DEFAULT 0",
+    "state": f"INTEGER NOT NULL DEFAULT {RowState.SETTLED:d}",
     "route_expires_at": "REAL",
     # The request body of an open row whose prompt is not counted yet; NULL once counted or settled.
     "prompt_body": "BLOB",
 }
-_INDEXES_V2 = """
+_OUTBOX = f"reported_at IS NULL AND rejected IS NULL AND state = {RowState.SETTLED:d}"
+# The partial indexes' conditions are the queries' own, so the planner uses them.
+_INDEXES = f"""
 DROP INDEX IF EXISTS usage_outbox;
-CREATE INDEX IF NOT EXISTS usage_outbox2 ON usage (recorded_at) WHERE reported_at IS NULL AND rejected IS NULL AND in_flight = 0;
-CREATE INDEX IF NOT EXISTS usage_in_flight ON usage (started_at) WHERE in_flight = 1;
+DROP INDEX IF EXISTS usage_outbox2;
+DROP INDEX IF EXISTS usage_in_flight;
+CREATE INDEX IF NOT EXISTS usage_pending ON usage (recorded_at) WHERE {_OUTBOX};
+CREATE INDEX IF NOT EXISTS usage_open ON usage (started_at) WHERE state = {RowState.OPEN:d};
 CREATE INDEX IF NOT EXISTS usage_route_expiry ON usage (route_expires_at) WHERE route_expires_at IS NOT NULL;
 """
-_OUTBOX = "reported_at IS NULL AND rejected IS NULL AND in_flight = 0"
-# The in-flight row, written (synced) before a request is forwarded.
+# The open row, written (synced) before a request is forwarded.
 _OPEN_ROW = (
-    "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
+    "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, path, status, stream,"
     " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt,"
-    " in_flight, route_expires_at, prompt_body)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', 1, ?, ?)"
+    " state, route_expires_at, prompt_body)"
+    f" VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', {RowState.OPEN:d}, ?, ?)"
 )
+_OPEN = f"state = {RowState.OPEN:d}"
+_SETTLED = f"state = {RowState.SETTLED:d}"
 
 T = TypeVar("T")
 
@@ -132,11 +151,8 @@ class UsageLedger:
         self._db.execute("PRAGMA synchronous=FULL")
         with self._lock:
             self._db.executescript(_SCHEMA)
-            present = {row[1] for row in self._db.execute("PRAGMA table_info(usage)")}
-            for column, decl in _COLUMNS_V2.items():
-                if column not in present:
-                    self._db.execute(f"ALTER TABLE usage ADD COLUMN {column} {decl}")
-            self._db.executescript(_INDEXES_V2)
+            _upgrade(self._db)
+            self._db.executescript(_INDEXES)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         # Rows go in on the event loop when quick: no commit there may be the one that checkpoints.
         self._checkpoints = WalCheckpoints(self._db, self._lock, self._worker)
@@ -147,7 +163,7 @@ class UsageLedger:
 
     # --- async API (what the node uses) -------------------------------------------
     async def open_request(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
-        """Write the in-flight row before the request is forwarded; False when the id is already there.
+        """Write the open row before the request is forwarded; False when the id is already there.
 
         The request waits for this synced row, so it is written on the event loop itself while the
         disk is quick and the writer thread idle (`SerialWorker.run_inline_when_quick`)."""
@@ -208,7 +224,7 @@ class UsageLedger:
         """Not synced to the platter (see the module doc): the body stays durable until a synced write follows."""
         with self._lock:
             row = self._db.execute(
-                "SELECT record_json FROM usage WHERE request_id = ? AND in_flight = 1", (request_id,)
+                f"SELECT record_json FROM usage WHERE request_id = ? AND {_OPEN}", (request_id,)
             ).fetchone()
             if row is None:
                 return False
@@ -216,19 +232,19 @@ class UsageLedger:
             self._db.execute("PRAGMA synchronous=NORMAL")
             try:
                 cursor = self._db.execute(
-                    "UPDATE usage SET prompt_tokens = ?, record_json = ?, prompt_body = NULL WHERE request_id = ? AND in_flight = 1",
+                    f"UPDATE usage SET prompt_tokens = ?, record_json = ?, prompt_body = NULL WHERE request_id = ? AND {_OPEN}",
                     (prompt_tokens, record.model_dump_json(), request_id),
                 )
             finally:
                 self._db.execute("PRAGMA synchronous=FULL")
             return cursor.rowcount == 1
 
-    def in_flight_sync(self) -> list[UsageRecord]:
+    def open_counted_sync(self) -> list[UsageRecord]:
         """Records of requests opened but never settled whose prompt count is in the row: a previous run
         died while they ran."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT record_json FROM usage WHERE in_flight = 1 AND prompt_body IS NULL ORDER BY started_at"
+                f"SELECT record_json FROM usage WHERE {_OPEN} AND prompt_body IS NULL ORDER BY started_at"
             ).fetchall()
         return [UsageRecord.model_validate_json(r[0]) for r in rows]
 
@@ -236,7 +252,7 @@ class UsageLedger:
         """Rows (open or parked) a previous run left before their prompt was counted: each record with its request body."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT record_json, prompt_body FROM usage WHERE in_flight != 0 AND prompt_body IS NOT NULL ORDER BY started_at"
+                f"SELECT record_json, prompt_body FROM usage WHERE NOT {_SETTLED} AND prompt_body IS NOT NULL ORDER BY started_at"
             ).fetchall()
         return [(UsageRecord.model_validate_json(record_json), bytes(body)) for record_json, body in rows]
 
@@ -248,14 +264,14 @@ class UsageLedger:
     def park_sync(self, record: UsageRecord) -> bytes | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT prompt_body FROM usage WHERE request_id = ? AND in_flight = 1 AND prompt_body IS NOT NULL",
+                f"SELECT prompt_body FROM usage WHERE request_id = ? AND {_OPEN} AND prompt_body IS NOT NULL",
                 (record.request_id,),
             ).fetchone()
             if row is None:
                 return None
             self._db.execute(
-                "UPDATE usage SET record_json = ?, status = ?, completion_tokens = ?, finish_reason = ?, in_flight = 2"
-                " WHERE request_id = ? AND in_flight = 1",
+                f"UPDATE usage SET record_json = ?, status = ?, completion_tokens = ?, finish_reason = ?, state = {RowState.PARKED:d}"
+                f" WHERE request_id = ? AND {_OPEN}",
                 (record.model_dump_json(), record.status, record.completion_tokens, record.finish_reason, record.request_id),
             )
             return bytes(row[0])
@@ -266,15 +282,15 @@ class UsageLedger:
             raise ValueError(f"receipt {receipt.request_id} does not belong to record {record.request_id}")
         with self._lock:
             cursor = self._db.execute(
-                "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, route = ?, status = ?, stream = ?,"
+                "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, path = ?, status = ?, stream = ?,"
                 " prompt_tokens = ?, cached_tokens = ?, completion_tokens = ?, finish_reason = ?, record_json = ?,"
-                " receipt = ?, in_flight = 0, prompt_body = NULL WHERE request_id = ? AND in_flight != 0",
+                f" receipt = ?, {_SETTLED}, prompt_body = NULL WHERE request_id = ? AND NOT {_SETTLED}",
                 (*_record_columns(record)[1:], receipt.token, record.request_id),
             )
             if cursor.rowcount == 1:
                 return True
             cursor = self._db.execute(
-                "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, route, status, stream,"
+                "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, path, status, stream,"
                 " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (*_record_columns(record), receipt.token),
@@ -313,7 +329,7 @@ class UsageLedger:
             return cursor.rowcount
 
     def entries_sync(self, limit: int = 50, pending_only: bool = False) -> list[LedgerEntry]:
-        where = f"WHERE {_OUTBOX}" if pending_only else "WHERE in_flight = 0"
+        where = f"WHERE {_OUTBOX}" if pending_only else f"WHERE {_SETTLED}"
         with self._lock:
             rows = self._db.execute(
                 f"SELECT record_json, request_id, receipt, recorded_at, reported_at, rejected FROM usage {where}"
@@ -338,7 +354,7 @@ class UsageLedger:
                 " COALESCE(SUM(completion_tokens), 0),"
                 " COALESCE(SUM(finish_reason = 'error'), 0), COALESCE(SUM(finish_reason = 'cancelled'), 0),"
                 " COALESCE(SUM(reported_at IS NOT NULL), 0), COALESCE(SUM(rejected IS NOT NULL), 0)"
-                " FROM usage WHERE in_flight = 0"
+                f" FROM usage WHERE {_SETTLED}"
             ).fetchone()
         count, prompt, cached, completion, errors, cancelled, reported, rejected = row
         return LedgerTotals(
@@ -377,9 +393,21 @@ class UsageLedger:
         self._worker.stop()  # its thread ends after this call
 
 
+def _upgrade(db: sqlite3.Connection) -> None:
+    """Bring a ledger an older version made to this schema, in place, its rows kept."""
+    present = {row[1] for row in db.execute("PRAGMA table_info(usage)")}
+    for old, new in _RENAMED_V4.items():
+        if old in present and new not in present:
+            db.execute(f"ALTER TABLE usage RENAME COLUMN {old} TO {new}")
+    present = {row[1] for row in db.execute("PRAGMA table_info(usage)")}
+    for column, decl in _COLUMNS_V2.items():
+        if column not in present:
+            db.execute(f"ALTER TABLE usage ADD COLUMN {column} {decl}")
+
+
 def _record_columns(record: UsageRecord) -> tuple[object, ...]:
-    """(request_id, recorded_at, started_at, model, route, status, stream, prompt, cached, completion,
-    finish_reason, record_json), in the table's column order."""
+    """(request_id, recorded_at, started_at, model, path, status, stream, prompt, cached, completion,
+    finish_reason, record_json), in the table's column order (the record's `route` is its HTTP path)."""
     return (
         record.request_id,
         time.time(),

@@ -166,7 +166,7 @@ def settle_interrupted(ledger: UsageLedger, identity: NodeIdentity) -> int:
     llama-server ends with exactly one settled row and one receipt. Rows killed before
     their count landed wait for `settle_uncounted`, once llama-server can count them.
     """
-    return sum(_settle_cut(ledger, identity, record) for record in ledger.in_flight_sync())
+    return sum(_settle_cut(ledger, identity, record) for record in ledger.open_counted_sync())
 
 
 async def settle_uncounted(
