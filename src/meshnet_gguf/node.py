@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
     from meshnet_gguf.contract.protocol import RelayAttachment
     from meshnet_gguf.mesh.identity import NodeIdentity
-    from meshnet_gguf.mesh.link import DescribeModel, MeshnetLink, ServedModel
+    from meshnet_gguf.mesh.tracker_link import DescribeModel, ServedModel, TrackerLink
     from meshnet_gguf.mesh.relay_link import RelayLink
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,8 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
     # before counting (its body kept in the ledger).
     prompt_counter = PromptCounter(upstream_client, settings.retry_after_s)
     count_prompt = stored_prompt_counter(upstream, prompt_counter)
-    mesh = (
-        _mesh_link(launch, identity, health, relay.attachment() if relay else None, count_prompt)
+    tracker_link = (
+        _tracker_link(launch, identity, health, relay.attachment() if relay else None, count_prompt)
         if settings.tracker and identity
         else None
     )
@@ -137,7 +137,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         slots_total=lambda: slots.total,
         supervisor_state=lambda: supervisor.state,
         restarts=lambda: supervisor.restarts,
-        outbox_depth=mesh.outbox_depth if mesh else None,
+        outbox_depth=tracker_link.outbox_depth if tracker_link else None,
         load_progress=operations.load_fraction,
         info=lambda: {"version": __version__, "model": launch.model_name, "llama_build": launch.binary.build or "unknown"},
         llama_metrics=llama_metrics if LLAMA_METRICS_FLAG in launch.child.args else None,
@@ -155,10 +155,10 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         model_name=launch.model_name,
         model_aliases=launch.model_aliases,
         health=health,
-        usage_sinks=[usage_stats, recent_requests, UsageLog(), metrics, *([mesh.usage_sink] if mesh else [])],
-        mode=mesh.admission_mode if mesh else None,
+        usage_sinks=[usage_stats, recent_requests, UsageLog(), metrics, *([tracker_link.usage_sink] if tracker_link else [])],
+        mode=tracker_link.admission_mode if tracker_link else None,
         extra_get_routes={METRICS_PATH: metrics.scrape},
-        query_get_routes=dict([mesh.control_route]) if mesh else None,
+        query_get_routes=dict([tracker_link.control_route]) if tracker_link else None,
         on_rejected=metrics.count_request,
     )
     # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
@@ -166,7 +166,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
     # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the
     # tracker's), and only where llama-server has its web UI (a build without npm has none).
     features = launch.features
-    chat = mesh is None and (features is None or features.web_ui is not False)
+    chat = tracker_link is None and (features is None or features.web_ui is not False)
     pages = NodePages(
         guarded,
         status=StatusSource(
@@ -175,7 +175,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
             llama_server=f"{launch.binary.describe()}; {features.describe()}" if features else launch.binary.describe(),
         ),  # fmt: skip
         access=PageAccess(
-            api_key=settings.api_key, meshed=mesh is not None, remote=settings.status_page_remote,
+            api_key=settings.api_key, meshed=tracker_link is not None, remote=settings.status_page_remote,
             host_names=(settings.host,), relayed=relay.is_relayed if relay else None,
         ),  # fmt: skip
         chat=ChatUi(upstream, upstream_client) if chat else None,
@@ -188,9 +188,9 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
     node = Node(
         launch=launch,
         # The order parts are closed in: llama-server first (streams still open end with an
-        # error event), then the listener, the mesh link's last receipts, the relay tunnel, systemd,
+        # error event), then the listener, the tracker link's last receipts, the relay tunnel, systemd,
         # and last the state dir's lock, so a second node cannot start while this one still stops.
-        parts=[supervisor, http, *([mesh] if mesh else []), *([relay] if relay else []), *([pool] if pool else []), operations, state_lock],
+        parts=[supervisor, http, *([tracker_link] if tracker_link else []), *([relay] if relay else []), *([pool] if pool else []), operations, state_lock],
         supervisor=supervisor,
         slots=slots,
         usage_stats=usage_stats,
@@ -217,7 +217,7 @@ def build_proxy(
     on_rejected: Callable[[str, int], None] | None = None,
 ) -> ProxyApp:
     """The proxy as a node wires it: its limits from the settings, and standalone (the settings'
-    API key and host) unless given another admission mode (the mesh link's)."""
+    API key and host) unless given another admission mode (the tracker link's)."""
     limits = ProxyLimits(
         max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s, max_tokens_cap=settings.max_tokens_cap
     )
@@ -280,7 +280,7 @@ def node_identity(settings: NodeSettings, *, dry_run: bool = False) -> NodeIdent
     no link, so it needs the key only to read the pool workers' status, and checks nothing else.
     """
     from meshnet_gguf.mesh.identity import NodeIdentity
-    from meshnet_gguf.mesh.link import MeshSetupError, check_first_contact, configured_tracker_key
+    from meshnet_gguf.mesh.tracker_link import MeshSetupError, check_first_contact, configured_tracker_key
 
     links = not dry_run and bool(settings.tracker or settings.relay_url)
     if not (links or settings.pool_workers):
@@ -293,15 +293,15 @@ def node_identity(settings: NodeSettings, *, dry_run: bool = False) -> NodeIdent
     return NodeIdentity.load_or_create(settings.state_dir)
 
 
-def _mesh_link(
+def _tracker_link(
     launch: PreparedLaunch,
     identity: NodeIdentity,
     health: Callable[[], HealthReport],
     relay_attachment: RelayAttachment | None,
     count_prompt: Callable[[str, bytes], Awaitable[int]],
-) -> MeshnetLink:
+) -> TrackerLink:
     """With a tracker: signed routes in front of the proxy, receipts behind it, presence beside it."""
-    from meshnet_gguf.mesh.link import MeshSetupError, ServedModel
+    from meshnet_gguf.mesh.tracker_link import MeshSetupError, ServedModel
 
     settings, resolved = launch.settings, launch.resolved
     try:
@@ -321,12 +321,12 @@ def _mesh_link(
         return shard_digests(layout.shards, known, settings.state_dir), hardware_summary(report)
 
     try:
-        return build_mesh_link(settings, identity, served, health, describe, relay_attachment, count_prompt)
+        return build_tracker_link(settings, identity, served, health, describe, relay_attachment, count_prompt)
     except MeshSetupError as exc:
         raise NodeSetupError(str(exc)) from exc
 
 
-def build_mesh_link(
+def build_tracker_link(
     settings: NodeSettings,
     identity: NodeIdentity,
     model: ServedModel,
@@ -334,14 +334,14 @@ def build_mesh_link(
     describe: DescribeModel,
     relay_attachment: RelayAttachment | None = None,
     count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
-) -> MeshnetLink:
-    """The mesh link and every part it runs: the one place a node opens its ledger.
+) -> TrackerLink:
+    """The tracker link and every part it runs: the one place a node opens its ledger.
 
     Before the link takes a request: the replay cache holds every unexpired route the
     ledger has seen, and rows a crash left open are settled into receipts.
     """
     from meshnet_gguf.mesh.ledger import UsageLedger
-    from meshnet_gguf.mesh.link import MeshnetLink, check_first_contact, configured_tracker_key, seed_replay_cache
+    from meshnet_gguf.mesh.tracker_link import TrackerLink, check_first_contact, configured_tracker_key, seed_replay_cache
     from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
     from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter, settle_interrupted
     from meshnet_gguf.mesh.tracker_client import TrackerClient
@@ -359,7 +359,7 @@ def build_mesh_link(
     # Read now, before this run opens rows of its own: they are billed once llama-server can count them.
     left_uncounted = ledger.awaiting_count_sync()
     mode = MeshedMode(route_gate, usage_sink, retry_after_s=settings.retry_after_s, api_key=settings.api_key)
-    return MeshnetLink(
+    return TrackerLink(
         settings=settings, model=model, identity=identity, ledger=ledger, client=client, reporter=reporter,
         usage_sink=usage_sink, route_gate=route_gate, admission_mode=mode, health=health, describe=describe,
         left_uncounted=left_uncounted, count_prompt=count_prompt, relay_attachment=relay_attachment,
@@ -516,4 +516,4 @@ class Node:
             self.request_shutdown(force=True)
 
 
-__all__ = ["Node", "build_mesh_link", "build_node", "build_proxy"]
+__all__ = ["Node", "build_node", "build_proxy", "build_tracker_link", "node_identity"]

@@ -7,8 +7,8 @@ from pathlib import Path
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport, NodeAnnouncement, PoolDescription, PoolHealth, PoolWorkerHealth
 from meshnet_gguf.mesh.identity import NodeIdentity
-from meshnet_gguf.mesh.link import ServedModel
-from meshnet_gguf.node import build_mesh_link
+from meshnet_gguf.mesh.tracker_link import ServedModel
+from meshnet_gguf.node import build_tracker_link
 from meshnet_gguf.prepare.pool import PoolMember, PoolShare, parse_pool_worker, shares_line
 
 
@@ -25,7 +25,7 @@ def test_the_announcement_carries_the_pools_size_and_plan_without_addresses(tmp_
     settings = NodeSettings(tracker="http://127.0.0.1:9", state_dir=tmp_path / "state", tracker_public_key=None)
     identity = NodeIdentity.load_or_create(settings.state_dir)
     served = ServedModel(model_id="big", total_layers=43, pool=described)
-    link = build_mesh_link(settings, identity, served, lambda: HealthReport(state="ready"), lambda: ([], None))
+    link = build_tracker_link(settings, identity, served, lambda: HealthReport(state="ready"), lambda: ([], None))
     wire = link._announcement().model_dump_json()
     heard = NodeAnnouncement.model_validate_json(wire)
     assert heard.pool is not None and (heard.pool.workers, heard.pool.total_bytes) == (2, 240 * 10**9)
@@ -38,6 +38,6 @@ def test_a_node_waiting_for_its_pool_heartbeats_not_ready(tmp_path: Path) -> Non
     identity = NodeIdentity.load_or_create(settings.state_dir)
     away = PoolHealth(workers=[PoolWorkerHealth(name="worker 1", state="away", problem="status unreachable: ConnectError")])
     health = HealthReport(state="restarting", detail="waiting for the pool: worker 1 is away", pool=away)
-    link = build_mesh_link(settings, identity, ServedModel(model_id="big", total_layers=43), lambda: health, lambda: ([], None))
+    link = build_tracker_link(settings, identity, ServedModel(model_id="big", total_layers=43), lambda: health, lambda: ([], None))
     state, _load = link._status()
     assert state == "joining"

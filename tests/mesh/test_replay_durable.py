@@ -18,7 +18,7 @@ from meshnet_gguf.contract.protocol import ROUTE_HEADER, UsageRecord
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
-from meshnet_gguf.mesh.link import seed_replay_cache
+from meshnet_gguf.mesh.tracker_link import seed_replay_cache
 from meshnet_gguf.mesh.meshed_mode import RouteGate
 from meshnet_gguf.mesh.receipts import settle_interrupted
 from meshnet_gguf.serving.admission_modes import RouteGrant
@@ -33,7 +33,7 @@ def open_record(rid: str, prompt: int = 42) -> UsageRecord:
 
 
 def seeded_gate(state_dir: Path, tracker: Tracker, identity: NodeIdentity) -> RouteGate:
-    """What a restarted mesh link does: a gate, then the replay cache seeded from the ledger."""
+    """What a restarted tracker link does: a gate, then the replay cache seeded from the ledger."""
     gate = RouteGate(identity.node_id, MODEL_ID, TOTAL_LAYERS, tracker.key.public_key())
     ledger = UsageLedger.in_state_dir(state_dir)
     seed_replay_cache(gate.replay_cache, ledger)

@@ -36,7 +36,7 @@ from meshnet_gguf.contract.protocol import (
 )
 from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NodeIdentity
-from meshnet_gguf.mesh.link import MeshnetLink, MeshSetupError
+from meshnet_gguf.mesh.tracker_link import MeshSetupError, TrackerLink
 from meshnet_gguf.mesh.tracker_client import NodePresence, TrackerClient, TrackerRefused
 from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS, MAX_METERED_EVENT_BYTES, BoundedEventSplitter
 from meshnet_gguf.reference.node_address import AddressPolicy, UnsafeNodeURL, pin_node_url
@@ -518,7 +518,7 @@ async def test_a_forward_that_never_ends_is_cut_at_the_total_time_limit(tmp_path
 
 
 def test_no_trust_on_first_use_over_plain_http_to_another_machine(tmp_path: Path, tiny_gguf: Path) -> None:
-    def link(tracker: str, key: str | None = None) -> MeshnetLink:
+    def link(tracker: str, key: str | None = None) -> TrackerLink:
         settings = NodeSettings(state_dir=tmp_path / "n", tracker=tracker, tracker_public_key=key, advertised_url="http://127.0.0.1:1")
         made = mesh_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
         made.ledger.close()

@@ -1,5 +1,5 @@
 """A meshed node assembled in-process from the real parts: the node proxy (`ProxyApp`), the
-mesh link (route gate, signed ledger, outbox, presence, control proof) and the fake
+tracker link (route gate, signed ledger, outbox, presence, control proof) and the fake
 llama-server as a real HTTP process behind them, wired as `node.build_node` wires them.
 """
 
@@ -24,9 +24,9 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport, NodeState, ShardDigest
 from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
-from meshnet_gguf.mesh.link import MeshnetLink, ServedModel
+from meshnet_gguf.mesh.tracker_link import ServedModel, TrackerLink
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
-from meshnet_gguf.node import build_mesh_link, build_proxy
+from meshnet_gguf.node import build_proxy, build_tracker_link
 from meshnet_gguf.prepare.announcement import model_layout, shard_digests
 from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.prompt_count import PromptCounter
@@ -71,10 +71,10 @@ class FakeLlama:
             self.proc.wait(5)
 
 
-def mesh_link(
+def tracker_link(
     settings: NodeSettings, gguf: Path, health: Callable[[], HealthReport], *, slots: int = 1, relay: RelayLink | None = None
-) -> MeshnetLink:
-    """The mesh link as the node builds it, serving `gguf` as MODEL (no hardware probe: the announcement says none)."""
+) -> TrackerLink:
+    """The tracker link as the node builds it, serving `gguf` as MODEL (no hardware probe: the announcement says none)."""
     layout = model_layout([gguf])
     served = ServedModel(model_id=MODEL, total_layers=layout.total_layers, slots=slots)
     identity = relay.identity if relay else NodeIdentity.load_or_create(settings.state_dir)
@@ -82,11 +82,11 @@ def mesh_link(
     def describe() -> tuple[list[ShardDigest], None]:
         return shard_digests(layout.shards, [], settings.state_dir), None
 
-    return build_mesh_link(settings, identity, served, health, describe, relay.attachment() if relay else None)
+    return build_tracker_link(settings, identity, served, health, describe, relay.attachment() if relay else None)
 
 
 class MeshNode:
-    """A node on loopback: real proxy + real mesh link, in front of a fake llama-server."""
+    """A node on loopback: real proxy + real tracker link, in front of a fake llama-server."""
 
     def __init__(
         self,
@@ -113,7 +113,7 @@ class MeshNode:
             build_relay_link(relay_url, NodeIdentity.load_or_create(state_dir), state_dir, local_address_for("127.0.0.1", self.port))
             if relay_url else None
         )  # fmt: skip
-        self.link = mesh_link(self.settings, tiny_gguf, self.health, slots=slots, relay=self.relay)
+        self.link = tracker_link(self.settings, tiny_gguf, self.health, slots=slots, relay=self.relay)
         self.upstream_client = make_upstream_client("httpx", slots)
         self.slots = Slots(total=slots)
         self.proxy = build_proxy(
@@ -141,7 +141,7 @@ class MeshNode:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[MeshNode]:
-        """Serve on loopback and run the mesh link; on exit its tasks stop and its clients close."""
+        """Serve on loopback and run the tracker link; on exit its tasks stop and its clients close."""
         async with serve_asgi(self.app, self.port):
             async with anyio.create_task_group() as tg:
                 if self.relay is not None:

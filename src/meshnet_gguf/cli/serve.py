@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
                 return await build_node(launch, identity).run()
 
             code = anyio.run(run_node, backend_options={"use_uvloop": _uvloop_available()})
-        except NodeSetupError as exc:  # e.g. the port is taken, or the mesh link cannot start
+        except NodeSetupError as exc:  # e.g. the port is taken, or the tracker link cannot start
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         raise typer.Exit(code)

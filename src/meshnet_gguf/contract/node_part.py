@@ -1,6 +1,6 @@
 """The shape every part of a running node has: run, drain, close, and what it adds to health.
 
-`Node` holds a list of parts (supervisor, HTTP server, mesh link, relay link,
+`Node` holds a list of parts (supervisor, HTTP server, tracker link, relay link,
 operations) and drives them all the same way, in list order:
 
 1. `run()` for every part, side by side in one task group, until shutdown;

@@ -158,7 +158,7 @@ class RelayLink(BasePart):
         """Whether a connection to the node's listener from `peer` carries a relayed stream."""
         return (peer[0], peer[1]) in self._local_peers
 
-    # --- what the node and the mesh link read -------------------------------
+    # --- what the node and the tracker link read -------------------------------
     def attachment(self) -> RelayAttachment:
         """What the node's announcement carries so the tracker can reach it here."""
         return RelayAttachment(url=self.endpoint.url, tls_certificate=certificate_text(self._certificate))

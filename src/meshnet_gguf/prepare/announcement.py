@@ -1,7 +1,7 @@
 """What a meshed node tells its tracker about the model it serves, read from the files and the machine:
 the layer count, every shard of a split model, each shard's sha256 and a hardware summary.
 
-The mesh link announces these facts and never reads a GGUF or probes a GPU itself: the
+The tracker link announces these facts and never reads a GGUF or probes a GPU itself: the
 composition root computes them here and hands them in.
 """
 

@@ -20,7 +20,7 @@ Send = Callable[[Message], Awaitable[None]]
 AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # A GET route answered whole, as (status, body, content type); one that reads its query
-# string (the mesh link's control challenge) is given it.
+# string (the tracker link's control challenge) is given it.
 ExtraRoute = Callable[[], Awaitable[tuple[int, bytes, str]]]
 QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
 

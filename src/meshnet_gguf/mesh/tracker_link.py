@@ -1,7 +1,7 @@
-"""The node's link to the mesh, when a tracker is configured.
+"""The node's link to its tracker, when one is configured.
 
-One object the node starts in its task group. The composition root (`node.build_mesh_link`)
-opens the ledger, loads the identity, builds the tracker client, the outbox and the route
+One object the node starts in its task group. The composition root (`node.build_tracker_link`)
+opens the ledger, is handed the identity, builds the tracker client, the outbox and the route
 gate, and hands them in; the link only runs them. It gives the proxy a
 `route_gate` (only tracker-routed requests get through), a `usage_sink`
 (each request's ledger row is opened before it is forwarded and settled into a
@@ -82,7 +82,7 @@ _NONCE_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxy
 
 
 class MeshSetupError(RuntimeError):
-    """The mesh link cannot be built from these settings; the message says what to fix."""
+    """The tracker link cannot be built from these settings; the message says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,10 @@ class ServedModel:
 DescribeModel = Callable[[], tuple[list[ShardDigest], HardwareSummary | None]]
 
 
-class MeshnetLink(BasePart):
+class TrackerLink(BasePart):
     """A node part: registration and heartbeats, the receipt outbox, the route gate and the control proof."""
 
-    name = "mesh link"
+    name = "tracker link"
 
     def __init__(
         self,
@@ -344,7 +344,7 @@ def configured_tracker_key(settings: NodeSettings) -> Ed25519PublicKey | None:
 def check_first_contact(settings: NodeSettings, pinned: Ed25519PublicKey | None) -> None:
     """Refuse settings that would learn the tracker key where it could be spoofed (plain http to another machine)."""
     if not settings.tracker:
-        raise MeshSetupError("the mesh link needs a tracker URL (--tracker or MESHNET_TRACKER)")
+        raise MeshSetupError("the tracker link needs a tracker URL (--tracker or MESHNET_TRACKER)")
     if pinned is None and (problem := first_contact_problem(settings.tracker)):
         raise MeshSetupError(problem)
     if not settings.advertised_url:
