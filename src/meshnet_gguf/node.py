@@ -44,8 +44,9 @@ from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
 from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
 from meshnet_gguf.serving.access import MetricsAccess, PageAccess
 from meshnet_gguf.serving.asgi import ExtraRoute, QueryRoute
-from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UpstreamTarget, UsageSink
+from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UsageSink
 from meshnet_gguf.serving.status_page import ChatUi, NodePages, RecentRequests, StatusSource, plan_line
+from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:

@@ -29,12 +29,11 @@ from meshnet_gguf.doctor.checks import (
     DoctorEnvironment,
     DoctorReport,
     Finding,
-    ModelSize,
     check_clock,
     check_port,
     run_doctor,
 )
-from meshnet_gguf.prepare.pipeline import model_size
+from meshnet_gguf.prepare.pipeline import ModelSize, model_size
 from support.hardware_fixtures import FIXTURES, fixture_binary, load_box
 
 GB = 1000**3

@@ -26,7 +26,7 @@ from meshnet_gguf.contract.signing import (
     load_or_create_private_key,
     tracker_issuer_for,
 )
-from meshnet_gguf.mesh.tracker_link import TRACKER_KEY_PIN_FILE
+from meshnet_gguf.mesh.tracker_client import TRACKER_KEY_PIN_FILE
 from meshnet_gguf.reference.tracker.app import TRACKER_KEY_FILE
 from support.relay_processes import node_ledger
 from support.tracker_process import (  # noqa: F401

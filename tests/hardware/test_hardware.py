@@ -8,14 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from meshnet_gguf.hardware.report import (
-    LIST_DEVICES_TIMEOUT_S,
-    GiB,
-    MiB,
-    RecordedCommands,
-    probe_hardware,
-)
-from meshnet_gguf.hardware.sources import parse_list_devices, parse_nvidia_smi
+from meshnet_gguf.common.units import GiB, MiB
+from meshnet_gguf.hardware.report import LIST_DEVICES_TIMEOUT_S, probe_hardware
+from meshnet_gguf.hardware.sources import RecordedCommands, parse_list_devices, parse_nvidia_smi
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.features import BinaryFeatures
 from support.hardware_fixtures import FIXTURES, fixture_binary, load_box, require_software_vulkan

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_gguf.llama.upstream import UpstreamError, unix_socket_url
+from meshnet_gguf.llama.upstream import UpstreamError
 from meshnet_gguf.common import http1_client as raw_upstream
+from meshnet_gguf.common.http1_client import unix_socket_url
 from meshnet_gguf.llama.upstream.raw import RawUpstream
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshnet_gguf.hardware.report import GB, probe_hardware
+from meshnet_gguf.common.units import GB
+from meshnet_gguf.hardware.report import probe_hardware
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.features import BinaryFeatures
 from meshnet_gguf.models.gguf_info import read_gguf_info

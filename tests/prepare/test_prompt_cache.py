@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 from meshnet_gguf.common.ports import free_local_port
-from meshnet_gguf.hardware.report import MiB, probe_hardware
+from meshnet_gguf.common.units import MiB
+from meshnet_gguf.hardware.report import probe_hardware
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.models.gguf_info import read_gguf_info
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model

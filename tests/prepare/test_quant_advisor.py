@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet_gguf.hardware.report import GB, MemoryCapacity
+from meshnet_gguf.common.units import GB
+from meshnet_gguf.hardware.report import MemoryCapacity
 from meshnet_gguf.prepare.quant_advisor import QuantDoesNotFit, QuantOption, advise_quant, check_quant
 from support.hardware_fixtures import deepseek_facts, deepseek_quants, load_box
 

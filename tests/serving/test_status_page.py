@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
+from meshnet_gguf.serving.access import PageAccess
 from meshnet_gguf.serving.status_page import (
     STATIC_FILES,
     ChatUi,
     NodePages,
-    PageAccess,
     RecentRequests,
     StatusSource,
     plan_line,

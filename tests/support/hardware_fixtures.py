@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_gguf.hardware.report import HardwareReport, RecordedCommands, probe_hardware
+from meshnet_gguf.hardware.report import HardwareReport, probe_hardware
+from meshnet_gguf.hardware.sources import RecordedCommands
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.models.catalog import load_catalog
 from meshnet_gguf.prepare.memory import ModelFacts

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-_BINARY_UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}
+GiB = 1 << 30
+MiB = 1 << 20
+GB = 1000**3
+_BINARY_UNITS = {"GiB": GiB, "MiB": MiB, "KiB": 1 << 10}
 
 
 def format_bytes(n: int) -> str:

@@ -3,7 +3,7 @@
 Every source is optional, time-limited and never fatal: sysfs DRM and TTM,
 `/proc/cpuinfo`, `/proc/meminfo`, the Vulkan ICD manifests, the actual
 binary's `llama-server --list-devices`, `nvidia-smi` and `rocminfo`
-(`hardware_sources.py` reads each one). This module merges their answers
+(`sources` reads each one). This module merges their answers
 into one report per GPU and decides what each GPU may honestly hold.
 
 Unified memory (AMD APUs such as Strix Halo, Intel iGPUs, Apple silicon) is the
@@ -23,17 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from meshnet_gguf.common.units import format_bytes
+from meshnet_gguf.common.units import GB, GiB, MiB, format_bytes
 from meshnet_gguf.hardware.sources import (
-    GB,
     NVIDIA_SMI_QUERY,
     TTM_PAGE_BYTES,
     CommandRunner,
     CpuInfo,
     DrmCard,
-    GiB,
     LlamaDevice,
-    MiB,
     NvidiaGpu,
     RecordedCommands,
     RocmAgent,
@@ -54,17 +51,10 @@ from meshnet_gguf.hardware.sources import (
 if TYPE_CHECKING:
     from meshnet_gguf.llama.binary import BinaryInfo
 
-# Re-exported: the units and the recorded-command runner are part of this module's API.
 __all__ = [
-    "GB",
-    "GiB",
-    "MiB",
-    "CpuInfo",
     "GpuInfo",
     "HardwareReport",
-    "LlamaDevice",
     "MemoryCapacity",
-    "RecordedCommands",
     "format_table",
     "probe_configured",
     "probe_hardware",

@@ -4,7 +4,7 @@ Files are read below an injectable `root` and commands run through an
 injectable `CommandRunner`, so tests replay trees and outputs recorded on other
 machines (`RecordedCommands`). Nothing here raises for a missing or broken
 source: readers return None or nothing, and `SourceLog` records what answered.
-`hardware.py` merges the answers into one report.
+`report` merges the answers into one report.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
-GiB = 1024**3
-MiB = 1024**2
-GB = 1000**3
+from meshnet_gguf.common.units import GB, GiB, MiB
+
 TTM_PAGE_BYTES = 4096
 
 NVIDIA_SMI_QUERY = "index,name,memory.total,memory.free,pci.bus_id,driver_version"

@@ -24,6 +24,7 @@ from typing import NoReturn, Protocol
 
 import anyio
 
+from meshnet_gguf.common.http1_client import unix_socket_url
 from meshnet_gguf.common.logs import LLAMA_LOGGER, llama_log_level
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.settings import NodeSettings
@@ -43,7 +44,7 @@ from meshnet_gguf.llama.child import (
 )
 from meshnet_gguf.llama.child_loop import ChildLoop, Outcome, OutcomeRace, RestartPolicy
 from meshnet_gguf.llama.runnable import BUILD_FOR_THIS_MACHINE_FIX
-from meshnet_gguf.llama.upstream import UpstreamError, unix_socket_url
+from meshnet_gguf.llama.upstream import UpstreamError
 from meshnet_gguf.llama.upstream.raw import RawUpstream
 from meshnet_gguf.llama.warmup import CPU_WARMUP, WarmupPolicy, warm_up
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshnet_gguf.common.units import format_bytes
-from meshnet_gguf.hardware.report import GiB, GpuInfo, MiB
+from meshnet_gguf.common.units import GiB, MiB, format_bytes
+from meshnet_gguf.hardware.report import GpuInfo
 
 if TYPE_CHECKING:
     from meshnet_gguf.models.catalog import CatalogEntry, CatalogQuant

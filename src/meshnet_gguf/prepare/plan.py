@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from meshnet_gguf.common.units import format_bytes
-from meshnet_gguf.hardware.report import GpuInfo, HardwareReport, LlamaDevice
+from meshnet_gguf.hardware.report import GpuInfo, HardwareReport
+from meshnet_gguf.hardware.sources import LlamaDevice
 from meshnet_gguf.prepare.memory import (
     DEFAULT_KV_TYPE,
     MIN_CTX_PER_SLOT,

@@ -490,4 +490,4 @@ async def _refuse_lifespan(receive: Receive, send: Send) -> None:
             return
 
 
-__all__ = ["ProxyApp", "ProxyLimits", "RouteGrant", "UpstreamTarget", "UsageSink", "openai_error_body"]
+__all__ = ["ProxyApp", "ProxyLimits", "UsageSink"]

@@ -192,4 +192,4 @@ def plan_line(plan_text: str | None, slots: int) -> str:
     return plan_text.splitlines()[0].removeprefix("plan: ")
 
 
-__all__ = ["ChatUi", "NodePages", "PageAccess", "RecentRequests", "StatusSource", "plan_line"]
+__all__ = ["ChatUi", "NodePages", "RecentRequests", "StatusSource", "plan_line"]

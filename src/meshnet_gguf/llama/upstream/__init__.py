@@ -12,7 +12,7 @@ Three implementations, one module each, chosen by measurement (`bench/RESULTS.md
   `--upstream-client` (imported only when chosen).
 
 llama-server is reached over a UNIX socket where its build supports one
-(`http+unix://<percent-encoded socket path>` URLs, see `unix_socket_url`), else
+(`http+unix://<percent-encoded socket path>` URLs, see `common/http1_client.unix_socket_url`), else
 over loopback TCP (`http://127.0.0.1:PORT`).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Literal, Protocol
 
-from meshnet_gguf.common.http1_client import HttpClientError, unix_socket_url
+from meshnet_gguf.common.http1_client import HttpClientError
 
 # Per-connection read buffer of the aiohttp hop (its StreamReader stops reading from the
 # socket at twice this). aiohttp's 64 KiB default lets 256 streams whose clients read
@@ -58,5 +58,4 @@ __all__ = [
     "UpstreamClientKind",
     "UpstreamError",
     "UpstreamResponse",
-    "unix_socket_url",
 ]
