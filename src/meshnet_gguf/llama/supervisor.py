@@ -74,7 +74,7 @@ _ERROR_MARKERS = ("error", "failed", "fatal", "abort", "exception", "what():", "
 
 @dataclass(frozen=True)
 class SupervisorPolicy:
-    # No defaults here: the node's settings (`config.NodeSettings`) hold them, with their reasons.
+    # No defaults here: the node's settings (`common/settings.NodeSettings`) hold them, with their reasons.
     load_stall_timeout_s: float
     health_poll_interval_s: float
     restart_backoff_initial_s: float

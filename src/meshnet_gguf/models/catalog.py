@@ -158,8 +158,8 @@ NeedBytes = Callable[[CatalogQuant], int]
 def quant_fits(quant: CatalogQuant, budget_bytes: int, need_bytes: NeedBytes | None = None) -> bool:
     """Whether `quant` fits `budget_bytes` (the box's capacity, system reserve already kept back).
 
-    `need_bytes` should come from the quant advisor (`quant_advisor.need_bytes_for`), which
-    adds the KV cache and compute buffers to the weights; without it only the weights count,
+    `need_bytes` should count as the launch plan does (`prepare/memory.memory_need_bytes`, the
+    KV cache and compute buffers on top of the weights); without it only the weights count,
     which over-promises by a few GB.
     """
     need = need_bytes(quant) if need_bytes is not None else quant.total_bytes

@@ -79,9 +79,9 @@ class PromptCounter:
             raise ApiError(400, "invalid_request", "llama-server could not tokenize this prompt")
         return len(tokens)
 
-    async def _ask_upstream(self, target: UpstreamTarget, route: str, body: bytes) -> dict[str, Any]:
+    async def _ask_upstream(self, target: UpstreamTarget, path: str, body: bytes) -> dict[str, Any]:
         try:
-            response = await self._client.send("POST", target.base_url + route, upstream_headers(target), body)
+            response = await self._client.send("POST", target.base_url + path, upstream_headers(target), body)
             try:
                 raw = await response.read()
             finally:
@@ -93,7 +93,7 @@ class PromptCounter:
         except ValueError:
             answer = None
         if response.status == 404:
-            raise _NoCounter(route)
+            raise _NoCounter(path)
         if response.status >= 400 or not isinstance(answer, dict):
             reason = _upstream_error_message(answer) or f"status {response.status}"
             if response.status in (401, 403) or response.status >= 502:
@@ -105,13 +105,13 @@ class PromptCounter:
 def stored_prompt_counter(
     upstream: Callable[[], UpstreamTarget | None], counter: PromptCounter
 ) -> Callable[[str, bytes], Awaitable[int]]:
-    """`count(route, body)` for a request body kept on disk (a restart bills a prompt its node
+    """`count(path, body)` for a request body kept on disk (a restart bills a prompt its node
     died before counting): waits until llama-server is ready, then counts as for a live request."""
 
-    async def count(route: str, body: bytes) -> int:
+    async def count(path: str, body: bytes) -> int:
         while (target := upstream()) is None:
             await anyio.sleep(UPSTREAM_READY_POLL_S)
-        return await counter.count(target, route, parse_json_object(body), body)
+        return await counter.count(target, path, parse_json_object(body), body)
 
     return count
 

@@ -13,7 +13,7 @@ import json
 
 from meshnet_gguf.contract.errors import openai_error_body
 
-EMBEDDINGS_ROUTE = "/v1/embeddings"
+EMBEDDINGS_PATH = "/v1/embeddings"
 # llama-server's status for a route its flags turned off (501 Not Implemented, "not_supported_error").
 NOT_SUPPORTED_STATUS = 501
 LLAMA_EMBEDDINGS_FLAG = "--embeddings"
@@ -24,9 +24,9 @@ NODE_EMBEDDINGS_HINT = (
 )
 
 
-def node_hint(route: str, status: int, body: bytes) -> bytes | None:
+def node_hint(path: str, status: int, body: bytes) -> bytes | None:
     """The node's own error body in place of llama-server's `body`, or None to pass `body` on unchanged."""
-    if route != EMBEDDINGS_ROUTE or status != NOT_SUPPORTED_STATUS:
+    if path != EMBEDDINGS_PATH or status != NOT_SUPPORTED_STATUS:
         return None
     try:
         message = json.loads(body)["error"]["message"]
