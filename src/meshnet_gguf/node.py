@@ -1,8 +1,8 @@
 """Composition root: every part a running node has, built in one place and run together.
 
 `prepare/pipeline.prepare_launch()` has decided everything that can fail before a port
-opens, and `node_identity()` has loaded the node's key. `build_node()` reads top to bottom: each part is built with what it
-needs passed in, nothing is attached afterwards. `Node.run()` runs the parts in
+opens, and `node_identity()` has loaded the node's key. `build_node()` reads top to
+bottom: each part is built with what it needs passed in, nothing is attached afterwards. `Node.run()` runs the parts in
 one task group until a signal, drains, closes them in order and returns the
 exit code.
 """

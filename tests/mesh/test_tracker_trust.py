@@ -44,7 +44,7 @@ from meshnet_gguf.reference.tracker.app import Tracker
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.enrolment import load_or_create_enrolment_secret
 from support.loopback import serve_asgi
-from support.mesh_node import MODEL, FakeLlama, MeshNode, mesh_link
+from support.mesh_node import MODEL, FakeLlama, MeshNode, tracker_link
 from support.mesh_tracker import SECRET, models, start_tracker, tracker_key, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -520,7 +520,7 @@ async def test_a_forward_that_never_ends_is_cut_at_the_total_time_limit(tmp_path
 def test_no_trust_on_first_use_over_plain_http_to_another_machine(tmp_path: Path, tiny_gguf: Path) -> None:
     def link(tracker: str, key: str | None = None) -> TrackerLink:
         settings = NodeSettings(state_dir=tmp_path / "n", tracker=tracker, tracker_public_key=key, advertised_url="http://127.0.0.1:1")
-        made = mesh_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
+        made = tracker_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
         made.ledger.close()
         return made
 
@@ -563,7 +563,7 @@ async def test_shutdown_with_a_dead_tracker_is_bounded(tmp_path: Path, tiny_gguf
     port = server.sockets[0].getsockname()[1]
     key = tracker_key(tmp_path / "t")
     settings = NodeSettings(state_dir=tmp_path / "n", tracker=f"http://127.0.0.1:{port}", tracker_public_key=key, advertised_url="http://127.0.0.1:1")
-    link = mesh_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
+    link = tracker_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
     record = UsageRecord(request_id="req-pending", route=CHAT, model=MODEL, status=200, stream=False, started_at=0)
     await link.usage_sink.record(record)
     link.presence.registered = True  # as a node that registered before the tracker died
