@@ -59,8 +59,12 @@ def main() -> None:
     try:
         app()
     except Exception as exc:
-        # A setting from a flag, MESHNET_* or the TOML file that cannot be: one line, no traceback.
+        # A setting from a flag, MESHNET_* or the TOML file that cannot be, or a config file that
+        # cannot be read as written: one line, no traceback.
         # Recognised by name so that --help never imports pydantic.
+        if type(exc).__name__ == "ConfigFileError":
+            typer.echo(f"error: {exc}", err=True)
+            raise SystemExit(2) from None
         if type(exc).__name__ != "ValidationError" or not type(exc).__module__.startswith("pydantic"):
             raise
         from meshnet_gguf.common.settings import describe_settings_error

@@ -11,6 +11,7 @@ import typer
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from meshnet_gguf.common.setting_origins import SettingOrigin
     from meshnet_gguf.common.settings import NodeSettings
     from meshnet_gguf.hardware.report import HardwareReport
     from meshnet_gguf.llama.binary import BinaryInfo
@@ -51,7 +52,8 @@ def register(app: typer.Typer) -> None:
             download_dir=download_dir, tracker=tracker, relay_url=relay, state_dir=state_dir, offline=offline,
             pool_workers=pool_worker,
         )  # fmt: skip
-        settings = NodeSettings(**{k: v for k, v in given.items() if v is not None and v is not False})
+        flags = {k: v for k, v in given.items() if v is not None and v is not False}
+        settings = NodeSettings(**flags)
         identity = doctor_identity(settings)
         environment = DoctorEnvironment(
             settings, model_size=lambda binary, hw: model_size(settings, binary, hw), pool=_pool_check(settings, identity)
@@ -64,9 +66,37 @@ def register(app: typer.Typer) -> None:
             environment.hardware = lambda binary: probe_configured(binary, fixture)
             typer.echo(f"warning: checking against the recorded machine {fixture}, not this one (MESHNET_HARDWARE_FIXTURE)", err=True)
         report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings, identity)))
-        typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
+        origins = _settings_origins(settings, flags)
+        if as_json:
+            typer.echo(json.dumps({**report.to_dict(), "settings": origins.as_json()}, indent=2))
+        else:
+            typer.echo(f"{origins.as_text()}\n{report.format_text()}")
         if report.blocking:
             raise typer.Exit(EXIT_BLOCKED)
+
+
+class _Origins:
+    """Where each setting came from, as doctor prints it: every one in JSON; in text the ones not at their
+    default, one line each, and a count of the rest (fifty default lines would bury the findings)."""
+
+    def __init__(self, origins: list[SettingOrigin]) -> None:
+        self.origins = origins
+
+    def as_json(self) -> dict[str, dict[str, str]]:
+        return {o.name: {"value": o.value, "from": o.origin, "where": o.where} for o in self.origins}
+
+    def as_text(self) -> str:
+        chosen = [o for o in self.origins if o.origin != "default"]
+        lines = ["settings (flag > environment > file > default):"]
+        lines += [f"  {o.describe()}" for o in chosen]
+        lines.append(f"  {len(self.origins) - len(chosen)} others at their default (doctor --json lists every one)")
+        return "\n".join(lines)
+
+
+def _settings_origins(settings: NodeSettings, flags: dict[str, object]) -> _Origins:
+    from meshnet_gguf.common.setting_origins import setting_origins
+
+    return _Origins(setting_origins(settings, flags))
 
 
 def doctor_identity(settings: NodeSettings) -> NodeIdentity | None:

@@ -7,17 +7,21 @@ constant next to its one user) with the reason for its default.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from meshnet_gguf.common.config_file import CONFIG_FILE_ENV, config_file_path, flag_of, read_config_file  # noqa: F401 - CONFIG_FILE_ENV: the settings' name for it too
 
 ENV_PREFIX = "MESHNET_"
 # After SIGTERM, llama-server gets this long to exit before SIGKILL (a big model unmaps for seconds).
 LLAMA_STOP_TIMEOUT_S = 10.0
-CONFIG_FILE_ENV = "MESHNET_CONFIG"
+# A host name the node may answer to: DNS labels, dot-separated (no scheme, no port, no wildcard).
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*\.?$")
 
 
 def _xdg(var: str, fallback: str) -> Path:
@@ -56,6 +60,12 @@ class NodeSettings(BaseSettings):
     advertised_url: str | None = Field(None, description="URL the tracker should use to reach this node")
     status_page_remote: bool = Field(
         False, description="Meshed node: show /status.json to other machines too (never through the relay)"
+    )
+    # A standalone node answers only requests whose Host header names this machine (loopback,
+    # an IP address, --host): a web page cannot then reach it through a DNS name rebound here.
+    # A LAN name or a reverse proxy's name is added here. MESHNET_ALLOWED_HOSTS takes them comma-separated.
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Another host name the node answers to (repeatable): a LAN name, a reverse proxy's"
     )
 
     # --- llama-server ------------------------------------------------------
@@ -141,12 +151,17 @@ class NodeSettings(BaseSettings):
     log_format: Literal["auto", "text", "json"] = "auto"
     log_level: str = "INFO"
 
-    @field_validator("pool_workers", mode="before")
+    @field_validator("pool_workers", "allowed_hosts", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, names: list[str]) -> list[str]:
+        return [check_host_name(name) for name in names]
 
     @field_validator("tracker")
     @classmethod
@@ -163,9 +178,10 @@ class NodeSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        config_file = os.environ.get(CONFIG_FILE_ENV)
-        if config_file:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+        config_file = config_file_path()
+        if config_file is not None:
+            # Checked as it is read: a missing file, a syntax error or an unknown key stops here (`ConfigFileError`).
+            sources.append(InitSettingsSource(settings_cls, read_config_file(config_file, settings_cls.model_fields)))
         return tuple(sources)
 
 
@@ -185,13 +201,23 @@ def check_tracker_url(url: str) -> str:
     return url
 
 
+def check_host_name(name: str) -> str:
+    """A name for the Host check: lower case, without port or scheme; no wildcard, which would answer any page."""
+    cleaned = name.strip().lower()
+    if cleaned in ("*", "") or "*" in cleaned:
+        raise ValueError(f"{name!r}: name each host; a wildcard would let any web page reach the node through a rebound DNS name")
+    if not _HOST_NAME.match(cleaned):
+        raise ValueError(f"{name!r} is not a host name: write the name alone, e.g. node.lan (no scheme, no port)")
+    return cleaned.rstrip(".")
+
+
 def describe_settings_error(exc: ValidationError) -> str:
     """The first bad setting in words an operator can act on: its flag, its variable, what is wrong."""
     error = exc.errors()[0]
     if not error["loc"]:
         return f"settings: {error['msg']}"
     field = str(error["loc"][0])
-    flag = "--" + field.replace("_", "-")
+    flag = flag_of(field)
     if error["type"] == "value_error":  # our own validators name the value in their message
         return f"{flag} / {ENV_PREFIX}{field.upper()}: {str(error['msg']).removeprefix('Value error, ')}"
     given = f" (got {error['input']!r})" if isinstance(error.get("input"), (str, int, float)) else ""
