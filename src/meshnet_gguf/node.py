@@ -177,7 +177,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         ),  # fmt: skip
         access=PageAccess(
             api_key=settings.api_key, meshed=tracker_link is not None, remote=settings.status_page_remote,
-            host_names=(settings.host,), relayed=relay.is_relayed if relay else None,
+            host_names=(settings.host, *settings.allowed_hosts), relayed=relay.is_relayed if relay else None,
         ),  # fmt: skip
         chat=ChatUi(upstream, upstream_client) if chat else None,
     )
@@ -231,7 +231,7 @@ def build_proxy(
         model_name=model_name,
         model_aliases=model_aliases,
         health=health,
-        mode=mode or StandaloneMode(api_key=settings.api_key, allowed_hosts=[settings.host]),
+        mode=mode or StandaloneMode(api_key=settings.api_key, allowed_hosts=[settings.host, *settings.allowed_hosts]),
         usage_sinks=usage_sinks,
         extra_get_routes=extra_get_routes,
         query_get_routes=query_get_routes,

@@ -99,3 +99,8 @@ def test_doctor_says_where_each_setting_came_from(tmp_path: Path, monkeypatch: p
     assert listed["parallel"] == {"value": "4", "from": "default", "where": ""}
     assert listed["port"]["from"] == "flag" and listed["ctx_size"]["from"] == "file"
     assert set(listed) == set(NodeSettings.model_fields)
+
+
+def test_allowed_hosts_come_comma_separated_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHNET_ALLOWED_HOSTS", "node.lan, Proxy.Example.net.")
+    assert NodeSettings().allowed_hosts == ["node.lan", "proxy.example.net"]

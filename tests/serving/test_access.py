@@ -19,6 +19,7 @@ from meshnet_gguf.serving.access import (
     check_api_key,
     check_host,
     local_and_not_relayed,
+    open_to_the_network,
 )
 from meshnet_gguf.serving.asgi import Receive, Scope, Send, respond
 
@@ -128,3 +129,22 @@ async def test_metrics_are_refused_to_a_stranger_a_relayed_caller_and_a_wrong_ke
         assert refused.json()["error"]["code"] == "not_found"
     assert (await get(LOOPBACK)).status_code == 200
     assert (await get(REMOTE, authorization=f"Bearer {KEY}")).status_code == 200
+
+
+def test_an_allowed_host_is_answered_and_no_other_name_is() -> None:
+    allowed = answered_hosts(["127.0.0.1", "node.lan", "proxy.example.net"])
+    for host in ("node.lan", "NODE.LAN:8080", "proxy.example.net", "localhost:8080", "192.168.1.20:8080"):
+        check_host({"host": host}, allowed)
+    # Names that contain, end with or start like an allowed one are other names.
+    for host in ("evil.example", "node.lan.evil.example", "evil-node.lan", "xnode.lan", "node.lanx", "node.lan@evil.example", ""):
+        assert _refused(check_host, {"host": host}, allowed).status == 403, host
+
+
+def test_a_node_open_to_the_network_without_a_key_is_warned_about() -> None:
+    for host in ("0.0.0.0", "::", "192.168.1.20", "node.lan"):
+        warning = open_to_the_network(host, None, meshed=False)
+        assert warning is not None and host in warning and "--api-key" in warning
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert open_to_the_network(host, None, meshed=False) is None
+    assert open_to_the_network("0.0.0.0", KEY, meshed=False) is None
+    assert open_to_the_network("0.0.0.0", None, meshed=True) is None  # only signed routes get in

@@ -19,7 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 from typer.models import DefaultPlaceholder
 
 # Option names that differ from the setting they feed.
-_SETTING_OF_OPTION = {"llama_arg": "llama_args"}
+_SETTING_OF_OPTION = {"llama_arg": "llama_args", "allowed_host": "allowed_hosts"}
 # Defaults computed at run time (or None meaning "planned"), said in words.
 _DEFAULT_IN_WORDS = {
     "download_dir": "$XDG_DATA_HOME/meshnet/models, i.e. ~/.local/share/meshnet/models",

@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
         quant: Annotated[Optional[str], typer.Option(help="Quant to serve, e.g. UD-IQ3_XXS")] = None,
         demo: Annotated[bool, typer.Option("--demo", help="Serve the demo model (gemma-3-270m Q4_K_M, `demo` extra)")] = False,
         host: Annotated[Optional[str], typer.Option(help="Public address")] = None,
+        allowed_host: Annotated[Optional[list[str]], typer.Option(help="Another host name clients may reach the node by (repeatable): a LAN name, a reverse proxy's")] = None,
         port: Annotated[Optional[int], typer.Option(help="Public port")] = None,
         ctx_size: Annotated[Optional[int], typer.Option(help="Total context for all slots")] = None,
         parallel: Annotated[Optional[int], typer.Option(help="llama-server slots = requests in flight")] = None,
@@ -76,6 +77,7 @@ def register(app: typer.Typer) -> None:
                 tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay_url,
                 drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
                 max_tokens_cap=max_tokens_cap, pool_workers=pool_worker, build_source=build_source,
+                allowed_hosts=allowed_host,
             )  # fmt: skip
             if no_build:  # a flag that turns a setting off (MESHNET_BUILD=0 and `build = false` do the same)
                 settings = settings.model_copy(update={"build": False})
@@ -83,6 +85,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {_first_problem(exc)}", err=True)
             raise typer.Exit(2) from exc
         _configure_logging(settings)
+        _warn_when_open(settings)
         if not dry_run:
             _refuse_a_held_state_dir(settings)
         try:
@@ -133,6 +136,14 @@ def _refuse_a_held_state_dir(settings: NodeSettings) -> None:
     except StateDirInUse as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def _warn_when_open(settings: NodeSettings) -> None:
+    from meshnet_gguf.serving.access import open_to_the_network
+
+    warning = open_to_the_network(settings.host, settings.api_key, meshed=bool(settings.tracker))
+    if warning:
+        typer.echo(f"warning: {warning}", err=True)
 
 
 def _first_problem(exc: ValidationError) -> str:

@@ -44,6 +44,19 @@ def answered_hosts(names: Iterable[str]) -> frozenset[str]:
     return LOOPBACK_HOST_NAMES | {name.lower() for name in names}
 
 
+def open_to_the_network(host: str, api_key: str | None, *, meshed: bool) -> str | None:
+    """The warning a standalone node without a key deserves when it listens beyond this machine, else None.
+
+    A meshed node admits only the tracker's signed routes, so it needs no key to be safe.
+    """
+    if meshed or api_key or host.lower() in LOOPBACK_HOST_NAMES or is_loopback(host):
+        return None
+    return (
+        f"listening on {host} without an API key: anyone who can reach this port can use the model. "
+        "Set --api-key (or MESHNET_API_KEY), or listen on 127.0.0.1"
+    )
+
+
 def check_host(headers: Mapping[str, str], allowed: frozenset[str]) -> None:
     """Refuses (403) a request whose Host header names another site."""
     if not host_allowed(headers.get("host", ""), allowed):
@@ -158,4 +171,5 @@ __all__ = [
     "host_allowed",
     "is_loopback",
     "local_and_not_relayed",
+    "open_to_the_network",
 ]
