@@ -129,6 +129,24 @@ def test_the_node_answers_its_names_and_404s_any_other_model(start_node, fake_ll
     assert httpx.get(node.url + "/v1/models").headers["x-meshnet-request-id"].startswith("req-")
 
 
+def test_the_sdk_retrieves_the_model_by_any_of_its_names_and_404s_another(start_node, fake_llama_path: Path, tiny_gguf: Path) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path))
+    node.wait_ready()
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0)
+    for name in ("tiny", "tiny.gguf", "TINY"):
+        model = client.models.retrieve(name)
+        assert (model.id, model.object, model.owned_by) == ("tiny", "model", "llamacpp"), name
+    for other in ("gpt-4o", "owner/name:Q4_K_M"):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve(other)
+        assert err.value.code == "model_not_found" and err.value.type == "invalid_request_error" and "'tiny'" in err.value.message
+    # OpenAI's error shape, for clients other than the SDK too.
+    missing = httpx.get(node.url + "/v1/models/gpt-4o")
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(node.url + "/v1/models/").status_code == 404
+    assert httpx.delete(node.url + "/v1/models/tiny").status_code == 405
+
+
 # --- 5. the operator's token cap ------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ least busy node) or the client can go elsewhere instead of waiting blind.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -76,6 +77,9 @@ INFERENCE_ROUTES: dict[str, str] = {
     "/v1/embeddings": "input",
 }
 STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+MODELS_PATH = "/v1/models"
+# `GET /v1/models/{id}` (the openai SDK's `models.retrieve`): the id may hold slashes (`owner/name:Q4_K_M`).
+MODEL_PATH_PREFIX = MODELS_PATH + "/"
 # A client that trickles its body this slowly is holding a slot's worth of memory for nothing.
 BODY_READ_TIMEOUT_S = 30.0
 _STREAM_HEADERS = [
@@ -146,8 +150,10 @@ class ProxyApp:
             await self._serve_health(send)
         elif path in INFERENCE_ROUTES and method == "POST":
             await self._serve_inference(scope, receive, send)
-        elif path == "/v1/models" and method == "GET":
+        elif path == MODELS_PATH and method == "GET":
             await self._serve_models(scope, send)
+        elif path.startswith(MODEL_PATH_PREFIX) and method == "GET":
+            await self._serve_models(scope, send, model_id=path.removeprefix(MODEL_PATH_PREFIX))
         elif path in self._extra_get_routes and method == "GET":
             status, body, content_type = await self._extra_get_routes[path]()
             await respond(send, status, body, [(b"content-type", content_type.encode())])
@@ -155,7 +161,7 @@ class ProxyApp:
             query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
             status, body, content_type = await self._query_get_routes[path](query)
             await respond(send, status, body, [(b"content-type", content_type.encode())])
-        elif path in INFERENCE_ROUTES or path == "/v1/models" or path == "/health":
+        elif path in INFERENCE_ROUTES or path == MODELS_PATH or path.startswith(MODEL_PATH_PREFIX) or path == "/health":
             await _send_error(send, ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}"))
         else:
             await _send_error(send, ApiError(404, "not_found", f"No route {method} {path} on this node"))
@@ -169,17 +175,22 @@ class ProxyApp:
             headers.append((b"retry-after", str(self.limits.retry_after_s).encode()))
         await respond(send, 200 if ready else 503, report.model_dump_json().encode(), headers)
 
-    async def _serve_models(self, scope: Scope, send: Send) -> None:
+    async def _serve_models(self, scope: Scope, send: Send, *, model_id: str | None = None) -> None:
+        """llama-server's model list; with `model_id`, the one model object, as OpenAI answers `GET /v1/models/{id}`."""
         headers = request_headers(scope)
         request_id = _client_request_id(headers)
         try:
             self._mode.admit_listing(headers)
+            if model_id == "":
+                raise ApiError(404, "model_not_found", "No model id after /v1/models/; GET /v1/models lists the model", error_type="invalid_request_error")
+            if model_id is not None:
+                self._check_model(model_id)
             target = self._ready_target()
         except ApiError as exc:
             await _send_error(send, exc, request_id)
             return
         try:
-            response = await self._client.send("GET", target.base_url + "/v1/models", upstream_headers(target), None)
+            response = await self._client.send("GET", target.base_url + MODELS_PATH, upstream_headers(target), None)
             try:
                 body = await response.read()
             finally:
@@ -187,9 +198,22 @@ class ProxyApp:
         except UpstreamError as exc:
             await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"), request_id)
             return
+        if model_id is not None and response.status == 200:
+            body = self._model_object(body)
         await respond(
             send, response.status, body, [JSON_HEADER, (_REQUEST_ID_KEY, request_id.encode())]
         )
+
+    def _model_object(self, listing: bytes) -> bytes:
+        """The served model's entry of llama-server's list, under the node's id (whichever name asked for it)."""
+        try:
+            entries = json.loads(listing).get("data") or []
+        except (ValueError, AttributeError):
+            entries = []
+        entry = next((e for e in entries if isinstance(e, dict) and e.get("id") == self.model_name), None)
+        if entry is None:
+            entry = entries[0] if entries and isinstance(entries[0], dict) else {"object": "model", "owned_by": "llamacpp"}
+        return json.dumps({**entry, "id": self.model_name}).encode()
 
     # --- inference --------------------------------------------------------
     async def _serve_inference(self, scope: Scope, receive: Receive, send: Send) -> None:
