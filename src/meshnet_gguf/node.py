@@ -513,7 +513,10 @@ class Node:
             log.info("%s: draining (send again to stop at once)", signal.Signals(sig).name)
             self.request_shutdown()
         else:
-            log.warning("%s again: stopping now", signal.Signals(sig).name)
+            # llama-server with a stream in flight lets SIGTERM wait out its whole grace (10 s): not now.
+            killed = self.supervisor.kill_now()
+            also = f"; llama-server (pid {killed}) killed with SIGKILL, streams in flight end here" if killed else ""
+            log.warning("%s again: stopping now%s", signal.Signals(sig).name, also)
             self.request_shutdown(force=True)
 
 

@@ -17,6 +17,11 @@ import pytest
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
+# A second Ctrl-C must end the node this soon: well inside the 10 s llama-server lets a SIGTERM wait
+# while it streams (the node's whole stop took 11-13 s before the second signal killed it).
+SECOND_SIGNAL_EXIT_S = 4.0
+# The first Ctrl-C drains: with a stream in flight the node must still be up this long after it.
+DRAINING_AFTER_FIRST_S = 1.0
 
 
 def llama_client(pid: int) -> httpx.Client:
@@ -146,6 +151,42 @@ def test_sigterm_exits_0_and_leaves_no_llama_server(real_llama, start_node, tiny
     assert node.wait_exit() == 0
     assert gone(child)
     assert not (node.state_dir / "llama-server.pid").exists()
+
+
+@pytest.mark.real_llama
+def test_a_second_sigint_stops_a_streaming_llama_server_at_once(real_llama, start_node, tiny_gguf) -> None:  # type: ignore[no-untyped-def]
+    node = start_node("--gguf", str(tiny_gguf), "--parallel", "1")
+    node.wait_ready()
+    child = node.llama_pid()
+    assert child
+    streaming = threading.Event()
+    ended: list[str] = []
+
+    def stream() -> None:
+        body = {"messages": MESSAGES, "max_tokens": 100_000, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", node.url + "/v1/chat/completions", json=body, timeout=60) as response:
+                for _ in response.iter_bytes():
+                    streaming.set()
+            ended.append("closed")
+        except httpx.HTTPError as exc:
+            ended.append(type(exc).__name__)
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert streaming.wait(30)
+    node.signal(signal.SIGINT)
+    time.sleep(DRAINING_AFTER_FIRST_S)
+    assert node.proc.poll() is None, "the first SIGINT drains: the stream in flight may finish"
+    second = time.monotonic()
+    node.signal(signal.SIGINT)
+    assert node.wait_exit(timeout=30) == 0
+    took = time.monotonic() - second
+    assert took < SECOND_SIGNAL_EXIT_S, f"the second SIGINT took {took:.1f} s to stop the node"
+    assert gone(child)
+    assert f"SIGINT again: stopping now; llama-server (pid {child}) killed with SIGKILL" in node.log_text()
+    reader.join(10)
+    assert ended  # the client's stream ended too, not left hanging
 
 
 @pytest.mark.real_llama

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import NoReturn
 import anyio
 from anyio.abc import TaskGroup
 
-from meshnet_gguf.llama.child import ChildFailed, spawn, terminate
+from meshnet_gguf.llama.child import ChildFailed, signal_group, spawn, terminate
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,17 @@ class ChildLoop:
     async def close(self) -> None:
         """`stop()`, under the name a node part's closing step has."""
         await self.stop()
+
+    def kill_now(self) -> int | None:
+        """Stop without the SIGTERM grace: SIGKILL to the child's group at once (an operator who asked twice;
+        llama-server with a stream in flight lets SIGTERM wait the whole grace). The loop still reaps it
+        and does not start another. The child's pid, or None when none was running."""
+        self._stop_requested.set()
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return None
+        signal_group(proc.pid, signal.SIGKILL)
+        return proc.pid
 
     async def _terminate(self, proc: asyncio.subprocess.Process, stop_timeout_s: float | None = None) -> None:
         timeout = self.restart_policy.stop_timeout_s if stop_timeout_s is None else stop_timeout_s
