@@ -91,3 +91,18 @@ def test_models_serve_and_doctor_print_the_plans_need_and_context(
     assert from_models == from_serve == from_doctor
     # A figure that is a minimum (the quant advisor's) says so wherever it is printed.
     assert re.search(r"needs at least [\d.]+ [KMGT]?B", served.stdout), served.stdout
+
+
+def test_a_dry_run_of_a_model_that_does_not_fit_prints_its_plan_and_the_refusal(tmp_path: Path, recorded_llama: Path) -> None:
+    dry = run(tmp_path, "cpu-only", recorded_llama, "serve", "--dry-run", "--gguf", "deepseek-v4-flash:UD-IQ2_XXS")
+    assert dry.returncode == 2  # as serving it would
+    assert "plan: CPU only" in dry.stdout and "(DOES NOT FIT)" in dry.stdout and "command:" in dry.stdout
+    assert "--force:" not in dry.stdout  # nothing was forced: the plan is shown, not tried
+    refusal = dry.stderr.strip()
+    assert refusal.startswith("error: UD-IQ2_XXS needs at least") and refusal.endswith("Pass --force to try anyway.")
+    assert "\n" not in refusal and "Traceback" not in dry.stderr
+    # Serving refuses for the same reason before any download, and --force plans the same launch.
+    served = run(tmp_path, "cpu-only", recorded_llama, "serve", "--offline", "--gguf", "deepseek-v4-flash:UD-IQ2_XXS")
+    assert served.returncode == 2 and refusal in served.stderr
+    forced = run(tmp_path, "cpu-only", recorded_llama, "serve", "--dry-run", "--force", "--gguf", "deepseek-v4-flash:UD-IQ2_XXS")
+    assert forced.returncode == 0 and forced.stdout.splitlines()[-1] == dry.stdout.splitlines()[-1]

@@ -99,6 +99,9 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from exc
         if dry_run:
             typer.echo(launch.describe())
+            if launch.refusal:  # the plan above is what serving would refuse: say so, and exit as it would
+                typer.echo(f"error: {launch.refusal}", err=True)
+                raise typer.Exit(2)
             return
         try:
             async def run_node() -> int:

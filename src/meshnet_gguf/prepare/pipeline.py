@@ -72,11 +72,21 @@ log = logging.getLogger(__name__)
 
 # Notes that a serving node logs as warnings: a plan made for another machine, or forced.
 RECORDED_MACHINE_NOTE = "hardware: planned for the recorded machine (a testing aid)"
+FORCE_NOTE_PREFIX = "--force:"
 _WARNING_NOTES = (RECORDED_MACHINE_NOTE, "--force")
 
 
 class NodeSetupError(RuntimeError):
     """Something an operator must fix before the node can start; the message says what."""
+
+
+class DoesNotFit(NodeSetupError):
+    """The model, its quant or its plan does not fit this machine (or the pool); `--force` tries anyway.
+    `headline` is the message without the plan it may carry, for a dry run that printed the plan already."""
+
+    def __init__(self, message: str, *, headline: str | None = None) -> None:
+        super().__init__(message)
+        self.headline = headline or message
 
 
 @dataclass
@@ -105,6 +115,8 @@ class PreparedLaunch:
     # The checked pool workers and each member's share (empty without --pool-worker).
     pool: tuple[PoolMember, ...] = ()
     pool_shares: tuple[PoolShare, ...] = ()
+    # A dry run without --force: what serving would refuse this plan for (it is shown all the same).
+    refusal: str | None = None
 
     def describe(self) -> str:
         lines = []
@@ -179,7 +191,17 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False, pool_token:
     binary = runnable.binary
     hardware = probe(binary, settings.hardware_fixture)
     pool = check_pool_workers(settings, binary, pool_token)
-    launch = prepare_with(request, settings, binary, hardware, dry_run=dry_run, pool=pool, features=runnable.features)
+    try:
+        launch = prepare_with(request, settings, binary, hardware, dry_run=dry_run, pool=pool, features=runnable.features)
+    except DoesNotFit as exc:
+        if not dry_run:
+            raise
+        # A dry run shows the plan serving would refuse, then the refusal: planned as --force would, said unforced.
+        forced = settings.model_copy(update={"force": True})
+        launch = prepare_with(request, forced, binary, hardware, dry_run=True, pool=pool, features=runnable.features)
+        launch.settings = launch.settings.model_copy(update={"force": False})
+        launch.notes = [note for note in launch.notes if not note.startswith(FORCE_NOTE_PREFIX)]
+        launch.refusal = exc.headline
     launch.notes[:0] = runnable.notes
     if not dry_run:
         _log_launch(launch)
@@ -280,7 +302,7 @@ def prepare_with(
     if settings.hardware_fixture is not None:
         notes.insert(0, f"{RECORDED_MACHINE_NOTE} {settings.hardware_fixture}, not this one: its plan may not run here")
     if not plan.fits and force:
-        notes.append(f"--force: launching {name} although the plan says it does not fit this machine")
+        notes.append(f"{FORCE_NOTE_PREFIX} launching {name} although the plan says it does not fit this machine")
     return PreparedLaunch(
         settings=settings.model_copy(update={"parallel": request.operator.parallel}),
         binary=binary,
@@ -361,8 +383,8 @@ def settle_quant(
         fit = advice.check(chosen.name)
     except QuantDoesNotFit as exc:
         if not force:
-            raise NodeSetupError(str(exc)) from exc
-        return replace(choice, notes=(*notes, f"--force: trying anyway although {exc.shortfall}"))
+            raise DoesNotFit(str(exc)) from exc
+        return replace(choice, notes=(*notes, f"{FORCE_NOTE_PREFIX} trying anyway although {exc.shortfall}"))
     where = "on the GPU" if fit.fits_gpu else "partly on the CPU" if capacity.gpu_bytes else "in RAM"
     floor = "the least context a plan launches with; the plan below gives it what memory allows" if advice.minimum else "--ctx-size"
     fitting = f"quant {fit.quant.name} fits {where}: {fit.describe(advice.target_ctx, minimum=advice.minimum)} ({floor})"
@@ -440,10 +462,11 @@ def checked_plan(
         raise NodeSetupError(str(exc)) from exc
     if not plan.fits and not force:
         problems = "; ".join(plan.warnings) or "the estimate exceeds this machine's memory"
-        raise NodeSetupError(
+        headline = (
             f"{model.name} does not fit this machine: {problems}. Choose a smaller quant, lower --ctx-size or "
-            f"--parallel, or pass --force to try anyway.\n{plan.describe()}"
+            "--parallel, or pass --force to try anyway."
         )
+        raise DoesNotFit(f"{headline}\n{plan.describe()}", headline=headline)
     return plan
 
 
@@ -456,7 +479,8 @@ def checked_pool_plan(
     local_budget = hardware.capacity().gpu_bytes
     pooled = pooled_plan(plan, pool, local_budget, to_place)
     if not pooled.fits and not force:
-        raise NodeSetupError(f"{model.name}: {'; '.join(pooled.warnings)}. Choose a smaller quant or pass --force.\n{pooled.describe()}")
+        headline = f"{model.name}: {'; '.join(pooled.warnings)}. Choose a smaller quant or pass --force."
+        raise DoesNotFit(f"{headline}\n{pooled.describe()}", headline=headline)
     shares = pool_shares(pool, None if plan.cpu_only else plan.device, local_budget, to_place)
     return pooled, tuple(shares)
 
