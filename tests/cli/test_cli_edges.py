@@ -135,3 +135,11 @@ def test_a_second_node_on_the_same_state_dir_is_refused_before_its_launch_plan( 
     log = second.log_text()
     assert "another node" in log and "--state-dir" in log
     assert "launch plan" not in log and "hardware:" not in log, log
+
+
+@pytest.mark.parametrize("given", [["-m", "model.gguf"], ["--model", "model.gguf"], ["--model=model.gguf"]])
+def test_llama_cpps_model_flag_is_pointed_at_gguf(given: list[str]) -> None:
+    done = _run("serve", *given, "--dry-run")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"No such option: {given[0].split('=')[0]}: the model is given with --gguf here: --gguf FILE.gguf" in done.stderr
+    assert "Possible options" not in done.stderr  # not --demo, which click finds nearest

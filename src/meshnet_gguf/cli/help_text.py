@@ -111,6 +111,15 @@ class _TidyCommand(TyperCommand):
             _tidy(param, self.settings_backed)
         return params
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as exc:
+            from meshnet_gguf.cli.option_hints import add_hint
+
+            add_hint(exc, self)
+            raise
+
 
 class _TidyStandaloneCommand(_TidyCommand):
     settings_backed = False
