@@ -27,7 +27,7 @@ HEALTH_TIMEOUT_S = 3.0
 # `serve` options that are not node settings (they only steer the command itself).
 _SERVE_ONLY_OPTIONS = frozenset({"dry_run"})
 # `serve` option names that differ from the NodeSettings field they set.
-_SERVE_OPTION_FIELDS = {"llama_arg": "llama_args", "pool_worker": "pool_workers"}
+_SERVE_OPTION_FIELDS = {"llama_arg": "llama_args", "pool_worker": "pool_workers", "allowed_host": "allowed_hosts"}
 # `serve` flags that turn a setting off.
 _SERVE_NEGATING_FLAGS = {"no_build": "build"}
 
