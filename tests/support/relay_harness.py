@@ -198,12 +198,13 @@ async def read_events(response: httpx.Response) -> list[str]:
     return events
 
 
-async def raw_tunnel(relay_url: str) -> tuple[Any, Any, dict[str, Any]]:
-    """Open an upgraded tunnel connection by hand (an attacker's or a broken node's view); returns the challenge."""
+async def raw_tunnel(relay_url: str, source: str | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """Open an upgraded tunnel connection by hand (an attacker's or a broken node's view), from `source` if given;
+    returns the challenge."""
     from anyio.streams.buffered import BufferedByteReceiveStream
 
-    host, port = relay_url.removeprefix("http://").split(":")
-    stream = await anyio.connect_tcp(host, int(port))
+    host, port = relay_url.removeprefix("http://").rsplit(":", 1)
+    stream = await anyio.connect_tcp(host.strip("[]"), int(port), local_host=source)
     buffered = BufferedByteReceiveStream(stream)
     await stream.send(b"GET /v1/relay/tunnel HTTP/1.1\r\nHost: relay\r\nConnection: Upgrade\r\nUpgrade: meshnet-relay/1\r\n\r\n")
     head = await buffered.receive_until(b"\r\n\r\n", 8192)

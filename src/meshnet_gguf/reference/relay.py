@@ -64,6 +64,7 @@ from meshnet_gguf.contract.relay_framing import (
     send_message,
 )
 from meshnet_gguf.reference.relay_admission import PendingSlot, RelayAdmission, RelayRefusal
+from meshnet_gguf.reference.relay_admitted import SAVE_INTERVAL_S
 from meshnet_gguf.reference.relay_config import RelayConfig
 from meshnet_gguf.reference.relay_proofs import ConnectTokens, verify_attach
 
@@ -107,6 +108,7 @@ class _ParkedWork:
 class _Tunnel:
     node_id: str
     public_key: str
+    network: str = ""  # the source network of its control connection: where it counts while provisional
     attached_at: float = field(default_factory=time.monotonic)
     idle: deque[_ParkedWork] = field(default_factory=deque)
     closed: anyio.Event = field(default_factory=anyio.Event)
@@ -139,6 +141,10 @@ class _Tunnel:
             with anyio.move_on_after(remaining):
                 await arrival.wait()
         return None
+
+    def evict(self) -> None:
+        """A provisional tunnel whose place a newcomer's network took: closed, so its control task ends."""
+        self.close()
 
     def close(self) -> None:
         self.closed.set()
@@ -184,10 +190,30 @@ class Relay:
         log.info("relay listening on %s:%s as %s", self.config.host, self.port, self.url)
         if self.open:
             log.warning("no tracker key trusted: CONNECT needs no token and every tunnel is admitted (an open relay)")
+        else:
+            self.admission.admitted.load()
         task_status.started(self.port)
-        async with listener, anyio.create_task_group() as tg:
-            for one in listener.listeners:
-                tg.start_soon(self._accept_loop, one, tg)
+        try:
+            async with listener, anyio.create_task_group() as tg:
+                for one in listener.listeners:
+                    tg.start_soon(self._accept_loop, one, tg)
+                if not self.open:
+                    tg.start_soon(self._save_admitted)
+        finally:
+            if not self.open:
+                self.admission.admitted.save()
+
+    async def _save_admitted(self) -> None:
+        """Writes the admitted nodes when they changed (at most once per SAVE_INTERVAL_S), and every quarter of their
+        memory anyway, so that a relay that crashes still remembers its attached nodes for most of it."""
+        admitted = self.admission.admitted
+        refresh_s = max(SAVE_INTERVAL_S, admitted.remember_s / 4)
+        saved_at = time.monotonic()
+        while True:
+            await anyio.sleep(SAVE_INTERVAL_S)
+            if admitted.dirty or time.monotonic() - saved_at >= refresh_s:
+                admitted.save()
+                saved_at = time.monotonic()
 
     async def _accept_loop(self, listener: anyio.abc.Listener[SocketStream], tg: anyio.abc.TaskGroup) -> None:
         # Accepts on the listening socket itself, so that a source out of stranger tokens is reset before the
@@ -209,10 +235,11 @@ class Relay:
                     await anyio.sleep(ACCEPT_BACKOFF_S)
                     break
                 peer = str(address[0]) if isinstance(address, tuple) and address else "?"
-                if not self.admission.may_connect(peer):
+                network = self.admission.network_of(peer)
+                if not self.admission.may_connect(network, peer):
                     _reset(client)
                     continue
-                tg.start_soon(self._handle, client, peer)
+                tg.start_soon(self._handle, client, peer, network)
 
     def stats(self) -> dict[str, int]:
         tunnels = list(self.tunnels.values())
@@ -224,7 +251,7 @@ class Relay:
             "streams_total": sum(t.streams_total for t in tunnels),
         }
 
-    async def _handle(self, client: socket.socket, peer: str) -> None:
+    async def _handle(self, client: socket.socket, peer: str, network: str) -> None:
         # The listener's task group must never see an exception: one bad peer cannot stop the relay.
         try:
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -235,19 +262,23 @@ class Relay:
             return
         try:
             async with socket_stream:
-                slot = self.admission.enter_pending(peer)
+                # Cancelled when a newcomer from a lighter network takes this connection's place while it has
+                # proved nothing; never after (a proved connection holds no place to take).
+                evictable = anyio.CancelScope()
+                slot = self.admission.enter_pending(network, peer, evictable.cancel)
                 if slot is None:
                     # Said and closed at once: the answer fits any socket buffer, so a full one costs nothing here.
                     with anyio.move_on_after(0):
                         await socket_stream.send(http_error(503, "too_many_pending", "too many unfinished connections; retry later"))
                     return
                 try:
-                    raw: ByteStream = socket_stream
-                    if self._tls is not None:
-                        with anyio.fail_after(self.config.handshake_timeout_s):
-                            raw = await TLSStream.wrap(socket_stream, server_side=True, ssl_context=self._tls, standard_compatible=False)
-                    buffered = BufferedByteReceiveStream(raw)
-                    await self._dispatch(raw, buffered, StapledByteStream(raw, buffered), slot)
+                    with evictable:
+                        raw: ByteStream = socket_stream
+                        if self._tls is not None:
+                            with anyio.fail_after(self.config.handshake_timeout_s):
+                                raw = await TLSStream.wrap(socket_stream, server_side=True, ssl_context=self._tls, standard_compatible=False)
+                        buffered = BufferedByteReceiveStream(raw)
+                        await self._dispatch(raw, buffered, StapledByteStream(raw, buffered), slot)
                 finally:
                     slot.release()
         except Exception as exc:  # noqa: BLE001 - a peer's failure is logged, never raised
@@ -305,6 +336,9 @@ class Relay:
         if not tunnel.admitted.is_set():
             log.info("node %s admitted: a trusted tracker reaches it", node_id)
             tunnel.admitted.set()
+            self.admission.leave_provisional(tunnel.network, tunnel)
+            if not self.open:
+                self.admission.admitted.admitted(node_id)
         work = await tunnel.take_work(self.config.work_wait_timeout_s)
         if work is None:
             await raw.send(http_error(503, "no_work_connection", f"{node_id} has no free work connection; retry"))
@@ -331,13 +365,15 @@ class Relay:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 attach = parse_message(await receive_line(buffered), RelayAttach)
             if attach.role == "control":
-                self.admission.check_new_control(slot.peer)
+                self.admission.check_new_control(slot.network)
             verify_attach(attach, nonce, self.url)
             slot.release()  # proved: no longer a stranger's connection
-            if attach.role == "control" and attach.node_id not in self.tunnels:
-                stats = self.stats()
-                self.admission.check_new_tunnel(stats["tunnels"], stats["provisional"])
             tunnel = self.tunnels.get(attach.node_id)
+            new_tunnel = None
+            if attach.role == "control":
+                if tunnel is None:
+                    self.admission.check_new_tunnel(len(self.tunnels))
+                new_tunnel = self._new_tunnel(attach, slot.network, tunnel)
             if attach.role == "work":
                 if tunnel is None or tunnel.public_key != attach.public_key:
                     raise RelayRefusal("no_control_channel", "attach the control connection first")
@@ -355,8 +391,8 @@ class Relay:
             ping_timeout_s=self.config.ping_timeout_s,
             max_idle_work=self.config.max_idle_work,
         )
-        if attach.role == "control":
-            await self._run_control(attach, stream, buffered, attached)
+        if new_tunnel is not None:
+            await self._run_control(new_tunnel, stream, buffered, attached)
         else:
             assert tunnel is not None
             await send_message(stream, attached)
@@ -369,20 +405,32 @@ class Relay:
                 return
             await self._park_work(tunnel, stream)
 
-    async def _run_control(
-        self, attach: RelayAttach, stream: StapledByteStream, buffered: BufferedByteReceiveStream, attached: RelayAttached
-    ) -> None:
-        tunnel = _Tunnel(node_id=attach.node_id, public_key=attach.public_key)
-        previous = self.tunnels.get(attach.node_id)
-        if self.open or (previous is not None and previous.admitted.is_set()):
+    def _new_tunnel(self, attach: RelayAttach, network: str, previous: _Tunnel | None) -> _Tunnel:
+        """The tunnel a proved control connection will hold: admitted at once when the relay is open or a trusted
+        tracker admitted this node (still attached, or remembered since its tunnel dropped), else provisional, with
+        a place among the provisional of its network (RelayRefusal when there is none)."""
+        tunnel = _Tunnel(node_id=attach.node_id, public_key=attach.public_key, network=network)
+        if self.open or (previous is not None and previous.admitted.is_set()) or self.admission.admitted.holds(attach.node_id):
             tunnel.admitted.set()  # the same key, already admitted: a reconnect keeps its standing
-        self.tunnels[attach.node_id] = tunnel
+            return tunnel
+        if previous is not None:
+            self.admission.leave_provisional(previous.network, previous)  # it is replaced: its place is this one's
+        self.admission.enter_provisional(network, tunnel)
+        return tunnel
+
+    async def _run_control(
+        self, tunnel: _Tunnel, stream: StapledByteStream, buffered: BufferedByteReceiveStream, attached: RelayAttached
+    ) -> None:
+        previous = self.tunnels.get(tunnel.node_id)
+        if tunnel.admitted.is_set() and not self.open:
+            self.admission.admitted.admitted(tunnel.node_id)
+        self.tunnels[tunnel.node_id] = tunnel
         if previous is not None:
             # Same node id means same key (the id is the key's fingerprint, and the proof checked it).
-            log.info("node %s attached again; its previous tunnel is replaced", attach.node_id)
+            log.info("node %s attached again; its previous tunnel is replaced", tunnel.node_id)
             previous.close()
         else:
-            log.info("node %s attached", attach.node_id)
+            log.info("node %s attached", tunnel.node_id)
         try:
             await send_message(stream, attached)
             async with anyio.create_task_group() as tg:
@@ -395,19 +443,22 @@ class Relay:
                     with anyio.move_on_after(self.config.admission_window_s):
                         await tunnel.admitted.wait()
                     if not tunnel.admitted.is_set():
-                        log.info("node %s: no trusted tracker reached it in %.0f s; tunnel dropped", attach.node_id,
+                        log.info("node %s: no trusted tracker reached it in %.0f s; tunnel dropped", tunnel.node_id,
                                  self.config.admission_window_s)  # fmt: skip
                         tg.cancel_scope.cancel()
 
                 tg.start_soon(end_when_replaced)
                 tg.start_soon(end_unless_admitted)
                 ending = await self._control_loop(stream, buffered)
-                log.info("node %s: %s; tunnel dropped", attach.node_id, ending)
+                log.info("node %s: %s; tunnel dropped", tunnel.node_id, ending)
                 tg.cancel_scope.cancel()
         finally:
             tunnel.close()
-            if self.tunnels.get(attach.node_id) is tunnel:
-                del self.tunnels[attach.node_id]
+            self.admission.leave_provisional(tunnel.network, tunnel)
+            if self.tunnels.get(tunnel.node_id) is tunnel:
+                del self.tunnels[tunnel.node_id]
+                if tunnel.admitted.is_set() and not self.open:
+                    self.admission.admitted.dropped(tunnel.node_id)  # still admitted for a while: a blip is not a stranger
 
     async def _control_loop(self, stream: StapledByteStream, buffered: BufferedByteReceiveStream) -> str:
         """Answer pings until the node goes silent, breaks the protocol or closes; returns why it ended."""

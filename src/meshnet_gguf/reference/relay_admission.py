@@ -1,17 +1,23 @@
 """Who may hold what at the relay: the one place its limits on strangers are decided.
 
-A connection that has proved nothing yet is a stranger's. Strangers get, per source
-address, a bucket of tries (a source whose tries keep failing is reset at accept, before
-a task or a byte of parsing is spent on it) and a bound on connections still in their
-handshake, beside a bound for all sources together. Proving itself (an authorised CONNECT,
-an attached tunnel or work connection) gives a connection's try back. A new control
-connection is rate-limited per source; a new tunnel must fit under the relay's total and
-under the few that may wait, provisional, for a trusted tracker; a node's idle work
-connections are bounded. Each refusal is a `RelayRefusal` (its code is what the relay
-answers with), logged at most once per interval and kind, so a flood of strangers is not
-a flood of log lines.
+A connection that has proved nothing yet is a stranger's. Limits are keyed by source
+*network* (an IPv6 /64, an IPv4 prefix: `relay_networks`), never by address, since
+anyone with a /64 has more addresses than any per-address limit. Strangers get, per
+network, a bucket of tries (a network whose tries keep failing is reset at accept, before
+a task or a byte of parsing is spent on it) and a fair share of the places for connections
+still in their handshake: each network holds at most its share, and when all are taken a
+newcomer from a network holding fewer takes the heaviest network's oldest place. So a
+tracker's CONNECT or a node's attach, which proves itself within a round trip, is never
+starved by the half-sent requests of a few networks. Proving itself (an authorised
+CONNECT, an attached tunnel or work connection) gives a connection's try back. A new
+control connection is rate-limited per network; a new tunnel must fit under the relay's
+total and, unless a trusted tracker admitted its node (`relay_admitted`: remembered past
+a blip and a restart), among the few that may wait, provisional, shared fairly by network
+the same way; a node's idle work connections are bounded. Each refusal is a `RelayRefusal`
+(its code is what the relay answers with), logged at most once per interval and kind, so a
+flood of strangers is not a flood of log lines.
 
-Limits are keyed by source address here and nowhere else.
+Limits are keyed by source network here and nowhere else.
 """
 
 from __future__ import annotations
@@ -19,13 +25,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
+from meshnet_gguf.reference.relay_admitted import STATE_FILE_NAME, AdmittedNodes
 from meshnet_gguf.reference.relay_config import RelayConfig
+from meshnet_gguf.reference.relay_networks import FairShare, network_of
 
 log = logging.getLogger(__name__)
 
-# Source addresses whose rate is remembered; past this, the ones with full buckets are forgotten.
+# Source networks whose rate is remembered; past this, the ones with full buckets are forgotten.
 MAX_RATE_LIMITED_PEERS = 100_000
 # A refusal logged under a flood: one line per kind per interval, with the count of those held back.
 REFUSAL_LOG_INTERVAL_S = 10.0
@@ -39,46 +50,30 @@ class RelayRefusal(Exception):
         self.code, self.message = code, message
 
 
-class PendingCount:
-    """Counts connections that have proved nothing yet, per source address and in all."""
+class Evictable(Protocol):
+    """What holds a fairly shared place and can be made to give it up (a connection cut, a tunnel closed)."""
 
-    def __init__(self, per_peer: int, total: int) -> None:
-        self.per_peer, self.total = per_peer, total
-        self.by_peer: dict[str, int] = {}
-        self.count = 0
-
-    def enter(self, peer: str) -> bool:
-        if self.count >= self.total or self.by_peer.get(peer, 0) >= self.per_peer:
-            return False
-        self.count += 1
-        self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
-        return True
-
-    def leave(self, peer: str) -> None:
-        self.count -= 1
-        left = self.by_peer[peer] - 1
-        if left:
-            self.by_peer[peer] = left
-        else:
-            del self.by_peer[peer]  # the map holds only peers with a connection pending: it cannot grow without bound
+    def evict(self) -> None: ...
 
 
 @dataclass(eq=False)
 class PendingSlot:
     """One connection's place among the pending; given back once, when it has proved itself or ended."""
 
-    pending: PendingCount
+    places: FairShare[Evictable]
+    network: str
     peer: str
-    held: bool = True
+    on_evict: Callable[[], None]
+
+    def evict(self) -> None:
+        self.on_evict()
 
     def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.pending.leave(self.peer)
+        self.places.leave(self.network, self)
 
 
 class RateLimit:
-    """A token bucket per source address, with a bounded memory of addresses."""
+    """A token bucket per source network, with a bounded memory of networks."""
 
     def __init__(self, per_s: float, burst: int) -> None:
         self.per_s, self.burst = per_s, burst
@@ -131,49 +126,75 @@ class RelayAdmission:
 
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
-        self.pending = PendingCount(config.max_pending_per_peer, config.max_pending)
+        self.pending: FairShare[Evictable] = FairShare(config.max_pending, config.pending_per_network)
+        self.provisional: FairShare[Evictable] = FairShare(config.max_provisional_tunnels, config.provisional_per_network)
+        self.admitted = AdmittedNodes(Path(config.state_dir) / STATE_FILE_NAME if config.state_dir else None, config.admitted_remembered_s)
         self.attach_rate = RateLimit(config.tunnel_attaches_per_s, config.tunnel_attach_burst)
         self.stranger_rate = RateLimit(config.stranger_connections_per_s, config.stranger_connection_burst)
         self.refusals = RefusalLog(REFUSAL_LOG_INTERVAL_S)
         self.reset_at_accept = 0
+        self.evicted = 0
 
-    def may_connect(self, peer: str) -> bool:
-        """At accept: False when `peer`'s strangers have spent their tries (the relay then resets the connection)."""
-        if self.stranger_rate.allow(peer):
+    def network_of(self, peer: str) -> str:
+        return network_of(peer, self.config.ipv4_network_prefix)
+
+    def may_connect(self, network: str, peer: str) -> bool:
+        """At accept: False when `network`'s strangers have spent their tries (the relay then resets the connection)."""
+        if self.stranger_rate.allow(network):
             return True
         self.reset_at_accept += 1
-        self.refusals.log(logging.WARNING, "reset_at_accept", "%s: too many connections that proved nothing; reset at accept", peer)
+        self.refusals.log(logging.WARNING, "reset_at_accept", "%s (%s): too many connections that proved nothing; reset at accept",
+                          peer, network)  # fmt: skip
         return False
 
-    def enter_pending(self, peer: str) -> PendingSlot | None:
-        """A place among the connections that have proved nothing, or None when `peer` or the relay has none left."""
-        return PendingSlot(self.pending, peer) if self.pending.enter(peer) else None
+    def enter_pending(self, network: str, peer: str, on_evict: Callable[[], None]) -> PendingSlot | None:
+        """A place among the connections that have proved nothing, or None when `network` holds its share or is among
+        the heaviest of a full relay. `on_evict` cuts this connection if a lighter network's newcomer needs its place."""
+        slot = PendingSlot(self.pending, network, peer, on_evict)
+        entered, evicted = self.pending.enter(network, slot)
+        if evicted is not None:
+            self._evict(evicted, "pending", f"unproved connection from {getattr(evicted, 'peer', '?')} cut for a newcomer from {network}")
+        return slot if entered else None
 
     def connect_proved(self, slot: PendingSlot) -> None:
         """An authorised CONNECT: no longer a stranger's, and its try given back at once (a tracker's long
         streams must not drain its bucket)."""
         slot.release()
-        self.stranger_rate.give_back(slot.peer)
+        self.stranger_rate.give_back(slot.network)
 
-    def check_new_control(self, peer: str) -> None:
-        """Before a control connection's proof is even checked: new tunnels per source are rate-limited."""
-        if not self.attach_rate.allow(peer):
-            raise RelayRefusal("rate_limited", f"at most {self.config.tunnel_attaches_per_s:g} new tunnels per second from one address")
+    def check_new_control(self, network: str) -> None:
+        """Before a control connection's proof is even checked: new tunnels per source network are rate-limited."""
+        if not self.attach_rate.allow(network):
+            raise RelayRefusal("rate_limited", f"at most {self.config.tunnel_attaches_per_s:g} new tunnels per second from one network")
 
-    def check_new_tunnel(self, tunnels: int, provisional: int) -> None:
-        """A proved node that holds no tunnel yet: under the relay's total, and under the provisional ones."""
+    def check_new_tunnel(self, tunnels: int) -> None:
+        """A proved node that holds no tunnel yet: under the relay's total."""
         if tunnels >= self.config.max_tunnels:
             raise RelayRefusal("too_many_tunnels", f"this relay holds its limit of {self.config.max_tunnels} tunnels")
-        if provisional >= self.config.max_provisional_tunnels:
-            raise RelayRefusal("too_many_provisional", "too many tunnels wait for a tracker to admit them; retry later")
+
+    def enter_provisional(self, network: str, tunnel: Evictable) -> None:
+        """A tunnel whose node no trusted tracker has admitted takes a place among the provisional, fairly by network."""
+        entered, evicted = self.provisional.enter(network, tunnel)
+        if evicted is not None:
+            self._evict(evicted, "provisional", f"provisional tunnel closed for a newcomer from {network}")
+        if not entered:
+            raise RelayRefusal("too_many_provisional", "too many tunnels from your network wait for a tracker to admit them; retry later")
+
+    def leave_provisional(self, network: str, tunnel: Evictable) -> None:
+        self.provisional.leave(network, tunnel)
+
+    def _evict(self, holder: Evictable, kind: str, message: str) -> None:
+        self.evicted += 1
+        self.refusals.log(logging.INFO, f"evicted_{kind}", "%s", message)
+        holder.evict()
 
     def control_attached(self, slot: PendingSlot) -> None:
-        self.stranger_rate.give_back(slot.peer)
+        self.stranger_rate.give_back(slot.network)
 
     def check_work(self, slot: PendingSlot, idle: int) -> None:
         """A work connection proved by its node's own key: its try given back (a full pool is the node's race,
         not a stranger's try), then the node's idle work connections bounded."""
-        self.stranger_rate.give_back(slot.peer)
+        self.stranger_rate.give_back(slot.network)
         if not self.may_park(idle):
             raise RelayRefusal("work_pool_full", f"at most {self.config.max_idle_work} idle work connections per node")
 
@@ -181,4 +202,4 @@ class RelayAdmission:
         return idle < self.config.max_idle_work
 
 
-__all__ = ["PendingSlot", "RelayAdmission", "RelayRefusal"]
+__all__ = ["Evictable", "PendingSlot", "RelayAdmission", "RelayRefusal"]

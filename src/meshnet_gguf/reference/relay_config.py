@@ -1,7 +1,7 @@
 """What a reference relay is told: where it listens, whom it trusts, and every limit, each with its reason.
 
-The limits on strangers (pending connections, rates, provisional tunnels) are applied by
-`relay_admission`; the tunnels' own (pings, idle work connections, waits) by `relay`.
+The limits on strangers (pending connections, rates, provisional tunnels), all per source
+network, are applied by `relay_admission`; the tunnels' own (pings, idle work connections, waits) by `relay`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshnet_gguf.contract.protocol import RELAY_PING_INTERVAL_S, RELAY_PING_TIMEOUT_S
+from meshnet_gguf.reference.relay_admitted import ADMITTED_REMEMBERED_S
+from meshnet_gguf.reference.relay_networks import DEFAULT_IPV4_NETWORK_PREFIX, IPV4_NETWORK_PREFIXES
 
 # Idle work connections kept per node: enough for a burst of requests to start without a
 # round trip to the node; each costs one socket and ~2 kB here.
@@ -19,27 +21,41 @@ WORK_WAIT_TIMEOUT_S = 5.0
 HANDSHAKE_TIMEOUT_S = 10.0
 # Bounds the relay's memory: one tunnel holds a control connection and up to DEFAULT_MAX_IDLE_WORK sockets.
 DEFAULT_MAX_TUNNELS = 10_000
-# Connections still in their head or attach handshake (nothing proved yet), per source address and in
+# Connections still in their head or attach handshake (nothing proved yet), per source network and in
 # all: each may take HANDSHAKE_TIMEOUT_S, so without a bound a stranger holds every descriptor the relay has.
-DEFAULT_MAX_PENDING_PER_PEER = 64
-DEFAULT_MAX_PENDING = 2048
+# A network is an IPv6 /64 or an IPv4 prefix (`relay_networks`): one address per limit is no limit to anyone
+# holding a /64.
+DEFAULT_MAX_PENDING_PER_NETWORK = 64
+DEFAULT_MAX_PENDING = 4096
+# No network holds more than this share of all pending places (4,096 / 64 = 64, the per-network bound): filling
+# them takes 64 networks, and when they are full a newcomer from a network holding fewer takes the heaviest
+# network's oldest place, so keeping a newcomer out takes one network per place, thousands of them.
+PENDING_SHARE_DIVISOR = 64
 # A tunnel is provisional until a trusted tracker CONNECTs to its node with a signed token, which a
 # tracker does only for a node that presented its enrolment secret and signed registration (its control
 # proof goes through the tunnel). Provisional tunnels are few and short-lived: a stranger's fresh keys
 # can hold at most this many, each for at most the window, and never a slot among the admitted.
 DEFAULT_MAX_PROVISIONAL_TUNNELS = 256
 ADMISSION_WINDOW_S = 60.0
-# New control connections per source address: a node reconnects a few times a minute at worst; a
+# No network holds more than this share of the provisional tunnels (256 / 16 = 16 waiting new nodes behind one
+# NAT); when all are taken, a newcomer's network takes the heaviest network's oldest one, as for pending places.
+PROVISIONAL_SHARE_DIVISOR = 16
+# New control connections per source network: a node reconnects a few times a minute at worst; a
 # NAT with many nodes behind it gets the burst.
 TUNNEL_ATTACHES_PER_S = 2.0
 TUNNEL_ATTACH_BURST = 20
-# Connections that have proved nothing, per source address, as a token bucket taken at accept and given back
-# when the connection proves itself (an authorised CONNECT, an attached tunnel or work connection). A source
+# Connections that have proved nothing, per source network, as a token bucket taken at accept and given back
+# when the connection proves itself (an authorised CONNECT, an attached tunnel or work connection). A network
 # whose strangers keep failing runs dry, and its next connections are reset at accept: no task, no parse, no
-# answer. The burst matches the per-address pending bound, so a tracker or a node, whose connections prove
+# answer. The burst matches the per-network pending bound, so a tracker or a node, whose connections prove
 # themselves, never meets it before that bound; a stranger gets this many tries a second once its burst is spent.
 STRANGER_CONNECTIONS_PER_S = 8.0
-STRANGER_CONNECTION_BURST = DEFAULT_MAX_PENDING_PER_PEER
+STRANGER_CONNECTION_BURST = DEFAULT_MAX_PENDING_PER_NETWORK
+
+
+def fair_share(total: int, per_network: int, divisor: int) -> int:
+    """The most one network may hold of `total` places: its own bound, and never more than 1/`divisor` of all."""
+    return max(1, min(per_network, total // divisor))
 
 
 @dataclass(frozen=True)
@@ -52,8 +68,10 @@ class RelayConfig:
     work_wait_timeout_s: float = WORK_WAIT_TIMEOUT_S
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
     max_tunnels: int = DEFAULT_MAX_TUNNELS
-    max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
+    max_pending_per_network: int = DEFAULT_MAX_PENDING_PER_NETWORK
     max_pending: int = DEFAULT_MAX_PENDING
+    # IPv4 sources count per this prefix (32 or 24); IPv6 always per /64 (`relay_networks`).
+    ipv4_network_prefix: int = DEFAULT_IPV4_NETWORK_PREFIX
     # Public keys (base64url) of the trackers whose CONNECT tokens this relay honours. Empty: an open
     # relay (local experiments): CONNECT needs no token and every tunnel is admitted at once.
     trusted_tracker_keys: tuple[str, ...] = ()
@@ -69,3 +87,18 @@ class RelayConfig:
     # against the name in the relay's URL.
     tls_certificate_file: str | None = None
     tls_key_file: str | None = None
+    # Where the relay keeps the nodes trackers admitted, so they stay admitted across a restart; None: in memory only.
+    state_dir: str | None = None
+    admitted_remembered_s: float = ADMITTED_REMEMBERED_S
+
+    def __post_init__(self) -> None:
+        if self.ipv4_network_prefix not in IPV4_NETWORK_PREFIXES:
+            raise ValueError(f"ipv4_network_prefix must be one of {IPV4_NETWORK_PREFIXES}, not {self.ipv4_network_prefix}")
+
+    @property
+    def pending_per_network(self) -> int:
+        return fair_share(self.max_pending, self.max_pending_per_network, PENDING_SHARE_DIVISOR)
+
+    @property
+    def provisional_per_network(self) -> int:
+        return fair_share(self.max_provisional_tunnels, self.max_provisional_tunnels, PROVISIONAL_SHARE_DIVISOR)
