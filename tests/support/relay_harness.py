@@ -106,8 +106,9 @@ class Mesh:
 async def running_relay(relay: Relay) -> AsyncIterator[str]:
     async with anyio.create_task_group() as tg:
         port = await tg.start(relay.serve)
+        host = relay.config.host
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         finally:
             tg.cancel_scope.cancel()
 

@@ -96,6 +96,7 @@ def relay_process(workdir: Path, tracker: ServiceProcess, host: str = "127.0.0.1
     port = port or free_local_port()
     return ServiceProcess("relay", [
         "dev", "relay", "--host", host, "--port", str(port), "--ping-interval", "2", "--trust-tracker-key", tracker_key(tracker),
+        "--state-dir", str(workdir / "relay"),
     ], workdir, port=port, host=host)  # fmt: skip
 
 

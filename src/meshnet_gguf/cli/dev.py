@@ -127,6 +127,12 @@ def relay(
     ] = None,
     tls_certificate: Annotated[Optional[Path], typer.Option(help="Serve https: PEM certificate chain for the relay's host name")] = None,
     tls_key: Annotated[Optional[Path], typer.Option(help="The key of --tls-certificate (PEM)")] = None,
+    ipv4_network_prefix: Annotated[
+        int, typer.Option(help="Count IPv4 sources per this prefix: 32 (one address) or 24 (a hosting range); IPv6 counts per /64")
+    ] = 32,  # relay_networks.DEFAULT_IPV4_NETWORK_PREFIX; RelayConfig refuses anything but 32 or 24
+    state_dir: Annotated[
+        Optional[Path], typer.Option(help="Where the relay remembers the nodes trackers admitted [default: <node state dir>/relay]")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
     """Run the reference relay for nodes behind NAT.
@@ -138,6 +144,8 @@ def relay(
     from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
     from meshnet_gguf.reference.relay import Relay
     from meshnet_gguf.reference.relay_config import RelayConfig
+    from meshnet_gguf.common.settings import default_state_dir
+    from meshnet_gguf.reference.relay_networks import IPV4_NETWORK_PREFIXES
 
     keys = tuple(trust_tracker_key or ())
     if bool(keys) == open_relay:
@@ -153,12 +161,16 @@ def relay(
         except KeyFormatError as exc:
             typer.echo(f"error: --trust-tracker-key {key!r}: {exc}", err=True)
             raise typer.Exit(2) from exc
+    if ipv4_network_prefix not in IPV4_NETWORK_PREFIXES:
+        typer.echo(f"error: --ipv4-network-prefix must be one of {', '.join(map(str, IPV4_NETWORK_PREFIXES))}", err=True)
+        raise typer.Exit(2)
     _configure_logging(log_level)
     extra = {} if max_idle_work is None else {"max_idle_work": max_idle_work}
     config = RelayConfig(
         host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval,
         trusted_tracker_keys=keys, public_url=public_url, **extra,  # type: ignore[arg-type]
         tls_certificate_file=str(tls_certificate) if tls_certificate else None, tls_key_file=str(tls_key) if tls_key else None,
+        ipv4_network_prefix=ipv4_network_prefix, state_dir=str(state_dir or default_state_dir() / "relay"),
     )  # fmt: skip
     url = public_url or f"{'https' if tls_certificate else 'http'}://{host}:{port}"
     typer.echo(f"relay on {url}: start a node with meshnet-gguf serve --relay {url} ...")

@@ -172,7 +172,8 @@ class Relay:
     def url(self) -> str:
         """The relay's name in the tokens meant for it."""
         scheme = "https" if self.config.tls_certificate_file else "http"
-        return relay_audience(self.config.public_url or f"{scheme}://{self.config.host}:{self.port or self.config.port}")
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host  # an IPv6 address, as a URL spells it
+        return relay_audience(self.config.public_url or f"{scheme}://{host}:{self.port or self.config.port}")
 
     @property
     def open(self) -> bool:

@@ -19,13 +19,14 @@ import time
 from pathlib import Path
 
 from meshnet_gguf.common.atomic_file import write_atomically
+from meshnet_gguf.common.private_files import PRIVATE_FILE_MODE, private_dir
 
 log = logging.getLogger(__name__)
 
 STATE_FILE_NAME = "relay-admitted.json"
 STATE_FILE_VERSION = 1
-# Only the relay reads it: which nodes a tracker admitted is metadata about who uses this relay.
-STATE_FILE_MODE = 0o600
+# Only the relay reads it (0600 in a 0700 dir): which nodes a tracker admitted is metadata about who uses this relay.
+STATE_FILE_MODE = PRIVATE_FILE_MODE
 # Long enough for a home router's reboot, a laptop's suspend or a relay's upgrade; short enough that a node
 # gone for good stops counting against the bound below within the hour.
 ADMITTED_REMEMBERED_S = 30 * 60.0
@@ -96,6 +97,7 @@ class AdmittedNodes:
         now = time.time()
         entries = {**{n: t for n, t in self._until.items() if t > now}, **{n: now + self.remember_s for n in self._attached}}
         try:
+            private_dir(self.state_file.parent)
             write_atomically(self.state_file, json.dumps({"version": STATE_FILE_VERSION, "admitted": entries}), mode=STATE_FILE_MODE)
         except OSError as exc:
             log.warning("cannot write %s (%s): admissions are kept in memory only", self.state_file, exc)
