@@ -9,8 +9,9 @@ node's relay link in front of a local server that streams numbered SSE events
 fresh signed token per connection, TLS pinned to the node's certificate, exactly
 as the reference tracker dials). Eight honest streams run at once, `ROUNDS`
 times: first quiet, then while a second process (this script in `--flood` mode)
-throws at the relay, from other loopback source addresses, for as long as the
-honest streams run:
+throws at the relay, from `--networks` other networks (loopback addresses spread
+over 127.0.0.0/8, each its own /24, as many IPv4 networks as the relay counts), for
+as long as the honest streams run:
 
 - anonymous connections opened and closed at once;
 - half-sent heads, held open;
@@ -20,7 +21,8 @@ honest streams run:
 
 Bounded: at most `FLOOD_CONCURRENCY` flood connections at a time, for the run's
 duration, loopback only. Reports per run: honest errors, time to first event
-(p50/p95/max), the flood's connections by outcome, and the relay's RSS and CPU.
+(p50/p95/max), the flood's connections by outcome, and the relay's CPU, peak RSS and
+peak open descriptors (sampled every `SAMPLE_S`).
 Every process listens on 127.0.0.1 and is stopped by PID.
 """
 
@@ -61,7 +63,8 @@ ROUNDS = 5
 EVENTS = 50
 EVENT_GAP_S = 0.02
 FLOOD_CONCURRENCY = 1500
-FLOOD_SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]  # not the tracker's own 127.0.0.1
+FLOOD_NETWORKS = 1000
+SAMPLE_S = 0.1  # the relay's RSS and descriptors, sampled this often while a run lasts
 START_TIMEOUT_S = 30.0
 HELD_S = 3.0  # how long a flood connection that holds something holds it
 FLOOD_NICE = 19
@@ -94,12 +97,19 @@ async def stream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 # --- the flood -----------------------------------------------------------------------------------------------
 
 
+def flood_sources(networks: int) -> list[str]:
+    """One loopback address in each of `networks` distinct /24s of 127.0.0.0/8, never the tracker's 127.0.0.0/24."""
+    return [f"127.{1 + i // 254}.{1 + i % 254}.1" for i in range(networks)]
+
+
+
 async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path) -> None:
     """Runs in its own process: strangers at the relay for `duration_s`; writes outcome counts as JSON."""
     outcomes: Counter[str] = Counter()
     limiter = anyio.Semaphore(FLOOD_CONCURRENCY)
     deadline = time.monotonic() + duration_s
     host = "127.0.0.1"
+    sources = flood_sources(FLOOD_NETWORKS)
 
     async def connect(source: str) -> anyio.abc.SocketStream:
         return await anyio.connect_tcp(host, relay_port, local_host=source)
@@ -128,7 +138,7 @@ async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path
 
     async def connect_forged(source: str) -> str:
         async with await connect(source) as stream:
-            auth = "" if source.endswith("2") else "Proxy-Authorization: Bearer eyJhbGciOiJFZERTQSJ9.e30.AAAA\r\n"
+            auth = "" if int(source.split(".")[2]) % 2 else "Proxy-Authorization: Bearer eyJhbGciOiJFZERTQSJ9.e30.AAAA\r\n"
             await stream.send(f"CONNECT {node_id}:443 HTTP/1.1\r\nHost: {node_id}:443\r\n{auth}\r\n".encode())
             return "CONNECT: " + await answer_of(stream)
 
@@ -173,7 +183,7 @@ async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path
 
     async def one(i: int) -> None:
         try:
-            outcomes[await kinds[i % len(kinds)](FLOOD_SOURCES[i % len(FLOOD_SOURCES)])] += 1
+            outcomes[await kinds[i % len(kinds)](sources[i % len(sources)])] += 1
         except OSError as exc:
             outcomes[f"connect failed: {exc.strerror or exc}"] += 1
         finally:
@@ -251,25 +261,35 @@ async def measure(
         if flooded:
             duration = ROUNDS * (EVENTS * EVENT_GAP_S + 1.0)
             flood_proc = subprocess.Popen(
-                [sys.executable, __file__, "--flood", str(relay_port), str(duration), announcement.node_id, str(outcomes_path)],
+                [sys.executable, __file__, "--flood", str(relay_port), str(duration), announcement.node_id, str(outcomes_path),
+                 str(FLOOD_NETWORKS), str(FLOOD_CONCURRENCY)],
                 start_new_session=True,
             )  # fmt: skip
             await anyio.sleep(1.0)  # the flood is under way before the honest streams start
         cpu0, wall0 = proc.cpu_times(), time.monotonic()
         ttfts: list[float] = []
-        errors = peak_rss = 0
-        for _ in range(ROUNDS):
-            got, bad = await honest_round(http, target)
-            ttfts += got
-            errors += bad
-            peak_rss = max(peak_rss, proc.memory_info().rss)
+        errors = peak_rss = peak_fds = 0
+        async with anyio.create_task_group() as sampling:
+
+            async def sample() -> None:
+                nonlocal peak_rss, peak_fds
+                while True:
+                    peak_rss, peak_fds = max(peak_rss, proc.memory_info().rss), max(peak_fds, proc.num_fds())
+                    await anyio.sleep(SAMPLE_S)
+
+            sampling.start_soon(sample)
+            for _ in range(ROUNDS):
+                got, bad = await honest_round(http, target)
+                ttfts += got
+                errors += bad
+            sampling.cancel_scope.cancel()
         cpu1, wall = proc.cpu_times(), time.monotonic() - wall0
         if flood_proc is not None:
             await anyio.to_thread.run_sync(flood_proc.wait, 120)
     return {
         "streams": HONEST_STREAMS * ROUNDS, "errors": errors, **summary(ttfts),
         "relay_cpu_pct": 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / wall,
-        "relay_peak_rss_mb": peak_rss / 2**20, "relay_alive": relay.poll() is None,
+        "relay_peak_rss_mb": peak_rss / 2**20, "relay_peak_fds": peak_fds, "relay_alive": relay.poll() is None,
         "flood": json.loads(outcomes_path.read_text()) if outcomes_path.exists() else {},
     }  # fmt: skip
 
@@ -282,7 +302,7 @@ async def run(work: Path) -> dict[str, Any]:
     relay_log = work / "relay.log"
     relay = subprocess.Popen(
         [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--log-level", "WARNING",
-         "--trust-tracker-key", public_key_text(tracker_key.public_key())],
+         "--trust-tracker-key", public_key_text(tracker_key.public_key()), "--state-dir", str(work / "relay")],
         stdout=relay_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     decoy, flood_port = None, relay_port
@@ -290,7 +310,7 @@ async def run(work: Path) -> dict[str, Any]:
         flood_port = free_local_port()
         decoy = subprocess.Popen(
             [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(flood_port), "--log-level", "WARNING",
-             "--trust-tracker-key", public_key_text(tracker_key.public_key())],
+             "--trust-tracker-key", public_key_text(tracker_key.public_key()), "--state-dir", str(work / "decoy")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     import uvicorn
@@ -346,16 +366,16 @@ def render(results: dict[str, Any], command: str) -> str:
         "the tracker's way: CONNECT with a tracker-signed token, TLS pinned to the node, through `dev relay --trust-tracker-key`. "
         "*cold*: a fresh CONNECT per stream; *warm*: the reference tracker's kept-alive pool. "
         f"*flood*: meanwhile a second process keeps up to {FLOOD_CONCURRENCY} stranger connections at the relay from "
-        f"{len(FLOOD_SOURCES)} other loopback addresses ({total:,} over the flood runs). It runs at nice {FLOOD_NICE}: its own CPU "
+        f"{FLOOD_NETWORKS:,} other networks (one 127.x.y.1 address per /24; {total:,} connections over the flood runs). It runs at nice {FLOOD_NICE}: its own CPU "
         "(keys, proofs, sockets) stands for other machines'; the relay and the node run at normal priority on the same 2 cores.",
         "",
-        "| run | honest streams | errors | TTFT p50 | TTFT p95 | TTFT max | relay CPU | relay peak RSS | relay alive |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | honest streams | errors | TTFT p50 | TTFT p95 | TTFT max | relay CPU | relay peak RSS | relay peak fds | relay alive |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in results.items():
         lines.append(
             f"| {label} | {r['streams']} | {r['errors']} | {r['p50_ms']:.0f} ms | {r['p95_ms']:.0f} ms | {r['max_ms']:.0f} ms | "
-            f"{r['relay_cpu_pct']:.0f} % | {r['relay_peak_rss_mb']:.0f} MB | {'yes' if r['relay_alive'] else 'NO'} |"
+            f"{r['relay_cpu_pct']:.0f} % | {r['relay_peak_rss_mb']:.0f} MB | {r['relay_peak_fds']:,} | {'yes' if r['relay_alive'] else 'NO'} |"
         )
     outcomes: Counter[str] = Counter()
     for r in floods:
@@ -374,8 +394,10 @@ def render(results: dict[str, Any], command: str) -> str:
 
 
 def main() -> None:
+    global FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY
     if len(sys.argv) > 1 and sys.argv[1] == "--flood":
         port, duration, node_id, out = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+        FLOOD_NETWORKS, FLOOD_CONCURRENCY = int(sys.argv[6]), int(sys.argv[7])
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         # The strangers' own CPU (making keys, proofs, sockets) is not the relay's: a real flood comes from other
@@ -386,13 +408,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="append the results to this Markdown file")
     parser.add_argument("--flood-decoy", action="store_true", help="control: flood a second relay, not the honest streams' one")
+    parser.add_argument("--networks", type=int, default=FLOOD_NETWORKS, help="source networks of the flood (IPv4 /24s in 127/8)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of honest streams per run")
+    parser.add_argument("--concurrency", type=int, default=FLOOD_CONCURRENCY, help="flood connections open at once, at most")
     args = parser.parse_args()
-    global FLOOD_AT_DECOY
-    FLOOD_AT_DECOY = args.flood_decoy
+    FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY = args.flood_decoy, args.networks, args.rounds, args.concurrency
     with tempfile.TemporaryDirectory(prefix="meshnet-flood-") as tmp:
         results = anyio.run(run, Path(tmp), backend_options={"use_uvloop": True})
     command = "PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py" + (" --flood-decoy" if args.flood_decoy else "") + (
-        f" --out {args.out}" if args.out else "")
+        f" --networks {args.networks} --rounds {args.rounds} --concurrency {args.concurrency}") + (f" --out {args.out}" if args.out else "")
     text = render(results, command)
     print(text)
     print(json.dumps(results, indent=2), file=sys.stderr)
