@@ -116,6 +116,31 @@ async def test_half_sent_requests_from_34_addresses_in_one_ipv6_64_cannot_hold_t
         block.__exit__(None, None, None)
 
 
+async def test_a_trusted_trackers_burst_beyond_a_networks_share_is_neither_refused_nor_starved(tmp_path: Path) -> None:
+    """A tracker opening more streams at once than a stranger network's share: once a token of a trusted tracker came
+    from its network, its connections wait in places of their own (before: the share's fifth got 503 too_many_pending)."""
+    tracker = Ed25519PrivateKey.generate()
+    share = 4
+    config = RelayConfig(port=0, trusted_tracker_keys=(public_key_text(tracker.public_key()),),
+                         max_pending=256, max_pending_per_network=share)  # fmt: skip
+    async with mesh(tmp_path, relay_config=config) as m:
+        await m.wait_attached(idle=4)
+        await _tracker_reaches(m, tracker)  # a valid token: the tracker's network is trusted from here on
+        port = int(m.relay_url.rsplit(":", 1)[1])
+        burst = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(3 * share)]
+        try:
+            await anyio.sleep(0.3)  # each is accepted and waits for its head
+            refused = []
+            for stream in burst:
+                with anyio.move_on_after(0.05):
+                    refused.append(await stream.receive())  # a place refused is a 503 at once, then the close
+            assert not refused, refused[0]
+            await _tracker_reaches(m, tracker)
+        finally:
+            for stream in burst:
+                await stream.aclose()
+
+
 async def test_with_the_ipv4_prefix_at_24_many_loopback_addresses_count_as_one_network() -> None:
     async def held_from_eight_addresses(prefix: int) -> int:
         relay = Relay(RelayConfig(port=0, ipv4_network_prefix=prefix, max_pending=256, max_pending_per_network=4))

@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 
 # Source networks whose rate is remembered; past this, the ones with full buckets are forgotten.
 MAX_RATE_LIMITED_PEERS = 100_000
+# A network that presented a trusted tracker's CONNECT token is trusted this long after its last one.
+TRUSTED_NETWORK_S = 600.0
+# Trusted networks remembered at most (oldest forgotten first): a relay serves a few trackers.
+MAX_TRUSTED_NETWORKS = 1024
+# Places for the pending connections of trusted networks, apart from the strangers' (a tracker's burst of
+# streams, each proving itself within a round trip); past them, a trusted connection waits among the strangers.
+TRUSTED_PENDING_PLACES = 1024
 # A refusal logged under a flood: one line per kind per interval, with the count of those held back.
 REFUSAL_LOG_INTERVAL_S = 10.0
 
@@ -70,6 +77,29 @@ class PendingSlot:
 
     def release(self) -> None:
         self.places.leave(self.network, self)
+
+
+class TrustedNetworks:
+    """Networks a trusted tracker's token came from lately: a token only a tracker can sign is the proof."""
+
+    def __init__(self, trusted_for_s: float = TRUSTED_NETWORK_S, max_networks: int = MAX_TRUSTED_NETWORKS) -> None:
+        self.trusted_for_s, self.max_networks = trusted_for_s, max_networks
+        self._until: dict[str, float] = {}  # network -> when its trust ends, oldest proof first
+
+    def mark(self, network: str) -> None:
+        self._until.pop(network, None)
+        self._until[network] = time.monotonic() + self.trusted_for_s
+        while len(self._until) > self.max_networks:
+            del self._until[next(iter(self._until))]
+
+    def __contains__(self, network: str) -> bool:
+        until = self._until.get(network)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._until[network]
+            return False
+        return True
 
 
 class RateLimit:
@@ -127,6 +157,8 @@ class RelayAdmission:
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
         self.pending: FairShare[Evictable] = FairShare(config.max_pending, config.pending_per_network)
+        self.trusted = TrustedNetworks()
+        self.trusted_pending: FairShare[Evictable] = FairShare(TRUSTED_PENDING_PLACES, TRUSTED_PENDING_PLACES)
         self.provisional: FairShare[Evictable] = FairShare(config.max_provisional_tunnels, config.provisional_per_network)
         self.admitted = AdmittedNodes(Path(config.state_dir) / STATE_FILE_NAME if config.state_dir else None, config.admitted_remembered_s)
         self.attach_rate = RateLimit(config.tunnel_attaches_per_s, config.tunnel_attach_burst)
@@ -140,7 +172,7 @@ class RelayAdmission:
 
     def may_connect(self, network: str, peer: str) -> bool:
         """At accept: False when `network`'s strangers have spent their tries (the relay then resets the connection)."""
-        if self.stranger_rate.allow(network):
+        if network in self.trusted or self.stranger_rate.allow(network):
             return True
         self.reset_at_accept += 1
         self.refusals.log(logging.WARNING, "reset_at_accept", "%s (%s): too many connections that proved nothing; reset at accept",
@@ -149,7 +181,12 @@ class RelayAdmission:
 
     def enter_pending(self, network: str, peer: str, on_evict: Callable[[], None]) -> PendingSlot | None:
         """A place among the connections that have proved nothing, or None when `network` holds its share or is among
-        the heaviest of a full relay. `on_evict` cuts this connection if a lighter network's newcomer needs its place."""
+        the heaviest of a full relay. `on_evict` cuts this connection if a lighter network's newcomer needs its place.
+        A trusted network's connection takes one of its own places first."""
+        if network in self.trusted:
+            trusted_slot = PendingSlot(self.trusted_pending, network, peer, on_evict)
+            if self.trusted_pending.enter(network, trusted_slot)[0]:
+                return trusted_slot
         slot = PendingSlot(self.pending, network, peer, on_evict)
         entered, evicted = self.pending.enter(network, slot)
         if evicted is not None:
@@ -158,9 +195,10 @@ class RelayAdmission:
 
     def connect_proved(self, slot: PendingSlot) -> None:
         """An authorised CONNECT: no longer a stranger's, and its try given back at once (a tracker's long
-        streams must not drain its bucket)."""
+        streams must not drain its bucket); its network trusted from now on for a while."""
         slot.release()
         self.stranger_rate.give_back(slot.network)
+        self.trusted.mark(slot.network)
 
     def check_new_control(self, network: str) -> None:
         """Before a control connection's proof is even checked: new tunnels per source network are rate-limited."""
@@ -202,4 +240,4 @@ class RelayAdmission:
         return idle < self.config.max_idle_work
 
 
-__all__ = ["Evictable", "PendingSlot", "RelayAdmission", "RelayRefusal"]
+__all__ = ["Evictable", "PendingSlot", "RelayAdmission", "RelayRefusal", "TrustedNetworks"]
