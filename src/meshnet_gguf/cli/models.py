@@ -128,7 +128,7 @@ def register(app: typer.Typer) -> None:
                 q = row.quant
                 shards = str(q.shards) if q.complete else f"{q.shards} (incomplete)"
                 rows.append([q.name, format_bytes(q.total_bytes), shards, *_cells(row.size), q.first_file])
-            typer.echo(f"{table.offered.title} ({table.offered.source})")
+            typer.echo(f"{table.offer.title} ({table.offer.source})")
             typer.echo(_table(rows, right={1, 2, 3, 4, 5}) if table.rows else "no GGUF models found")
             kv = "" if table.shape_known else "\n(KV cache unknown until downloaded: not counted)"
             typer.echo(f"\n{memory_line}{kv}")

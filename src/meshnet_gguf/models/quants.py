@@ -2,8 +2,9 @@
 
 Every step from `--quant` to the one set of files a launch uses is here: the label's
 canonical spelling (`normalize_quant`), the label a file carries (`quant_of`), a listing or a
-folder grouped into loadable models (`group_quants`, `scan_dir`), the choice (`select_quant`,
-`pick_group`) and the message that lists what is offered when the choice fails.
+folder grouped into loadable models (`group_quants`, `scan_dir`) and the choice (`select_quant`,
+`pick_group`: the one place a quant is chosen). `sort_quants` (`sort_folder` for a folder) does
+both in one call and hands back values, so a model source asks this module once per question.
 Pure functions over paths-as-strings, except `scan_dir`, which reads a folder.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Generic, Protocol, TypeVar
@@ -74,33 +75,30 @@ def quant_of(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class QuantGroup(Generic[FileT]):
-    """The files of one loadable model: a single file, or the shards of one split, in shard order."""
+    """The files of one loadable model: a single file, or the shards of one split, in shard order.
+
+    Its figures are fields worked out once at construction, not properties: a caller in
+    another module (a model source building its offered rows) reads them without calling in.
+    """
 
     quant: str | None
     base: str  # folder + shared file name stem, e.g. "UD-Q4_K_XL/Model-UD-Q4_K_XL"
     files: tuple[FileT, ...]
     expected_shards: int
     missing_shards: tuple[int, ...] = ()
+    total_bytes: int = field(init=False, compare=False, repr=False)
+    shard_count: int = field(init=False, compare=False, repr=False)
+    complete: bool = field(init=False, compare=False, repr=False)
+    first: FileT = field(init=False, compare=False, repr=False)
+    label: str = field(init=False, compare=False, repr=False)  # the quant, else the file stem
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-    @property
-    def shard_count(self) -> int:
-        return self.expected_shards
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing_shards
-
-    @property
-    def first(self) -> FileT:
-        return self.files[0]
-
-    @property
-    def label(self) -> str:
-        return self.quant or PurePosixPath(self.base).name
+    def __post_init__(self) -> None:
+        # A frozen dataclass sets its own derived fields through object.__setattr__.
+        object.__setattr__(self, "total_bytes", sum(f.size for f in self.files))
+        object.__setattr__(self, "shard_count", self.expected_shards)
+        object.__setattr__(self, "complete", not self.missing_shards)
+        object.__setattr__(self, "first", self.files[0])
+        object.__setattr__(self, "label", self.quant or PurePosixPath(self.base).name)
 
     def describe(self, note: str = "") -> str:
         """One line for listings and error messages: label, size, shards, `note`, first file."""
@@ -201,6 +199,27 @@ def pick_group(groups: Sequence[QuantGroup[FileT]], quant: str | None, files_glo
     return select_quant(groups, quant)
 
 
+@dataclass(frozen=True)
+class QuantSort(Generic[FileT]):
+    """Files grouped into quants, with the group a request names: what a model source needs from one call."""
+
+    files: tuple[FileT, ...]  # every file looked at (a folder of auxiliary files only has no groups)
+    groups: tuple[QuantGroup[FileT], ...]
+    chosen: QuantGroup[FileT] | None  # None: `refused` says why
+    refused: QuantSelectionError | None = None
+
+
+def sort_quants(files: Iterable[FileT], requested: str | None, *, pattern: str | None = None, where: str = "") -> QuantSort[FileT]:
+    """`files` grouped (`group_quants`) and the group `requested` names chosen (`pick_group`), in one call.
+    An incomplete split can be chosen: the caller refuses it with the names of its missing shards."""
+    listed = tuple(files)
+    groups = group_quants(listed)
+    try:
+        return QuantSort(listed, tuple(groups), pick_group(groups, requested, pattern, where))
+    except QuantSelectionError as exc:
+        return QuantSort(listed, tuple(groups), None, exc)
+
+
 # ---- a folder as a listing ----------------------------------------------------------------
 @dataclass(frozen=True)
 class LocalFile:
@@ -219,21 +238,6 @@ def scan_dir(directory: Path) -> list[LocalFile]:
     return files
 
 
-# ---- messages -------------------------------------------------------------------------
-def describe_candidates(groups: Sequence[QuantGroup], budget_bytes: int | None = None) -> str:  # type: ignore[type-arg]
-    lines = []
-    for g in groups:
-        fit = ""
-        if budget_bytes is not None:
-            fit = "fits this machine" if g.total_bytes <= budget_bytes else "too big for this machine"
-        lines.append(f"  {g.describe(fit)}")
-    return "\n".join(lines)
-
-
-def selection_message(exc: QuantSelectionError, where: str, budget_bytes: int | None) -> str:
-    offered = describe_candidates(exc.candidates, budget_bytes)
-    if isinstance(exc, QuantRequired):
-        return f"{where} offers several quants; choose one with --quant (or {where}:QUANT):\n{offered}"
-    if not exc.candidates:
-        return f"{where}: no GGUF model files found"
-    return f"{where}: {exc}. Offered:\n{offered}"
+def sort_folder(directory: Path, requested: str | None, *, pattern: str | None = None, where: str = "") -> QuantSort[LocalFile]:
+    """`sort_quants` over the GGUF files in `directory` (`scan_dir`)."""
+    return sort_quants(scan_dir(directory), requested, pattern=pattern, where=where)

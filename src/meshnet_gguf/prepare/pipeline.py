@@ -12,6 +12,9 @@ downloaded, a model is launched only once downloaded and verified, and a plan
 that does not fit is refused (`--force` overrides both). Whatever fails here
 fails with a `NodeSetupError` that says what to do.
 
+The model source is asked once per step that needs it (`pick_source`, `offered`, then `fetch`
+or `on_disk`), each answer a value whose fields the steps read; nothing here calls back into it.
+
 The words: a *launch* is one start of llama-server for one model.
 `PreparedLaunch` is what this module decides (model, binary, plan, command);
 its `plan` is a `prepare.plan.LaunchPlan` (llama-server's flags and their memory,
@@ -44,12 +47,9 @@ from meshnet_gguf.models.source import (
     HubFetch,
     ModelResolutionError,
     ModelSource,
-    Offered,
+    Offer,
     OfferedQuant,
     ResolvedModel,
-    checked,
-    choose_quant,
-    expected_first_shard,
     pick_source,
 )
 from meshnet_gguf.prepare.memory import ModelFacts
@@ -151,12 +151,12 @@ class LaunchRequest:
 
 @dataclass(frozen=True)
 class QuantChoice:
-    """Step 4's answer: the source with its quant settled, the row chosen, and how every offered quant fits."""
+    """Step 4's answer: the source, the row chosen, and how every offered quant fits."""
 
     source: ModelSource
     advice: QuantAdvice | None
     notes: tuple[str, ...] = ()
-    offered: Offered | None = None  # None: a dry run that could not list the source (nothing to plan from but the catalog)
+    offer: Offer | None = None  # None: a dry run that could not list the source (nothing to plan from but the catalog)
     chosen: OfferedQuant | None = None
     table: QuantTable | None = None  # catalog and hub models: every offered quant with the plan's figure here
 
@@ -228,8 +228,9 @@ def source_weight_types(source: ModelSource) -> tuple[str, ...]:
         except GGUFError:
             return quant_weight_types(source.quant)  # getting the model says what is wrong with the file
         return model_weight_types(header.file_type, header.tensor_types)
-    entry = source.entry
-    return quant_weight_types(source.quant_or_only() or (entry.quants[0].name if entry is not None else None))
+    entry = source.entry  # a field: the source is not asked again before step 4
+    # The asked-for quant, else the catalog entry's first (its only one, or the one to probe with).
+    return quant_weight_types(source.quant if source.quant is not None else entry.quants[0].name if entry is not None else None)
 
 
 def check_pool_workers(settings: NodeSettings, binary: BinaryInfo, token: Callable[[], str] | None) -> list[PoolMember]:
@@ -351,31 +352,31 @@ def settle_quant(
     """
     notes: list[str] = []
     try:
-        offered = source.offered(download_dir, access, may_write=may_write)
+        offer = source.offered(download_dir, access, may_write=may_write)  # the rows and the one chosen, in one call
     except (ModelResolutionError, DownloadError) as exc:
         if may_write or source.local:
             raise NodeSetupError(str(exc)) from exc
-        offered = _offered_offline(source, download_dir)
-        if offered is None:
+        offer = _offered_offline(source, download_dir)
+        if offer is None:
             log.debug("no listing of %s for the quant check: %s", source.text, exc)
             return QuantChoice(source, None)  # planning reports what to do
-        if offered.source == "catalog":
+        if offer.source == "catalog":
             notes.append(f"the hub did not list {source.repo_id} ({exc}): rated the catalog's quants of it")
     try:
-        table = None if source.local else quant_table(offered, source.curated, hardware, operator, binary)
+        table = None if source.local else quant_table(offer, source.curated, hardware, operator, binary)
     except PlanRefused as exc:
         raise NodeSetupError(str(exc)) from exc
     advice = table.advice if table is not None and table.advice.options else None
-    try:
-        chosen = choose_quant(offered, source.quant, source.text)
-    except ModelResolutionError as exc:
-        if isinstance(exc.__cause__, QuantRequired) and advice is not None:
+    chosen = offer.chosen
+    if chosen is None:
+        refusal = offer.refusal
+        assert refusal is not None, "an offer chooses a row or says why not"
+        if isinstance(refusal.__cause__, QuantRequired) and advice is not None:
             raise NodeSetupError(
                 f"{source.text} offers several quants; choose one with --quant (or {source.text}:QUANT):\n" + advice.describe()
-            ) from exc
-        raise NodeSetupError(str(exc)) from exc
-    source = source.with_quant(chosen.name) if not isinstance(source, FileSource) else source
-    choice = QuantChoice(source, advice, tuple(notes), offered, chosen, table)
+            ) from refusal
+        raise NodeSetupError(str(refusal)) from refusal
+    choice = QuantChoice(source, advice, tuple(notes), offer, chosen, table)
     if advice is None or advice.find(chosen.name) is None:
         return choice
     capacity = hardware.capacity()
@@ -391,7 +392,7 @@ def settle_quant(
     return replace(choice, notes=(*notes, fitting))
 
 
-def _offered_offline(source: ModelSource, download_dir: Path) -> Offered | None:
+def _offered_offline(source: ModelSource, download_dir: Path) -> Offer | None:
     """What a source offers as this machine knows it (the saved listing, its folder, the catalog), or None."""
     try:
         return source.offered(download_dir, HubAccess(endpoint="", token=None, offline=True), may_write=False)
@@ -405,11 +406,11 @@ def get_model(choice: QuantChoice, download_dir: Path, access: HubAccess, hardwa
     fetched or written, and files on disk are header-checked but not re-hashed."""
     if not may_write:
         return _find_model(choice, download_dir)
-    assert choice.offered is not None and choice.chosen is not None, "serving lists the source or stops"
+    assert choice.offer is not None and choice.chosen is not None, "serving lists the source or stops"
     capacity = hardware.capacity().total_bytes
     hub = HubFetch(download_dir, access, True, default_free_bytes, lambda: capacity)
     try:
-        resolved = checked(choice.source.fetch(choice.offered, choice.chosen, hub))
+        resolved = choice.source.fetch(choice.offer, choice.chosen, hub)  # downloaded, verified and header-checked
     except DownloadError as exc:
         raise NodeSetupError(str(exc)) from exc
     except ModelResolutionError as exc:
@@ -425,17 +426,17 @@ def get_model(choice: QuantChoice, download_dir: Path, access: HubAccess, hardwa
 def _find_model(choice: QuantChoice, download_dir: Path) -> ModelOnDisk:
     source = choice.source
     try:
-        found = source.on_disk(choice.chosen, download_dir) if choice.chosen is not None else None
-        resolved = checked(found) if found is not None else None
+        found = source.on_disk(choice.chosen, download_dir)  # the files header-checked, or where they will be, in one call
     except ModelResolutionError as exc:
         raise NodeSetupError(str(exc)) from exc
+    resolved = found.model
     if resolved is not None:
         notes = () if source.local else ("on disk; a dry run does not re-check sha256 (serving does)",)
         return ModelOnDisk(resolved, _facts_of(resolved), _model_name(resolved), resolved.quant, notes)
-    quant = source.quant_or_only()
+    quant = found.quant
     entry = source.curated
-    chosen = entry.quant(quant) if entry is not None and quant else None
-    if entry is None or chosen is None or entry.shape is None:
+    chosen = found.catalog_quant
+    if entry is None or chosen is None or found.first_shard is None or entry.shape is None:
         advised = f"\n{choice.advice.describe()}" if choice.advice is not None else ""
         raise NotDownloadedYet(
             f"{source.text}{':' + quant if quant else ''} is not downloaded yet, and the catalog has no figures for it: "
@@ -444,7 +445,7 @@ def _find_model(choice: QuantChoice, download_dir: Path) -> ModelOnDisk:
             + advised,
             choice,
         )
-    path = expected_first_shard(entry, chosen, download_dir)
+    path = found.first_shard
     note = (f"not downloaded yet: planned from the catalog's figures ({format_bytes(chosen.total_bytes)}, "
             f"{chosen.shards} shard{'s' if chosen.shards != 1 else ''})")  # fmt: skip
     # A curated quant reached through its repo id keeps the name serving would give it.

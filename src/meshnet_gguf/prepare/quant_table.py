@@ -17,7 +17,7 @@ from meshnet_gguf.hardware.report import HardwareReport
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.models.catalog import Catalog, CatalogEntry
 from meshnet_gguf.models.download import HubAccess
-from meshnet_gguf.models.source import Offered, OfferedQuant, offered_by_catalog, offered_quants
+from meshnet_gguf.models.source import Offer, OfferedQuant, offered_by_catalog, offered_quants
 from meshnet_gguf.prepare.memory import ModelFacts
 from meshnet_gguf.prepare.plan import BinaryCapabilities, LaunchPlan, OperatorChoices, plan_launch
 from meshnet_gguf.prepare.quant_advisor import QuantAdvice, QuantOption, advise_quant, target_context
@@ -84,7 +84,7 @@ class QuantRow:
 
 @dataclass(frozen=True)
 class QuantTable:
-    offered: Offered
+    offer: Offer
     rows: tuple[QuantRow, ...]
     advice: QuantAdvice  # the complete quants rated on this box, as `serve` prints them
     shape_known: bool  # the catalog gives the model's shape: the KV cache is counted
@@ -94,19 +94,19 @@ class QuantTable:
 
 
 def quant_table(
-    offered: Offered, curated: CatalogEntry | None, hardware: HardwareReport, operator: OperatorChoices, binary: BinaryCapabilities | None
+    offer: Offer, curated: CatalogEntry | None, hardware: HardwareReport, operator: OperatorChoices, binary: BinaryCapabilities | None
 ) -> QuantTable:
     """Every offered quant with the launch plan's figure for it here (`curated`: the catalog entry that gives the shape)."""
     facts = ModelFacts.from_catalog(curated, curated.quants[0]) if curated is not None and curated.shape is not None else None
     capacity = hardware.capacity()
     target = target_context(facts, parallel=operator.parallel, ctx_size=operator.ctx_size)
-    options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offered.quants]
+    options = [QuantOption(q.name, q.total_bytes, q.shards) for q in offer.quants]
     advice = advise_quant(
-        [o for o, q in zip(options, offered.quants) if q.complete], capacity, model=facts, target_ctx=target,
+        [o for o, q in zip(options, offer.quants) if q.complete], capacity, model=facts, target_ctx=target,
         minimum=operator.ctx_size is None,
     )  # fmt: skip
     rows = []
-    for quant, option in zip(offered.quants, options):
+    for quant, option in zip(offer.quants, options):
         if facts is not None:
             quant_facts = replace(facts, name=quant.name, total_bytes=quant.total_bytes, shard_count=quant.shards)
             size = size_as_planned(quant.name, quant_facts, hardware, operator, binary, local=False)
@@ -114,7 +114,7 @@ def quant_table(
             fit = advise_quant([option], capacity, model=None, target_ctx=target).options[0]
             size = ModelSize(quant.name, quant.total_bytes, False, fit.need_bytes, fits=fit.fits, minimum=True)
         rows.append(QuantRow(quant, size))
-    return QuantTable(offered, tuple(rows), advice, facts is not None)
+    return QuantTable(offer, tuple(rows), advice, facts is not None)
 
 
 def listed_quant_table(
@@ -123,8 +123,8 @@ def listed_quant_table(
 ) -> QuantTable:
     """`meshnet-gguf models SPEC`: what a repo, catalog id or folder offers, each quant with the plan's figure here.
     Raises ModelResolutionError for what cannot be listed; the hub's listing is saved for --offline."""
-    offered = offered_quants(spec, download_dir, access=access, catalog=catalog)
-    return quant_table(offered, catalog.get(spec) or catalog.by_repo(spec), hardware, operator, binary)
+    offer = offered_quants(spec, download_dir, access=access, catalog=catalog)
+    return quant_table(offer, catalog.get(spec) or catalog.by_repo(spec), hardware, operator, binary)
 
 
 def catalog_quant_tables(

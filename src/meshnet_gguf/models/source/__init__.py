@@ -8,7 +8,8 @@
 3. a Hugging Face repo id `owner/name`, optionally `owner/name:QUANT` (`hub.HubRepoSource`).
 
 Each answers the same three questions (`base.ModelSource`: what it offers, what is on disk,
-how to fetch), and `base.choose_quant` is the one place a quant is chosen from what it offers.
+how to fetch), one call each that returns a value (`Offer`, `OnDisk`, `ResolvedModel`); a quant
+is chosen in one place (`quants.pick_group`, which `base.choose_quant` and `Offer` go through).
 Whatever the source, the result has passed the GGUF header check (magic,
 version, split count consistent with the shard set) and, for hub and packaged
 models, a sha256 check against the publisher's listing. Nothing that failed a
@@ -32,19 +33,19 @@ from meshnet_gguf.models.source.base import (
     HubFetch,
     ModelResolutionError,
     ModelSource,
-    Offered,
+    Offer,
     OfferedQuant,
+    OnDisk,
     ResolvedModel,
-    checked,
     choose_quant,
     offered_by_catalog,
 )
-from meshnet_gguf.models.source.hub import CatalogSource, HubRepoSource, expected_first_shard
+from meshnet_gguf.models.source.hub import CatalogSource, HubRepoSource
 from meshnet_gguf.models.source.local import FileSource, FolderSource
 
 __all__ = [
     "Budget", "CatalogSource", "FileSource", "FolderSource", "HubFetch", "HubRepoSource", "ModelResolutionError",
-    "ModelSource", "Offered", "OfferedQuant", "ResolvedModel", "checked", "choose_quant", "expected_first_shard", "offered_by_catalog",
+    "ModelSource", "Offer", "OfferedQuant", "OnDisk", "ResolvedModel", "choose_quant", "offered_by_catalog",
     "offered_quants", "pick_source", "resolve_model",
 ]  # fmt: skip
 
@@ -115,9 +116,12 @@ def resolve_model(
     access = access or HubAccess.from_environment(offline=settings.offline)
     hub = HubFetch(settings.download_dir, access, progress, free_bytes, budget)
     try:
-        offered = source.offered(settings.download_dir, access, may_write=True)
-        chosen = choose_quant(offered, source.quant, source.text, budget=budget if source.quant is None else None)
-        resolved = checked(source.fetch(offered, chosen, hub))
+        # Rows rated against the box only when no quant was asked for (a refusal then lists what fits).
+        offer = source.offered(settings.download_dir, access, may_write=True, budget=budget if source.quant is None else None)
+        if offer.chosen is None:
+            assert offer.refusal is not None, "an offer chooses a row or says why not"
+            raise offer.refusal
+        resolved = source.fetch(offer, offer.chosen, hub)
     except DownloadError as exc:
         raise ModelResolutionError(str(exc)) from exc
     log.info(
@@ -128,7 +132,7 @@ def resolve_model(
     return resolved
 
 
-def offered_quants(spec: str, download_dir: Path, *, access: HubAccess, catalog: Catalog, may_write: bool = True) -> Offered:
+def offered_quants(spec: str, download_dir: Path, *, access: HubAccess, catalog: Catalog, may_write: bool = True) -> Offer:
     """What `spec` (catalog id, repo id or directory) offers, with sizes; fetches no model bytes.
 
     A repo the catalog curates is listed from the hub when it can be; offline and

@@ -1,35 +1,35 @@
-"""What every kind of model source answers, and the one place a quant is chosen.
+"""What every kind of model source answers, and a quant chosen from what it offers (refusals worded here).
 
 A source (`ModelSource`) is what `--gguf`/`--demo` names: a local file, a local
-folder, a catalog entry or a hub repo. Each answers three questions the same way:
+folder, a catalog entry or a hub repo. Each answers three questions the same way, each
+with one call that returns a value the caller reads as plain fields:
 
-- `offered`: the quants it offers, with sizes (no model byte fetched);
-- `on_disk`: the chosen quant's files as they are on disk already (no network, no writes);
-- `fetch`: the chosen quant downloaded if needed and verified.
+- `offered`: an `Offer`: the quants it offers, with sizes (no model byte fetched), and the
+  row its quant names (or the refusal that says why none);
+- `on_disk`: an `OnDisk`: the chosen quant's files as they are on disk already, header-checked
+  (no network, no writes), or, not downloaded yet, the catalog's row it will be planned from;
+- `fetch`: the chosen quant downloaded if needed, verified and header-checked.
 
-`choose_quant` picks one row of what a source offers; every caller (serve, its dry run,
-`doctor`, `download`) goes through it. `checked` is the header check every returned
+`quants.pick_group` (through `quants.sort_quants`) and `choose_quant` pick one row of what a
+source offers, and `choose_quant` words every refusal; every caller (serve, its dry run,
+`doctor`, `download`) goes through them. `checked` is the header check every returned
 model has passed: nothing that failed a check is ever returned.
 """
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from meshnet_gguf.common.units import format_bytes
 from meshnet_gguf.models.catalog import CatalogEntry, CatalogQuant
-from meshnet_gguf.models.download import FreeBytes, HubAccess, RepoListing
+from meshnet_gguf.models.download import FreeBytes, HubAccess, RepoListing, repo_local_dir
 from meshnet_gguf.models.gguf_info import GGUFError, GGUFInfo, check_shard_set
 from meshnet_gguf.models.gguf_names import shard_file_name, split_base
-from meshnet_gguf.models.quants import QuantGroup, QuantRequired, QuantSelectionError, normalize_quant, quant_of, select_quant
-
-log = logging.getLogger(__name__)
+from meshnet_gguf.models.quants import QuantGroup, QuantRequired, QuantSelectionError, QuantSort, pick_group, select_quant
 
 SourceKind = Literal["file", "directory", "hub", "package"]
 # Called to say which quants fit: `budget()` gives the box's capacity in bytes. Only asked when
@@ -60,14 +60,16 @@ class ResolvedModel:
     notes: tuple[str, ...] = field(default=())
     # Shard 1's parsed header, filled by the pre-launch check (parsing costs seconds on big vocabularies: reuse it).
     header: GGUFInfo | None = field(default=None, repr=False)
+    # Worked out once here (fields, not properties: the pipeline reads them without calling in).
+    # A short model name for `--alias`/announcements: the shared file stem (`Model-UD-IQ3_XXS`).
+    name: str = field(init=False, compare=False, repr=False)
+    label: str = field(init=False, compare=False, repr=False)  # catalog id or repo id with its quant, else the path
 
-    @property
-    def name(self) -> str:
-        """A short model name for `--alias`/announcements: the shared file stem (`Model-UD-IQ3_XXS`)."""
-        return split_base(self.first_shard.name)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", split_base(self.first_shard.name))
+        object.__setattr__(self, "label", self._label())
 
-    @property
-    def label(self) -> str:
+    def _label(self) -> str:
         if self.catalog_id:
             return f"{self.catalog_id}:{self.quant}" if self.quant else self.catalog_id
         if self.repo_id:
@@ -85,16 +87,10 @@ class OfferedQuant:
     shards: int
     first_file: str  # a catalog row gives its file pattern
     complete: bool = True
+    quant: str | None = None  # the canonical label `select_quant` matches (None: a file name without a quant)
     # Where the row came from: the files of a listing or folder, or a catalog quant.
     group: QuantGroup[Any] | None = field(default=None, compare=False, repr=False)
     catalog_quant: CatalogQuant | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def quant(self) -> str | None:
-        """The canonical label `select_quant` matches (None: a file name without a quant)."""
-        if self.group is not None:
-            return self.group.quant
-        return normalize_quant(self.name)
 
     def describe(self, note: str = "") -> str:
         """One line for listings and error messages: label, size, shards, `note`, first file."""
@@ -105,39 +101,77 @@ class OfferedQuant:
 
 
 @dataclass(frozen=True)
-class Offered:
+class Offer:
+    """What a source offers and the row its quant names: step 4's whole answer from one call, read as fields."""
+
     title: str
     quants: tuple[OfferedQuant, ...]
-    source: str  # "catalog", "hub", "saved listing" or "directory"
+    source: str  # where the rows come from: "catalog", "hub", "saved listing", "directory" or "file"
     listing: RepoListing | None = field(default=None, compare=False, repr=False)  # the hub's, when it was asked
+    chosen: OfferedQuant | None = None  # the row the source's quant names, or its only one
+    # Why no row is chosen (its `__cause__` the `QuantSelectionError`, if a selection failed).
+    refusal: ModelResolutionError | None = field(default=None, compare=False, repr=False)
 
 
-def offered_groups(groups: Sequence[QuantGroup[Any]]) -> tuple[OfferedQuant, ...]:
-    return tuple(OfferedQuant(g.label, g.total_bytes, g.shard_count, g.first.path, g.complete, group=g) for g in groups)
+def offer_of_files(
+    title: str, sort: QuantSort[Any], source: str, where: str, *, budget: Budget | None = None, listing: RepoListing | None = None
+) -> Offer:
+    """The rows of a listing or folder that `quants.sort_quants` grouped, with the group it chose as `chosen`."""
+    rows = tuple(
+        OfferedQuant(g.label, g.total_bytes, g.shard_count, g.first.path, g.complete, quant=g.quant, group=g) for g in sort.groups
+    )
+    if sort.chosen is None:
+        assert sort.refused is not None, "quants.sort_quants chooses a group or says why not"
+        return Offer(title, rows, source, listing, refusal=_refused(sort.refused, where, budget))
+    try:
+        chosen = _complete(next(r for r in rows if r.group is sort.chosen), where)  # `is`: the row of that very group
+    except ModelResolutionError as exc:
+        return Offer(title, rows, source, listing, refusal=exc)
+    return Offer(title, rows, source, listing, chosen)
 
 
-def offered_by_catalog(entry: CatalogEntry) -> Offered:
-    rows = tuple(OfferedQuant(q.name, q.total_bytes, q.shards, q.files, catalog_quant=q) for q in entry.quants)
-    return Offered(f"{entry.id}: {entry.title} ({entry.repo or entry.package})", rows, "catalog")
+def offered_by_catalog(entry: CatalogEntry, quant: str | None = None, where: str | None = None, *, budget: Budget | None = None) -> Offer:
+    """A catalog entry's quants (its names are canonical already: the catalog normalises them), and the one `quant` names."""
+    rows = tuple(OfferedQuant(q.name, q.total_bytes, q.shards, q.files, quant=q.name, catalog_quant=q) for q in entry.quants)
+    title = f"{entry.id}: {entry.title} ({entry.repo or entry.package})"
+    try:
+        return Offer(title, rows, "catalog", chosen=choose_quant(rows, quant, where or entry.id, budget=budget))
+    except ModelResolutionError as exc:
+        return Offer(title, rows, "catalog", refusal=exc)
+
+
+@dataclass(frozen=True)
+class OnDisk:
+    """Step 5 of a dry run from one call: the chosen quant's files as the disk has them (header-checked,
+    not re-hashed), or, not downloaded yet, the catalog's row and where its shard 1 will land."""
+
+    model: ResolvedModel | None
+    quant: str | None  # the quant looked for: the chosen row's, else the asked-for one (or a catalog entry's only one)
+    catalog_quant: CatalogQuant | None = None  # not downloaded: the curating entry's row, the plan's figures
+    first_shard: Path | None = None  # not downloaded: where `catalog_quant`'s shard 1 will land
 
 
 # ---- the one place a quant is chosen ----------------------------------------------------------
 def choose_quant(
-    offered: Offered, quant: str | None, where: str, *, pattern: str | None = None, budget: Budget | None = None
+    rows: Sequence[OfferedQuant], quant: str | None, where: str, *, pattern: str | None = None, budget: Budget | None = None
 ) -> OfferedQuant:
     """The row `quant` names (`select_quant`: case-insensitive, `UD-` optional when unambiguous), or
-    the only one; a catalog `pattern` picks the files of a curated quant first. The error lists what
-    is offered, each row rated against `budget()` when given. An incomplete split is refused."""
-    rows = offered.quants
-    if pattern is not None and any(r.group is not None for r in rows):
-        matching = [r for r in rows if r.group is not None and all(fnmatchcase(f.path, pattern) for f in r.group.files)]
-        if len(matching) == 1:
-            return _complete(matching[0], where)
-        log.warning("%s: the catalog pattern %s matches %d models; selecting by quant name", where, pattern, len(matching))
+    the only one; a catalog `pattern` picks the files of a curated quant first (`pick_group`). The error
+    lists what is offered, each row rated against `budget()` when given. An incomplete split is refused."""
+    groups = [r.group for r in rows if r.group is not None]
     try:
+        if groups:
+            picked = pick_group(groups, quant, pattern, where)
+            return _complete(next(r for r in rows if r.group is picked), where)
         return _complete(select_quant(rows, quant), where)
     except QuantSelectionError as exc:
-        raise ModelResolutionError(_selection_message(exc, where, budget)) from exc
+        raise _refused(exc, where, budget) from exc
+
+
+def _refused(exc: QuantSelectionError, where: str, budget: Budget | None) -> ModelResolutionError:
+    refusal = ModelResolutionError(_selection_message(exc, where, budget))
+    refusal.__cause__ = exc  # what `raise ... from exc` sets, for a refusal an `Offer` carries unraised
+    return refusal
 
 
 def _complete(row: OfferedQuant, where: str) -> OfferedQuant:
@@ -182,32 +216,39 @@ def checked(model: ResolvedModel) -> ResolvedModel:
 
 
 def unverified(shards: Sequence[Path], source: SourceKind, quant: str | None, **more: Any) -> ResolvedModel:
-    """Files taken as they are on disk (no reference to check their sha256 against, or a dry run)."""
+    """Files taken as they are on disk (no reference to check their sha256 against, or a dry run);
+    `quant` as the offered row has it (None: a file name without a quant)."""
     return ResolvedModel(
         first_shard=shards[0], shards=tuple(shards), total_bytes=sum(p.stat().st_size for p in shards), source=source,
-        sha256s=tuple(None for _ in shards), verified=False, quant=quant or quant_of(shards[0].name), **more,
+        sha256s=tuple(None for _ in shards), verified=False, quant=quant, **more,
     )  # fmt: skip
+
+
+def expected_first_shard(entry: CatalogEntry, quant: CatalogQuant, download_dir: Path) -> Path:
+    """Where shard 1 of a catalog quant lands once downloaded (or assembled, for a packaged model)."""
+    base = Path(download_dir).expanduser().absolute()
+    if entry.package is not None:
+        return base / entry.id / quant.first_file
+    assert entry.repo is not None
+    return repo_local_dir(base, entry.repo) / quant.first_file
 
 
 # ---- the interface --------------------------------------------------------------------------
 class ModelSource(ABC):
-    """A model as `--gguf`/`--demo` name it: a local file or folder, a catalog entry or a hub repo."""
+    """A model as `--gguf`/`--demo` name it: a local file or folder, a catalog entry or a hub repo.
+
+    What the pipeline reads of it are plain fields (set when `pick_source` makes it); what it
+    asks are the three questions, one call each.
+    """
 
     text: str  # as the operator wrote it, for messages
     quant: str | None  # as asked for (spec suffix or --quant); None: not chosen
     # The catalog entry that curates this model, also when it is asked for by repo id: its
     # model shape sizes the KV cache, and its quants stand in when the hub cannot be asked.
     curated: CatalogEntry | None = None
+    entry: CatalogEntry | None = None  # the catalog entry asked for by its id (not merely curating a repo asked for by id)
     local = False  # on this machine already: nothing to download, nothing to rate before
     repo_id: str | None = None  # the hub repo (a catalog entry's too)
-
-    @property
-    def entry(self) -> CatalogEntry | None:
-        """The catalog entry asked for by its id (not merely curating a repo asked for by id)."""
-        return None
-
-    def with_quant(self, quant: str | None) -> ModelSource:
-        return replace(self, quant=quant)  # type: ignore[type-var]
 
     def quant_or_only(self) -> str | None:
         """The asked-for quant, or a catalog entry's only one."""
@@ -217,14 +258,31 @@ class ModelSource(ABC):
         return self.quant
 
     @abstractmethod
-    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool) -> Offered:
-        """The quants on offer, with sizes; fetches no model byte (`may_write`: the hub's listing may be saved)."""
+    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool, budget: Budget | None = None) -> Offer:
+        """The quants on offer, with sizes, and the one `quant` names; fetches no model byte (`may_write`: the
+        hub's listing may be saved). A refusal lists the rows, rated against `budget()` when given."""
+
+    def on_disk(self, chosen: OfferedQuant | None, download_dir: Path) -> OnDisk:
+        """The chosen quant as the files on disk have it, header-checked but not sha256-verified; no network,
+        no writes. Not (completely) downloaded, or nothing chosen (the source could not be listed): the
+        curating catalog entry's row for the quant, and where its shard 1 will land, when there is one."""
+        found = self._found(chosen, download_dir) if chosen is not None else None
+        if found is not None:
+            return OnDisk(checked(found), found.quant)
+        quant = chosen.name if chosen is not None else self.quant_or_only()
+        curated = self.curated.quant(quant) if self.curated is not None and quant else None
+        if self.curated is None or curated is None:
+            return OnDisk(None, quant)
+        return OnDisk(None, quant, curated, expected_first_shard(self.curated, curated, download_dir))
+
+    def fetch(self, offer: Offer, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
+        """The chosen quant downloaded if needed, verified where a reference exists, and header-checked."""
+        return checked(self._fetched(offer, chosen, hub))
 
     @abstractmethod
-    def on_disk(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel | None:
-        """The chosen quant as the files on disk have it, not sha256-verified; no network, no writes.
-        None when a catalog or hub model is not (completely) downloaded yet."""
+    def _found(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel | None:
+        """The chosen quant's files on disk, unchecked; None when a catalog or hub model is not (completely) downloaded yet."""
 
     @abstractmethod
-    def fetch(self, offered: Offered, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
-        """The chosen quant downloaded if needed, and verified where a reference exists."""
+    def _fetched(self, offer: Offer, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
+        """The chosen quant downloaded if needed, and verified where a reference exists (not yet header-checked)."""

@@ -4,7 +4,7 @@ repo's quant, or a model shipped as a Python package)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshnet_gguf.common.units import format_bytes
@@ -22,17 +22,19 @@ from meshnet_gguf.models.download import (
     repo_local_dir,
     save_manifest,
 )
-from meshnet_gguf.models.quants import group_quants, quant_of, scan_dir
+from meshnet_gguf.models.quants import quant_of, sort_folder, sort_quants
 from meshnet_gguf.models.source.base import (
+    Budget,
     HubFetch,
     ModelResolutionError,
     ModelSource,
-    Offered,
+    Offer,
     OfferedQuant,
     ResolvedModel,
     choose_quant,
+    expected_first_shard,
+    offer_of_files,
     offered_by_catalog,
-    offered_groups,
     unverified,
 )
 from meshnet_gguf.models.source.local import verified_folder
@@ -49,46 +51,46 @@ class HubRepoSource(ModelSource):
     repo_id: str
     curated: CatalogEntry | None = None
 
-    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool) -> Offered:
+    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool, budget: Budget | None = None) -> Offer:
         """From the hub (or offline, the listing saved by the last download). Never listed: the files
         already in its folder, else the catalog's figures for a curated repo."""
         listing = _listing(self.repo_id, download_dir, access, may_write=may_write)
         if listing is not None:
             title = f"{self.repo_id} @ {listing.commit[:12]}"
-            return Offered(title, offered_groups(group_quants(listing.files)), "saved listing" if access.offline else "hub", listing)
+            origin = "saved listing" if access.offline else "hub"
+            return offer_of_files(title, sort_quants(listing.files, self.quant), origin, self.text, budget=budget, listing=listing)
         local = repo_local_dir(download_dir, self.repo_id)
-        if local.is_dir() and (files := scan_dir(local)):
-            return Offered(str(local), offered_groups(group_quants(files)), "directory")
+        if local.is_dir() and (found := sort_folder(local, self.quant)).files:
+            return offer_of_files(str(local), found, "directory", self.text, budget=budget)
         if self.curated is not None:
-            return offered_by_catalog(self.curated)
+            return offered_by_catalog(self.curated, self.quant, self.text, budget=budget)
         raise ModelResolutionError(
             f"offline, and {self.repo_id} has never been downloaded into {download_dir}. Run "
             f"`meshnet-gguf download {self.repo_id}{' --quant ' + self.quant if self.quant else ''}` while online, or drop --offline."
         )
 
-    def on_disk(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel | None:
+    def _found(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel | None:
         directory = repo_local_dir(download_dir, self.repo_id)
         if not directory.is_dir():
             return None
-        pattern = self._pattern(chosen.name)
-        try:
-            row = choose_quant(_folder(directory), chosen.name, self.repo_id, pattern=pattern)
-        except ModelResolutionError:
+        # One call sorts the folder and picks the quant (the catalog's file pattern first, for a curated repo).
+        group = sort_folder(directory, chosen.name, pattern=self._pattern(chosen.name), where=self.repo_id).chosen
+        if group is None or not group.complete:
             return None
-        assert row.group is not None
-        shards = [directory / f.path for f in row.group.files]
-        return unverified(shards, "hub", quant_of(shards[0].name) or chosen.name, repo_id=self.repo_id)
+        shards = [directory / f.path for f in group.files]
+        # The quant its files' group carries, as `fetch` reports it; a file named without one keeps the chosen row's.
+        return unverified(shards, "hub", group.quant or chosen.name, repo_id=self.repo_id)
 
-    def fetch(self, offered: Offered, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
-        listing = offered.listing
+    def _fetched(self, offer: Offer, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
+        listing = offer.listing
         if listing is None:
-            if offered.source != "directory":
+            if offer.source != "directory":
                 raise ModelResolutionError(
                     f"offline, and {self.repo_id} has never been downloaded into {hub.download_dir}. Run "
                     f"`meshnet-gguf download {self.repo_id} --quant {chosen.name}` while online, or drop --offline."
                 )
-            log.warning("offline and %s was never listed from the hub: its files in %s cannot be sha256-verified", self.repo_id, offered.title)
-            return verified_folder(Path(offered.title), chosen, progress=hub.progress)
+            log.warning("offline and %s was never listed from the hub: its files in %s cannot be sha256-verified", self.repo_id, offer.title)
+            return verified_folder(Path(offer.title), chosen, progress=hub.progress)
         group = chosen.group
         assert group is not None
         count = ByteCount()
@@ -98,7 +100,7 @@ class HubRepoSource(ModelSource):
                 what=f"{self.repo_id}:{group.label}", count=count,
             )  # fmt: skip
         except NotEnoughDiskSpace as exc:
-            fitting = [r for r in offered.quants if r.complete and r.total_bytes + DISK_FREE_MARGIN_BYTES <= exc.free_bytes]
+            fitting = [r for r in offer.quants if r.complete and r.total_bytes + DISK_FREE_MARGIN_BYTES <= exc.free_bytes]
             hint = f" Smaller quants here: {', '.join(f'{r.name} ({format_bytes(r.total_bytes)})' for r in fitting)}." if fitting else ""
             raise ModelResolutionError(f"{exc}{hint}") from exc
         return ResolvedModel(
@@ -112,9 +114,9 @@ class HubRepoSource(ModelSource):
         curated = self.curated.quant(quant) if self.curated is not None else None
         return curated.files if curated is not None else None
 
-    def files_of(self, offered: Offered, quant: str) -> OfferedQuant:
+    def files_of(self, offer: Offer, quant: str) -> OfferedQuant:
         """The row of the repo's own listing that holds `quant` (a catalog quant's files, by its pattern)."""
-        return choose_quant(offered, quant, self.repo_id, pattern=self._pattern(quant))
+        return choose_quant(offer.quants, quant, self.repo_id, pattern=self._pattern(quant))
 
 
 @dataclass(frozen=True)
@@ -123,25 +125,20 @@ class CatalogSource(ModelSource):
 
     text: str
     quant: str | None
-    catalog_entry: CatalogEntry
+    entry: CatalogEntry
+    # Plain fields (the pipeline reads them without calling in): the entry curates itself, and names its repo.
+    curated: CatalogEntry = field(init=False, repr=False)
+    repo_id: str | None = field(init=False, repr=False)
 
-    @property
-    def entry(self) -> CatalogEntry:
-        return self.catalog_entry
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "curated", self.entry)
+        object.__setattr__(self, "repo_id", self.entry.repo)
 
-    @property
-    def curated(self) -> CatalogEntry:  # type: ignore[override]
-        return self.catalog_entry
+    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool, budget: Budget | None = None) -> Offer:
+        return offered_by_catalog(self.entry, self.quant, self.text, budget=budget)
 
-    @property
-    def repo_id(self) -> str | None:  # type: ignore[override]
-        return self.catalog_entry.repo
-
-    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool) -> Offered:
-        return offered_by_catalog(self.catalog_entry)
-
-    def on_disk(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel | None:
-        entry = self.catalog_entry
+    def _found(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel | None:
+        entry = self.entry
         quant = _catalog_quant(chosen)
         if entry.package is not None:
             path = expected_first_shard(entry, quant, download_dir)
@@ -149,13 +146,13 @@ class CatalogSource(ModelSource):
                 return None
             found = unverified([path], "package", quant_of(path.name) or quant.name)
         else:
-            found = self._repo().on_disk(chosen, download_dir)
+            found = self._repo(chosen.name)._found(chosen, download_dir)
             if found is None:
                 return None
         return replace(found, catalog_id=entry.id, context_length=entry.context_length)
 
-    def fetch(self, offered: Offered, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
-        entry = self.catalog_entry
+    def _fetched(self, offer: Offer, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
+        entry = self.entry
         quant = _catalog_quant(chosen)
         if entry.package is not None:
             packaged = materialize_package_model(
@@ -166,33 +163,21 @@ class CatalogSource(ModelSource):
                 sha256s=(packaged.sha256,), verified=True, quant=quant.name, catalog_id=entry.id,
                 context_length=entry.context_length,
             )  # fmt: skip
-        repo = self._repo()
+        repo = self._repo(quant.name)
         listed = repo.offered(hub.download_dir, hub.access, may_write=True)
-        resolved = repo.fetch(listed, repo.files_of(listed, quant.name), hub)
+        resolved = repo._fetched(listed, repo.files_of(listed, quant.name), hub)
         return replace(resolved, catalog_id=entry.id, context_length=entry.context_length)
 
-    def _repo(self) -> HubRepoSource:
-        entry = self.catalog_entry
+    def _repo(self, quant: str) -> HubRepoSource:
+        """The entry's repo asked for `quant` (the chosen one: its messages name it)."""
+        entry = self.entry
         assert entry.repo is not None
-        return HubRepoSource(entry.repo, self.quant, entry.repo, curated=entry)
-
-
-def expected_first_shard(entry: CatalogEntry, quant: CatalogQuant, download_dir: Path) -> Path:
-    """Where shard 1 of a catalog quant lands once downloaded (or assembled, for a packaged model)."""
-    base = Path(download_dir).expanduser().absolute()
-    if entry.package is not None:
-        return base / entry.id / quant.first_file
-    assert entry.repo is not None
-    return repo_local_dir(base, entry.repo) / quant.first_file
+        return HubRepoSource(entry.repo, quant, entry.repo, curated=entry)
 
 
 def _catalog_quant(chosen: OfferedQuant) -> CatalogQuant:
     assert chosen.catalog_quant is not None, "a catalog source offers catalog quants only"
     return chosen.catalog_quant
-
-
-def _folder(directory: Path) -> Offered:
-    return Offered(str(directory), offered_groups(group_quants(scan_dir(directory))), "directory")
 
 
 def _listing(repo_id: str, download_dir: Path, access: HubAccess, *, may_write: bool) -> RepoListing | None:

@@ -8,15 +8,16 @@ from pathlib import Path
 
 from meshnet_gguf.models.download import HubAccess, VerifiedState, load_manifest, verify_file
 from meshnet_gguf.models.gguf_names import is_gguf, sibling_shards, split_base
-from meshnet_gguf.models.quants import group_quants, quant_of, scan_dir
+from meshnet_gguf.models.quants import quant_of, sort_folder
 from meshnet_gguf.models.source.base import (
+    Budget,
     HubFetch,
     ModelResolutionError,
     ModelSource,
-    Offered,
+    Offer,
     OfferedQuant,
     ResolvedModel,
-    offered_groups,
+    offer_of_files,
     unverified,
 )
 
@@ -44,20 +45,21 @@ class FileSource(ModelSource):
             )
         return shards
 
-    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool) -> Offered:
+    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool, budget: Budget | None = None) -> Offer:
+        """The file's one row, chosen: there is nothing to choose between."""
         shards = self._shards()
-        name = quant_of(shards[0].name) or split_base(shards[0].name)
-        row = OfferedQuant(name, sum(p.stat().st_size for p in shards), len(shards), shards[0].name)
-        return Offered(str(self.path), (row,), "file")
+        quant = quant_of(shards[0].name)
+        row = OfferedQuant(quant or split_base(shards[0].name), sum(p.stat().st_size for p in shards), len(shards), shards[0].name, quant=quant)
+        return Offer(str(self.path), (row,), "file", chosen=row)
 
-    def on_disk(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel:
+    def _found(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel:
         shards = self._shards()
         if shards[0] != self.path:
             log.info("%s is one shard of %d; llama-server loads splits from shard 1: %s", self.path.name, len(shards), shards[0].name)
-        return unverified(shards, "file", quant=None)
+        return unverified(shards, "file", chosen.quant)
 
-    def fetch(self, offered: Offered, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
-        return self.on_disk(chosen, hub.download_dir)
+    def _fetched(self, offer: Offer, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
+        return self._found(chosen, hub.download_dir)
 
 
 @dataclass(frozen=True)
@@ -69,14 +71,14 @@ class FolderSource(ModelSource):
     path: Path
     local = True
 
-    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool) -> Offered:
-        return Offered(str(self.path), offered_groups(group_quants(scan_dir(self.path))), "directory")
+    def offered(self, download_dir: Path, access: HubAccess, *, may_write: bool, budget: Budget | None = None) -> Offer:
+        return offer_of_files(str(self.path), sort_folder(self.path, self.quant), "directory", self.text, budget=budget)
 
-    def on_disk(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel:
+    def _found(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel:
         assert chosen.group is not None
         return unverified([self.path / f.path for f in chosen.group.files], "directory", chosen.group.quant)
 
-    def fetch(self, offered: Offered, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
+    def _fetched(self, offer: Offer, chosen: OfferedQuant, hub: HubFetch) -> ResolvedModel:
         return verified_folder(self.path, chosen, progress=hub.progress)
 
 
