@@ -145,13 +145,14 @@ def relay(
     from meshnet_gguf.reference.relay import Relay
     from meshnet_gguf.reference.relay_config import RelayConfig
     from meshnet_gguf.common.settings import default_state_dir
+    from meshnet_gguf.common.ports import is_wildcard
     from meshnet_gguf.reference.relay_networks import IPV4_NETWORK_PREFIXES
 
     keys = tuple(trust_tracker_key or ())
     if bool(keys) == open_relay:
         typer.echo("error: give --trust-tracker-key KEY (the tracker prints it at start), or --open", err=True)
         raise typer.Exit(2)
-    if host in ("0.0.0.0", "::", "") and not public_url:
+    if is_wildcard(host) and not public_url:
         # Attach proofs and CONNECT tokens name the relay by the URL nodes dial; a wildcard address is no such URL.
         typer.echo(f"error: listening on {host or 'every address'}, give --public-url (the URL nodes and trackers dial)", err=True)
         raise typer.Exit(2)

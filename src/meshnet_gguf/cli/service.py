@@ -220,9 +220,10 @@ def _node_health(host: str, port: int) -> dict[str, Any] | None:
     import urllib.error
     import urllib.request
 
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    url = f"http://{host}:{port}/health"
+    from meshnet_gguf.common.ports import wildcard_loopback
+
+    host = wildcard_loopback(host) or host
+    url = f"http://[{host}]:{port}/health" if ":" in host else f"http://{host}:{port}/health"
     try:
         with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S) as response:  # noqa: S310 (local URL)
             body = response.read()

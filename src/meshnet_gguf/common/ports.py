@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_IPV6 = "::1"
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether a listener on `host` listens on every address: "", 0.0.0.0, :: or any spelling of them,
+    an IPv4-mapped one (::ffff:0.0.0.0) included. A name is no wildcard."""
+    return wildcard_loopback(host) is not None
+
+
+def wildcard_loopback(host: str) -> str | None:
+    """The loopback address that reaches a listener on the wildcard `host` (127.0.0.1, or ::1 for an IPv6-only
+    one), or None when `host` is no wildcard."""
+    if host == "":
+        return LOOPBACK
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:0.0.0.0 listens as the IPv4 wildcard does
+    if not address.is_unspecified:
+        return None
+    return LOOPBACK if address.version == 4 else LOOPBACK_IPV6
 
 
 def free_local_port() -> int:

@@ -37,6 +37,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import StapledByteStream
 from anyio.streams.tls import TLSStream
 
+from meshnet_gguf.common.ports import wildcard_loopback
 from meshnet_gguf.common.retry import Backoff
 from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.contract.node_tls import certificate_pem, certificate_text, node_certificate, server_context
@@ -533,7 +534,7 @@ def build_relay_link(
 
 def local_address_for(host: str, port: int) -> Callable[[], tuple[str, int]]:
     """Where the relayed bytes go: the node's own listener, on loopback when it listens on every address."""
-    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    target = wildcard_loopback(host) or host
     return lambda: (target, port)
 
 

@@ -31,6 +31,7 @@ from meshnet_gguf import __version__
 from meshnet_gguf.common.atomic_file import write_atomically
 from meshnet_gguf.common.retry import Backoff
 from meshnet_gguf.common.settings import NodeSettings
+from meshnet_gguf.common.ports import is_wildcard
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.contract.protocol import (
@@ -370,7 +371,7 @@ def seed_replay_cache(cache: ReplayCache, ledger: UsageLedger) -> None:
 
 
 def default_advertised_url(settings: NodeSettings) -> str:
-    if settings.host in ("0.0.0.0", "::", ""):
+    if is_wildcard(settings.host):
         raise MeshSetupError(
             f"listening on {settings.host!r} (all addresses): set --advertised-url / MESHNET_ADVERTISED_URL "
             "to the address the tracker should use"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from meshnet_gguf.common.ports import wildcard_loopback
 from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.load_progress import LoadProgress, LoadProgressTracker
@@ -51,7 +52,7 @@ class ServedAt:
     @property
     def url(self) -> str:
         """Where a client on this machine reaches the node (loopback when it listens on every address)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "[::1]" if self.host == "::" else self.host
+        host = wildcard_loopback(self.host) or self.host
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host
         return f"http://{host}:{self.port}"
 
