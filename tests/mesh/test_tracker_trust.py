@@ -639,9 +639,9 @@ async def test_a_lying_node_is_billed_only_what_went_by_and_flagged(tracker, tmp
         ack = await node.client.send_receipts([node.receipt(rid, **{k: lie[k] for k in ("prompt_tokens", "completion_tokens")})])
         assert ack.accepted == [rid]
         usage = (await http.get(f"{url}/v1/usage/{rid}")).json()
-        # ...but billed only what the tracker saw: one content event (+ slack), the prompt the request can hold.
+        # ...but billed only what the tracker saw: the 2 bytes of "hi" (+ slack), the prompt the request can hold.
         assert usage["tracker"]["completion_tokens"] == 1
-        assert usage["billed"]["completion_tokens"] <= 1 + COMPLETION_SLACK_TOKENS
+        assert usage["ceiling"]["completion_tokens"] == usage["billed"]["completion_tokens"] == len(b"hi") + COMPLETION_SLACK_TOKENS
         assert usage["billed"]["prompt_tokens"] <= prompt_ceiling(request) < 200
         assert usage["flagged"] and usage["agreement"] == "mismatch"
         [listed] = (await http.get(url + "/v1/nodes")).json()

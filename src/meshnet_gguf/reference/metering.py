@@ -5,10 +5,14 @@ the `: meshnet-usage` comment, not the `X-Meshnet-Usage-*` headers. A node that
 lies there would otherwise be compared with itself. Instead (docs/protocol.md,
 section 11, T13):
 
-- completion tokens are bounded by what went by: one per content event of a
-  stream (llama-server sends one token per event), or one per byte of generated
-  text in a whole answer, plus `COMPLETION_SLACK_TOKENS`, and never more than
-  the route allowed;
+- completion tokens are bounded by what went by: one per byte of generated text
+  (content, reasoning, tool calls), streamed or in a whole answer, plus the
+  per-choice slack of `completion_slack`, and never more than the route allowed.
+  Bytes, not content events: llama-server holds back text (an incomplete UTF-8
+  character, whitespace a grammar or parser has not settled) and sends several
+  tokens in one event, so counting events flagged honest nodes. A
+  token that reaches the answer's text adds at least one byte to it; the tokens
+  that add none are bounded by the slack (see `completion_slack`);
 - prompt tokens are bounded by the request: `PROMPT_BASE_ALLOWANCE_TOKENS`, plus
   `PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS` per message (or input), plus one per
   byte of the request's text (a token id in a pre-tokenized prompt counts one).
@@ -75,9 +79,33 @@ MAX_METERED_BODY_BYTES = 16 * 1024 * 1024
 PROMPT_BASE_ALLOWANCE_TOKENS = 128
 # Role markers and separators a template puts around each message (or each embeddings input).
 PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS = 16
-# Tokens an honest node may count beyond the content events the tracker saw (a stop token, a token held
-# back as an incomplete UTF-8 sequence). A node that lies is billed at most this much above the truth.
-COMPLETION_SLACK_TOKENS = 2
+# Tokens an honest node counts that add no byte to the text the client gets, per choice. llama-server counts
+# every sampled token (`timings.predicted_n`); a token's text is its piece, never empty except:
+# - the end-of-generation token (EOS, <end_of_turn>): a control token, rendered empty, sampled once at the end;
+END_OF_GENERATION_TOKENS = 1
+# - an incomplete UTF-8 character at a length cut: its bytes are held back and never sent; a UTF-8
+#   character is at most 4 bytes, so at most 3 are held, and every token holding them added at least one.
+INCOMPLETE_UTF8_TOKENS = 3
+# Together, the slack every answer gets (docs/protocol.md §11, T13). Some requests and answers add more:
+COMPLETION_SLACK_TOKENS = END_OF_GENERATION_TOKENS + INCOMPLETE_UTF8_TOKENS
+# - the markers a reasoning parser strips (`<think>`, `</think>`, the line breaks it trims after them), where
+#   the model writes them as text tokens: allowed only to a choice that carried reasoning text.
+REASONING_MARKUP_TOKENS = 4
+# - the whitespace (and a ```json fence) that llama-server's grammar lets a model write around a structured
+#   answer (`response_format` json_schema / json_object) and its parser then strips from the content, one
+#   token per byte at most. Its grammar (b10434, logged at -v) is
+#     root ::= gen-prompt space space ("```json" space answer space "```" | space answer space)
+#     space ::= | " " | "\n"{1,2} [ \t]{0,20}
+#   so at most four `space`s (22 bytes each) and the fence's 10 bytes: measured, 9 leading and 9 trailing
+#   whitespace tokens around `{...}` gave 45 tokens for 40 bytes (bench/RESULTS.md).
+GRAMMAR_SPACE_MAX_BYTES = 22
+RESPONSE_FORMAT_STRIPPED_TOKENS = 4 * GRAMMAR_SPACE_MAX_BYTES + len("```json") + len("```")
+# A stop string the client asked for is cut from the text, and so is a partial match held back when a length
+# cut ends the answer: every token in it added at least one of its bytes, so one token per byte of the
+# longest stop string. (A tool call's markup is covered by its id, which llama-server makes up and sends:
+# 32 bytes no token produced, counted with the call's name and arguments.)
+# A node that lies is billed at most this slack above the bytes it sent: `completion_slack` sums it.
+
 # The request fields a prompt is made of; every string leaf counts its bytes, every number one token.
 _PROMPT_FIELDS = ("messages", "prompt", "input", "tools", "functions", "system")
 # Bounds the walk over a request's JSON (it is already depth-limited by the parser).
@@ -116,13 +144,51 @@ def _text_size(value: Any) -> int:
     return size
 
 
-class ForwardMeter:
-    """Counts what the tracker forwards: content events of a stream, or the generated text of a whole answer."""
+def completion_slack(request: dict[str, Any], *, reasoning: bool = False) -> int:
+    """Tokens an honest node may count beyond the bytes of text it sent, for this request.
 
-    def __init__(self, event_stream: bool) -> None:
+    Per choice: `COMPLETION_SLACK_TOKENS`, one per byte of the longest stop string the request names,
+    `RESPONSE_FORMAT_STRIPPED_TOKENS` when it asks for structured output, and `REASONING_MARKUP_TOKENS`
+    when the answer carried reasoning text. The request is the client's, so a node
+    cannot widen it.
+    """
+    per_choice = COMPLETION_SLACK_TOKENS + _longest_stop_bytes(request.get("stop"))
+    if _asks_structured_output(request):
+        per_choice += RESPONSE_FORMAT_STRIPPED_TOKENS
+    if reasoning:
+        per_choice += REASONING_MARKUP_TOKENS
+    return per_choice * requested_choices(request)
+
+
+def requested_choices(request: dict[str, Any]) -> int:
+    """How many choices the request asks for (`n`): each has its own end token and stop match."""
+    n = request.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def _asks_structured_output(request: dict[str, Any]) -> bool:
+    response_format = request.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    return kind in ("json_schema", "json_object") or isinstance(request.get("json_schema"), dict)
+
+
+def _longest_stop_bytes(stop: Any) -> int:
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    return max((len(s.encode("utf-8", "surrogatepass")) for s in stops if isinstance(s, str)), default=0)
+
+
+class ForwardMeter:
+    """Counts what the tracker forwards: the bytes of generated text (and content events) of a stream, or the
+    generated text of a whole answer. `request` is the client's request, for the slack it allows."""
+
+    def __init__(self, event_stream: bool, request: dict[str, Any] | None = None) -> None:
         self.event_stream = event_stream
         self._splitter = BoundedEventSplitter() if event_stream else None
+        self._request = request or {}
         self.content_events = 0
+        # UTF-8 bytes of the text the stream's deltas carried: content, reasoning, tool calls, completion text.
+        self.generated_bytes = 0
+        self._reasoning_seen = False
         self._body = bytearray()
         self._body_too_big = False
         self.done = False
@@ -144,12 +210,13 @@ class ForwardMeter:
         if self._splitter is not None:
             if self._splitter.overflowed:
                 return route_ceiling
-            seen = self.content_events
+            seen, reasoning = self.generated_bytes, self._reasoning_seen
         else:
             if self._body_too_big:
                 return route_ceiling
-            seen = _generated_text_bytes(_json(bytes(self._body)))
-        return min(route_ceiling, seen + COMPLETION_SLACK_TOKENS)
+            answer = _json(bytes(self._body))
+            seen, reasoning = _generated_text_bytes(answer), _carries_reasoning(answer)
+        return min(route_ceiling, seen + completion_slack(self._request, reasoning=reasoning))
 
     def counted(self) -> UsageCounts:
         """What the tracker itself counted: content events of a stream; it counts no prompt tokens."""
@@ -170,6 +237,8 @@ class ForwardMeter:
                 self.error = True
             if _carries_a_token(chunk):
                 self.content_events += 1
+                self.generated_bytes += _delta_text_bytes(chunk)
+                self._reasoning_seen = self._reasoning_seen or _carries_reasoning(chunk)
 
 
 def _json(raw: bytes) -> Any:
@@ -192,6 +261,31 @@ def _generated_text_bytes(answer: Any) -> int:
             total += _text_size([message.get("content"), message.get("reasoning_content"), message.get("tool_calls")])
         total += _text_size(choice.get("text"))
     return total
+
+
+def _delta_text_bytes(chunk: dict[str, Any]) -> int:
+    """Bytes of the text one stream chunk generated, counted as `_generated_text_bytes` counts a whole answer."""
+    total = 0
+    for choice in chunk["choices"]:  # a list: `_carries_a_token` checked it
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            total += _text_size([delta.get("content"), delta.get("reasoning_content"), delta.get("tool_calls")])
+        total += _text_size(choice.get("text"))
+    return total
+
+
+def _carries_reasoning(answer: Any) -> bool:
+    """Whether a chunk's deltas or a whole answer's messages hold reasoning text."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        return False
+    for choice in answer["choices"]:
+        if isinstance(choice, dict):
+            for part in (choice.get("delta"), choice.get("message")):
+                if isinstance(part, dict) and part.get("reasoning_content"):
+                    return True
+    return False
 
 
 def _carries_a_token(chunk: dict[str, Any]) -> bool:

@@ -22,13 +22,13 @@ from starlette.requests import Request
 from meshnet_gguf.common.http1_client import HttpClientError, HttpConnectError
 from meshnet_gguf.contract.errors import ApiError, openai_error_body
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER, USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
-from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling
+from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling, requested_choices
 from meshnet_gguf.reference.node_answer import NodeAnswer
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.reach import NodeReach
 from meshnet_gguf.reference.tracker.request_io import error_response, json_object, limited_body
-from meshnet_gguf.reference.tracker.routing import RouteSigner, choices
+from meshnet_gguf.reference.tracker.routing import RouteSigner
 from meshnet_gguf.reference.tracker_ledger import Outcome, TrackerLedger
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,8 @@ class ForwardEndpoint:
             await error_response(refusal)(scope, receive, send)
             return
         content_type = next((value for name, value in upstream.headers if name.lower() == "content-type"), "")
-        meter = ForwardMeter(content_type.startswith("text/event-stream"))
-        route_ceiling = (self.routes.route_max_tokens(scope["path"], payload) or 0) * choices(payload)
+        meter = ForwardMeter(content_type.startswith("text/event-stream"), payload)
+        route_ceiling = (self.routes.route_max_tokens(scope["path"], payload) or 0) * requested_choices(payload)
         outcome: Outcome = "cancelled"
         try:
             headers = forwarded_headers(upstream.headers)
@@ -140,7 +140,7 @@ class ForwardEndpoint:
             token = self.routes.sign_route(node, request_id, path, model, body, max_tokens)
             await self.ledger.open_request(
                 request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
-                max_tokens=max_tokens, choices=choices(payload), body_bytes=len(body), prompt_ceiling=prompt_ceiling(payload),
+                max_tokens=max_tokens, choices=requested_choices(payload), body_bytes=len(body), prompt_ceiling=prompt_ceiling(payload),
             )  # fmt: skip
             headers = {
                 "content-type": "application/json",

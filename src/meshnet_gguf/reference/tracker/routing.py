@@ -56,7 +56,3 @@ class RouteSigner:
         asked = [v for f in MAX_TOKENS_FIELDS if isinstance(v := payload.get(f), int) and not isinstance(v, bool) and v > 0]
         return min([*asked, self.config.max_tokens_cap])
 
-
-def choices(payload: dict[str, Any]) -> int:
-    n = payload.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
