@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import httpx
@@ -37,6 +37,12 @@ FAKE_LLAMA = Path(__file__).parent / "fake_llama_server.py"
 FAKE_LLAMA_KEY = "internal-test-key"
 MODEL = "tiny"
 START_TIMEOUT_S = 10.0
+
+
+class LlamaAt(Protocol):
+    """A llama-server the node forwards to (the fake one, or a real one started with `FAKE_LLAMA_KEY`)."""
+
+    url: str
 
 
 class FakeLlama:
@@ -92,7 +98,7 @@ class MeshNode:
         self,
         state_dir: Path,
         tiny_gguf: Path,
-        llama: FakeLlama,
+        llama: LlamaAt,
         *,
         tracker_url: str,
         tracker_key: str | None,
