@@ -53,6 +53,8 @@ NODE_CONTROL_NONCE_PARAM = "nonce"
 NODE_CONTROL_NONCE_MAX_CHARS = 128
 # More slots than any llama-server runs on one box: a bigger claim only buys an impostor routes.
 MAX_NODE_SLOTS = 256
+# A node measures itself at a few context sizes; more points than this say nothing more and cost the tracker memory.
+MAX_CAPABILITY_POINTS = 16
 
 # Route refusals a node answers (status, code). Kept here so tracker, relay and docs agree.
 ROUTE_ERRORS: dict[str, int] = {
@@ -139,6 +141,7 @@ class HealthReport(_Wire):
     )
     relay: RelayLinkHealth | None = Field(None, description="The tunnel to the relay, when the node serves through one")
     pool: PoolHealth | None = Field(None, description="The LAN pool behind this node, when it has one (never addresses)")
+    capability: NodeCapability | None = Field(None, description="What the running llama-server measured at its start")
 
 
 # --- registration and liveness --------------------------------------------
@@ -157,6 +160,22 @@ class HardwareSummary(_Wire):
     backend: str | None = Field(None, description="cpu, vulkan, rocm, cuda, metal")
     memory_bytes: int | None = None
     gpu_memory_bytes: int | None = None
+
+
+class RatePoint(_Wire):
+    """One measured rate: tokens per second with a prompt of `ctx_tokens` tokens in the slot."""
+
+    ctx_tokens: int = Field(ge=1)
+    tokens_per_s: float = Field(gt=0)
+
+
+class NodeCapability(_Wire):
+    """What a node measured of itself after warm-up and before serving (its pool included, through the
+    same llama-server), from llama-server's own `timings`: a claim the tracker checks against what it forwards."""
+
+    prefill_tokens_per_s: list[RatePoint] = Field(default_factory=list, max_length=MAX_CAPABILITY_POINTS)
+    decode_tokens_per_s: list[RatePoint] = Field(default_factory=list, max_length=MAX_CAPABILITY_POINTS)
+    measured_in_s: float | None = Field(None, ge=0, description="How long the measurement took")
 
 
 class NodeLoad(_Wire):
@@ -191,6 +210,7 @@ class NodeAnnouncement(_Wire):
     state: MeshState = "joining"
     relay: RelayAttachment | None = Field(None, description="Set when the node is reachable only through a relay")
     pool: PoolDescription | None = Field(None, description="Set when a LAN pool behind the node holds the model with it")
+    capability: NodeCapability | None = Field(None, description="The node's own speed figures, once it measured them")
 
     def answers_to(self, requested: str) -> bool:
         return model_answers_to(requested, self.model_id, self.model_aliases)
