@@ -29,7 +29,7 @@ from meshnet_gguf.common.logs import LLAMA_LOGGER, llama_log_level
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.node_part import BasePart
-from meshnet_gguf.contract.protocol import NodeState
+from meshnet_gguf.contract.protocol import NodeCapability, NodeState
 from meshnet_gguf.llama.child import (
     API_KEY_ENV,
     PIDFILE_NAME,
@@ -45,6 +45,7 @@ from meshnet_gguf.llama.child import (
 from meshnet_gguf.llama.child_loop import ChildLoop, Outcome, OutcomeRace, RestartPolicy
 from meshnet_gguf.llama.runnable import BUILD_FOR_THIS_MACHINE_FIX
 from meshnet_gguf.llama.upstream import UpstreamError
+from meshnet_gguf.llama.speed_probe import SpeedProbePolicy, measure_speed
 from meshnet_gguf.llama.upstream.raw import RawUpstream
 from meshnet_gguf.llama.warmup import CPU_WARMUP, WarmupPolicy, warm_up
 
@@ -85,13 +86,17 @@ class SupervisorPolicy:
     liveness_interval_s: float = LIVENESS_INTERVAL_S
     liveness_failures: int = LIVENESS_FAILURES
     warmup: WarmupPolicy | None = CPU_WARMUP
+    # The node's measurement of itself after the warm-up (None: it announces no speed figures).
+    speed_probe: SpeedProbePolicy | None = None
     # The progress watchdog: llama-server's /slots shows each busy slot's prompt tokens processed
     # and tokens decoded; busy slots whose numbers stay still this long mean a batch that never
     # ends (a pool worker stopped, or its link cut, while /health still says 200). None: off.
     busy_stall_timeout_s: float | None = None
 
     @classmethod
-    def from_settings(cls, settings: NodeSettings, warmup: WarmupPolicy | None) -> SupervisorPolicy:
+    def from_settings(
+        cls, settings: NodeSettings, warmup: WarmupPolicy | None, speed_probe: SpeedProbePolicy | None = None
+    ) -> SupervisorPolicy:
         return cls(
             load_stall_timeout_s=settings.load_stall_timeout_s,
             health_poll_interval_s=settings.health_poll_interval_s,
@@ -101,6 +106,7 @@ class SupervisorPolicy:
             max_quick_crashes=settings.max_quick_crashes,
             stop_timeout_s=settings.stop_timeout_s,
             warmup=warmup,
+            speed_probe=speed_probe,
             # A single box has no worker to lose; with a pool, a stopped worker stalls generation silently.
             busy_stall_timeout_s=settings.busy_stall_timeout_s if settings.pool_workers else None,
         )
@@ -163,6 +169,8 @@ class Supervisor(ChildLoop, BasePart):
         self.socket_path: Path | None = socket_path_for(spec.binary, state_dir) if state_dir is not None else None
         self._socket_folder_checked = False
         self.warmup_s: float | None = None
+        # What the running llama-server measured of itself before it served; a new child measures anew.
+        self.capability: NodeCapability | None = None
         self.api_key = secrets.token_urlsafe(32)
         self.log_ring: deque[str] = deque(maxlen=LOG_RING_LINES)
         self._listeners = tuple(listeners)
@@ -217,6 +225,7 @@ class Supervisor(ChildLoop, BasePart):
 
     def spawned(self, proc: asyncio.subprocess.Process) -> None:
         self._write_pidfile(proc.pid)
+        self.capability = None
         self._set_state("loading", "loading model")
 
     async def watch(self, proc: asyncio.subprocess.Process) -> Outcome:
@@ -226,6 +235,13 @@ class Supervisor(ChildLoop, BasePart):
             outcome = self._check_pool_loaded()
         if outcome is Outcome.READY and self.policy.warmup is not None:
             outcome = await self._warm_up(proc, self.policy.warmup)
+        if outcome is Outcome.READY and self.policy.speed_probe is not None:
+            # Before ready, so never while serving: nothing but this measurement runs in llama-server.
+            self.detail = "measuring its speed"
+            assert self.base_url is not None
+            outcome, self.capability = await measure_speed(
+                proc, self._http, self.base_url, self.api_key, self._stop_requested, self.policy.speed_probe
+            )
         if outcome is Outcome.READY:
             self._ever_ready = True
             self.up_since = time.monotonic()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -52,21 +53,31 @@ async def warm_up(
 ) -> Outcome:
     """Run the warm-up generations; READY when done (or when they cannot run), else why not
     (EXITED: the child died; STOPPING: a stop was asked for)."""
+
+    async def generate() -> None:
+        with anyio.move_on_after(policy.timeout_s) as deadline:
+            for words in policy.prompt_words:
+                await _warmup_request(http, base_url, api_key, words, policy.max_tokens)
+        if deadline.cancelled_caught:
+            log.warning("llama-server warm-up took over %.0f s; reporting ready without it", policy.timeout_s)
+
+    return await before_ready(proc, stop_requested, generate)
+
+
+async def before_ready(proc: asyncio.subprocess.Process, stop_requested: anyio.Event, work: Callable[[], Awaitable[None]]) -> Outcome:
+    """Run `work` against a loaded llama-server before it is reported ready: READY when it is done,
+    EXITED when the child dies first, STOPPING when a stop is asked for first."""
     async with anyio.create_task_group() as tg:
-        # Whichever ends first ends the warm-up: the child exiting, a stop, or the generations.
+        # Whichever ends first ends the work: the child exiting, a stop, or the work itself.
         race = OutcomeRace(tg, Outcome.READY)
 
-        async def generate() -> None:
-            with anyio.move_on_after(policy.timeout_s) as deadline:
-                for words in policy.prompt_words:
-                    await _warmup_request(http, base_url, api_key, words, policy.max_tokens)
-            if deadline.cancelled_caught:
-                log.warning("llama-server warm-up took over %.0f s; reporting ready without it", policy.timeout_s)
+        async def run() -> None:
+            await work()
             race.end()
 
         race.end_when(proc.wait, Outcome.EXITED)
         race.end_when(stop_requested.wait, Outcome.STOPPING)
-        tg.start_soon(generate)
+        tg.start_soon(run)
     return race.outcome
 
 
