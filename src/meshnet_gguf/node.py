@@ -30,6 +30,7 @@ from meshnet_gguf.llama.pool_monitor import PoolMonitor, WatchedWorker, http_sta
 from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
 from meshnet_gguf.llama.upstream import UpstreamClient
 from meshnet_gguf.llama.upstream.choice import make_upstream_client
+from meshnet_gguf.llama.speed_probe import DEFAULT_SPEED_PROBE
 from meshnet_gguf.llama.warmup import CPU_WARMUP, GPU_WARMUP, WarmupPolicy
 from meshnet_gguf.models.gguf_info import GGUFError
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
@@ -100,7 +101,9 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
     pool = _pool_monitor(launch, identity) if launch.pool and identity else None
     supervisor = Supervisor(
         launch.child,
-        SupervisorPolicy.from_settings(settings, _warmup_policy(launch) if settings.warmup else None),
+        SupervisorPolicy.from_settings(
+            settings, _warmup_policy(launch) if settings.warmup else None, DEFAULT_SPEED_PROBE if settings.measure_speed else None
+        ),
         state_dir=settings.state_dir,
         listeners=[operations, *([pool] if pool else [])],
         pool=pool,
@@ -437,6 +440,7 @@ class Node:
             node_version=__version__,
             llama_build=self.launch.binary.build,
             max_tokens_cap=self.launch.settings.max_tokens_cap,
+            capability=sup.capability,
         )
         for part in self.parts:
             report = part.health(report)

@@ -84,6 +84,10 @@ class NodeSettings(BaseSettings):
         "raw", description="HTTP client for the proxy -> llama-server hop (chosen by bench/RESULTS.md)"
     )
     warmup: bool = Field(True, description="One short generation after load, before reporting ready")
+    measure_speed: bool = Field(
+        True, description="Measure prefill and decode rates after the warm-up, before reporting ready (a few seconds); "
+        "shown on the node's page and announced to the tracker"
+    )
 
     # --- supervisor policy -------------------------------------------------
     # A 100 GB model can take many minutes to load; the deadline is a stall timer

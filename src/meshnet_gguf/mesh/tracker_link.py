@@ -273,6 +273,7 @@ class TrackerLink(BasePart):
             llama_build=model.llama_build,
             node_version=__version__,
             pool=model.pool,
+            capability=self._health().capability,  # None until llama-server measured itself; /health carries it then
         )
 
     def _trust(self, key: Ed25519PublicKey) -> None:
