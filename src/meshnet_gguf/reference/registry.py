@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
 from meshnet_gguf.reference.node_address import NodeTarget
+from meshnet_gguf.reference.node_speed import NodeSpeed, expected_ttft_s
+
+# The prompt length a caller that names none is ranked for: a short chat turn (metering's bound of one).
+DEFAULT_PROMPT_TOKENS = 256
 
 
 @dataclass
@@ -26,16 +30,23 @@ class NodeEntry:
     health_misses: int = 0  # polls in a row that got no answer
     in_flight: int = 0  # requests this tracker is relaying to the node right now
     routed: int = 0
+    # Its claimed and measured speed, for this registration only: a restarted node starts afresh.
+    speed: NodeSpeed = field(default_factory=NodeSpeed)
 
     @property
     def node_id(self) -> str:
         return self.announcement.node_id
 
-    def busy_fraction(self) -> float:
+    def busy(self) -> int:
         # Our own in-flight count is current; the heartbeat's is up to a period old but sees
         # traffic from elsewhere. The larger of the two is the better guess.
-        busy = max(self.in_flight, self.load.slots_busy + self.load.queue_depth)
-        return busy / max(self.announcement.slots, 1)
+        return max(self.in_flight, self.load.slots_busy + self.load.queue_depth)
+
+    def busy_fraction(self) -> float:
+        return self.busy() / max(self.announcement.slots, 1)
+
+    def full(self) -> bool:
+        return self.busy() >= self.announcement.slots
 
 
 class NodeRegistry:
@@ -67,7 +78,10 @@ class NodeRegistry:
             del self._nodes[node_id]
         entry = self._nodes.get(announcement.node_id)
         if entry is None:
-            entry = NodeEntry(announcement, target, announcement.state, NodeLoad(slots_total=announcement.slots), self._clock())
+            entry = NodeEntry(
+                announcement, target, announcement.state, NodeLoad(slots_total=announcement.slots), self._clock(),
+                speed=NodeSpeed(announcement.capability),
+            )  # fmt: skip
             self._nodes[announcement.node_id] = entry
             return entry, displaced
         # Updated in place: relays in progress hold this entry and give their in-flight count back to it.
@@ -75,6 +89,8 @@ class NodeRegistry:
         entry.state, entry.last_seen = announcement.state, self._clock()
         entry.load = NodeLoad(slots_total=announcement.slots)
         entry.healthy, entry.health_misses = False, 0  # a new announcement (new URL?) is polled afresh
+        # A new registration is a restarted node (maybe on other hardware or settings): nothing measured before holds.
+        entry.speed = NodeSpeed(announcement.capability)
         return entry, displaced
 
     def heartbeat(self, node_id: str, state: MeshState, load: NodeLoad) -> NodeEntry | None:
@@ -108,12 +124,13 @@ class NodeRegistry:
             and entry.announcement.full_coverage
         ]
 
-    def pick(self, model: str, exclude: Collection[str] = ()) -> NodeEntry | None:
+    def pick(self, model: str, exclude: Collection[str] = (), prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> NodeEntry | None:
+        """The routable node expected to give this prompt its first token soonest, not one in `exclude`
+        (those already tried); None when there is none (`route_rank` says how they are ordered)."""
         candidates = [e for e in self.routable(model) if e.node_id not in exclude]
         if not candidates:
             return None
-        # Least busy first; among equals the one routed to least, so idle nodes share the work.
-        return min(candidates, key=lambda e: (e.busy_fraction(), e.routed))
+        return min(candidates, key=lambda e: route_rank(e, prompt_tokens))
 
     def serves(self, model: str) -> bool:
         """Whether some registered node answers to `model`: its id or an alias (`protocol.model_answers_to`)."""
@@ -127,3 +144,12 @@ class NodeRegistry:
         for model in found:
             found[model] = self.routable(model)
         return found
+
+
+def route_rank(entry: NodeEntry, prompt_tokens: int) -> tuple[bool, bool, float, float, int]:
+    """Smaller is better. A node with a free slot before a full one (a full node refuses with 503, so
+    the request spills to the next); then the soonest expected first token (`node_speed.expected_ttft_s`:
+    its speed for this prompt, stretched by its load), nodes the tracker knows no speed of after those
+    it does (they get the overflow until measured); then the least busy, then the least routed to."""
+    expected = expected_ttft_s(entry.speed, prompt_tokens, entry.busy())
+    return (entry.full(), expected is None, expected or 0.0, entry.busy_fraction(), entry.routed)

@@ -82,6 +82,7 @@ async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
                 "last_seen_s_ago": round(max(0.0, now - entry.last_seen), 1),
                 "health_misses": entry.health_misses,
                 "routed": entry.routed,
+                "speed": entry.speed.summary(),
             }
         )
     usage = await tracker.ledger.usage_list(limit=RECENT_ROUTES_SHOWN)

@@ -6,6 +6,17 @@ const $ = (id) => document.getElementById(id);
 const short = (id) => (id && id.length > 14 ? `${id.slice(0, 12)}…` : id || "–");
 const counts = (c) => (c ? `${c.prompt_tokens ?? "?"} / ${c.completion_tokens ?? "?"}` : "–");
 
+// Claimed (the node's own start-up figures) beside measured (what this tracker timed), in tokens/s.
+function speedText(s) {
+  if (!s) return "–";
+  const rate = (v) => (v === null || v === undefined ? "?" : v.toFixed(0));
+  const claimed = `prefill ${rate(s.claimed_prefill_tokens_per_s)}, decode ${rate(s.claimed_decode_tokens_per_s)}`;
+  const measured = s.measured_streams
+    ? `prefill ${rate(s.measured_prefill_tokens_per_s)}, decode ${rate(s.measured_decode_tokens_per_s)} over ${s.measured_streams} stream(s)`
+    : "not yet";
+  return `${claimed} / ${measured}${s.claim_flagged ? " — CLAIM FLAGGED: far above what it delivers" : ""}`;
+}
+
 function row(cells, className) {
   const tr = document.createElement("tr");
   if (className) tr.className = className;
@@ -29,6 +40,7 @@ function render(doc) {
     [n.node_state && n.node_state !== "ready" ? `${n.state} (node: ${n.node_state})` : n.state, `state-${n.state}`],
     [`${n.slots_busy} / ${n.slots_total}`],
     [n.tokens_per_s ? n.tokens_per_s.toFixed(1) : "–"],
+    [speedText(n.speed), n.speed && n.speed.claim_flagged ? "flag" : ""],
     [n.reached === "relayed" ? `relayed via ${n.relay_url}` : `direct ${n.advertised_url}`],
     [`${n.last_seen_s_ago} s ago${n.health_misses ? `, ${n.health_misses} missed` : ""}`],
     [String(n.routed)],

@@ -134,6 +134,7 @@ class Tracker:
             request.extensions["timeout"] = httpx.Timeout(HEALTH_POLL_TIMEOUT_S).as_dict()
             response = await self.reach.http.send(request)
             entry.health = HealthReport.model_validate_json(response.content)
+            entry.speed.set_claim(entry.health.capability)
             healthy = response.status_code == 200 and entry.health.state == "ready"
             entry.health_misses = 0
         except (httpx.HTTPError, ValidationError) as exc:
@@ -164,6 +165,7 @@ class Tracker:
                     "load": e.load.model_dump(),
                     "advertised_url": e.announcement.advertised_url,
                     "receipt_flags": flags.get(e.node_id, 0),
+                    "speed": e.speed.summary(),
                     "announcement": e.announcement.model_dump(exclude={"public_key"}),
                 }
                 for e in self.registry.all()

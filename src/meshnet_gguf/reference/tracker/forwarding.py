@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -24,6 +25,7 @@ from meshnet_gguf.contract.errors import ApiError, openai_error_body
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER, USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
 from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling, requested_choices
 from meshnet_gguf.reference.node_answer import NodeAnswer
+from meshnet_gguf.reference.node_speed import StreamSample
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.reach import NodeReach
@@ -74,8 +76,9 @@ class ForwardEndpoint:
             # One deadline for the whole forward, first byte to last: a node that trickles forever
             # does not hold the tracker (and a client) for longer than this.
             deadline = anyio.current_time() + self.config.forward_total_timeout_s
+            prompt_tokens = prompt_ceiling(payload)
             with anyio.move_on_at(deadline) as opening:
-                upstream, node, request_id = await self._open(scope["path"], model, payload, body)
+                upstream, node, request_id, timing = await self._open(scope["path"], model, payload, body, prompt_tokens)
             if opening.cancelled_caught:
                 raise ApiError(504, "node_timeout", "no node answered in time")
         except ApiError as refusal:
@@ -100,7 +103,7 @@ class ForwardEndpoint:
                 watcher = asyncio.get_running_loop().create_task(watch_disconnect())
                 try:
                     with anyio.move_on_at(deadline) as forwarding:
-                        outcome = await self._pump(upstream, meter, send)
+                        outcome = await self._pump(upstream, meter, send, timing)
                     if forwarding.cancelled_caught:
                         outcome = "timed_out"
                         log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.config.forward_total_timeout_s)
@@ -111,6 +114,8 @@ class ForwardEndpoint:
             outcome = "cancelled"  # the client went away while we were sending
         finally:
             node.in_flight -= 1
+            if outcome == "complete" and upstream.status < 400 and (sample := timing.sample()) is not None:
+                timing.speed.record(sample)
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
                 if upstream.status >= 400:
@@ -125,14 +130,16 @@ class ForwardEndpoint:
                 )  # fmt: skip
                 await self.flag_mismatch(request_id)
 
-    async def _open(self, path: str, model: str, payload: dict[str, Any], body: bytes) -> tuple[NodeAnswer, NodeEntry, str]:
+    async def _open(
+        self, path: str, model: str, payload: dict[str, Any], body: bytes, prompt_tokens: int
+    ) -> tuple[NodeAnswer, NodeEntry, str, StreamTiming]:
         if not self.registry.serves(model):
             raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
         stream = payload.get("stream") is True
         max_tokens = self.routes.route_max_tokens(path, payload)
         tried: set[str] = set()
         for _ in range(MAX_ROUTE_ATTEMPTS):
-            node = self.registry.pick(model, exclude=tried)
+            node = self.registry.pick(model, exclude=tried, prompt_tokens=prompt_tokens)
             if node is None:
                 break
             tried.add(node.node_id)
@@ -140,7 +147,7 @@ class ForwardEndpoint:
             token = self.routes.sign_route(node, request_id, path, model, body, max_tokens)
             await self.ledger.open_request(
                 request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
-                max_tokens=max_tokens, choices=requested_choices(payload), body_bytes=len(body), prompt_ceiling=prompt_ceiling(payload),
+                max_tokens=max_tokens, choices=requested_choices(payload), body_bytes=len(body), prompt_ceiling=prompt_tokens,
             )  # fmt: skip
             headers = {
                 "content-type": "application/json",
@@ -149,6 +156,7 @@ class ForwardEndpoint:
                 REQUEST_ID_HEADER: request_id,
                 "x-request-id": request_id,
             }
+            timing = StreamTiming(node, prompt_tokens)
             node.in_flight += 1
             node.routed += 1
             try:
@@ -164,7 +172,7 @@ class ForwardEndpoint:
                 node.in_flight -= 1
                 await self.ledger.finish_request(request_id, None, "upstream_error", None)
                 raise ApiError(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
-            return upstream, node, request_id
+            return upstream, node, request_id, timing
         raise ApiError(
             503,
             "no_node_available",
@@ -172,10 +180,13 @@ class ForwardEndpoint:
             headers={"retry-after": str(max(1, int(self.config.heartbeat_interval_s)))},
         )
 
-    async def _pump(self, upstream: NodeAnswer, meter: ForwardMeter, send: Any) -> Outcome:
+    async def _pump(self, upstream: NodeAnswer, meter: ForwardMeter, send: Any, timing: StreamTiming) -> Outcome:
         try:
             async for chunk in upstream.iter_chunks():
+                events = meter.content_events
                 meter.feed(chunk)
+                if meter.content_events != events:
+                    timing.tokens(meter.content_events)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except HttpClientError as exc:
             log.warning("forward from node broke: %s", exc)
@@ -187,6 +198,43 @@ class ForwardEndpoint:
         if meter.error or (meter.event_stream and not meter.done):
             return "upstream_error"
         return "complete"
+
+
+class StreamTiming:
+    """Times one forward for the node's speed estimate: sent, first and last content event, and the
+    node's load meanwhile. Kept with the `NodeSpeed` of the registration it was sent under, so a
+    stream that ends after its node registered again does not feed the new estimate."""
+
+    def __init__(self, node: NodeEntry, prompt_tokens: int) -> None:
+        self.node, self.speed, self.prompt_tokens = node, node.speed, prompt_tokens
+        self.busy_before = node.busy()
+        self.sent = time.monotonic()
+        self.first: float | None = None
+        self.last = 0.0
+        self.events = 0
+        self._concurrency_sum = 0
+        self._concurrency_n = 0
+
+    def tokens(self, events: int) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        self.last, self.events = now, events
+        # The node's requests in flight while this one decodes, this one included.
+        self._concurrency_sum += self.node.in_flight
+        self._concurrency_n += 1
+
+    def sample(self) -> StreamSample | None:
+        if self.first is None:
+            return None  # not a stream, or nothing generated: no first token to time
+        return StreamSample(
+            prompt_tokens=self.prompt_tokens,
+            ttft_s=self.first - self.sent,
+            busy_before=self.busy_before,
+            decode_tokens=self.events - 1,
+            decode_s=self.last - self.first,
+            concurrency=self._concurrency_sum / max(self._concurrency_n, 1),
+        )
 
 
 def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
