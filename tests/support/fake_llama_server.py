@@ -151,7 +151,7 @@ class FakeLlama:
         return {
             "id": "fake-1", "object": "chat.completion", "created": int(time.time()), "model": self.alias, "choices": [choice],
             "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n, "prompt_tokens_details": {"cached_tokens": 2}},
-            "timings": {"predicted_per_second": 1000.0},
+            "timings": {"prompt_n": 7, "prompt_per_second": 5000.0, "predicted_per_second": 1000.0},
         }  # fmt: skip
 
     async def stream(self, writer: asyncio.StreamWriter, path: str, payload: dict, n: int, warmup: bool = False) -> bool:

@@ -21,7 +21,7 @@ import httpx
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.settings import NodeSettings
-from meshnet_gguf.contract.protocol import HealthReport, NodeState, ShardDigest
+from meshnet_gguf.contract.protocol import HealthReport, NodeCapability, NodeState, ShardDigest
 from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.tracker_link import ServedModel, TrackerLink
@@ -110,6 +110,8 @@ class MeshNode:
         self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.state: NodeState = "ready"
+        # The speed figures its /health claims (a real node measures them at start; a test says them).
+        self.capability: NodeCapability | None = None
         self.settings = NodeSettings(
             state_dir=state_dir, tracker=tracker_url, tracker_public_key=tracker_key, enrolment_secret=enrolment_secret,
             advertised_url=advertised_url or self.url, usage_report_interval_s=0, parallel=slots,
@@ -138,7 +140,9 @@ class MeshNode:
 
     def health(self) -> HealthReport:
         busy = self.slots.in_flight if hasattr(self, "slots") else 0
-        report = HealthReport(state=self.state, model=MODEL, slots_total=self.settings.parallel, slots_busy=busy)
+        report = HealthReport(
+            state=self.state, model=MODEL, slots_total=self.settings.parallel, slots_busy=busy, capability=self.capability
+        )
         return self.link.health(report)
 
     @property
