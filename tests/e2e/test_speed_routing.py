@@ -1,0 +1,102 @@
+"""Routing by speed, end to end on loopback: the reference tracker (`dev tracker`) in front of two real
+nodes serving the same model name, one a tiny model and one a larger model of the same family (about
+100x the arithmetic per token), each measuring itself at start. The tracker sends a lone request to the
+faster and, under a steady load, spills to the slower only while the faster is full."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
+from support.node_process import NodeProcess
+from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F401
+
+pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
+
+# The slow node's model: same architecture and vocabulary, wider and deeper.
+SLOW_SPEC = TinyModelSpec(n_layers=4, n_embd=384, n_head=4, n_head_kv=2, n_ff=1536)
+SLOTS = 2
+PROMPT = [{"role": "user", "content": "Say hello to the mesh."}]
+# Steady load: one more client than the fast node has slots, each sending streams back to back.
+CLIENTS, STREAMS_EACH = SLOTS + 1, 4
+
+
+def start(start_node, tracker: TrackerProcess, gguf: Path, workdir: Path) -> NodeProcess:  # type: ignore[no-untyped-def]
+    workdir.mkdir(parents=True, exist_ok=True)
+    node = start_node(
+        "--gguf", str(gguf), "--tracker", tracker.url, "--parallel", str(SLOTS), "--ctx-size", "2048",
+        env=tracker.serve_line(), workdir=workdir,
+    )  # fmt: skip
+    node.wait_ready(timeout=120)
+    return node
+
+
+def nodes(tracker: TrackerProcess) -> dict[str, dict]:
+    return {n["node_id"]: n for n in httpx.get(tracker.url + "/v1/nodes", timeout=5).json()}
+
+
+def stream(tracker: TrackerProcess, model: str, max_tokens: int) -> str:
+    """One streamed chat completion through the tracker; the node that served it. A full node's 503 (its
+    slot freed a moment after the tracker counted it free) is retried, as a client would."""
+    body = {"model": model, "messages": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    for _ in range(20):
+        with httpx.stream("POST", tracker.url + "/v1/chat/completions", json=body, timeout=60) as response:
+            if response.status_code == 503:
+                time.sleep(0.05)
+                continue
+            assert response.status_code == 200, response.read()
+            for _chunk in response.iter_raw():
+                pass
+            request_id = response.headers["x-meshnet-request-id"]
+        usage = httpx.get(f"{tracker.url}/v1/usage/{request_id}", timeout=5).json()
+        return str(usage["node_id"])
+    raise AssertionError("every try answered 503")
+
+
+def test_a_lone_request_goes_to_the_faster_node_and_a_steady_load_spills_to_the_slower(  # type: ignore[no-untyped-def]
+    real_llama, tracker, start_node, tmp_path
+) -> None:
+    # The same file name, so both serve the same model id.
+    fast_gguf = write_tiny_model(tmp_path / "fast-model" / "model.gguf")
+    slow_gguf = write_tiny_model(tmp_path / "slow-model" / "model.gguf", SLOW_SPEC)
+    fast = start(start_node, tracker, fast_gguf, tmp_path / "fast")
+    slow = start(start_node, tracker, slow_gguf, tmp_path / "slow")
+    by_url = lambda: {n["advertised_url"]: n for n in nodes(tracker).values()}  # noqa: E731
+    wait_for(lambda: all(n["healthy"] and n["speed"]["claimed_prefill_tokens_per_s"] for n in by_url().values()) and len(by_url()) == 2,
+             "both nodes routable with their speed claims", fast.log_path)  # fmt: skip
+    fast_id, slow_id = by_url()[fast.url]["node_id"], by_url()[slow.url]["node_id"]
+    claims = {node_id: n["speed"] for node_id, n in nodes(tracker).items()}
+    # Each node measured itself at start: the figures are on its /health and in its announcement's place.
+    fast_health = fast.health().json()  # type: ignore[union-attr]
+    assert fast_health["capability"]["prefill_tokens_per_s"] and fast_health["capability"]["decode_tokens_per_s"]
+    assert claims[fast_id]["claimed_prefill_tokens_per_s"] > claims[slow_id]["claimed_prefill_tokens_per_s"], claims
+
+    # One request at a time: the fast node is always idle, so it serves every one.
+    lone = Counter(stream(tracker, "model", max_tokens=4) for _ in range(4))
+    assert lone == {fast_id: 4}, lone
+
+    # A steady load of one client more than the fast node has slots: it stays the busier, and the
+    # slower takes what arrives while the faster is full.
+    served: list[str] = []
+
+    def client() -> None:
+        for _ in range(STREAMS_EACH):
+            served.append(stream(tracker, "model", max_tokens=16))
+
+    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    load = Counter(served)
+    assert sum(load.values()) == CLIENTS * STREAMS_EACH
+    assert load[fast_id] > load[slow_id] >= 1, load
+    speeds = nodes(tracker)
+    assert speeds[fast_id]["speed"]["measured_streams"] == load[fast_id] + 4
+    assert not speeds[fast_id]["speed"]["claim_flagged"] and not speeds[slow_id]["speed"]["claim_flagged"], speeds
