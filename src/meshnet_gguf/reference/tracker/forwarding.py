@@ -1,11 +1,12 @@
 """Forwarding: an OpenAI request routed to one ready whole-model node, its answer passed on unbuffered.
 
-The endpoint picks the least busy node that serves the model, signs the route, records the request
-in the ledger before a byte goes out, and sends it with one call on the node's target (`send`:
-lean client, relay tunnel or httpx, the target knows). A node that refuses the connection never saw
-the request, so one more node may be tried. The answer is metered on a copy as it passes
+The endpoint picks the node expected to give this prompt its first token soonest (`registry.pick`),
+signs the route, records the request in the ledger before a byte goes out, and sends it with one
+call on the node's target (`send`: lean client, relay tunnel or httpx, the target knows). A node
+that refuses the connection never saw the request, so one more node may be tried. The answer is metered on a copy as it passes
 (`metering.ForwardMeter`); a client that leaves, a node that breaks off or a forward past its total
-time ends it, and the ledger settles what went by.
+time ends it, and the ledger settles what went by. A stream that completes is timed for the node's
+speed estimate (`StreamTiming` -> `node_speed`).
 """
 
 from __future__ import annotations
