@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import signal
@@ -175,7 +176,7 @@ async def round_of(url: str, clients: int, requests: int, seed: int) -> dict[str
 
     started = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(clients)))
-    ordered = sorted(t for t in ttfts if t == t)
+    ordered = sorted(t for t in ttfts if not math.isnan(t))
     return {
         "requests": len(ttfts), "refused": refused, "wall_s": round(time.perf_counter() - started, 2),
         "ttft_mean_ms": round(statistics.fmean(ordered) * 1000, 1),

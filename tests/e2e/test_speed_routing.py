@@ -67,7 +67,7 @@ def test_a_lone_request_goes_to_the_faster_node_and_a_steady_load_spills_to_the_
     slow_gguf = write_tiny_model(tmp_path / "slow-model" / "model.gguf", SLOW_SPEC)
     fast = start(start_node, tracker, fast_gguf, tmp_path / "fast")
     slow = start(start_node, tracker, slow_gguf, tmp_path / "slow")
-    by_url = lambda: {n["advertised_url"]: n for n in nodes(tracker).values()}  # noqa: E731
+    by_url = lambda: {n["advertised_url"]: n for n in nodes(tracker).values()}
     wait_for(lambda: all(n["healthy"] and n["speed"]["claimed_prefill_tokens_per_s"] for n in by_url().values()) and len(by_url()) == 2,
              "both nodes routable with their speed claims", fast.log_path)  # fmt: skip
     fast_id, slow_id = by_url()[fast.url]["node_id"], by_url()[slow.url]["node_id"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from meshnet_gguf.contract.protocol import NodeCapability, RatePoint
 
@@ -62,7 +63,7 @@ def rate_at(points: Sequence[RatePoint], ctx_tokens: int) -> float | None:
         return None
     if ctx_tokens <= ordered[0].ctx_tokens:
         return ordered[0].tokens_per_s
-    for low, high in zip(ordered, ordered[1:]):
+    for low, high in pairwise(ordered):
         if ctx_tokens <= high.ctx_tokens:
             share = (ctx_tokens - low.ctx_tokens) / (high.ctx_tokens - low.ctx_tokens)
             return low.tokens_per_s + share * (high.tokens_per_s - low.tokens_per_s)
