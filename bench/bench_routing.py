@@ -47,7 +47,7 @@ import uvicorn
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.node_speed import NodeSpeed
+from meshnet_gguf.reference.node_speed import NodeSpeed, overhead_floor_s
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry, route_rank
 from meshnet_gguf.reference.tracker.app import Tracker
 from meshnet_gguf.reference.tracker.config import TrackerConfig
@@ -61,7 +61,8 @@ Pick = Callable[[NodeRegistry, str, Collection[str], int], "NodeEntry | None"]
 
 def pick_speed(registry: NodeRegistry, model: str, exclude: Collection[str], prompt_tokens: int) -> NodeEntry | None:
     candidates = [e for e in registry.routable(model) if e.node_id not in exclude]
-    return min(candidates, key=lambda e: route_rank(e, prompt_tokens)) if candidates else None
+    floor = overhead_floor_s(e.speed for e in candidates)
+    return min(candidates, key=lambda e: route_rank(e, prompt_tokens, floor)) if candidates else None
 
 
 def pick_free_slots(registry: NodeRegistry, model: str, exclude: Collection[str], prompt_tokens: int) -> NodeEntry | None:

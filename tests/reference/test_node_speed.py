@@ -43,12 +43,14 @@ def test_a_claimed_rate_is_interpolated_between_its_points_and_held_beyond_them(
 def test_the_claim_is_used_until_enough_streams_are_measured_then_the_measurement() -> None:
     speed = NodeSpeed(claim(prefill=1000, decode=100))
     assert speed.ttft_s(100) == pytest.approx(0.1)  # 100 tokens at the claimed 1,000 tokens/s
+    assert speed.ttft_s(100, overhead_floor_s=0.05) == pytest.approx(0.15)  # plus what other nodes cost besides
     for _ in range(TRUST_AFTER_SAMPLES - 1):
         speed.record(stream(prompt=100, ttft=0.5))
-        assert speed.ttft_s(100) == pytest.approx(0.1)
+        # The claim, read with the 0.4 s this node's streams took beyond it (the way there, its checks).
+        assert speed.ttft_s(200) == pytest.approx(200 / rate_at(claim(1000, 100).prefill_tokens_per_s, 200) + 0.4)
     speed.record(stream(prompt=100, ttft=0.5))
     assert speed.trusted and speed.ttft_s(100) == pytest.approx(0.5)
-    assert speed.ttft_s(200) == pytest.approx(1.0)  # per prompt token
+    assert speed.ttft_s(200) == pytest.approx(1.0)  # per prompt token, as measured
 
 
 def test_a_sample_taken_under_load_is_read_as_the_idle_time_it_implies() -> None:
@@ -118,6 +120,16 @@ def registry_of(*announcements: NodeAnnouncement) -> tuple[NodeRegistry, dict[st
         entry.healthy = True
         entries[ann.node_id] = entry
     return registry, entries
+
+
+def test_a_measured_node_is_compared_with_an_unmeasured_claim_like_for_like() -> None:
+    # The fast node's streams took 0.1 s beyond its claimed prefill (the way there and back): a slow
+    # node not measured yet is assumed to cost that much besides its claim too, not nothing.
+    registry, nodes = registry_of(announce("fast", capability=claim(10_000, 500)), announce("slow", capability=claim(1_000, 50)))
+    for _ in range(TRUST_AFTER_SAMPLES):
+        nodes["fast"].speed.record(stream(prompt=100, ttft=0.11))
+    assert nodes["fast"].speed.overhead_s == pytest.approx(0.1)
+    assert registry.pick(MODEL, prompt_tokens=100) is nodes["fast"]  # 0.11 s against 0.1 + 0.1 s
 
 
 def test_the_fastest_node_with_a_free_slot_is_picked_and_a_full_one_spills_to_the_next() -> None:

@@ -16,7 +16,7 @@ but is only replaced, once measured. Pure arithmetic: no clock, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -82,6 +82,10 @@ class NodeSpeed:
         self.decode_samples = 0
         # Seconds of TTFT per prompt token on an otherwise idle node (the sample's load divided out).
         self.ttft_s_per_token: float | None = None
+        # What the claim leaves out of a TTFT: the way there and back, the node's checks, its queue.
+        # A claim is llama-server's prefill alone, so it is read with this added, like for like with
+        # what the tracker measures of the nodes it already trusts.
+        self.overhead_s: float | None = None
         # The stream's decode rate times the node's concurrency while it ran: the node's decode rate
         # for one stream on a compute-bound box, more where batching is free (lenient, never unfair).
         self.decode_tokens_per_s: float | None = None
@@ -105,8 +109,11 @@ class NodeSpeed:
         if sample.prompt_tokens < 1 or sample.ttft_s <= 0:
             return
         self.samples += 1
-        per_token = sample.ttft_s / load_factor(sample.busy_before) / sample.prompt_tokens
-        self.ttft_s_per_token = _ewma(self.ttft_s_per_token, per_token)
+        idle_ttft_s = sample.ttft_s / load_factor(sample.busy_before)
+        self.ttft_s_per_token = _ewma(self.ttft_s_per_token, idle_ttft_s / sample.prompt_tokens)
+        claimed_prefill = rate_at(self.claim.prefill_tokens_per_s, sample.prompt_tokens) if self.claim else None
+        if claimed_prefill:
+            self.overhead_s = _ewma(self.overhead_s, max(0.0, idle_ttft_s - sample.prompt_tokens / claimed_prefill))
         if sample.decode_tokens < MIN_DECODE_TOKENS or sample.decode_s <= 0:
             return
         self.decode_samples += 1
@@ -125,14 +132,15 @@ class NodeSpeed:
             and self.decode_delivered * CLAIM_FLAG_FACTOR < 1.0
         )
 
-    def ttft_s(self, prompt_tokens: int) -> float | None:
-        """The expected TTFT of a prompt on the idle node: measured once trusted, else claimed, else
-        measured from fewer streams; None when neither says anything."""
+    def ttft_s(self, prompt_tokens: int, overhead_floor_s: float = 0.0) -> float | None:
+        """The expected TTFT of a prompt on the idle node: measured once trusted; else claimed, plus the
+        overhead measured here so far (or, before any stream, `overhead_floor_s`: the least the tracker
+        measured on any node); else measured from fewer streams; None when neither says anything."""
         claimed = rate_at(self.claim.prefill_tokens_per_s, prompt_tokens) if self.claim else None
         if self.ttft_s_per_token is not None and (self.trusted or claimed is None):
             return self.ttft_s_per_token * prompt_tokens
         if claimed:
-            return prompt_tokens / claimed
+            return prompt_tokens / claimed + (self.overhead_s if self.overhead_s is not None else overhead_floor_s)
         return None
 
     def summary(self) -> dict[str, object]:
@@ -150,10 +158,16 @@ class NodeSpeed:
         }
 
 
-def expected_ttft_s(speed: NodeSpeed, prompt_tokens: int, busy: int) -> float | None:
+def expected_ttft_s(speed: NodeSpeed, prompt_tokens: int, busy: int, overhead_floor_s: float = 0.0) -> float | None:
     """A request's expected TTFT on this node now: its idle TTFT for this prompt, stretched by the load."""
-    idle = speed.ttft_s(prompt_tokens)
+    idle = speed.ttft_s(prompt_tokens, overhead_floor_s)
     return None if idle is None else idle * load_factor(busy)
+
+
+def overhead_floor_s(speeds: Iterable[NodeSpeed]) -> float:
+    """The least overhead the tracker measured on any of these nodes: what a node not measured yet is
+    assumed to cost besides its claimed prefill (0 when none is measured)."""
+    return min((s.overhead_s for s in speeds if s.overhead_s is not None), default=0.0)
 
 
 def _ewma(current: float | None, sample: float) -> float:
@@ -179,5 +193,6 @@ __all__ = [
     "StreamSample",
     "expected_ttft_s",
     "load_factor",
+    "overhead_floor_s",
     "rate_at",
 ]

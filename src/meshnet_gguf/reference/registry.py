@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
 from meshnet_gguf.reference.node_address import NodeTarget
-from meshnet_gguf.reference.node_speed import NodeSpeed, expected_ttft_s
+from meshnet_gguf.reference.node_speed import NodeSpeed, expected_ttft_s, overhead_floor_s
 
 # The prompt length a caller that names none is ranked for: a short chat turn (metering's bound of one).
 DEFAULT_PROMPT_TOKENS = 256
@@ -130,7 +130,8 @@ class NodeRegistry:
         candidates = [e for e in self.routable(model) if e.node_id not in exclude]
         if not candidates:
             return None
-        return min(candidates, key=lambda e: route_rank(e, prompt_tokens))
+        floor = overhead_floor_s(e.speed for e in candidates)
+        return min(candidates, key=lambda e: route_rank(e, prompt_tokens, floor))
 
     def serves(self, model: str) -> bool:
         """Whether some registered node answers to `model`: its id or an alias (`protocol.model_answers_to`)."""
@@ -146,10 +147,11 @@ class NodeRegistry:
         return found
 
 
-def route_rank(entry: NodeEntry, prompt_tokens: int) -> tuple[bool, bool, float, float, int]:
+def route_rank(entry: NodeEntry, prompt_tokens: int, overhead_floor_s: float = 0.0) -> tuple[bool, bool, float, float, int]:
     """Smaller is better. A node with a free slot before a full one (a full node refuses with 503, so
     the request spills to the next); then the soonest expected first token (`node_speed.expected_ttft_s`:
-    its speed for this prompt, stretched by its load), nodes the tracker knows no speed of after those
+    its speed for this prompt, stretched by its load; a claim is read with the overhead measured on
+    the node, or before that the least measured on any, `overhead_floor_s`), nodes the tracker knows no speed of after those
     it does (they get the overflow until measured); then the least busy, then the least routed to."""
-    expected = expected_ttft_s(entry.speed, prompt_tokens, entry.busy())
+    expected = expected_ttft_s(entry.speed, prompt_tokens, entry.busy(), overhead_floor_s)
     return (entry.full(), expected is None, expected or 0.0, entry.busy_fraction(), entry.routed)
