@@ -1,7 +1,7 @@
 """Routing by speed, end to end on loopback: the reference tracker (`dev tracker`) in front of two real
 nodes serving the same model name, one a tiny model and one a larger model of the same family (about
 100x the arithmetic per token), each measuring itself at start. The tracker sends a lone request to the
-faster and, under a steady load, spills to the slower only while the faster is full."""
+faster (and the next while one is under way there), and spills to the slower only while the faster is full."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 SLOW_SPEC = TinyModelSpec(n_layers=4, n_embd=384, n_head=4, n_head_kv=2, n_ff=1536)
 SLOTS = 2
 PROMPT = [{"role": "user", "content": "Say hello to the mesh."}]
-# Steady load: one more client than the fast node has slots, each sending streams back to back.
-CLIENTS, STREAMS_EACH = SLOTS + 1, 4
+# Rounds of load: the fast node's slots held by long streams, then one request more.
+ROUNDS, HOLD_TOKENS = 2, 400
 
 
 def start(start_node, tracker: TrackerProcess, gguf: Path, workdir: Path) -> NodeProcess:  # type: ignore[no-untyped-def]
@@ -41,7 +41,7 @@ def nodes(tracker: TrackerProcess) -> dict[str, dict]:
     return {n["node_id"]: n for n in httpx.get(tracker.url + "/v1/nodes", timeout=5).json()}
 
 
-def stream(tracker: TrackerProcess, model: str, max_tokens: int) -> str:
+def stream(tracker: TrackerProcess, model: str, max_tokens: int, started: threading.Event | None = None) -> str:
     """One streamed chat completion through the tracker; the node that served it. A full node's 503 (its
     slot freed a moment after the tracker counted it free) is retried, as a client would."""
     body = {"model": model, "messages": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
@@ -52,14 +52,15 @@ def stream(tracker: TrackerProcess, model: str, max_tokens: int) -> str:
                 continue
             assert response.status_code == 200, response.read()
             for _chunk in response.iter_raw():
-                pass
+                if started is not None:
+                    started.set()
             request_id = response.headers["x-meshnet-request-id"]
         usage = httpx.get(f"{tracker.url}/v1/usage/{request_id}", timeout=5).json()
         return str(usage["node_id"])
     raise AssertionError("every try answered 503")
 
 
-def test_a_lone_request_goes_to_the_faster_node_and_a_steady_load_spills_to_the_slower(  # type: ignore[no-untyped-def]
+def test_requests_go_to_the_faster_node_and_spill_to_the_slower_only_while_it_is_full(  # type: ignore[no-untyped-def]
     real_llama, tracker, start_node, tmp_path
 ) -> None:
     # The same file name, so both serve the same model id.
@@ -81,22 +82,24 @@ def test_a_lone_request_goes_to_the_faster_node_and_a_steady_load_spills_to_the_
     lone = Counter(stream(tracker, "model", max_tokens=4) for _ in range(4))
     assert lone == {fast_id: 4}, lone
 
-    # A steady load of one client more than the fast node has slots: it stays the busier, and the
-    # slower takes what arrives while the faster is full.
+    # The fast node full: two long streams hold both its slots (each under way, its first bytes read);
+    # a request arriving then spills to the slower node, and the faster takes the next ones again.
     served: list[str] = []
-
-    def client() -> None:
-        for _ in range(STREAMS_EACH):
-            served.append(stream(tracker, "model", max_tokens=16))
-
-    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    for _ in range(ROUNDS):
+        under_way = [threading.Event() for _ in range(SLOTS)]
+        holders = [
+            threading.Thread(target=lambda e=e: served.append(stream(tracker, "model", max_tokens=HOLD_TOKENS, started=e)))
+            for e in under_way
+        ]
+        for t in holders:
+            t.start()
+            assert under_way[holders.index(t)].wait(60)  # one at a time: the second is picked with the first in flight
+        served.append(spilled := stream(tracker, "model", max_tokens=4))
+        assert spilled == slow_id, "a request arriving while the faster node is full goes to the next"
+        for t in holders:
+            t.join(60)
     load = Counter(served)
-    assert sum(load.values()) == CLIENTS * STREAMS_EACH
-    assert load[fast_id] > load[slow_id] >= 1, load
+    assert load == {fast_id: SLOTS * ROUNDS, slow_id: ROUNDS}, load
     speeds = nodes(tracker)
-    assert speeds[fast_id]["speed"]["measured_streams"] == load[fast_id] + 4
+    assert speeds[fast_id]["speed"]["measured_streams"] == load[fast_id] + 4 and speeds[slow_id]["speed"]["measured_streams"] == ROUNDS
     assert not speeds[fast_id]["speed"]["claim_flagged"] and not speeds[slow_id]["speed"]["claim_flagged"], speeds
