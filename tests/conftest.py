@@ -25,6 +25,9 @@ DIES_ON_ENV = "STAND_IN_DIES_ON"
 # Helper scripts the tests start as processes (a fake llama-server, a mesh node, a billing
 # worker) import `support.*` too: every child inherits this folder on its Python path.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+# A node measures its speed before ready (a few seconds of llama-server's time, and tokens in its counters): the
+# nodes tests start skip it unless the test is about it (those set MESHNET_MEASURE_SPEED=true themselves).
+os.environ.setdefault("MESHNET_MEASURE_SPEED", "false")
 
 
 def _python_wrapper(directory: Path, script: Path, env: dict[str, str] | None = None) -> Path:

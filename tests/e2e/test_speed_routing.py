@@ -31,7 +31,7 @@ def start(start_node, tracker: TrackerProcess, gguf: Path, workdir: Path) -> Nod
     workdir.mkdir(parents=True, exist_ok=True)
     node = start_node(
         "--gguf", str(gguf), "--tracker", tracker.url, "--parallel", str(SLOTS), "--ctx-size", "2048",
-        env=tracker.serve_line(), workdir=workdir,
+        env={**tracker.serve_line(), "MESHNET_MEASURE_SPEED": "true"}, workdir=workdir,
     )  # fmt: skip
     node.wait_ready(timeout=120)
     return node
@@ -105,6 +105,8 @@ def test_requests_go_to_the_faster_node_and_spill_to_the_slower_only_while_it_is
             assert spilled == slow_id, "a request arriving while the faster node is full goes to the next"
     load = Counter(served)
     assert load[fast_id] > load[slow_id] >= 1, load
+    # A stream is measured when the tracker has forwarded its end, a moment after the client read it.
+    counted = lambda: [nodes(tracker)[i]["speed"]["measured_streams"] for i in (fast_id, slow_id)]
+    wait_for(lambda: counted() == [load[fast_id] + 4, load[slow_id]], f"every stream measured ({counted()})", fast.log_path)
     speeds = nodes(tracker)
-    assert speeds[fast_id]["speed"]["measured_streams"] == load[fast_id] + 4 and speeds[slow_id]["speed"]["measured_streams"] == load[slow_id]
     assert not speeds[fast_id]["speed"]["claim_flagged"] and not speeds[slow_id]["speed"]["claim_flagged"], speeds
