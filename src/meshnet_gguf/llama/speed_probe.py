@@ -23,7 +23,7 @@ import anyio
 from meshnet_gguf.contract.protocol import MAX_CAPABILITY_POINTS, NodeCapability, RatePoint
 from meshnet_gguf.llama.child_loop import Outcome
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
-from meshnet_gguf.llama.warmup import WARMUP_HEADER, WARMUP_WORD, before_ready
+from meshnet_gguf.llama.warmup import WARMUP_WORD, before_ready, own_chat_completion
 
 log = logging.getLogger(__name__)
 
@@ -104,28 +104,21 @@ def _predicted_s(last: _Measured, words: int, max_tokens: int) -> float:
 
 async def _measure_once(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> tuple[int, float, float] | None:
     """(prompt tokens, prefill tokens/s, decode tokens/s) of one generation, or None."""
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": WARMUP_WORD * words}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            # Every prompt token prefilled (no cache hit), every decode token produced (no early end).
-            "cache_prompt": False,
-            "ignore_eos": True,
-        }
-    ).encode()
-    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", WARMUP_HEADER: "1"}
+    fields = {
+        "messages": [{"role": "user", "content": WARMUP_WORD * words}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        # Every prompt token prefilled (no cache hit), every decode token produced (no early end).
+        "cache_prompt": False,
+        "ignore_eos": True,
+    }
     try:
-        response = await http.send("POST", f"{base_url}/v1/chat/completions", headers, body)
-        try:
-            answer = await response.read()
-        finally:
-            await response.aclose()
+        status, answer = await own_chat_completion(http, base_url, api_key, fields)
     except UpstreamError as exc:
         log.info("speed measurement request failed (%s)", exc)
         return None
-    if response.status != 200:
-        log.info("speed measurement with %d words answered %s; stopping there", words, response.status)
+    if status != 200:
+        log.info("speed measurement with %d words answered %s; stopping there", words, status)
         return None
     try:
         timings = json.loads(answer).get("timings")

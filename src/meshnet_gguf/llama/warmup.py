@@ -81,27 +81,31 @@ async def before_ready(proc: asyncio.subprocess.Process, stop_requested: anyio.E
     return race.outcome
 
 
-async def _warmup_request(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> None:
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": WARMUP_WORD * words}],
-            "max_tokens": max_tokens,
-            "stream": True,
-            "temperature": 0,
-            # The warm-up must not leave its prompt behind as a cache hit for a real request.
-            "cache_prompt": False,
-        }
-    ).encode()
+async def own_chat_completion(http: UpstreamClient, base_url: str, api_key: str, fields: dict[str, object]) -> tuple[int, bytes]:
+    """One chat completion the node asks of its own llama-server (the warm-up, the speed probe), marked as the
+    node's own (`WARMUP_HEADER`); its status and whole answer. Raises UpstreamError."""
     headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", WARMUP_HEADER: "1"}
+    response = await http.send("POST", f"{base_url}/v1/chat/completions", headers, json.dumps(fields).encode())
     try:
-        response = await http.send("POST", f"{base_url}/v1/chat/completions", headers, body)
-        try:
-            answer = await response.read()
-        finally:
-            await response.aclose()
+        return response.status, await response.read()
+    finally:
+        await response.aclose()
+
+
+async def _warmup_request(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> None:
+    fields = {
+        "messages": [{"role": "user", "content": WARMUP_WORD * words}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        # The warm-up must not leave its prompt behind as a cache hit for a real request.
+        "cache_prompt": False,
+    }
+    try:
+        status, answer = await own_chat_completion(http, base_url, api_key, fields)
     except UpstreamError as exc:
         log.info("llama-server warm-up request failed (%s); going on", exc)
         return
-    if response.status != 200:
+    if status != 200:
         # An embedding-only model, say: nothing to warm through this route.
-        log.info("llama-server warm-up answered %s (%s); going on", response.status, answer[:200])
+        log.info("llama-server warm-up answered %s (%s); going on", status, answer[:200])
