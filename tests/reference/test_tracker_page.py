@@ -11,8 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from meshnet_gguf.contract.protocol import TrackerUsage, UsageCounts
+from meshnet_gguf.contract.protocol import TrackerUsage, UsageCounts, UsageRecord
 from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, TrackerLedger
 from meshnet_gguf.reference.tracker_page import dashboard_document
 from support.browser import Browser, screenshot_target
 from support.node_process import StartNode
@@ -67,3 +68,43 @@ async def test_a_disagreement_is_flagged_on_the_page() -> None:
     document = await dashboard_document(stand_in)
     assert document["disagreements"] == 1
     assert [u["flagged"] for u in document["recent_routes"]] == [True, False]
+
+
+@pytest.mark.anyio
+async def test_every_column_is_explained_and_no_figure_reads_as_a_question_mark(  # type: ignore[no-untyped-def]
+    browser: Browser, tracker: TrackerProcess
+) -> None:
+    """Rows of each kind the ledger holds (a stream with its receipt, a whole answer awaiting its receipt,
+    one in flight, one refused by a node that was not there), written into a real `dev tracker`'s ledger."""
+    ledger = TrackerLedger(tracker.state_dir / TRACKER_LEDGER_FILE)
+    try:
+        path = "/v1/chat/completions"
+        await ledger.open_request("req-stream", "node-a", "tiny", path, True, max_tokens=8, prompt_ceiling=150)
+        await ledger.finish_request("req-stream", 200, "complete", UsageCounts(completion_tokens=5), completion_ceiling=7)
+        record = UsageRecord(request_id="req-stream", route=path, model="tiny", status=200, stream=True, prompt_tokens=9,
+                             completion_tokens=5, finish_reason="stop", started_at=1.0)  # fmt: skip
+        await ledger.store_receipt("node-a", record, "token")
+        await ledger.open_request("req-whole", "node-a", "tiny", path, False, max_tokens=8, prompt_ceiling=150)
+        await ledger.finish_request("req-whole", 200, "complete", UsageCounts(), completion_ceiling=8)
+        await ledger.open_request("req-going", "node-a", "tiny", path, True, max_tokens=8, prompt_ceiling=150)
+        await ledger.open_request("req-refused", "node-b", "tiny", path, True, max_tokens=8, prompt_ceiling=150)
+        await ledger.finish_request("req-refused", None, "refused", None)
+    finally:
+        ledger.close()
+
+    browser.goto(tracker.url + "/")
+    browser.wait_for("document.getElementById('routes').innerText.includes('req-stream')")
+    routes = str(browser.text_of("routes", "innerText"))
+    assert "?" not in routes
+    by_id = {line.split("\t")[0]: line.split("\t")[3:] for line in routes.splitlines()}
+    assert by_id["req-stream"] == ["complete (200)", "5 token events", "9 / 5", "9 / 5", "agree"]
+    assert by_id["req-whole"] == ["complete (200)", "no stream: bounded by its text", "no receipt yet", "not yet (no receipt)", "awaiting receipt"]
+    assert by_id["req-going"] == ["in flight", "counting…", "no receipt yet", "not yet (in flight)", "awaiting receipt"]
+    assert by_id["req-refused"][0] == "refused (no answer)" and by_id["req-refused"][3] == "0 / 0"
+    ceiling = browser.evaluate("[...document.querySelectorAll('#routes tr')].find(tr => tr.cells[0].textContent === 'req-stream').cells[4].title")
+    assert ceiling == "ceiling: at most 150 prompt / 7 completion tokens"
+    # Each column of both tables has its line in the legend under it.
+    for table, legend in (("nodes", "nodes-legend"), ("routes", "routes-legend")):
+        headers = browser.evaluate(f"[...document.getElementById('{table}').closest('table').querySelectorAll('th')].map(th => th.textContent)")
+        explained = browser.evaluate(f"[...document.querySelectorAll('#{legend} dt')].map(dt => dt.textContent)")
+        assert headers == explained

@@ -20,6 +20,8 @@ bottleneck it is used to measure.
     FAKE_LLAMA_DIE_AFTER       os._exit(1) after streaming this many tokens
     FAKE_LLAMA_HANG_AFTER_S    /health stops answering this long after start (a wedged server)
     FAKE_LLAMA_EVENTS_PER_WRITE events coalesced per socket write when streaming (default 1)
+    FAKE_LLAMA_HOLD_AFTER_DONE_S pause between a stream's `data: [DONE]` and its end (default 0), as a busy
+                               llama-server may: a client has the whole answer before the stream closes
     FAKE_LLAMA_REQUEST_LOG     append one JSON line per inference request (path + body)
     FAKE_LLAMA_COUNT_DELAY_S   pause before answering /apply-template and /tokenize (default 0)
     FAKE_LLAMA_COUNT_LOG       append one JSON line per /apply-template or /tokenize request (path)
@@ -74,6 +76,7 @@ class FakeLlama:
         self.ping_every = env_int("FAKE_LLAMA_PING_EVERY", 0)
         self.die_after = env_int("FAKE_LLAMA_DIE_AFTER", 0)
         self.per_write = max(1, env_int("FAKE_LLAMA_EVENTS_PER_WRITE", 1))
+        self.hold_after_done = env_float("FAKE_LLAMA_HOLD_AFTER_DONE_S", 0)
         self.request_log = os.environ.get("FAKE_LLAMA_REQUEST_LOG")
         self.warmup_log = os.environ.get("FAKE_LLAMA_WARMUP_LOG")
         self.task_id = 0
@@ -192,6 +195,8 @@ class FakeLlama:
             batch.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
         batch.append(b"data: [DONE]\n\n")
         await write_chunk(writer, b"".join(batch))
+        if self.hold_after_done and not warmup:
+            await asyncio.sleep(self.hold_after_done)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         return True

@@ -4,7 +4,35 @@
 let pollMs = 2000;
 const $ = (id) => document.getElementById(id);
 const short = (id) => (id && id.length > 14 ? `${id.slice(0, 12)}…` : id || "–");
-const counts = (c) => (c ? `${c.prompt_tokens ?? "?"} / ${c.completion_tokens ?? "?"}` : "–");
+// A missing figure is said in words (the legend under each table says what each column means), never "?".
+const pair = (c) => `${c.prompt_tokens ?? 0} / ${c.completion_tokens ?? 0}`;
+const AGREEMENT_WORDS = { agree: "agree", mismatch: "DISAGREES", awaiting_receipt: "awaiting receipt", unmetered: "not metered yet" };
+
+function trackerCounted(u) {
+  const ceiling = u.ceiling ? `ceiling: at most ${u.ceiling.prompt_tokens} prompt / ${u.ceiling.completion_tokens} completion tokens` : "no ceiling yet";
+  if (u.outcome === "in_flight") return ["counting…", "muted", ceiling];
+  if (u.outcome === "refused") return ["nothing (refused)", "muted", ceiling];
+  if (!u.stream) return ["no stream: bounded by its text", "muted", ceiling];
+  return [`${u.tracker.completion_tokens ?? 0} token events`, "", ceiling];
+}
+
+function nodeSigned(u) {
+  if (u.node) return [pair(u.node), "", u.node_finish_reason ? `finish reason: ${u.node_finish_reason}` : ""];
+  return [u.outcome === "refused" ? "none needed" : "no receipt yet", "muted"];
+}
+
+function agreementCell(u) {
+  const words = AGREEMENT_WORDS[u.agreement] ?? u.agreement;
+  if (!u.flagged) return [words];
+  // Flagged: the receipt claims more than the ceiling, or the tracker stopped mid-forward.
+  return [u.outcome === "interrupted" ? `FLAGGED: interrupted, ${words}` : `DISAGREES (${words})`, "flag"];
+}
+
+function billed(u) {
+  if (u.billed) return [pair(u.billed)];
+  if (u.outcome === "in_flight") return ["not yet (in flight)", "muted"];
+  return [u.node ? "not yet (no ceiling)" : "not yet (no receipt)", "muted"];
+}
 
 // Claimed (the node's own start-up figures) beside measured (what this tracker timed), in tokens/s.
 function speedText(s) {
@@ -50,11 +78,11 @@ function render(doc) {
     [short(u.request_id), "id", u.request_id],
     [short(u.node_id), "id", u.node_id],
     [u.model],
-    [`${u.outcome ?? "?"} (${u.status ?? "–"})`],
-    [counts(u.tracker)],
-    [counts(u.node)],
-    [counts(u.billed)],
-    [u.flagged ? `DISAGREES (${u.agreement})` : u.agreement, u.flagged ? "flag" : ""],
+    [u.status ? `${u.outcome} (${u.status})` : u.outcome === "in_flight" ? "in flight" : `${u.outcome} (no answer)`],
+    trackerCounted(u),
+    nodeSigned(u),
+    billed(u),
+    agreementCell(u),
   ], u.flagged ? "flagged" : ""));
   $("routes").replaceChildren(...(routes.length ? routes : [row([["nothing routed yet", "muted"]])]));
   $("disagreements").textContent = doc.disagreements ? `— ${doc.disagreements} disagreement(s) flagged` : "— counts agree";

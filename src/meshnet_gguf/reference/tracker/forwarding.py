@@ -89,6 +89,7 @@ class ForwardEndpoint:
         meter = ForwardMeter(content_type.startswith("text/event-stream"), payload)
         route_ceiling = (self.routes.route_max_tokens(scope["path"], payload) or 0) * requested_choices(payload)
         outcome: Outcome = "cancelled"
+        delivery = _Delivery()
         try:
             headers = forwarded_headers(upstream.headers)
             await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
@@ -104,7 +105,7 @@ class ForwardEndpoint:
                 watcher = asyncio.get_running_loop().create_task(watch_disconnect())
                 try:
                     with anyio.move_on_at(deadline) as forwarding:
-                        outcome = await self._pump(upstream, meter, send, timing)
+                        outcome = await self._pump(upstream, meter, send, timing, delivery)
                     if forwarding.cancelled_caught:
                         outcome = "timed_out"
                         log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.config.forward_total_timeout_s)
@@ -115,6 +116,10 @@ class ForwardEndpoint:
             outcome = "cancelled"  # the client went away while we were sending
         finally:
             node.in_flight -= 1
+            if outcome == "cancelled" and delivery.terminal_sent:
+                # The client left after the stream's [DONE] reached it (the openai SDK closes on it) while
+                # the node's stream was still closing: it had the whole answer, whichever came first.
+                outcome = "upstream_error" if meter.error else "complete"
             if outcome == "complete" and upstream.status < 400 and (sample := timing.sample()) is not None:
                 timing.speed.record(sample)
             with anyio.CancelScope(shield=True):
@@ -181,7 +186,7 @@ class ForwardEndpoint:
             headers={"retry-after": str(max(1, int(self.config.heartbeat_interval_s)))},
         )
 
-    async def _pump(self, upstream: NodeAnswer, meter: ForwardMeter, send: Any, timing: StreamTiming) -> Outcome:
+    async def _pump(self, upstream: NodeAnswer, meter: ForwardMeter, send: Any, timing: StreamTiming, delivery: _Delivery) -> Outcome:
         try:
             async for chunk in upstream.iter_chunks():
                 events = meter.content_events
@@ -189,6 +194,7 @@ class ForwardEndpoint:
                 if meter.content_events != events:
                     timing.tokens(meter.content_events)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                delivery.terminal_sent = meter.done
         except HttpClientError as exc:
             log.warning("forward from node broke: %s", exc)
             # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
@@ -236,6 +242,16 @@ class StreamTiming:
             decode_s=self.last - self.first,
             concurrency=self._concurrency_sum / max(self._concurrency_n, 1),
         )
+
+
+class _Delivery:
+    """What reached the client of one forward: `terminal_sent` once the chunk holding the stream's
+    `data: [DONE]` was handed to the server, so the outcome does not hang on what closes first."""
+
+    __slots__ = ("terminal_sent",)
+
+    def __init__(self) -> None:
+        self.terminal_sent = False
 
 
 def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
