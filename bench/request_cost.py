@@ -49,6 +49,7 @@ from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.proxy import ProxyApp
 from meshnet_gguf.serving.status_page import RecentRequests
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
+from meshnet_gguf.serving.usage_journal import UsageJournal
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 MODEL, LAYERS, PATH = "cost-model", 22, "/v1/chat/completions"
@@ -116,6 +117,10 @@ def build(mode_name: str, state_dir: Path, upstream: InstantUpstream, body: byte
     slots = Slots(total=8)
     target = UpstreamTarget("http://127.0.0.1:1", "llama-key")
     sinks: list[Any] = [UsageStats(), RecentRequests(), UsageLog(), NodeMetrics(in_flight=lambda: slots.in_flight)]
+    if mode_name == "standalone":
+        # As the node wires a standalone node: its usage appended to the journal in the state dir.
+        # "standalone-no-journal" is the standalone path as it was before the journal.
+        sinks.append(UsageJournal.in_state_dir(state_dir))
     mode = None
     ledger = None
     headers: Callable[[], dict[str, str]] = lambda: {}  # noqa: E731
@@ -226,10 +231,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per streamed answer (one SSE event each)")
-    parser.add_argument("--modes", default="standalone,meshed")
+    parser.add_argument("--modes", default="standalone,meshed", help="standalone, standalone-no-journal (without the usage journal), meshed")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of about this many tokens (default: a short chat)")
     parser.add_argument("--profile", type=int, default=0, metavar="K", help="print the top K functions by own time")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=1, help="run the modes this many times, alternating (a shared machine's drift)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=io.StringIO())  # the usage line is formatted, as in a node
     os.environ.setdefault("MESHNET_STATE_DIR", tempfile.mkdtemp(prefix="request-cost-state-"))
@@ -237,10 +243,11 @@ def main() -> int:
     results["prompt_tokens"] = args.prompt_tokens
     print(results["machine"])
     prompt = f"~{args.prompt_tokens:,}-token" if args.prompt_tokens else "a short"
-    for mode_name in args.modes.split(","):
+    for mode_name in args.modes.split(",") * args.rounds:
         profile = cProfile.Profile() if args.profile else None
         r = run_loop(measure(mode_name, args.requests, args.tokens, chat_body(args.prompt_tokens), profile))
         results[mode_name] = r
+        results.setdefault("rounds", []).append({"mode": mode_name, **r})
         print(
             f"{mode_name:>10}: before forwarding p50 {r['pre_forward_p50_us']:.0f} µs (p90 {r['pre_forward_p90_us']:.0f}); "
             f"CPU {r['cpu_ms_per_request']:.3f} ms per request, {r['cpu_us_per_token']:.1f} µs per streamed token "

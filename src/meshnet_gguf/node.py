@@ -48,6 +48,7 @@ from meshnet_gguf.serving.asgi import ExtraRoute, QueryRoute
 from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UsageSink
 from meshnet_gguf.serving.status_page import ChatUi, NodePages, RecentRequests, StatusSource, plan_line
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
+from meshnet_gguf.serving.usage_journal import UsageJournal
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 if TYPE_CHECKING:
@@ -134,6 +135,9 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
             return llama_up_text(False)
         return await fetch_llama_metrics(upstream_client, target.base_url, target.api_key)
 
+    # Standalone, usage is kept in an append-only journal (a meshed node's ledger keeps it otherwise).
+    journal = UsageJournal.in_state_dir(settings.state_dir) if tracker_link is None else None
+
     metrics = NodeMetrics(
         in_flight=lambda: slots.in_flight,
         # Each request in flight holds one llama-server slot.
@@ -159,7 +163,10 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         model_name=launch.model_name,
         model_aliases=launch.model_aliases,
         health=health,
-        usage_sinks=[usage_stats, recent_requests, UsageLog(), metrics, *([tracker_link.usage_sink] if tracker_link else [])],
+        usage_sinks=[
+            usage_stats, recent_requests, UsageLog(), metrics,
+            *([tracker_link.usage_sink] if tracker_link else []), *([journal] if journal else []),
+        ],  # fmt: skip
         mode=tracker_link.admission_mode if tracker_link else None,
         extra_get_routes={METRICS_PATH: metrics.scrape},
         query_get_routes=dict([tracker_link.control_route]) if tracker_link else None,
@@ -194,7 +201,10 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         # The order parts are closed in: llama-server first (streams still open end with an
         # error event), then the listener, the tracker link's last receipts, the relay tunnel, systemd,
         # and last the state dir's lock, so a second node cannot start while this one still stops.
-        parts=[supervisor, http, *([tracker_link] if tracker_link else []), *([relay] if relay else []), *([pool] if pool else []), operations, state_lock],
+        parts=[
+            supervisor, http, *([tracker_link] if tracker_link else []), *([relay] if relay else []), *([pool] if pool else []),
+            operations, *([journal] if journal else []), state_lock,
+        ],  # fmt: skip
         supervisor=supervisor,
         slots=slots,
         usage_stats=usage_stats,

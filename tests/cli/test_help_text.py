@@ -31,7 +31,7 @@ def test_usage_json_is_json_even_without_a_ledger(tmp_path) -> None:  # type: ig
     done = CliRunner().invoke(app, ["usage", "--json", "--state-dir", str(tmp_path)])
     assert done.exit_code == 0
     document = json.loads(done.output)
-    assert document["entries"] == [] and "no usage ledger" in document["note"]
+    assert document["entries"] == [] and "no usage recorded" in document["note"]
 
 
 @pytest.mark.parametrize("group", [[], ["dev"], ["service"]], ids=lambda g: " ".join(g) or "top")

@@ -3,6 +3,7 @@ relay; the snippet it prints works as printed; Ctrl-C stops everything, exit 0, 
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -44,12 +45,24 @@ def test_dev_mesh_serves_the_printed_snippet_and_stops_cleanly_on_ctrl_c(real_ll
 
         ran = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60)
         assert ran.returncode == 0, ran.stderr
+        # The SDK closes on [DONE], maybe before the node's stream has ended: complete all the same.
+        tracker_url = base_url.removesuffix("/v1")
+        deadline = time.monotonic() + 10
+        while (routed := httpx.get(tracker_url + "/v1/usage").json())[0]["outcome"] == "in_flight" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [(u["outcome"], u["status"]) for u in routed] == [("complete", 200)]
 
         family = psutil.Process(mesh.pid).children(recursive=True)
         assert len(family) >= 4  # tracker, relay, node, llama-server
         mesh.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
         assert mesh.wait(60) == 0, out_path.read_text()
-        assert "mesh stopped" in out_path.read_text()
+        out = out_path.read_text()
+        assert "mesh stopped" in out and f"state (keys, ledgers, logs) in {tmp_path / 'mesh'}" in out
+        # The state is kept, and the node's usage reads after the mesh is gone.
+        usage = subprocess.run([sys.executable, "-m", "meshnet_gguf", "usage", "--json", "--state-dir", str(tmp_path / "mesh" / "node")],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert json.loads(usage.stdout)["totals"]["requests"] == 1, usage.stdout + usage.stderr
+        assert f"meshnet-gguf usage --state-dir {tmp_path / 'mesh' / 'node'}" in out
         _, alive = psutil.wait_procs(family, timeout=5)
         assert not alive, [p.cmdline() for p in alive]
     finally:

@@ -128,4 +128,4 @@ def test_usage_without_a_ledger_says_so_and_succeeds(tmp_path: Path) -> None:
 
     result = CliRunner().invoke(app, ["usage", "--state-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert "no usage ledger" in result.output
+    assert "no usage recorded" in result.output

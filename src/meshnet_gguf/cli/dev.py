@@ -208,7 +208,7 @@ def mesh(
     gguf: Annotated[Optional[str], typer.Option(help="Serve this model instead of the demo")] = None,
     tracker_port: Annotated[int, typer.Option(help="Tracker port: the OpenAI base URL clients use (0: any free port)")] = DEFAULT_TRACKER_PORT,
     relay_port: Annotated[int, typer.Option(help="Relay port (0: any free port)")] = DEFAULT_RELAY_PORT,
-    state_dir: Annotated[Optional[Path], typer.Option(help="Keys, ledgers and logs [default: a temporary folder, removed on exit]")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option(help="Keys, ledgers and logs, kept after exit [default: <node state dir>/mesh]")] = None,
     download_dir: Annotated[Optional[Path], typer.Option(help="Where the node keeps models [default: the node's]")] = None,
 ) -> None:
     """Run a whole local mesh in one command.
@@ -217,7 +217,7 @@ def mesh(
     """
     from meshnet_gguf.cli.dev_mesh import run_mesh
     from meshnet_gguf.common.logs import configure_logging
-    from meshnet_gguf.common.settings import NodeSettings
+    from meshnet_gguf.common.settings import NodeSettings, default_state_dir
     from meshnet_gguf.prepare.pipeline import NodeSetupError, read_request, runnable_binary
 
     if demo == (gguf is not None):
@@ -240,7 +240,7 @@ def mesh(
         model_args=["--demo"] if demo else ["--gguf", str(gguf)],
         tracker_port=tracker_port,
         relay_port=relay_port,
-        state_dir=state_dir,
+        state_dir=state_dir or default_state_dir() / "mesh",
         download_dir=download_dir,
         echo=typer.echo,
     )

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +23,9 @@ from pathlib import Path
 import httpx
 
 from meshnet_gguf.common.ports import free_local_port, local_port_taken
+from meshnet_gguf.common.private_files import private_dir
 from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
 
 # Tracker and relay start in about a second; the margin covers a loaded machine.
 SERVICE_START_TIMEOUT_S = 30.0
@@ -41,6 +41,8 @@ SERVICE_STOP_TIMEOUT_S = 5.0
 POLL_S = 0.2
 ENROLMENT_SECRET_BYTES = 24
 LOG_TAIL_CHARS = 3000
+# Each piece's state dir under the mesh's (`--state-dir`, by default `<node state dir>/mesh`).
+MESH_TRACKER_DIR, MESH_RELAY_DIR, MESH_NODE_DIR = "tracker", "relay", "node"
 
 
 @dataclass
@@ -121,7 +123,7 @@ def run_mesh(
     model_args: Sequence[str],
     tracker_port: int,
     relay_port: int,
-    state_dir: Path | None,
+    state_dir: Path,
     download_dir: Path | None,
     echo: Callable[[str], None],
     before_start: Callable[[], str | None] = lambda: None,
@@ -137,9 +139,9 @@ def run_mesh(
     if problem is not None:
         echo(f"error: {problem}")
         return 2
-    temporary = state_dir is None
-    root = Path(tempfile.mkdtemp(prefix="meshnet-mesh-")) if state_dir is None else Path(state_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    # Kept after exit (a demo's usage is worth reading afterwards); the next run in the same dir goes on
+    # with the same keys and ledgers.
+    root = private_dir(Path(state_dir))  # its logs and ledgers: the operator's only
     tracker_port = tracker_port or free_local_port()
     relay_port = relay_port or free_local_port()
     node_port = free_local_port()
@@ -151,11 +153,11 @@ def run_mesh(
     children: list[_Child] = []
     code = 0
     try:
-        echo(f"logs and keys in {root}")
+        echo(f"state (keys, ledgers, logs) in {root}, kept after exit (--state-dir for another)")
         # The node enrols with a secret made for this mesh, handed over in the environment (not argv).
         secret = secrets.token_urlsafe(ENROLMENT_SECRET_BYTES)
         children.append(_start("tracker", [
-            "dev", "tracker", "--port", str(tracker_port), "--state-dir", str(root / "tracker"),
+            "dev", "tracker", "--port", str(tracker_port), "--state-dir", str(root / MESH_TRACKER_DIR),
             "--heartbeat-interval", str(MESH_HEARTBEAT_S), "--health-poll-interval", str(MESH_HEALTH_POLL_S),
         ], root, {"MESHNET_TRACKER_ENROLMENT_SECRET": secret}))  # fmt: skip
         _wait_for(lambda: _get(tracker_url + "/health").status_code == 200, "the tracker", SERVICE_START_TIMEOUT_S, children, stop)
@@ -164,12 +166,12 @@ def run_mesh(
         tracker_key = _get(tracker_url + WELL_KNOWN_PATH).json()["public_key"]
         # The relay honours CONNECTs from this tracker only, and keeps tunnels only for nodes it admits.
         children.append(_start("relay", ["dev", "relay", "--port", str(relay_port), "--trust-tracker-key", tracker_key,
-                                             "--state-dir", str(root / "relay")], root, {}))
+                                             "--state-dir", str(root / MESH_RELAY_DIR)], root, {}))
         _wait_for(lambda: _get(relay_url + "/health").status_code == 200, "the relay", SERVICE_START_TIMEOUT_S, children, stop)
         if stop.is_set():
             return 0
         node_args = [
-            "serve", *model_args, "--port", str(node_port), "--state-dir", str(root / "node"),
+            "serve", *model_args, "--port", str(node_port), "--state-dir", str(root / MESH_NODE_DIR),
             "--tracker", tracker_url, "--tracker-public-key", tracker_key, "--relay", relay_url,
             "--drain-grace", str(NODE_DRAIN_GRACE_S),
         ]  # fmt: skip
@@ -208,13 +210,19 @@ def run_mesh(
             child.stop(NODE_STOP_TIMEOUT_S if child.name == "node" else SERVICE_STOP_TIMEOUT_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if temporary and code == 0:
-            shutil.rmtree(root, ignore_errors=True)
-        elif temporary:
-            echo(f"logs kept in {root}")
-    if code == 0:
-        echo("mesh stopped")
+    echo(f"mesh {'stopped' if code == 0 else 'failed'}; its state is kept in {root}:")
+    for line in kept_state_lines(root):
+        echo(f"  {line}")
     return code
+
+
+def kept_state_lines(root: Path) -> list[str]:
+    """Where a stopped mesh's usage and logs are, and the commands that read them."""
+    return [
+        f"the node's usage: meshnet-gguf usage --state-dir {root / MESH_NODE_DIR}",
+        f"the tracker's ledger: {root / MESH_TRACKER_DIR / TRACKER_LEDGER_FILE} (GET /v1/usage while it runs)",
+        f"logs: {root}/*.log",
+    ]
 
 
 __all__ = ["run_mesh", "snippet"]
