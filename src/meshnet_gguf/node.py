@@ -48,6 +48,7 @@ from meshnet_gguf.serving.asgi import ExtraRoute, QueryRoute
 from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UsageSink
 from meshnet_gguf.serving.status_page import ChatUi, NodePages, RecentRequests, StatusSource, plan_line
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
+from meshnet_gguf.models.in_use import ModelFilesHeld
 from meshnet_gguf.serving.usage_journal import UsageJournal
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
@@ -77,6 +78,9 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         raise ValueError("a node with a pool, a tracker or a relay signs with its key: pass node_identity(settings)")
     # First: the identity, ledger and llama-server pidfile in the state dir are this node's alone.
     state_lock = hold_state_dir(settings)
+    # A shared lock on each model file while the node lives: `meshnet-gguf rm` will not remove them.
+    shards = launch.resolved.shards if launch.resolved else (launch.model_path,)
+    model_files = ModelFilesHeld([f for f in shards if f.is_file()], settings.download_dir)
 
     # systemd's variables are read, then removed, before any child could inherit them.
     watchdog_s = watchdog_interval()
@@ -203,7 +207,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         # and last the state dir's lock, so a second node cannot start while this one still stops.
         parts=[
             supervisor, http, *([tracker_link] if tracker_link else []), *([relay] if relay else []), *([pool] if pool else []),
-            operations, *([journal] if journal else []), state_lock,
+            operations, *([journal] if journal else []), model_files, state_lock,
         ],  # fmt: skip
         supervisor=supervisor,
         slots=slots,

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from meshnet_gguf.cli import app
 
 COMMANDS = [
-    ["serve"], ["doctor"], ["models"], ["hardware"], ["usage"], ["download"], ["service", "install"],
+    ["serve"], ["doctor"], ["models"], ["hardware"], ["usage"], ["download"], ["pull"], ["rm"], ["service", "install"],
     ["dev", "tracker"], ["dev", "relay"], ["dev", "mesh"],
 ]  # fmt: skip
 

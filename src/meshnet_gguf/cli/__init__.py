@@ -41,6 +41,7 @@ _COMMAND_MODULES = [
     "serve",
     "hardware",
     "models",
+    "local_models",
     "usage",
     "dev",
     "service",

@@ -1,4 +1,4 @@
-"""`meshnet-gguf download` and `meshnet-gguf models`: argument handling and printing only."""
+"""`meshnet-gguf pull` (also `download`) and `meshnet-gguf models`: argument handling and printing only."""
 
 from __future__ import annotations
 
@@ -38,14 +38,19 @@ def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:  # type
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    # `pull` as Ollama's habit names it; `download`, its first name, stays an alias.
+    @app.command("pull")
+    @app.command("download", hidden=True)
     def download(
         model: Annotated[str, typer.Argument(help="HF repo owner/name[:QUANT], catalog id, or a local file/directory to verify")],
         quant: Annotated[Optional[str], typer.Option(help="Quant to fetch, e.g. UD-IQ3_XXS")] = None,
         download_dir: Annotated[Optional[Path], typer.Option(help=DOWNLOAD_DIR_HELP)] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Only check what is already on disk")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (the progress bar still goes to stderr)")] = False,
     ) -> None:
-        """Prefetch a model so `serve` starts at once.
+        """Download and verify a model, without serving it.
+
+        Also `meshnet-gguf download`, its first name.
 
         The download resumes where it stopped and is checked against the hub's sha256.
         """
@@ -57,10 +62,22 @@ def register(app: typer.Typer) -> None:
         try:
             resolved = resolve_model(settings, progress=True, budget=machine_budget_bytes)
         except ModelResolutionError as exc:
+            if as_json:
+                import json
+
+                typer.echo(json.dumps({"error": str(exc)}))
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(EXIT_SETUP_ERROR) from exc
         from meshnet_gguf.common.units import format_bytes
 
+        if as_json:
+            import json
+
+            typer.echo(json.dumps({
+                "model": resolved.label, "repo": resolved.repo_id, "quant": resolved.quant, "bytes": resolved.total_bytes,
+                "files": [str(f) for f in resolved.shards], "verified": resolved.verified,
+            }, indent=2))  # fmt: skip
+            return
         check = "sha256 verified" if resolved.verified else "header checked (no published sha256 to verify against)"
         typer.echo(f"ready: {resolved.label}: {format_bytes(resolved.total_bytes)} in {len(resolved.shards)} file(s), {check}")
         typer.echo(f"first shard: {resolved.first_shard}")
@@ -75,8 +92,12 @@ def register(app: typer.Typer) -> None:
             Optional[list[str]], typer.Option(help="Pool worker HOST:PORT[=BUDGET] (repeatable): which quants the pool can load")
         ] = None,
         state_dir: Annotated[Optional[Path], typer.Option(help="Node state dir (its key reads the pool workers' status)")] = None,
+        local: Annotated[bool, typer.Option("--local", help="The models on disk: quant, size, path, last served, whether it fits")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (with --local)")] = False,
     ) -> None:
-        """List the catalog, or the quants a repo offers.
+        """List the catalog, a repo's quants, or local models.
+
+        `--local` lists what is on disk instead of the catalog.
 
         Each with its size and what the launch plan needs on this box (weights, KV cache
         for the planned context, compute buffers, and the prompt cache on top).
@@ -105,6 +126,14 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(EXIT_SETUP_ERROR) from exc
         capacity = hardware.capacity()
+        if local:
+            from meshnet_gguf.cli.local_models import print_local
+
+            print_local(settings.download_dir, int(capacity.total_bytes), as_json)
+            return
+        if as_json:
+            typer.echo("error: --json goes with --local (the catalog and repo tables are for reading)", err=True)
+            raise typer.Exit(EXIT_SETUP_ERROR)
         pool_fits = _pool_fit(settings, binary, capacity)
         catalog = load_catalog()
         memory_line = (
