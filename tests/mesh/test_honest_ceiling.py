@@ -23,7 +23,7 @@ import pytest
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.reference.tracker import Tracker
+from meshnet_gguf.reference.tracker.app import Tracker
 from support.mesh_node import FAKE_LLAMA_KEY, MODEL, MeshNode
 from support.mesh_tracker import SECRET, models, start_tracker, wait_until
 
