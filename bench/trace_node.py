@@ -123,19 +123,11 @@ def _time_call(cls: type, name: str, is_async: bool) -> None:
 for _mode in (StandaloneMode, MeshedMode):
     _time_call(_mode, "admit", False)
     _time_call(_mode, "check_body", False)
-    _time_call(_mode, "commit", True)
+    _time_call(_mode, "commit", False)
 _time_call(proxy.ProxyApp, "_read_body", True)
-_time_call(UsageLedger, "open_request", True)  # the synced row and, when it went there, the writer thread's hop
-# The synced row itself: on the writer thread (`open_request_sync`) or on the loop (`_open_request_without_waiting`).
-for _write, _on_loop in (("open_request_sync", 0.0), ("_open_request_without_waiting", 1.0)):
-    _time_call(UsageLedger, _write, False)
-
-    def _noting_where(self: Any, *args: Any, _original: Any = getattr(UsageLedger, _write), _where: float = _on_loop, **kwargs: Any) -> Any:
-        if (row := current.get("row")) is not None:
-            row["open_on_loop"] = _where
-        return _original(self, *args, **kwargs)
-
-    setattr(UsageLedger, _write, _noting_where)
+_time_call(UsageLedger, "open_request_soon", False)  # handing the row to the writer thread
+# The synced row itself, on the writer thread (forwarding does not wait for it: only the first byte does).
+_time_call(UsageLedger, "open_request_sync", False)
 
 SEGMENTS = [
     ("uvicorn: request parsed, app called", "begin", "app"),
@@ -159,10 +151,6 @@ def summary() -> dict[str, dict[str, float]]:
     for name, a, b in SEGMENTS:
         values = [r[b] - r[a] for r in done]
         out[name] = {"n": len(values), "p50_us": pct(values, 50), "p90_us": pct(values, 90)}
-    on_loop = [r["open_on_loop"] for r in done if "open_on_loop" in r]
-    if on_loop:  # not a time: how many of the rows were written on the event loop itself
-        share = 100 * sum(on_loop) / len(on_loop)
-        out["  ledger rows written on the event loop, % (not µs)"] = {"n": len(on_loop), "p50_us": share, "p90_us": share}
     for key in sorted({k for r in done for k in r if k.startswith("took:")}):
         values = [r[key] for r in done if key in r]
         out[f"  of which {key.removeprefix('took:')}"] = {"n": len(values), "p50_us": pct(values, 50), "p90_us": pct(values, 90)}

@@ -62,8 +62,10 @@ def test_a_node_killed_after_forwarding_and_before_the_count_bills_the_prompt_on
     asker.start()
     # llama-server has the request and is generating it: the kill lands before its answer ends.
     wait_for(lambda: forwarded.exists() and forwarded.read_text().strip() != "", "the request forwarded", node.log_path)
+    # The row is synced while llama-server works (protocol §6, rule 1), well before the answer's end.
+    wait_for(lambda: len(ledger_rows(node.state_dir)) == 1, "the row durable", node.log_path)
     [row] = ledger_rows(node.state_dir)
-    assert row["state"] == RowState.OPEN and row["prompt"] == 0 and row["has_body"]  # on disk before forwarding, with its body
+    assert row["state"] == RowState.OPEN and row["prompt"] == 0 and row["has_body"]  # on disk, with its body
     node.signal(signal.SIGKILL)
     node.wait_exit()
     asker.join(60)

@@ -3,6 +3,8 @@ totals for `meshnet-gguf usage`, and durability across reopening."""
 
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import sqlite3
 import threading
@@ -151,7 +153,6 @@ async def test_a_slow_disk_never_holds_the_event_loop_for_the_row_before_forward
         return slowly
 
     ledger.open_request_sync = slow_disk(ledger.open_request_sync)  # type: ignore[method-assign]
-    ledger._open_request_without_waiting = slow_disk(ledger._open_request_without_waiting)  # type: ignore[method-assign]
     try:
         async with loop_watch() as watch:
             for i in range(SLOW_WRITES):
@@ -163,33 +164,26 @@ async def test_a_slow_disk_never_holds_the_event_loop_for_the_row_before_forward
         await ledger.aclose()
 
 
-async def test_a_quick_disk_writes_the_row_before_forwarding_on_the_loop_and_it_is_on_disk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After the first write (on the thread, the estimate starts pessimistic), rows go in on the loop
-    itself; each is durable and read back by a fresh connection, as a restarted node would."""
-    # Any disk here counts as quick (a loaded CI machine's fsync can pass 1 ms now and then).
-    monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)
+async def test_the_open_row_is_handed_to_the_writer_thread_at_once_and_it_is_on_disk(tmp_path: Path) -> None:
+    """`open_request_soon` queues the row before it returns (the request is forwarded meanwhile) and
+    the row is synced on the writer thread, never on the loop; each is durable and read back by a
+    fresh connection, as a restarted node would."""
     ledger = UsageLedger(tmp_path / LEDGER_FILE)
     threads: list[str] = []
-    on_thread, on_loop = ledger.open_request_sync, ledger._open_request_without_waiting
+    on_thread = ledger.open_request_sync
 
-    def noting_thread(write):  # type: ignore[no-untyped-def]
-        def noted(*args: object) -> bool:
-            threads.append(threading.current_thread().name)
-            return write(*args)
+    def noted(*args: object) -> bool:
+        threads.append(threading.current_thread().name)
+        return on_thread(*args)
 
-        return noted
-
-    ledger.open_request_sync = noting_thread(on_thread)  # type: ignore[method-assign]
-    ledger._open_request_without_waiting = noting_thread(on_loop)  # type: ignore[method-assign]
+    ledger.open_request_sync = noted  # type: ignore[method-assign]
     try:
-        for i in range(5):
-            assert await ledger.open_request(record(f"req-quick-{i}"), 2000.0, b"{}")
-        assert not await ledger.open_request(record("req-quick-0"), 2000.0, b"{}")  # the id is used up either way
+        written = [ledger.open_request_soon(record(f"req-quick-{i}"), 2000.0, b"{}") for i in range(5)]
+        assert all(await asyncio.gather(*written))
+        assert not await ledger.open_request(record("req-quick-0"), 2000.0, b"{}")  # the id is used up
     finally:
         await ledger.aclose()
-    assert threads[0] == "usage-ledger" and threads[1:5] == [threading.main_thread().name] * 4, threads
+    assert threads == ["usage-ledger"] * 6, threads
     with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
         assert db.execute(f"SELECT COUNT(*) FROM usage WHERE state = {RowState.OPEN:d}").fetchone()[0] == 5
 

@@ -102,7 +102,7 @@ def test_a_version_1_ledger_is_upgraded_in_place(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_served_route_is_kept_to_its_own_expiry_and_an_unwritable_ledger_forwards_nothing(
+async def test_a_served_route_is_kept_to_its_own_expiry_and_an_unwritable_ledger_delivers_and_bills_nothing(
     fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path
 ) -> None:
     request_log = tmp_path / "requests.jsonl"
@@ -122,15 +122,17 @@ async def test_a_served_route_is_kept_to_its_own_expiry_and_an_unwritable_ledger
             [(rid, expires)] = front.ledger.unexpired_routes_sync(time.time())
             claims_exp = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "==").decode())["exp"]
             assert rid == first.headers["x-meshnet-request-id"] and expires == claims_exp
-            # A disk that fails: nothing is forwarded that could not be billed.
+            # A disk that fails: the request was forwarded while its row was being written (protocol
+            # §6, rule 1), but no byte of its answer reaches the client and no usage is recorded.
             front.ledger.close()
             second = tracker.route(front.identity.node_id, "/v1/chat/completions", body)
             async with httpx.AsyncClient(base_url=front.url, timeout=30) as client:
                 refused = await client.post("/v1/chat/completions", content=body, headers={**JSON, ROUTE_HEADER: second})
-            assert refused.status_code == 503
+            assert refused.status_code == 503 and b"choices" not in refused.content
+            assert [r.request_id for r in front.sink.records] == [first.headers["x-meshnet-request-id"]]
     finally:
         child.close()
-    assert len(request_log.read_text().splitlines()) == 1
+    assert len(request_log.read_text().splitlines()) == 2
 
 
 @pytest.mark.anyio

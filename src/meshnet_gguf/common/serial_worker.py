@@ -78,16 +78,24 @@ class SerialWorker:
             self._quick_call_s += INLINE_ESTIMATE_WEIGHT * (took - self._quick_call_s)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
+        done = self.submit(fn, *args)
+        with anyio.CancelScope(shield=True):
+            return await done
+
+    def submit(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        """Hand `fn(*args)` to the thread now, before the caller's next await, and return its future:
+        a caller that must not wait for the call (a ledger row written while the request it
+        records is already forwarded) awaits the future only where it needs the result."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
         self._ensure_thread()
         self._in_flight += 1
-        try:
-            self._calls.put((fn, args, loop, done))
-            with anyio.CancelScope(shield=True):
-                return await done
-        finally:
-            self._in_flight -= 1
+        done.add_done_callback(self._answered)
+        self._calls.put((fn, args, loop, done))
+        return done
+
+    def _answered(self, _: asyncio.Future[Any]) -> None:
+        self._in_flight -= 1
 
     def stop(self) -> None:
         """Let the thread end once the calls already handed over are done (later calls start a new one)."""

@@ -5,8 +5,8 @@ call runs the stdlib `sqlite3` on the ledger's own thread (`SerialWorker`), so t
 event loop never waits on the disk, and a call, once started, completes even
 if its caller is cancelled: a row is written whole or not at all.
 
-A row is *opened* (`state` OPEN, no receipt yet) before the request is
-forwarded, durably, with what is known then: until when the route that paid for it
+A row is *opened* (`state` OPEN, no receipt yet) as the request is
+forwarded, and synced before the answer's first byte leaves the node, with what is known then: until when the route that paid for it
 stays valid, and the request's body (`prompt_body`), from which its prompt can be
 counted. That row is what refuses a replayed route after a restart, and what bills
 a request the node was killed in the middle of. The prompt is counted beside the
@@ -26,6 +26,7 @@ in the database, so a kill -9 or an hours-long tracker outage loses nothing.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
@@ -37,7 +38,6 @@ from typing import TypeVar
 
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.common.serial_worker import SerialWorker
-from meshnet_gguf.common.sqlite_nowait import execute_without_waiting
 from meshnet_gguf.common.sqlite_wal import WalCheckpoints
 from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
 
@@ -97,7 +97,7 @@ CREATE INDEX IF NOT EXISTS usage_pending ON usage (recorded_at) WHERE {_OUTBOX};
 CREATE INDEX IF NOT EXISTS usage_open ON usage (started_at) WHERE state = {RowState.OPEN:d};
 CREATE INDEX IF NOT EXISTS usage_route_expiry ON usage (route_expires_at) WHERE route_expires_at IS NOT NULL;
 """
-# The open row, written (synced) before a request is forwarded.
+# The open row, written (synced) while the request is forwarded, before its answer's first byte leaves.
 _OPEN_ROW = (
     "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, path, status, stream,"
     " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt,"
@@ -162,16 +162,21 @@ class UsageLedger:
         return cls(Path(state_dir) / LEDGER_FILE)
 
     # --- async API (what the node uses) -------------------------------------------
-    async def open_request(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
-        """Write the open row before the request is forwarded; False when the id is already there.
+    def open_request_soon(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> asyncio.Future[bool]:
+        """Hand the open row to the writer thread now and return at once: the future is done (True, or
+        False when the id is already there) once the row is synced.
 
-        The request waits for this synced row, so it is written on the event loop itself while the
-        disk is quick and the writer thread idle (`SerialWorker.run_inline_when_quick`)."""
-        opened = await self._worker.run_inline_when_quick(
-            self.open_request_sync, record, route_expires_at, prompt_body, on_loop=self._open_request_without_waiting
-        )
+        The request is forwarded meanwhile (protocol §6, rule 1): the row is written beside
+        llama-server's prefill rather than before it, and only the answer's first byte waits for
+        the future. On the thread, not the loop: a synced write on the loop would hold the forward
+        (and every other stream) for the whole sync."""
+        written = self._worker.submit(self.open_request_sync, record, route_expires_at, prompt_body)
         self._checkpoints.after_call()
-        return opened
+        return written
+
+    async def open_request(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
+        """`open_request_soon`, awaited: the row is on disk when this returns."""
+        return await self.open_request_soon(record, route_expires_at, prompt_body)
 
     async def note_prompt(self, request_id: str, prompt_tokens: int) -> bool:
         """The prompt's count, into its open row (whose body is then dropped)."""
@@ -214,11 +219,6 @@ class UsageLedger:
     def open_request_sync(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
         with self._lock:
             return self._db.execute(_OPEN_ROW, (*_record_columns(record), route_expires_at, prompt_body)).rowcount == 1
-
-    def _open_request_without_waiting(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None) -> bool:
-        """`open_request_sync` for the event loop: `WouldBlock` rather than wait on a lock."""
-        params = (*_record_columns(record), route_expires_at, prompt_body)
-        return execute_without_waiting(self._db, self._lock, _OPEN_ROW, params, BUSY_TIMEOUT_MS).rowcount == 1
 
     def note_prompt_sync(self, request_id: str, prompt_tokens: int) -> bool:
         """Not synced to the platter (see the module doc): the body stays durable until a synced write follows."""

@@ -1,9 +1,12 @@
 """The meshed way of admitting a request (the serving `AdmissionMode`): only tracker-signed routes
-get through, and each request's ledger row is on disk before llama-server sees it.
+get through, and each request's ledger row is on disk before a byte of its answer leaves the node.
 
 The route's token is checked before the body is read, the body's hash once it is, and at
-commit the route's one-time id is claimed and the in-flight row written durably, with the
-request body, so a replayed route is refused even across a crash. A completed answer
+commit the route's one-time id is claimed in memory; the in-flight row, with the request body,
+is then written on the ledger's thread while llama-server already works on the request (its
+prefill hides the synced write), and the proxy holds the answer's first byte until the row is
+durable (protocol §6, rule 1). So a replayed route is refused even across a crash, and a request
+whose row never reached the disk was answered to nobody and is billed nothing. A completed answer
 carries llama-server's own prompt count; one cut short is counted when it ends, and the
 count goes into the row. A node killed before either lands still bills the prompt: the
 restart counts it from the body kept in the row.
@@ -11,10 +14,10 @@ restart counts it from the body kept in the row.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
-import anyio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from meshnet_gguf.contract.errors import ApiError
@@ -86,8 +89,37 @@ class RouteGate:
             raise ApiError(exc.status, exc.code, exc.message) from None
 
 
+class RowWrite:
+    """A request's ledger row on its way to disk (the proxy's `Recording`): written on the ledger's
+    thread while llama-server already works on the request; the answer's first byte waits for it."""
+
+    def __init__(self, written: asyncio.Future[bool], request_id: str, retry_after_s: int) -> None:
+        self._written, self._request_id, self._retry_after_s = written, request_id, retry_after_s
+        self._refusal: ApiError | None = None
+        self._checked = False
+
+    async def durable(self) -> None:
+        if not self._checked:
+            self._refusal = await self._outcome()
+            self._checked = True
+        if self._refusal is not None:
+            raise self._refusal
+
+    async def _outcome(self) -> ApiError | None:
+        try:
+            # Shielded: a waiter cancelled (its client gone) leaves the write to finish; the row is
+            # then settled like any other cut-short request.
+            opened = await asyncio.shield(self._written)
+        except Exception as exc:  # a full or broken disk: deliver nothing that cannot be billed
+            log.error("request %s: could not write its ledger row, its answer withheld: %s", self._request_id, exc)
+            return unavailable("This node cannot record requests right now; retry on another node", self._retry_after_s)
+        if not opened:  # the id is on disk already (a route older than the replay cache's memory)
+            return ApiError(403, "route_replayed", f"request {self._request_id} was already served by this node")
+        return None
+
+
 class MeshedMode:
-    """Signed routes in, a durable ledger row per request before forwarding."""
+    """Signed routes in; each request's ledger row written while it is forwarded, durable before its answer's first byte."""
 
     # The row keeps the body until the request settles: a prompt is counted only when needed.
     keeps_request_body = True
@@ -109,20 +141,15 @@ class MeshedMode:
     def check_body(self, grant: RouteGrant, body: bytes) -> None:
         self._gate.check_body(grant, body)
 
-    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
+    def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> RowWrite:
+        # In memory, before any work: from here a second use of this route is refused.
         self._gate.claim(grant)
         record = usage()
-        try:
-            with anyio.CancelScope(shield=True):  # written whole even if the client leaves now
-                opened = await self._journal.open(record, grant.expires_at, body)
-        except Exception as exc:  # a full or broken disk: serve nothing that cannot be billed
-            log.error("request %s: could not write its ledger row, not forwarded: %s", record.request_id, exc)
-            raise unavailable("This node cannot record requests right now; retry on another node", self._retry_after_s) from None
-        if not opened:
-            raise ApiError(403, "route_replayed", f"request {record.request_id} was already served by this node")
+        written = self._journal.open_soon(record, grant.expires_at, body)
+        return RowWrite(written, record.request_id, self._retry_after_s)
 
     async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
         await self._journal.note_prompt(request_id, prompt_tokens)
 
 
-__all__ = ["KEY_UNKNOWN_RETRY_AFTER_S", "MeshedMode", "RouteGate"]
+__all__ = ["KEY_UNKNOWN_RETRY_AFTER_S", "MeshedMode", "RouteGate", "RowWrite"]

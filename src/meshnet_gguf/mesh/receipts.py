@@ -10,6 +10,7 @@ recognises.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
@@ -110,7 +111,7 @@ class OutboxReporter:
 
 
 class LedgerUsageSink:
-    """The proxy's journal and usage sink: opens each request's ledger row before it is forwarded,
+    """The proxy's journal and usage sink: opens each request's ledger row as it is forwarded,
     then signs its record and settles the row before the request is over."""
 
     def __init__(
@@ -127,10 +128,11 @@ class LedgerUsageSink:
         # Counts a prompt from its request body (waiting for llama-server) when the live count never landed.
         self._count_prompt = count_prompt
 
-    async def open(self, usage: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
-        """The request's in-flight row, on disk before this returns; False when its id is already there.
-        `prompt_body` is kept in the row until `note_prompt` (a restart counts it when that never came)."""
-        return await self._ledger.open_request(usage, route_expires_at, prompt_body)
+    def open_soon(self, usage: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> asyncio.Future[bool]:
+        """The request's in-flight row, handed to the ledger now; the future says once it is on disk
+        (False when its id is already there). `prompt_body` is kept in the row until `note_prompt`
+        (a restart counts it when that never came)."""
+        return self._ledger.open_request_soon(usage, route_expires_at, prompt_body)
 
     async def note_prompt(self, request_id: str, prompt_tokens: int) -> None:
         await self._ledger.note_prompt(request_id, prompt_tokens)

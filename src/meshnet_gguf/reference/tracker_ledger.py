@@ -7,17 +7,17 @@ separate schema because the tracker shares only the wire contract with nodes.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from meshnet_gguf.common.private_files import private_dir, private_sqlite
 from meshnet_gguf.common.serial_worker import SerialWorker
-from meshnet_gguf.common.sqlite_nowait import execute_without_waiting
 from meshnet_gguf.common.sqlite_wal import WalCheckpoints
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
 
@@ -76,7 +76,7 @@ Outcome = Literal["in_flight", "complete", "cancelled", "upstream_error", "refus
 T = TypeVar("T")
 
 
-# Written (synced) before a request is forwarded.
+# Written (synced) while a request is forwarded, before its answer's first byte reaches the client.
 _OPEN_FORWARDED = (
     "INSERT INTO forwarded (request_id, node_id, model, path, stream, issued_at, max_tokens, choices, body_bytes,"
     " prompt_ceiling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -129,10 +129,6 @@ class TrackerLedger:
         with self._lock:
             return self._db.execute(sql, params).rowcount
 
-    def _write_without_waiting(self, sql: str, params: tuple[object, ...]) -> int:
-        """`_write` on the event loop: `WouldBlock` rather than wait on a lock."""
-        return execute_without_waiting(self._db, self._lock, sql, params, BUSY_TIMEOUT_MS).rowcount
-
     def _read(self, sql: str, params: tuple[object, ...]) -> list[tuple]:
         with self._lock:
             return self._db.execute(sql, params).fetchall()
@@ -150,7 +146,7 @@ class TrackerLedger:
         return rows[0][0] if rows else None
 
     # --- forwarded requests -----------------------------------------------
-    async def open_request(
+    def open_request_soon(
         self,
         request_id: str,
         node_id: str,
@@ -162,16 +158,22 @@ class TrackerLedger:
         choices: int = 1,
         body_bytes: int = 0,
         prompt_ceiling: int | None = None,
-    ) -> None:
-        """Written before the request is forwarded: any receipt for it is then recognisable, and
-        checkable against what the route allowed (token cap, choices, body size, the prompt's ceiling).
-        The request waits for it, so it goes in on the event loop while the disk is quick and the writer idle."""
-        await self._worker.run_inline_when_quick(
+    ) -> asyncio.Future[int]:
+        """Hand the forwarded row to the writer thread now and return at once; the future is done once
+        it is synced. Any receipt for the request is then recognisable, and checkable against what
+        the route allowed (token cap, choices, body size, the prompt's ceiling). The request goes to
+        its node meanwhile, and only the answer's first byte to the client waits for the future
+        (protocol §6, rule 5): on the thread, so the synced write holds no forward on the loop."""
+        written = self._worker.submit(
             self._write, _OPEN_FORWARDED,
             (request_id, node_id, model, path, int(stream), time.time(), max_tokens, choices, body_bytes, prompt_ceiling),
-            on_loop=self._write_without_waiting,
         )  # fmt: skip
         self._checkpoints.after_call()
+        return written
+
+    async def open_request(self, request_id: str, node_id: str, model: str, path: str, stream: bool, **limits: Any) -> None:
+        """`open_request_soon`, awaited: the row is on disk when this returns."""
+        await self.open_request_soon(request_id, node_id, model, path, stream, **limits)
 
     async def finish_request(
         self, request_id: str, status: int | None, outcome: Outcome, counts: UsageCounts | None, *, completion_ceiling: int | None = None

@@ -9,7 +9,10 @@ refused, and nothing is used up by a request refused for another reason:
 
 1. `admit(headers, path)`, before a byte of the body is read;
 2. `check_body(grant, body)`, once it is;
-3. `commit(grant, usage, body)`, just before forwarding: from here the request runs;
+3. `commit(grant, usage, body)`, just before forwarding: from here the request runs. It uses the
+   grant up at once, in memory, and only *starts* recording the request: the proxy forwards
+   meanwhile and holds the answer's first byte until the returned `Recording` is durable
+   (protocol §6, rule 1);
 4. `prompt_counted(request_id, tokens)`, when a prompt had to be counted (its answer did not say) and the count lands.
 """
 
@@ -37,6 +40,23 @@ class RouteGrant:
     body_sha256: str | None = None
 
 
+class Recording(Protocol):
+    """What `commit` started: the request's record on its way to where billing needs it."""
+
+    async def durable(self) -> None:
+        """Returns once the record is durable; raises `ApiError` when it never will be: the answer
+        then reaches nobody and the request is billed nothing. Safe to await more than once."""
+
+
+class _NothingToRecord:
+    async def durable(self) -> None:
+        return None
+
+
+# A standalone node records nothing before answering.
+NOTHING_TO_RECORD: Recording = _NothingToRecord()
+
+
 class AdmissionMode(Protocol):
     """The way this node admits requests; each step raises `ApiError` to refuse."""
 
@@ -58,9 +78,10 @@ class AdmissionMode(Protocol):
     def check_body(self, grant: RouteGrant, body: bytes) -> None:
         """Is this the body the grant was given for?"""
 
-    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
-        """The request is about to be forwarded: use up its grant, and record it (`usage()`, and the
-        body its prompt can be counted from) where billing needs it."""
+    def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> Recording:
+        """The request is about to be forwarded: use up its grant now, and start recording it
+        (`usage()`, and the body its prompt can be counted from) where billing needs it."""
+        ...
 
     async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
         """The prompt's count landed: record it where billing needs it."""
@@ -100,11 +121,11 @@ class StandaloneMode:
     def check_body(self, grant: RouteGrant, body: bytes) -> None:
         return None
 
-    async def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> None:
-        return None
+    def commit(self, grant: RouteGrant, usage: Callable[[], UsageRecord], body: bytes) -> Recording:
+        return NOTHING_TO_RECORD
 
     async def prompt_counted(self, request_id: str, prompt_tokens: int) -> None:
         return None
 
 
-__all__ = ["AdmissionMode", "RouteGrant", "StandaloneMode", "unavailable"]
+__all__ = ["NOTHING_TO_RECORD", "AdmissionMode", "Recording", "RouteGrant", "StandaloneMode", "unavailable"]

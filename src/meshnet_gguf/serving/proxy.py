@@ -40,7 +40,7 @@ from meshnet_gguf.contract.protocol import (
 from meshnet_gguf.contract.sse import DONE_DATA, data_event
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from meshnet_gguf.serving.slots import Slots
-from meshnet_gguf.serving.admission_modes import AdmissionMode, RouteGrant, unavailable
+from meshnet_gguf.serving.admission_modes import AdmissionMode, Recording, RouteGrant, unavailable
 from meshnet_gguf.serving.asgi import (
     CLIENT_CLOSED_STATUS,
     JSON_HEADER,
@@ -250,9 +250,10 @@ class ProxyApp:
                 started_at=time.time(),
                 started=time.perf_counter(),
             )
-            # From here the request is going to run: the mode uses up its grant (durably, on a
-            # meshed node) before llama-server sees it, so no crash can let the same route run twice.
-            await self._mode.commit(grant, partial(meter.usage_record, self.model_name), body)
+            # From here the request is going to run: the mode uses up its grant (in memory) before
+            # llama-server sees it, and starts recording it (a meshed node's synced ledger row) while
+            # the request is forwarded; the answer's first byte waits for that record (`_HeldSend`).
+            recording = self._mode.commit(grant, partial(meter.usage_record, self.model_name), body)
         except ApiError as exc:
             if release is not None:
                 release()
@@ -265,17 +266,29 @@ class ProxyApp:
         count = PromptCount(partial(self._counter.count, target, path, payload, body), on_counted=partial(self._mode.prompt_counted, request_id))
         if not self._mode.keeps_request_body:  # else counted from the kept body, only if the answer does not say
             count.count_beside()  # nothing could count this prompt after llama-server is gone
+        held = _HeldSend(send, recording)
         try:
             upstream_body = _prepare_upstream_body(payload, body, self._token_cap(path, grant))
-            await self._forward(meter, target, upstream_body, receive, send, count)
+            await self._forward(meter, target, upstream_body, receive, held, count)
+        except _NotRecorded:
+            pass  # nothing reached the client; said below
         finally:
             release()
             with anyio.CancelScope(shield=True):
-                if meter.usage_seen or meter.refused_upstream:
+                # Billing needs the record durable first; a request whose record never got there was
+                # answered to nobody and is billed nothing (its usage goes to no sink).
+                refusal = await held.refusal()
+                if refusal is not None:
                     count.drop()
+                    if self._on_rejected is not None:
+                        self._on_rejected(path, refusal.status)
+                    await _send_error(send, refusal, request_id)
                 else:
-                    meter.prompt_counted = await count.settled()
-                await self._record(meter)
+                    if meter.usage_seen or meter.refused_upstream:
+                        count.drop()
+                    else:
+                        meter.prompt_counted = await count.settled()
+                    await self._record(meter)
 
     async def _forward(
         self,
@@ -471,6 +484,44 @@ class ProxyApp:
                 await sink.record(record)
             except Exception:  # one broken sink must not take the others (or the request) down
                 log.exception("usage sink %r failed for request %s", sink, meter.request_id)
+
+
+# --- the first byte waits for the record -------------------------------------
+class _NotRecorded(Exception):
+    """Raised out of the forward when its request's record will never be durable: nothing is sent."""
+
+
+class _HeldSend:
+    """The client's `send` for a forwarded request, holding its first message until the request's
+    record is durable (protocol §6, rule 1): no byte of an answer, nor an error about it, reaches a
+    client for a request that could not be billed. Later messages pass straight through."""
+
+    __slots__ = ("_send", "_recording", "_refusal", "_checked")
+
+    def __init__(self, send: Send, recording: Recording) -> None:
+        self._send, self._recording = send, recording
+        self._refusal: ApiError | None = None
+        self._checked = False
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if not self._checked:
+            await self._check()
+            if self._refusal is not None:
+                raise _NotRecorded
+        await self._send(message)
+
+    async def refusal(self) -> ApiError | None:
+        """Why the record will never be durable (None once it is); waits for it when nothing was sent yet."""
+        if not self._checked:
+            await self._check()
+        return self._refusal
+
+    async def _check(self) -> None:
+        try:
+            await self._recording.durable()
+        except ApiError as exc:
+            self._refusal = exc
+        self._checked = True
 
 
 # --- request shaping --------------------------------------------------------

@@ -1,9 +1,10 @@
 """Forwarding: an OpenAI request routed to one ready whole-model node, its answer passed on unbuffered.
 
 The endpoint picks the node expected to give this prompt its first token soonest (`registry.pick`),
-signs the route, records the request in the ledger before a byte goes out, and sends it with one
-call on the node's target (`send`: lean client, relay tunnel or httpx, the target knows). A node
-that refuses the connection never saw the request, so one more node may be tried. The answer is metered on a copy as it passes
+signs the route, hands the request's row to the ledger (synced on its thread while the node works; the
+client's first byte waits for it, protocol §6, rule 5), and sends it with one call on the node's target
+(`send`: lean client, relay tunnel or httpx, the target knows). A node that refuses the connection never
+saw the request, so one more node may be tried. The answer is metered on a copy as it passes
 (`metering.ForwardMeter`); a client that leaves, a node that breaks off or a forward past its total
 time ends it, and the ledger settles what went by. A stream that completes is timed for the node's
 speed estimate (`StreamTiming` -> `node_speed`).
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # A node that refuses the connection never saw the request, so one more node may be tried.
 MAX_ROUTE_ATTEMPTS = 2
+# Retry-After when the ledger could not record a request: a disk problem outlasts a heartbeat or two.
+LEDGER_RETRY_AFTER_S = 5
 # The only node response headers a client sees: the answer's type and the Meshnet accounting.
 FORWARDED_RESPONSE_HEADERS = frozenset(
     {
@@ -79,11 +82,18 @@ class ForwardEndpoint:
             deadline = anyio.current_time() + self.config.forward_total_timeout_s
             prompt_tokens = prompt_ceiling(payload)
             with anyio.move_on_at(deadline) as opening:
-                upstream, node, request_id, timing = await self._open(scope["path"], model, payload, body, prompt_tokens)
+                upstream, node, request_id, timing, written = await self._open(scope["path"], model, payload, body, prompt_tokens)
             if opening.cancelled_caught:
                 raise ApiError(504, "node_timeout", "no node answered in time")
         except ApiError as refusal:
             await error_response(refusal)(scope, receive, send)
+            return
+        # The forwarded row was synced while the node worked; the client's first byte waits for it.
+        if (unrecorded := await _unrecorded(written, request_id)) is not None:
+            node.in_flight -= 1
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()  # the node's receipt for it, if any, names a request never routed here
+            await error_response(unrecorded)(scope, receive, send)
             return
         content_type = next((value for name, value in upstream.headers if name.lower() == "content-type"), "")
         meter = ForwardMeter(content_type.startswith("text/event-stream"), payload)
@@ -138,7 +148,7 @@ class ForwardEndpoint:
 
     async def _open(
         self, path: str, model: str, payload: dict[str, Any], body: bytes, prompt_tokens: int
-    ) -> tuple[NodeAnswer, NodeEntry, str, StreamTiming]:
+    ) -> tuple[NodeAnswer, NodeEntry, str, StreamTiming, asyncio.Future[int]]:
         if not self.registry.serves(model):
             raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
         stream = payload.get("stream") is True
@@ -151,7 +161,8 @@ class ForwardEndpoint:
             tried.add(node.node_id)
             request_id = f"req-{uuid.uuid4().hex}"
             token = self.routes.sign_route(node, request_id, path, model, body, max_tokens)
-            await self.ledger.open_request(
+            # Synced on the ledger's thread while the node works on the request (protocol §6, rule 5).
+            written = self.ledger.open_request_soon(
                 request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
                 max_tokens=max_tokens, choices=requested_choices(payload), body_bytes=len(body), prompt_ceiling=prompt_tokens,
             )  # fmt: skip
@@ -172,13 +183,15 @@ class ForwardEndpoint:
                 node.healthy = False  # until the next health poll says otherwise
                 self.poll_soon()
                 log.warning("node %s unreachable (%s); trying another", node.node_id, exc)
+                await _unrecorded(written, request_id)
                 await self.ledger.finish_request(request_id, None, "refused", None)
                 continue
             except HttpClientError as exc:
                 node.in_flight -= 1
+                await _unrecorded(written, request_id)
                 await self.ledger.finish_request(request_id, None, "upstream_error", None)
                 raise ApiError(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
-            return upstream, node, request_id, timing
+            return upstream, node, request_id, timing, written
         raise ApiError(
             503,
             "no_node_available",
@@ -252,6 +265,18 @@ class _Delivery:
 
     def __init__(self) -> None:
         self.terminal_sent = False
+
+
+async def _unrecorded(written: asyncio.Future[int], request_id: str) -> ApiError | None:
+    """Wait for a forwarded row to be synced; the refusal to answer with when it never will be."""
+    try:
+        # Shielded: a forward cut short while waiting leaves the row to finish, and then be settled.
+        await asyncio.shield(written)
+    except Exception as exc:  # a full or broken disk: deliver nothing that cannot be billed
+        log.error("request %s: could not write its forwarded row, its answer withheld: %s", request_id, exc)
+        return ApiError(503, "ledger_unavailable", "this tracker cannot record requests right now; retry shortly",
+                        headers={"retry-after": str(LEDGER_RETRY_AFTER_S)})  # fmt: skip
+    return None
 
 
 def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
