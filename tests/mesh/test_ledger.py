@@ -17,7 +17,6 @@ import pytest
 
 from meshnet_gguf.contract.protocol import FinishReason, UsageRecord
 from meshnet_gguf.mesh.identity import NodeIdentity
-from meshnet_gguf.common import serial_worker
 from meshnet_gguf.mesh.ledger import LEDGER_FILE, RowState, UsageLedger
 
 pytestmark = pytest.mark.anyio
@@ -195,7 +194,6 @@ async def test_another_process_holding_the_ledger_never_holds_the_event_loop(
     """`meshnet-gguf usage` (or a backup) holding SQLite's write lock while a routed request opens
     or settles its row: the row is not written on the loop (that would wait there, up to the busy
     timeout), it goes to the writer thread, which waits for the lock while every other task runs on."""
-    monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)  # rows would go in on the loop
     path = tmp_path / LEDGER_FILE
     ledger = UsageLedger(path)
     assert await ledger.open_request(record("req-first"), 2000.0, b"{}")  # on the thread: the estimate starts pessimistic
@@ -230,12 +228,11 @@ async def test_the_log_is_checkpointed_on_the_writer_thread_never_in_a_commit_on
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
     """SQLite checkpoints its write-ahead log inside whichever commit takes it past 1,000 pages
-    (~10 ms here, far longer on a slow disk). Rows go in on the event loop when quick, so the
-    connection must never checkpoint by itself: the writer thread does, and the log stays small."""
+    (~10 ms here, far longer on a slow disk). A row committed on the event loop must never be that
+    commit, so the connection must never checkpoint by itself: the writer thread does, and the log stays small."""
     from meshnet_gguf.common import sqlite_wal
     from meshnet_gguf.reference.tracker_ledger import TrackerLedger
 
-    monkeypatch.setattr(serial_worker, "INLINE_CALL_MAX_S", 10.0)  # every row on the loop
     body = b'{"messages":[{"role":"user","content":"' + b"the quick brown fox " * 300 + b'"}]}'  # ~6 KB: two pages
     path = tmp_path / f"{which}.sqlite3"
     ledger = UsageLedger(path) if which == "node" else TrackerLedger(path)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,21 +22,6 @@ import anyio
 
 T = TypeVar("T")
 _STOP = object()
-# `run_inline_when_quick` runs its call on the caller's event loop while the worker is idle and
-# such calls recently took less than this. A handed-over call pays a sleeping thread's wake-up on
-# each side: 0.09-0.13 ms more for a synced SQLite row on the machines measured
-# (`bench/mesh_floor.py`), more than so quick a call holds the loop. A slower disk, or a busy
-# worker, keeps the call on the thread, where it cannot stall the loop's other tasks.
-INLINE_CALL_MAX_S = 0.001
-# How much each new timing moves the running estimate those decisions read.
-INLINE_ESTIMATE_WEIGHT = 0.2
-
-
-class WouldBlock(Exception):
-    """Raised by a call made on the event loop (`run_inline_when_quick`'s `on_loop`) instead of
-    waiting for something another thread or process holds: the call is then made on the thread."""
-
-
 class SerialWorker:
     """Runs `fn(*args)` on its own daemon thread, in the order the calls came."""
 
@@ -46,36 +30,6 @@ class SerialWorker:
         self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        # Calls handed over and not yet answered (counted on the callers' event loop).
-        self._in_flight = 0
-        # Running estimate of a `run_inline_when_quick` call's time; starts pessimistic, so the
-        # first such call goes to the thread and is timed there.
-        self._quick_call_s = INLINE_CALL_MAX_S
-
-    @property
-    def idle(self) -> bool:
-        """No call is queued or running: whatever the thread guards is free right now."""
-        return self._in_flight == 0
-
-    async def run_inline_when_quick(self, fn: Callable[..., T], *args: object, on_loop: Callable[..., T] | None = None) -> T:
-        """`run(fn, *args)`, or the call right here on the event loop when the worker is idle and
-        calls made this way have been quick (see INLINE_CALL_MAX_S); either way timed for the next
-        decision. `on_loop` is what runs on the loop instead of `fn`, when given: the same call,
-        made so that it raises `WouldBlock` rather than wait on a lock (then `fn` runs on the thread)."""
-        if self.idle and self._quick_call_s < INLINE_CALL_MAX_S:
-            try:
-                return self._timed(on_loop or fn, *args)
-            except WouldBlock:
-                pass
-        return await self.run(self._timed, fn, *args)
-
-    def _timed(self, fn: Callable[..., T], *args: object) -> T:
-        started = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            took = time.perf_counter() - started
-            self._quick_call_s += INLINE_ESTIMATE_WEIGHT * (took - self._quick_call_s)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         done = self.submit(fn, *args)
@@ -89,13 +43,8 @@ class SerialWorker:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
         self._ensure_thread()
-        self._in_flight += 1
-        done.add_done_callback(self._answered)
         self._calls.put((fn, args, loop, done))
         return done
-
-    def _answered(self, _: asyncio.Future[Any]) -> None:
-        self._in_flight -= 1
 
     def stop(self) -> None:
         """Let the thread end once the calls already handed over are done (later calls start a new one)."""
@@ -139,4 +88,4 @@ def _settle(done: asyncio.Future[Any], result: Any, error: BaseException | None)
         done.set_result(result)
 
 
-__all__ = ["INLINE_CALL_MAX_S", "SerialWorker", "WouldBlock"]
+__all__ = ["SerialWorker"]

@@ -2,9 +2,9 @@
 
 SQLite copies the write-ahead log back into the database inside whichever commit takes the
 log past its threshold (1,000 pages by default): ~10 ms for a 4.5 MB log on the 2-core dev
-box (`PRAGMA wal_checkpoint` timed alone), far longer on a slow or busy disk. A ledger row
-written on the event loop (`SerialWorker.run_inline_when_quick`) must never be that commit,
-or every stream of the node stands still for it. So the connection never checkpoints by
+box (`PRAGMA wal_checkpoint` timed alone), far longer on a slow or busy disk. A row written
+on the event loop must never be that commit, or every stream of the node stands still for it
+(rows go to the writer thread today; a checkpoint there still holds every row queued behind it). So the connection never checkpoints by
 itself (`wal_autocheckpoint=0`), and every CHECKPOINT_EVERY_CALLS calls through the async API
 a passive checkpoint is handed to the writer thread, where only calls queued behind it wait.
 The log then stays near its usual size and is overwritten from its start, which also keeps
