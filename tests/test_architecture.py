@@ -25,9 +25,10 @@ AREA_MAY_IMPORT: dict[str, set[str]] = {
     "ops": {"common", "contract", "models", "llama", "hardware", "serving", "mesh"},
     "doctor": {"common", "contract", "models", "llama", "hardware", "prepare", "mesh"},
     "devtools": {"common", "contract", "models"},
+    "proof": {"common", "contract"},
     "reference": {"common", "contract"},
     "node": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops"},
-    "cli": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops", "doctor", "devtools", "reference", "node"},
+    "cli": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops", "doctor", "devtools", "reference", "node", "proof"},
 }
 # Modules outside any area: the package's own __init__ and `python -m meshnet_gguf`.
 NO_AREA = {"__init__", "__main__"}

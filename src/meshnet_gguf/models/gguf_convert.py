@@ -1,9 +1,11 @@
-"""Rewrite a quantized GGUF with F16 weights (via the gguf package).
+"""Rewrite a GGUF with other weight types (via the gguf package).
 
-Used by the benchmarks on a CPU whose llama-server cannot run quantized kernels
-(see `llama.run_probe`; a node builds a llama-server for such a machine instead):
-the same model, dequantized, still runs on the plain float kernels. Only sensible
-for small models, such as the demo: F16 doubles or quadruples a Q4 file.
+`dequantize_to_f16`: used by the benchmarks on a CPU whose llama-server cannot run
+quantized kernels (see `llama.run_probe`; a node builds a llama-server for such a
+machine instead): the same model, dequantized, still runs on the plain float kernels.
+`requantize`: the same model in another quant the `gguf` package can write (Q8_0,
+Q4_0, ...), which the proof-of-model bench serves in place of the claimed one. Only
+sensible for small models, such as the demo: F16 doubles or quadruples a Q4 file.
 """
 
 from __future__ import annotations
@@ -27,8 +29,21 @@ def dequantize_to_f16(source: Path, target: Path) -> Path:
     return target
 
 
-def _write_f16(reader: gguf.GGUFReader, arch: str, partial: Path) -> None:
+def requantize(source: Path, target: Path, type_name: str) -> Path:
+    """Write `target`: `source` with every matrix whose rows split into whole blocks of `type_name`
+    (e.g. "Q8_0", "Q4_0") stored in it, from its dequantized values; the rest as F16, and float
+    vectors as they were. Atomic, like `dequantize_to_f16`."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    with replaced_on_success(target) as partial:
+        _write_f16(reader, arch, partial, qtype)
+    return target
+
+
+def _write_f16(reader: gguf.GGUFReader, arch: str, partial: Path, qtype: gguf.GGMLQuantizationType | None = None) -> None:
     writer = gguf.GGUFWriter(str(partial), arch)
+    block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 0
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue  # the writer emits these itself
@@ -36,10 +51,14 @@ def _write_f16(reader: gguf.GGUFReader, arch: str, partial: Path) -> None:
         sub_type = field.types[1] if value_type == gguf.GGUFValueType.ARRAY else None
         value = field.contents()
         if key == "general.file_type":
-            value = int(gguf.LlamaFileType.MOSTLY_F16)
+            value = int(gguf.LlamaFileType[f"MOSTLY_{qtype.name}"] if qtype is not None else gguf.LlamaFileType.MOSTLY_F16)
         writer.add_key_value(key, value, value_type, sub_type=sub_type)
     for tensor in reader.tensors:
-        if tensor.tensor_type in _KEPT_TYPES:
+        is_float = tensor.tensor_type in _KEPT_TYPES
+        if qtype is not None and len(tensor.shape) >= 2 and int(tensor.shape[0]) % block == 0:
+            weights = np.asarray(tensor.data) if is_float else gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, gguf.quants.quantize(weights.astype(np.float32), qtype), raw_dtype=qtype)
+        elif is_float:
             data = np.asarray(tensor.data)
             writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=tensor.tensor_type)
         else:

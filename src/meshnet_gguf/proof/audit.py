@@ -1,0 +1,96 @@
+"""One audit from end to end, on the verifier: the wire's `AuditRequest` in, an `AuditVerdict` out.
+
+The prompt's tokens come from the verifier's own llama-server (`/apply-template` for a chat, then
+`/tokenize`, as llama-server does for the request itself). The answer's tokens are the evidence's,
+once their text is checked to be the text the tracker forwarded (`/detokenize`); without evidence,
+the forwarded text tokenized. Then the answer is scored (`scoring`) and judged (`check`): greedy
+answers by the near-tie rule, sampled ones by the likelihood test, and evidence, when there is
+some, against its commitment and value by value. Anything that stops the verifier from scoring
+(its llama-server down, a body it cannot read) is `no_verdict`, which never counts against a node.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from meshnet_gguf.contract.model_proof import EVIDENCE_TOP_K, AuditRequest, AuditVerdict
+from meshnet_gguf.proof.check import (
+    Verdict,
+    check_evidence,
+    check_greedy,
+    check_sampled,
+)
+from meshnet_gguf.proof.scoring import ScoringFailed, score_answer
+from meshnet_gguf.proof.tolerance import GREEDY_TIE_NATS, VERIFIER_TOP_K_FACTOR
+
+# Wide enough for the sampled test: llama.cpp's default sampler chain keeps the top 40.
+SAMPLED_TOP_K = 40
+
+
+async def _post(client: httpx.AsyncClient, path: str, body: dict[str, object]) -> dict[str, object]:
+    try:
+        response = await client.post(path, json=body, timeout=60)
+    except httpx.HTTPError as exc:
+        raise ScoringFailed(f"verifier llama-server unreachable: {exc}") from exc
+    if response.status_code != 200:
+        raise ScoringFailed(f"verifier llama-server answered {path} with {response.status_code}")
+    return response.json()
+
+
+async def prompt_tokens(client: httpx.AsyncClient, path: str, body: dict[str, object]) -> list[int]:
+    if path.endswith("/chat/completions"):
+        rendered = await _post(client, "/apply-template", {k: v for k, v in body.items() if k != "stream"})
+        prompt = rendered.get("prompt")
+    else:
+        prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if not isinstance(prompt, str):
+        raise ScoringFailed("the request has no prompt the verifier can read")
+    tokens = (await _post(client, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}))["tokens"]
+    return [int(t) for t in tokens]  # type: ignore[union-attr]
+
+
+async def answer_tokens(client: httpx.AsyncClient, request: AuditRequest) -> list[int] | str:
+    """The answer's tokens, or why they cannot be the forwarded answer (a refusal)."""
+    if request.evidence is None:
+        tokens = (await _post(client, "/tokenize", {"content": request.answer_text, "add_special": False}))["tokens"]
+        return [int(t) for t in tokens]  # type: ignore[union-attr]
+    if request.commitment is not None and request.evidence.commitment() != request.commitment:
+        return "the evidence is not the one the receipt committed to"
+    tokens = request.evidence.tokens
+    text = (await _post(client, "/detokenize", {"tokens": tokens}))["content"]
+    if text != request.answer_text:
+        return "the evidence's tokens do not spell the answer that was forwarded"
+    return tokens
+
+
+def _verdict(request: AuditRequest, verdict: Verdict) -> AuditVerdict:
+    outcome = "no_verdict" if verdict.passed is None else "passed" if verdict.passed else "failed"
+    return AuditVerdict(audit_id=request.audit_id, outcome=outcome, reason=verdict.reason,
+                        margin_nats=verdict.margin, positions_checked=verdict.positions)  # fmt: skip
+
+
+async def audit(client: httpx.AsyncClient, request: AuditRequest) -> AuditVerdict:
+    """Check one answer against the claimed model served at `client`'s base URL."""
+    try:
+        body = json.loads(request.body)
+        prompt = await prompt_tokens(client, request.path, body)
+        answer = await answer_tokens(client, request)
+        if isinstance(answer, str):
+            return _verdict(request, Verdict(False, answer, float("-inf"), 0))
+        if not answer:
+            return _verdict(request, Verdict(None, "an empty answer proves nothing", 0.0, 0))
+        greedy = request.temperature == 0.0
+        top_k = EVIDENCE_TOP_K * VERIFIER_TOP_K_FACTOR if greedy or request.evidence else SAMPLED_TOP_K
+        scored = await score_answer(client, prompt, answer, top_k=max(top_k, SAMPLED_TOP_K if not greedy else 0),
+                                    give_up_gap=GREEDY_TIE_NATS if greedy else None)  # fmt: skip
+    except (ScoringFailed, ValueError) as exc:
+        return _verdict(request, Verdict(None, f"no verdict: {exc}", 0.0, 0))
+    verdicts = [check_greedy(scored) if greedy else check_sampled(scored, request.temperature)]
+    if request.evidence is not None:
+        verdicts.append(check_evidence(scored, request.evidence))
+    failed = [v for v in verdicts if v.passed is False]
+    return _verdict(request, min(failed or verdicts, key=lambda v: v.margin))

@@ -1,0 +1,129 @@
+"""Proof of model on the real llama-server with generated models: honest evidence from the same
+weights on another backend passes, another seed's answer fails, evidence that does not match its
+tokens fails, evidence made up without the model fails, and a verifier that is down gives no verdict."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from support.llama_instance import Backend, llama_instance, vulkan_listed
+
+from meshnet_gguf.contract.model_proof import (
+    AnswerEvidence,
+    AuditRequest,
+    AuditVerdict,
+    EvidenceBlock,
+)
+from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
+from meshnet_gguf.proof.audit import audit
+from meshnet_gguf.proof.evidence import evidence_from_token_probs
+
+pytestmark = pytest.mark.anyio
+
+# Large enough that a random model's next-token distribution is not flat (bench/bench_model_proof.py).
+SHAPE = TinyModelSpec(n_layers=4, n_embd=256, n_head=8, n_head_kv=4, n_ff=512)
+PROMPT = "hello world, this is a test of"
+TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("proof-models")
+    return {"claimed": write_tiny_model(folder / "claimed.gguf", SHAPE),
+            "other_seed": write_tiny_model(folder / "other.gguf", TinyModelSpec(**{**SHAPE.__dict__, "seed": 1}))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def verifier(real_llama: BinaryInfo, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The trusted verifier: the claimed weights on the CPU, 2 threads, small batches."""
+    log = tmp_path_factory.mktemp("verifier") / "llama.log"
+    with llama_instance(real_llama, models["claimed"], Backend("cpu", threads=2, batch=32), log) as url:
+        yield url
+
+
+def _answer(binary: BinaryInfo, model: Path, backend: Backend, log: Path) -> tuple[str, AnswerEvidence]:
+    """What a node serving `model` on `backend` answers greedily, with its evidence."""
+    with llama_instance(binary, model, backend, log) as url:
+        body = {"prompt": PROMPT, "n_predict": TOKENS, "temperature": 0, "n_probs": 4, "cache_prompt": False}
+        answer = httpx.post(url + "/completion", json=body, timeout=300).json()
+    return answer["content"], evidence_from_token_probs(answer["completion_probabilities"])
+
+
+def _node_backend(binary: BinaryInfo) -> Backend:
+    # Another backend than the verifier's: lavapipe Vulkan where it is listed, else another thread
+    # count and batch size on the CPU.
+    return Backend("vulkan") if vulkan_listed(binary) else Backend("cpu", threads=1, batch=512)
+
+
+@pytest.fixture(scope="module")
+def honest(real_llama: BinaryInfo, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[str, AnswerEvidence]:
+    return _answer(real_llama, models["claimed"], _node_backend(real_llama), tmp_path_factory.mktemp("honest") / "llama.log")
+
+
+async def _audit(url: str, text: str, evidence: AnswerEvidence | None, commitment_of: AnswerEvidence | None = None) -> AuditVerdict:
+    request = AuditRequest(audit_id="a1", model="tiny", path="/v1/completions", body=json.dumps({"prompt": PROMPT}),
+                           answer_text=text, evidence=evidence,
+                           commitment=(commitment_of or evidence).commitment() if evidence else None)  # fmt: skip
+    async with httpx.AsyncClient(base_url=url) as client:
+        return await audit(client, request)
+
+
+async def test_honest_evidence_from_the_same_weights_on_another_backend_passes(verifier: str, honest: tuple[str, AnswerEvidence]) -> None:
+    text, evidence = honest
+    with_evidence = await _audit(verifier, text, evidence)
+    assert with_evidence.outcome == "passed", with_evidence.reason
+    assert with_evidence.positions_checked == TOKENS and with_evidence.margin_nats > 0.05
+    text_only = await _audit(verifier, text, None)  # scoring the answer alone
+    assert text_only.outcome == "passed", text_only.reason
+
+
+async def test_another_seed_of_the_same_shape_fails(real_llama: BinaryInfo, models: dict[str, Path], verifier: str, tmp_path: Path) -> None:
+    text, evidence = _answer(real_llama, models["other_seed"], Backend("cpu", threads=1), tmp_path / "llama.log")
+    for given in (evidence, None):
+        verdict = await _audit(verifier, text, given)
+        assert verdict.outcome == "failed" and verdict.margin_nats < 0, verdict
+        assert verdict.positions_checked <= 2  # it gave up at the first token beyond the tolerance
+
+
+async def test_evidence_that_does_not_match_its_tokens_fails(verifier: str, honest: tuple[str, AnswerEvidence]) -> None:
+    text, evidence = honest
+    # Another commitment than the receipt's.
+    verdict = await _audit(verifier, text, evidence, commitment_of=AnswerEvidence(blocks=evidence.blocks[:1]))
+    assert verdict.outcome == "failed" and "committed" in verdict.reason
+    # Tokens that do not spell the forwarded answer.
+    swapped = evidence.model_copy(deep=True)
+    swapped.blocks[0].tokens[3] = (swapped.blocks[0].tokens[3] + 1) % 128
+    verdict = await _audit(verifier, text, swapped)
+    assert verdict.outcome == "failed" and "spell" in verdict.reason
+    # Values moved by 0.3 nats: the answer is right, its evidence is not the model's.
+    moved = evidence.model_copy(deep=True)
+    moved.blocks[1].top_q[5] = [q + 150 for q in moved.blocks[1].top_q[5]]
+    verdict = await _audit(verifier, text, moved)
+    assert verdict.outcome == "failed" and "log-probability" in verdict.reason, verdict
+
+
+async def test_evidence_made_up_without_the_model_fails(verifier: str, honest: tuple[str, AnswerEvidence]) -> None:
+    text, evidence = honest
+    # A node that runs no model: its tokens spell the answer, and each is claimed certain (logprob 0),
+    # the most a forger without the weights can say.
+    tokens = evidence.tokens
+    fake = AnswerEvidence(blocks=[EvidenceBlock(tokens=tokens[i : i + 32], top_ids=[[t] for t in tokens[i : i + 32]],
+                                                top_q=[[0] for _ in tokens[i : i + 32]]) for i in range(0, len(tokens), 32)])  # fmt: skip
+    verdict = await _audit(verifier, text, fake)
+    assert verdict.outcome == "failed" and verdict.margin_nats < -0.5, verdict
+    # And a made-up answer scored alone.
+    verdict = await _audit(verifier, "zq!zq!zq! made up without any model at all", None)
+    assert verdict.outcome == "failed", verdict
+
+
+async def test_a_verifier_that_is_down_gives_no_verdict(honest: tuple[str, AnswerEvidence]) -> None:
+    from meshnet_gguf.common.ports import free_local_port
+
+    text, evidence = honest
+    verdict = await _audit(f"http://127.0.0.1:{free_local_port()}", text, evidence)
+    assert verdict.outcome == "no_verdict" and verdict.margin_nats == 0, verdict
