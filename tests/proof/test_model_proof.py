@@ -77,7 +77,7 @@ async def test_honest_evidence_from_the_same_weights_on_another_backend_passes(v
     text, evidence = honest
     with_evidence = await _audit(verifier, text, evidence)
     assert with_evidence.outcome == "passed", with_evidence.reason
-    assert with_evidence.positions_checked == TOKENS and with_evidence.margin_nats > 0.05
+    assert with_evidence.positions_checked == TOKENS and with_evidence.margin_nats > 0.2
     text_only = await _audit(verifier, text, None)  # scoring the answer alone
     assert text_only.outcome == "passed", text_only.reason
 
@@ -87,7 +87,6 @@ async def test_another_seed_of_the_same_shape_fails(real_llama: BinaryInfo, mode
     for given in (evidence, None):
         verdict = await _audit(verifier, text, given)
         assert verdict.outcome == "failed" and verdict.margin_nats < 0, verdict
-        assert verdict.positions_checked <= 2  # it gave up at the first token beyond the tolerance
 
 
 async def test_evidence_that_does_not_match_its_tokens_fails(verifier: str, honest: tuple[str, AnswerEvidence]) -> None:
@@ -100,9 +99,9 @@ async def test_evidence_that_does_not_match_its_tokens_fails(verifier: str, hone
     swapped.blocks[0].tokens[3] = (swapped.blocks[0].tokens[3] + 1) % 128
     verdict = await _audit(verifier, text, swapped)
     assert verdict.outcome == "failed" and "spell" in verdict.reason
-    # Values moved by 0.3 nats: the answer is right, its evidence is not the model's.
+    # Values moved by 2 nats: the answer is right, its evidence is not the model's.
     moved = evidence.model_copy(deep=True)
-    moved.blocks[1].top_q[5] = [q + 150 for q in moved.blocks[1].top_q[5]]
+    moved.blocks[1].top_q[5] = [q + 1024 for q in moved.blocks[1].top_q[5]]
     verdict = await _audit(verifier, text, moved)
     assert verdict.outcome == "failed" and "log-probability" in verdict.reason, verdict
 
