@@ -37,13 +37,14 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from support.llama_instance import Backend, llama_instance
 
-from meshnet_gguf.contract.model_proof import AnswerEvidence, EvidenceBlock
+from meshnet_gguf.contract.model_proof import LOGPROB_STEP, AnswerEvidence, EvidenceBlock
 from meshnet_gguf.llama.binary import find_llama_server
 from meshnet_gguf.models.gguf_convert import dequantize_to_f16, requantize
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 from meshnet_gguf.proof.check import check_evidence, check_greedy, sampled_z
 from meshnet_gguf.proof.evidence import evidence_from_token_probs
 from meshnet_gguf.proof.scoring import score_answer
+from meshnet_gguf.proof.tolerance import EVIDENCE_LOGPROB_NATS
 
 TINY_PROMPTS = ["hello world, this is a test of", "The quick brown fox", "0123456789abcdef", "def main():\n    return"]
 TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -96,7 +97,7 @@ async def verify(url: str, prompts: list[list[int]], answers: dict[str, list[dic
                 g, e = check_greedy(scored), check_evidence(scored, evidence)
                 gap = max(gap, max(p.gap() for p in scored.positions))
                 greedy_margin, evidence_margin = min(greedy_margin, g.margin), min(evidence_margin, e.margin)
-                evid = max(evid, e.margin * -1 + 0.1 + 1 / 1024)  # back from the margin: the largest difference
+                evid = max(evid, EVIDENCE_LOGPROB_NATS + LOGPROB_STEP / 2 - e.margin)  # the largest difference
             took = time.monotonic() - t0
             if temperature:
                 rows.append(f"{node:<34} sampled T={temperature}: {n} tokens, z per answer {', '.join(f'{z:+.1f}' for z in zs)}; "

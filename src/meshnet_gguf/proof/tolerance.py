@@ -32,8 +32,9 @@ VERIFIER_TOP_K_FACTOR = 4
 
 # Sampled answers: refuse when the answer's log-likelihood under the claimed model, at the request's
 # temperature, lies this many standard deviations below what the model's own samples score
-# (z-score over the answer's tokens). Honest samples measured within +-3; 6 keeps the false refusal
-# rate under ~1e-9 of a normal tail while another model's samples measured far below.
+# (z-score over the answer's tokens). Measured on 64-token answers at T 0.8: honest +1.7, +1.5; the
+# demo's Q4_0 only -3.2, -1.0. So -6 refuses no honest node (~1e-9 of a normal tail) and, at this
+# length, no near quant either: the test needs far longer answers, or a node's audits pooled.
 SAMPLED_Z_REFUSE = -6.0
 # Below this many tokens the sampled test is not run (the z-score is not yet near normal): no verdict.
 SAMPLED_MIN_TOKENS = 32
