@@ -37,7 +37,11 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from support.llama_instance import Backend, llama_instance
 
-from meshnet_gguf.contract.model_proof import LOGPROB_STEP, AnswerEvidence, EvidenceBlock
+from meshnet_gguf.contract.model_proof import (
+    LOGPROB_STEP,
+    AnswerEvidence,
+    EvidenceBlock,
+)
 from meshnet_gguf.llama.binary import find_llama_server
 from meshnet_gguf.models.gguf_convert import dequantize_to_f16, requantize
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
