@@ -280,12 +280,14 @@ async def test_receipts_must_match_a_route_this_tracker_issued_to_that_node(trac
 
 async def test_least_busy_node_gets_the_next_request(tracker, tmp_path: Path, tiny_gguf: Path) -> None:
     service, url = tracker
-    slow = FakeLlama(tmp_path, FAKE_LLAMA_TOKENS="8", FAKE_LLAMA_TOKEN_DELAY_S="0.25")
+    # The held stream lasts 40 x 0.25 s, far longer than the two requests after it take on a loaded box (with 8
+    # tokens it could end meanwhile, and the busy node be idle again by the second).
+    slow = FakeLlama(tmp_path, FAKE_LLAMA_TOKENS="40", FAKE_LLAMA_TOKEN_DELAY_S="0.25")
     a, b = node(tmp_path, tiny_gguf, slow, tracker, "a"), node(tmp_path, tiny_gguf, slow, tracker, "b")
     try:
         async with a.running(), b.running(), httpx.AsyncClient(timeout=10) as http:
             await wait_until(lambda: _true(len(service.registry.routable(MODEL)) == 2))
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
             async with http.stream("POST", url + "/v1/chat/completions", json=body) as held:
                 held_chunks = held.aiter_raw()  # keep a reference: a dropped iterator closes the stream
                 await held_chunks.__anext__()

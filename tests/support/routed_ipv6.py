@@ -71,7 +71,9 @@ class RoutedSlash64:
         return result[0]
 
     def connect_from(self, sources: list[str], port: int) -> list[socket.socket]:
-        """One connected TCP socket to the host side, port `port`, from each address in `sources` (blocking sockets)."""
+        """A connected TCP socket to the host side, port `port`, from each address in `sources` (blocking sockets);
+        a connection the far side resets before `connect` returns (a relay resetting at accept a network out of
+        tries, on a loaded box) is left out."""
 
         def connect_all() -> list[socket.socket]:
             opened = []
@@ -79,7 +81,11 @@ class RoutedSlash64:
                 sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
                 sock.settimeout(5)
                 sock.bind((source, 0))
-                sock.connect((self.host_address, port))
+                try:
+                    sock.connect((self.host_address, port))
+                except (ConnectionResetError, ConnectionRefusedError):
+                    sock.close()
+                    continue
                 opened.append(sock)
             return opened
 

@@ -37,7 +37,7 @@ function billed(u) {
 // Claimed (the node's own start-up figures) beside measured (what this tracker timed), in tokens/s.
 function speedText(s) {
   if (!s) return "–";
-  const rate = (v) => (v === null || v === undefined ? "?" : v.toFixed(0));
+  const rate = (v) => (v === null || v === undefined ? "–" : v.toFixed(0));
   const claimed = `prefill ${rate(s.claimed_prefill_tokens_per_s)}, decode ${rate(s.claimed_decode_tokens_per_s)}`;
   const measured = s.measured_streams
     ? `prefill ${rate(s.measured_prefill_tokens_per_s)}, decode ${rate(s.measured_decode_tokens_per_s)} over ${s.measured_streams} stream(s)`
