@@ -130,3 +130,11 @@ class AuditVerdict(_ProofWire):
     # How far the answer stayed inside the tolerance (> 0, nats) or fell outside it (< 0).
     margin_nats: float
     positions_checked: int = Field(ge=0)
+
+
+# Where a verifier takes audits, and the header carrying the tracker's signed token for one: claims
+# `iss` (the tracker), `sub` = AUDIT_TOKEN_SUBJECT, `jti` (the audit id), `iat`, `exp` and
+# `body_sha256` of the AuditRequest as sent, so a verifier spends its llama-server only on a tracker's asks.
+AUDIT_PATH = "/v1/proof/audit"
+AUDIT_TOKEN_HEADER = "X-Meshnet-Audit"
+AUDIT_TOKEN_SUBJECT = "audit"

@@ -32,6 +32,8 @@ class NodeEntry:
     routed: int = 0
     # Its claimed and measured speed, for this registration only: a restarted node starts afresh.
     speed: NodeSpeed = field(default_factory=NodeSpeed)
+    # Proof of model (tracker/audits.py): not routed while its registration probe runs or after a failed audit.
+    proof_blocked: bool = False
 
     @property
     def node_id(self) -> str:
@@ -122,6 +124,7 @@ class NodeRegistry:
             and entry.healthy
             and entry.last_seen >= cutoff
             and entry.announcement.full_coverage
+            and not entry.proof_blocked
         ]
 
     def pick(self, model: str, exclude: Collection[str] = (), prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> NodeEntry | None:

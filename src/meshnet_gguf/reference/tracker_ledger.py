@@ -23,6 +23,8 @@ from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCo
 
 TRACKER_LEDGER_FILE = "tracker.sqlite3"
 BUSY_TIMEOUT_S = 10.0
+# The flag reason of a request answered by a node that later failed an audit (proof of model).
+UNPROVEN_REASON = "model_unproven"
 BUSY_TIMEOUT_MS = int(BUSY_TIMEOUT_S * 1000)
 
 _SCHEMA = """
@@ -49,6 +51,11 @@ CREATE TABLE IF NOT EXISTS forwarded (
     flagged           INTEGER NOT NULL DEFAULT 0,
     prompt_ceiling    INTEGER,
     completion_ceiling INTEGER
+);
+-- Why a request was flagged, where a reason other than its own counts applies (`model_unproven`).
+CREATE TABLE IF NOT EXISTS flag_reasons (
+    request_id TEXT PRIMARY KEY,
+    reason     TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS receipts (
     request_id        TEXT PRIMARY KEY,
@@ -214,6 +221,29 @@ class TrackerLedger:
         """True the first time a request is flagged (so a node's flag count counts it once)."""
         changed = await self._run(self._write, "UPDATE forwarded SET flagged = 1 WHERE request_id = ? AND flagged = 0", (request_id,))
         return changed == 1
+
+    async def flag_unproven(self, node_id: str, since: float) -> int:
+        """Flag the node's requests issued since `since` (its last passed audit) as `model_unproven`:
+        they are not billed as the model they claimed. Returns how many were newly flagged."""
+
+        def flag() -> int:
+            with self._lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(
+                    "INSERT OR IGNORE INTO flag_reasons (request_id, reason) SELECT request_id, ? FROM forwarded"
+                    " WHERE node_id = ? AND issued_at >= ?", (UNPROVEN_REASON, node_id, since),
+                )  # fmt: skip
+                changed = self._db.execute(
+                    "UPDATE forwarded SET flagged = 1 WHERE node_id = ? AND issued_at >= ? AND flagged = 0", (node_id, since)
+                ).rowcount
+                self._db.execute("COMMIT")
+                return changed
+
+        return await self._run(flag)
+
+    async def flag_reason(self, request_id: str) -> str | None:
+        rows = await self._run(self._read, "SELECT reason FROM flag_reasons WHERE request_id = ?", (request_id,))
+        return rows[0][0] if rows else None
 
     async def flags_by_node(self) -> dict[str, int]:
         rows = await self._run(self._read, "SELECT node_id, count(*) FROM forwarded WHERE flagged = 1 GROUP BY node_id", ())

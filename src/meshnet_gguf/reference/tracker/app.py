@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -28,6 +29,7 @@ from meshnet_gguf.contract.signing import load_or_create_private_key, public_key
 from meshnet_gguf.reference import tracker_page
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
 from meshnet_gguf.reference.relay_dialer import NodeDialer
+from meshnet_gguf.reference.tracker.audits import Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.enrolment import Enrolment
 from meshnet_gguf.reference.tracker.forwarding import INFERENCE_PATHS, ForwardEndpoint
@@ -61,9 +63,17 @@ class Tracker:
         calls = NodeCalls(self.issuer)
         self.enrolment = Enrolment(config, self.registry, self.ledger, calls, self.reach, self.poll_soon)
         self.receipts = Receipts(self.ledger, calls)
+        # Proof of model: None (nothing drawn, nothing kept, nobody probed) unless a verifier is named.
+        self.auditor = (
+            Auditor(config.verifiers, config.audit_policy, key, self.issuer, self.ledger, self.routes, self._send_to)
+            if config.verifiers else None
+        )  # fmt: skip
+        if self.auditor is not None:
+            self.enrolment.on_registered = self.auditor.registered
         self.forward = ForwardEndpoint(
-            config, self.registry, self.ledger, self.routes, self.reach, self.poll_soon, self.receipts.flag_mismatch
-        )
+            config, self.registry, self.ledger, self.routes, self.reach, self.poll_soon, self.receipts.flag_mismatch,
+            self.auditor,
+        )  # fmt: skip
         self._poll_wake = anyio.Event()
 
     def close(self) -> None:
@@ -107,10 +117,15 @@ class Tracker:
             log.warning("request %s was in flight when this tracker stopped: settled as interrupted, flagged", request_id)
         async with self.reach.running(), anyio.create_task_group() as tg:
             tg.start_soon(self._watch_nodes)
+            if self.auditor is not None:
+                tg.start_soon(self.auditor.run, self.registry)
             try:
                 yield
             finally:
                 tg.cancel_scope.cancel()
+
+    async def _send_to(self, entry: NodeEntry, path: str, headers: dict[str, str], body: bytes) -> Any:
+        return await entry.target.send(self.reach.clients, "POST", path, headers, body)
 
     # --- node liveness -----------------------------------------------------
     def poll_soon(self) -> None:
@@ -166,6 +181,8 @@ class Tracker:
                     "advertised_url": e.announcement.advertised_url,
                     "receipt_flags": flags.get(e.node_id, 0),
                     "speed": e.speed.summary(),
+                    **({} if self.auditor is None else {"audits": self.auditor.record(e.node_id).summary(),
+                                                        "proof_blocked": e.proof_blocked}),  # fmt: skip
                     "announcement": e.announcement.model_dump(exclude={"public_key"}),
                 }
                 for e in self.registry.all()

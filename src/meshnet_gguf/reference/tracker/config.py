@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshnet_gguf.contract.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, MAX_ROUTE_LIFETIME_S, NODE_TTL_HEARTBEATS
 from meshnet_gguf.reference.node_address import AddressPolicy
+from meshnet_gguf.reference.tracker.audits import AuditPolicy
 
 # Half the contract's ceiling: plenty for a request to reach its node, little to replay.
 DEFAULT_ROUTE_LIFETIME_S = 30
@@ -38,6 +39,9 @@ class TrackerConfig:
     forward_total_timeout_s: float = DEFAULT_FORWARD_TOTAL_TIMEOUT_S
     # How https relays are checked [default: the system's CAs]; the relay's host name is always checked.
     relay_tls: ssl.SSLContext | None = None
+    # Proof of model: model id -> the URL of a verifier this tracker trusts for it. Empty: no audits at all.
+    verifiers: dict[str, str] = field(default_factory=dict)
+    audit_policy: AuditPolicy = AuditPolicy()
 
     def __post_init__(self) -> None:
         if not 0 < self.route_lifetime_s <= MAX_ROUTE_LIFETIME_S:

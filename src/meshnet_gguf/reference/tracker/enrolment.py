@@ -82,6 +82,8 @@ class Enrolment:
     ) -> None:  # fmt: skip
         self.config, self.registry, self.ledger = config, registry, ledger
         self.calls, self.reach, self.poll_soon = calls, reach, poll_soon
+        # Told of each registration (proof of model probes a new node); nothing by default.
+        self.on_registered: Callable[[NodeEntry], None] = lambda entry: None
 
     async def register(self, request: Request) -> Response:
         try:
@@ -123,7 +125,8 @@ class Enrolment:
         # that is not registered (closing its tunnels), so it must never see one without the other.
         if isinstance(target, RelayedNodeTarget):
             self.reach.dialer.adopt(target)
-        _, displaced = self.registry.register(announcement, target)  # type: ignore[arg-type]
+        entry, displaced = self.registry.register(announcement, target)  # type: ignore[arg-type]
+        self.on_registered(entry)
         for node_id in displaced:
             log.warning("node %s displaced: %s now answers at its URL with its own key", node_id, announcement.node_id)
         self.poll_soon()

@@ -29,6 +29,7 @@ from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling, reques
 from meshnet_gguf.reference.node_answer import NodeAnswer
 from meshnet_gguf.reference.node_speed import StreamSample
 from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker.audits import AnswerCapture, Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.reach import NodeReach
 from meshnet_gguf.reference.tracker.request_io import error_response, json_object, limited_body
@@ -64,10 +65,11 @@ class ForwardEndpoint:
 
     def __init__(
         self, config: TrackerConfig, registry: NodeRegistry, ledger: TrackerLedger, routes: RouteSigner, reach: NodeReach,
-        poll_soon: Callable[[], None], flag_mismatch: Callable[[str], Awaitable[None]],
+        poll_soon: Callable[[], None], flag_mismatch: Callable[[str], Awaitable[None]], auditor: Auditor | None = None,
     ) -> None:  # fmt: skip
         self.config, self.registry, self.ledger, self.routes, self.reach = config, registry, ledger, routes, reach
         self.poll_soon, self.flag_mismatch = poll_soon, flag_mismatch
+        self.auditor = auditor  # proof of model; None when no verifier is named
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         request = Request(scope, receive)
@@ -97,6 +99,8 @@ class ForwardEndpoint:
             return
         content_type = next((value for name, value in upstream.headers if name.lower() == "content-type"), "")
         meter = ForwardMeter(content_type.startswith("text/event-stream"), payload)
+        # Drawn here, on the tracker, so the node cannot tell an audited answer from another.
+        capture = None if self.auditor is None else self.auditor.draw(node, scope["path"], payload, meter.event_stream)
         route_ceiling = (self.routes.route_max_tokens(scope["path"], payload) or 0) * requested_choices(payload)
         outcome: Outcome = "cancelled"
         delivery = _Delivery()
@@ -115,7 +119,7 @@ class ForwardEndpoint:
                 watcher = asyncio.get_running_loop().create_task(watch_disconnect())
                 try:
                     with anyio.move_on_at(deadline) as forwarding:
-                        outcome = await self._pump(upstream, meter, send, timing, delivery)
+                        outcome = await self._pump(upstream, meter, send, timing, delivery, capture)
                     if forwarding.cancelled_caught:
                         outcome = "timed_out"
                         log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.config.forward_total_timeout_s)
@@ -145,6 +149,8 @@ class ForwardEndpoint:
                     upstream.status, outcome, counts.completion_tokens, completion_ceiling,
                 )  # fmt: skip
                 await self.flag_mismatch(request_id)
+                if capture is not None and outcome == "complete" and upstream.status == 200:
+                    self.auditor.settled(node, scope["path"], body, payload, capture)  # type: ignore[union-attr]
 
     async def _open(
         self, path: str, model: str, payload: dict[str, Any], body: bytes, prompt_tokens: int
@@ -199,11 +205,16 @@ class ForwardEndpoint:
             headers={"retry-after": str(max(1, int(self.config.heartbeat_interval_s)))},
         )
 
-    async def _pump(self, upstream: NodeAnswer, meter: ForwardMeter, send: Any, timing: StreamTiming, delivery: _Delivery) -> Outcome:
+    async def _pump(
+        self, upstream: NodeAnswer, meter: ForwardMeter, send: Any, timing: StreamTiming, delivery: _Delivery,
+        capture: AnswerCapture | None = None,
+    ) -> Outcome:  # fmt: skip
         try:
             async for chunk in upstream.iter_chunks():
                 events = meter.content_events
                 meter.feed(chunk)
+                if capture is not None:
+                    capture.feed(chunk)
                 if meter.content_events != events:
                     timing.tokens(meter.content_events)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

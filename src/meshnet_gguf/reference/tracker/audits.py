@@ -1,0 +1,340 @@
+"""Proof of model, the tracker's side: which settled answers are audited, the queue that sends them
+to a verifier it trusts, the probe a new node passes before its first client, and what a verdict does.
+
+All of it is off unless `TrackerConfig.verifiers` names a verifier for the node's model: then
+- a settled answer (complete, greedy or sampled) is drawn for audit with `secrets.randbelow`, at
+  `AuditPolicy.rate`, or `new_node_rate` for a node's first `new_node_answers`; the node cannot tell
+  which (the draw happens on the tracker, after the answer);
+- one owner task posts each audit to the verifier; a verifier down or a `no_verdict` is retried with
+  backoff and never counts against the node;
+- a newly registered node stays unroutable until `PROBE_PROMPTS` greedy answers, asked through the
+  ordinary route (signed routes, ledger rows), pass;
+- a `failed` verdict makes the node unroutable (`NodeEntry.proof_blocked`) and flags its receipts
+  since its last passed audit (`model_unproven`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import ValidationError
+
+from meshnet_gguf.contract.model_proof import AUDIT_PATH, AUDIT_TOKEN_HEADER, AUDIT_TOKEN_SUBJECT, AuditRequest, AuditVerdict
+from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER
+from meshnet_gguf.contract.signing import body_sha256, encode_token
+from meshnet_gguf.contract.sse import event_data
+from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling, requested_choices
+from meshnet_gguf.reference.registry import NodeEntry
+
+log = logging.getLogger(__name__)
+
+# An answer's text kept for an audit, at most: past it the answer is not audited (its bytes still go by).
+MAX_AUDITED_ANSWER_BYTES = 1024 * 1024
+# llama-server samples at this temperature when a request names none: a request without one is sampled.
+LLAMA_DEFAULT_TEMPERATURE = 0.8
+# A verifier that is down or gives no verdict is asked again after this, doubling up to the cap.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
+# A verifier that answers but cannot score an answer (too short for the sampled test) is asked this
+# many times, then the audit is dropped: it proves nothing either way.
+MAX_NO_VERDICT_ANSWERS = 3
+# Audits waiting for a verifier, at most; past it the oldest is dropped (the node was still drawn at random).
+MAX_QUEUED_AUDITS = 1000
+# How long an audit token lives: one post to the verifier.
+AUDIT_TOKEN_LIFETIME_S = 60
+VERIFIER_TIMEOUT_S = 300.0
+# The registration probe: a few greedy prompts, long enough that another model diverges (tests/proof).
+PROBE_PROMPTS = ("hello world, this is a test of", "Once upon a time, in a land far away,", "The capital of France is")
+PROBE_TOKENS = 32
+PROBE_PATH = "/v1/completions"
+# A node is probed once it is healthy; this bounds how long the probe waits for that.
+PROBE_READY_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class AuditPolicy:
+    """How often settled answers are audited: `rate` of them, `new_node_rate` of a node's first `new_node_answers`."""
+
+    rate: float = 0.03
+    new_node_rate: float = 0.25
+    new_node_answers: int = 50
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rate <= 1 and 0 <= self.new_node_rate <= 1):
+            raise ValueError("audit rates are fractions between 0 and 1")
+
+
+# A draw's resolution: rates are compared with secrets.randbelow(DRAW_SCALE) / DRAW_SCALE.
+DRAW_SCALE = 1_000_000
+
+
+@dataclass
+class NodeAudits:
+    """One node's audit record on this tracker (shown in /v1/nodes)."""
+
+    passed: int = 0
+    failed: int = 0
+    last_verdict: AuditVerdict | None = None
+    answers: int = 0  # settled answers seen, for the new-node rate
+    last_passed_at: float = 0.0  # wall clock; receipts since then are flagged on a failure
+
+    def summary(self) -> dict[str, Any]:
+        last = self.last_verdict
+        return {"passed": self.passed, "failed": self.failed,
+                "last_verdict": None if last is None else {"outcome": last.outcome, "reason": last.reason}}  # fmt: skip
+
+
+class AnswerCapture:
+    """A bounded copy of one drawn answer as it is forwarded; its text once the answer completes."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.overflowed = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.overflowed:
+            return
+        self._size += len(chunk)
+        if self._size > MAX_AUDITED_ANSWER_BYTES:
+            self.overflowed, self._chunks = True, []
+        else:
+            self._chunks.append(chunk)
+
+    def text(self) -> str | None:
+        """The first choice's generated text, or None when it cannot be read back."""
+        if self.overflowed:
+            return None
+        raw = b"".join(self._chunks)
+        try:
+            if not self.stream:
+                return _choice_text(json.loads(raw)["choices"][0], "message")
+            parts: list[str] = []
+            for event in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+                data = event_data(event + b"\n\n")
+                if data is None or data.strip() == b"[DONE]":
+                    continue
+                choices = json.loads(data).get("choices") or []
+                if choices:
+                    parts.append(_choice_text(choices[0], "delta") or "")
+            return "".join(parts)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return None
+
+
+def _choice_text(choice: dict[str, Any], key: str) -> str | None:
+    if "text" in choice:  # /v1/completions
+        return choice["text"]
+    content = (choice.get(key) or {}).get("content")
+    return content if isinstance(content, str) else None
+
+
+def request_temperature(payload: dict[str, Any]) -> float:
+    value = payload.get("temperature")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else LLAMA_DEFAULT_TEMPERATURE
+
+
+@dataclass
+class _Job:
+    node_id: str
+    request: AuditRequest
+    retry_s: float = RETRY_FIRST_S
+    no_verdicts: int = 0
+    done: anyio.Event = field(default_factory=anyio.Event)
+    verdict: AuditVerdict | None = None
+
+
+class Auditor:
+    """Draws, queues and posts audits, probes new nodes, and applies verdicts. `flag_unproven(node_id, since)`
+    flags a node's receipts since a time; `send(entry, path, headers, body)` forwards as the tracker does."""
+
+    def __init__(self, verifiers: dict[str, str], policy: AuditPolicy, key: Ed25519PrivateKey, issuer: str,
+                 ledger: Any, routes: Any, send: Any) -> None:  # fmt: skip
+        self.verifiers, self.policy, self._key, self.issuer = verifiers, policy, key, issuer
+        self.ledger, self.routes, self._send = ledger, routes, send
+        self.records: dict[str, NodeAudits] = {}
+        self._queue: deque[_Job] = deque()
+        self._wake = anyio.Event()
+        self._http: httpx.AsyncClient | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # --- which answers ------------------------------------------------------
+    def verifier_for(self, entry: NodeEntry) -> str | None:
+        return self.verifiers.get(entry.announcement.model_id)
+
+    def record(self, node_id: str) -> NodeAudits:
+        return self.records.setdefault(node_id, NodeAudits())
+
+    def draw(self, entry: NodeEntry, path: str, payload: dict[str, Any], stream: bool) -> AnswerCapture | None:
+        """A capture for this answer when it is drawn for audit; None (nothing kept) otherwise."""
+        if self.verifier_for(entry) is None or path == "/v1/embeddings" or requested_choices(payload) != 1:
+            return None
+        record = self.record(entry.node_id)
+        record.answers += 1
+        rate = self.policy.new_node_rate if record.answers <= self.policy.new_node_answers else self.policy.rate
+        return AnswerCapture(stream) if secrets.randbelow(DRAW_SCALE) < rate * DRAW_SCALE else None
+
+    def settled(self, entry: NodeEntry, path: str, body: bytes, payload: dict[str, Any], capture: AnswerCapture) -> None:
+        """A drawn answer completed: queue its audit (never blocks the forward)."""
+        text = capture.text()
+        if text is None:
+            log.info("audit of an answer from %s skipped: its text could not be read back", entry.node_id)
+            return
+        self._enqueue(entry.node_id, self._request(entry, path, body, text, request_temperature(payload)))
+
+    def _request(self, entry: NodeEntry, path: str, body: bytes, text: str, temperature: float) -> AuditRequest:
+        return AuditRequest(audit_id=f"audit-{uuid.uuid4().hex}", model=entry.announcement.model_id, path=path,
+                            body=body.decode("utf-8", "replace"), answer_text=text, temperature=temperature)  # fmt: skip
+
+    def _enqueue(self, node_id: str, request: AuditRequest) -> _Job:
+        job = _Job(node_id, request)
+        if len(self._queue) >= MAX_QUEUED_AUDITS:
+            dropped = self._queue.popleft()
+            log.warning("audit queue full: audit %s of %s dropped", dropped.request.audit_id, dropped.node_id)
+        self._queue.append(job)
+        self._wake.set()
+        return job
+
+    # --- the owner task -----------------------------------------------------
+    async def run(self, registry: Any) -> None:
+        """Owns the queue and the verifier client; runs while the tracker serves."""
+        self.registry = registry
+        async with httpx.AsyncClient(timeout=VERIFIER_TIMEOUT_S) as http, anyio.create_task_group() as tg:
+            self._http, self._tg = http, tg
+            try:
+                while True:
+                    while not self._queue:
+                        self._wake = anyio.Event()
+                        await self._wake.wait()
+                    job = self._queue.popleft()
+                    verdict = await self._post(job)
+                    if verdict is not None and verdict.outcome == "no_verdict":
+                        job.no_verdicts += 1
+                        if job.no_verdicts >= MAX_NO_VERDICT_ANSWERS:
+                            log.info("audit %s of %s dropped: %s", job.request.audit_id, job.node_id, verdict.reason)
+                            job.verdict = verdict
+                            job.done.set()
+                            continue
+                    if verdict is None or verdict.outcome == "no_verdict":
+                        # Not the node's fault: asked again later, the queue goes on meanwhile.
+                        tg.start_soon(self._retry_later, job)
+                        continue
+                    await self._apply(job.node_id, verdict)
+                    job.verdict = verdict
+                    job.done.set()
+            finally:
+                self._http = self._tg = None
+
+    async def _retry_later(self, job: _Job) -> None:
+        await anyio.sleep(job.retry_s)
+        job.retry_s = min(job.retry_s * 2, RETRY_MAX_S)
+        self._queue.append(job)
+        self._wake.set()
+
+    def _token(self, audit_id: str, body: bytes) -> str:
+        now = int(time.time())
+        claims = {"iss": self.issuer, "sub": AUDIT_TOKEN_SUBJECT, "jti": audit_id, "iat": now,
+                  "exp": now + AUDIT_TOKEN_LIFETIME_S, "body_sha256": body_sha256(body)}  # fmt: skip
+        return encode_token(claims, self._key)
+
+    async def _post(self, job: _Job) -> AuditVerdict | None:
+        url = self.verifiers.get(job.request.model)
+        if url is None or self._http is None:
+            return None
+        body = job.request.model_dump_json().encode()
+        headers = {"content-type": "application/json", AUDIT_TOKEN_HEADER: self._token(job.request.audit_id, body)}
+        try:
+            response = await self._http.post(url.rstrip("/") + AUDIT_PATH, content=body, headers=headers)
+            verdict = AuditVerdict.model_validate_json(response.content) if response.status_code == 200 else None
+        except (httpx.HTTPError, ValidationError) as exc:
+            log.warning("verifier %s did not answer audit %s (%s); retried in %.0f s", url, job.request.audit_id, exc, job.retry_s)
+            return None
+        if verdict is None or verdict.audit_id != job.request.audit_id:
+            log.warning("verifier %s answered audit %s with %s; retried", url, job.request.audit_id, response.status_code)
+            return None
+        return verdict
+
+    async def _apply(self, node_id: str, verdict: AuditVerdict) -> None:
+        record = self.record(node_id)
+        record.last_verdict = verdict
+        if verdict.outcome == "passed":
+            record.passed += 1
+            record.last_passed_at = time.time()
+            return
+        record.failed += 1
+        entry = self.registry.get(node_id)
+        if entry is not None:
+            entry.proof_blocked = True
+        flagged = await self.ledger.flag_unproven(node_id, record.last_passed_at)
+        log.warning("node %s failed an audit (%s): no longer routed, %d receipts since its last passed audit flagged",
+                    node_id, verdict.reason, flagged)  # fmt: skip
+
+    # --- registration probe -------------------------------------------------
+    def registered(self, entry: NodeEntry) -> None:
+        """A node (re)registered: with a verifier for its model, unroutable until its probe passes."""
+        if self.verifier_for(entry) is None or self._tg is None:
+            return
+        entry.proof_blocked = True
+        self._tg.start_soon(self._probe, entry)
+
+    async def _probe(self, entry: NodeEntry) -> None:
+        announcement = entry.announcement
+        while not entry.healthy:
+            if self.registry.get(entry.node_id) is not entry or entry.announcement is not announcement:
+                return  # gone, or registered again (that registration has its own probe)
+            await anyio.sleep(PROBE_READY_POLL_S)
+        jobs = []
+        for prompt in PROBE_PROMPTS:
+            payload = {"model": announcement.model_id, "prompt": prompt, "max_tokens": PROBE_TOKENS, "temperature": 0}
+            body = json.dumps(payload).encode()
+            text = await self._probe_answer(entry, payload, body)
+            if text is None:
+                log.warning("probe of %s got no answer; it stays unroutable until it registers again", entry.node_id)
+                return
+            jobs.append(self._enqueue(entry.node_id, self._request(entry, PROBE_PATH, body, text, 0.0)))
+        for job in jobs:
+            await job.done.wait()
+        # A node that ever failed an audit on this tracker stays refused, whatever a later probe says:
+        # otherwise it would register again, pass the probe honestly, and switch back.
+        passed = all(job.verdict is not None and job.verdict.outcome == "passed" for job in jobs)
+        if passed and self.record(entry.node_id).failed == 0 and entry.announcement is announcement:
+            entry.proof_blocked = False
+            log.info("node %s passed its registration probe: routable", entry.node_id)
+
+    async def _probe_answer(self, entry: NodeEntry, payload: dict[str, Any], body: bytes) -> str | None:
+        """One greedy answer asked the way a client's is routed: a signed route and a ledger row."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        max_tokens = self.routes.route_max_tokens(PROBE_PATH, payload)
+        token = self.routes.sign_route(entry, request_id, PROBE_PATH, payload["model"], body, max_tokens)
+        written = self.ledger.open_request_soon(request_id, entry.node_id, entry.announcement.model_id, PROBE_PATH, False,
+                                                max_tokens=max_tokens, choices=1, body_bytes=len(body), prompt_ceiling=prompt_ceiling(payload))  # fmt: skip
+        headers = {"content-type": "application/json", "accept-encoding": "identity", ROUTE_HEADER: token,
+                   REQUEST_ID_HEADER: request_id, "x-request-id": request_id}  # fmt: skip
+        capture, meter, status = AnswerCapture(stream=False), ForwardMeter(False, payload), None
+        try:
+            await written
+            upstream = await self._send(entry, PROBE_PATH, headers, body)
+            status = upstream.status
+            try:
+                async for chunk in upstream.iter_chunks():
+                    meter.feed(chunk)
+                    capture.feed(chunk)
+            finally:
+                await upstream.aclose()
+        except Exception as exc:  # the node's fault or the network's: the probe gives up, the node stays unroutable
+            log.warning("probe request to %s failed: %s", entry.node_id, exc)
+        outcome = "complete" if status == 200 else "upstream_error"
+        await self.ledger.finish_request(request_id, status, outcome, meter.counted(),
+                                         completion_ceiling=meter.completion_ceiling(max_tokens or 0))  # fmt: skip
+        return capture.text() if status == 200 else None
