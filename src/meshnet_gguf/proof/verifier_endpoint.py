@@ -26,7 +26,7 @@ CLOCK_SKEW_S = 30
 
 
 class AuditEndpoint:
-    """Starlette endpoint; `llama_url` is the verifier's own llama-server running the claimed model."""
+    """`handle` is the Starlette endpoint; `llama_url` is the verifier's own llama-server running the claimed model."""
 
     def __init__(self, llama_url: str, tracker_public_key: str) -> None:
         key = parse_public_key(tracker_public_key)
@@ -53,7 +53,7 @@ class AuditEndpoint:
             return "the audit token was signed for another body"
         return None
 
-    async def __call__(self, request: Request) -> Response:
+    async def handle(self, request: Request) -> Response:
         body = await request.body()
         if len(body) > MAX_AUDIT_BODY_BYTES:
             return JSONResponse({"error": "audit body too large"}, 413)

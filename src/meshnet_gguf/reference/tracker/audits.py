@@ -99,6 +99,8 @@ class AnswerCapture:
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
+        # Taken when the route was issued: a failure flags every answer from then on, this one included.
+        self.issued_at = time.time()
         self._chunks: list[bytes] = []
         self._size = 0
         self.overflowed = False
@@ -149,6 +151,7 @@ def request_temperature(payload: dict[str, Any]) -> float:
 class _Job:
     node_id: str
     request: AuditRequest
+    issued_at: float  # when the audited answer's route was issued
     retry_s: float = RETRY_FIRST_S
     no_verdicts: int = 0
     done: anyio.Event = field(default_factory=anyio.Event)
@@ -165,6 +168,7 @@ class Auditor:
         self.ledger, self.routes, self._send = ledger, routes, send
         self.records: dict[str, NodeAudits] = {}
         self._queue: deque[_Job] = deque()
+        self.outstanding = 0  # audits queued or waiting for a retry, not yet decided or dropped
         self._wake = anyio.Event()
         self._http: httpx.AsyncClient | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -191,18 +195,20 @@ class Auditor:
         if text is None:
             log.info("audit of an answer from %s skipped: its text could not be read back", entry.node_id)
             return
-        self._enqueue(entry.node_id, self._request(entry, path, body, text, request_temperature(payload)))
+        self._enqueue(entry.node_id, self._request(entry, path, body, text, request_temperature(payload)), capture.issued_at)
 
     def _request(self, entry: NodeEntry, path: str, body: bytes, text: str, temperature: float) -> AuditRequest:
         return AuditRequest(audit_id=f"audit-{uuid.uuid4().hex}", model=entry.announcement.model_id, path=path,
                             body=body.decode("utf-8", "replace"), answer_text=text, temperature=temperature)  # fmt: skip
 
-    def _enqueue(self, node_id: str, request: AuditRequest) -> _Job:
-        job = _Job(node_id, request)
+    def _enqueue(self, node_id: str, request: AuditRequest, issued_at: float) -> _Job:
+        job = _Job(node_id, request, issued_at)
         if len(self._queue) >= MAX_QUEUED_AUDITS:
             dropped = self._queue.popleft()
+            self.outstanding -= 1
             log.warning("audit queue full: audit %s of %s dropped", dropped.request.audit_id, dropped.node_id)
         self._queue.append(job)
+        self.outstanding += 1
         self._wake.set()
         return job
 
@@ -225,14 +231,16 @@ class Auditor:
                             log.info("audit %s of %s dropped: %s", job.request.audit_id, job.node_id, verdict.reason)
                             job.verdict = verdict
                             job.done.set()
+                            self.outstanding -= 1
                             continue
                     if verdict is None or verdict.outcome == "no_verdict":
                         # Not the node's fault: asked again later, the queue goes on meanwhile.
                         tg.start_soon(self._retry_later, job)
                         continue
-                    await self._apply(job.node_id, verdict)
+                    await self._apply(job, verdict)
                     job.verdict = verdict
                     job.done.set()
+                    self.outstanding -= 1
             finally:
                 self._http = self._tg = None
 
@@ -265,12 +273,14 @@ class Auditor:
             return None
         return verdict
 
-    async def _apply(self, node_id: str, verdict: AuditVerdict) -> None:
+    async def _apply(self, job: _Job, verdict: AuditVerdict) -> None:
+        node_id = job.node_id
         record = self.record(node_id)
         record.last_verdict = verdict
         if verdict.outcome == "passed":
             record.passed += 1
-            record.last_passed_at = time.time()
+            # The answer's issue time, not the verdict's: answers issued after it are not proven by it.
+            record.last_passed_at = max(record.last_passed_at, job.issued_at)
             return
         record.failed += 1
         entry = self.registry.get(node_id)
@@ -298,11 +308,12 @@ class Auditor:
         for prompt in PROBE_PROMPTS:
             payload = {"model": announcement.model_id, "prompt": prompt, "max_tokens": PROBE_TOKENS, "temperature": 0}
             body = json.dumps(payload).encode()
+            issued_at = time.time()
             text = await self._probe_answer(entry, payload, body)
             if text is None:
                 log.warning("probe of %s got no answer; it stays unroutable until it registers again", entry.node_id)
                 return
-            jobs.append(self._enqueue(entry.node_id, self._request(entry, PROBE_PATH, body, text, 0.0)))
+            jobs.append(self._enqueue(entry.node_id, self._request(entry, PROBE_PATH, body, text, 0.0), issued_at))
         for job in jobs:
             await job.done.wait()
         # A node that ever failed an audit on this tracker stays refused, whatever a later probe says:

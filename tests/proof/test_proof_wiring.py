@@ -1,0 +1,155 @@
+"""Proof of model wired into the tracker, on the real llama-server with generated models: a node that
+serves another model than it announces is caught at registration; one that switches after it passed
+is caught at its next audited answer (rate 1.0 here) and its receipts since its last pass flagged; an
+honest node is never refused; a verifier that is down only delays a new node's first route."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
+from support.llama_instance import Backend, llama_instance
+from support.loopback import serve_asgi
+from support.mesh_node import MODEL, MeshNode
+from support.mesh_tracker import SECRET, start_tracker, tracker_key, wait_until
+
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.model_proof import AUDIT_PATH, AUDIT_TOKEN_HEADER
+from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
+from meshnet_gguf.proof.verifier_endpoint import AuditEndpoint
+from meshnet_gguf.reference.tracker.audits import PROBE_PROMPTS, AuditPolicy
+
+pytestmark = pytest.mark.anyio
+
+SHAPE = TinyModelSpec(n_layers=4, n_embd=256, n_head=8, n_head_kv=4, n_ff=512)
+EVERY_ANSWER = AuditPolicy(rate=1.0, new_node_rate=1.0)
+# Honest answers audited in the switch test before the switch (M in docs/protocol.md): none refused.
+HONEST_RUNS = 6
+PROMPTS = ["The quick brown fox", "In the beginning there was", "My favourite food is", "Tell me about the sea"]
+
+
+class SwitchableLlama:
+    """The llama-server a node forwards to; the test may point it at another one (a node switching models)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+@pytest.fixture(scope="module")
+def llamas(real_llama: BinaryInfo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("wiring")
+    claimed = write_tiny_model(folder / "claimed.gguf", SHAPE)
+    other = write_tiny_model(folder / "other.gguf", TinyModelSpec(**{**SHAPE.__dict__, "seed": 1}))
+    cpu = Backend("cpu", threads=1, batch=512)
+    with llama_instance(real_llama, claimed, Backend("cpu", threads=2, batch=32), folder / "v.log") as verifier, \
+            llama_instance(real_llama, claimed, cpu, folder / "h.log") as honest, \
+            llama_instance(real_llama, other, cpu, folder / "o.log") as impostor:  # fmt: skip
+        yield {"gguf": claimed, "verifier": verifier, "honest": honest, "other": impostor}
+
+
+@asynccontextmanager
+async def verifier_at(port: int, llama_url: str, key: str) -> AsyncIterator[None]:
+    endpoint = AuditEndpoint(llama_url, key)
+    async with serve_asgi(Starlette(routes=[Route(AUDIT_PATH, endpoint.handle, methods=["POST"])]), port):
+        yield
+    await endpoint.aclose()
+
+
+@asynccontextmanager
+async def mesh(tmp_path: Path, llamas: dict[str, Any], serving: str, *, verifier_up: bool = True) -> AsyncIterator[tuple[Any, str, MeshNode, SwitchableLlama]]:
+    key = tracker_key(tmp_path / "tracker")
+    port = free_local_port()
+    async with start_tracker(tmp_path, verifiers={MODEL: f"http://127.0.0.1:{port}"}, audit_policy=EVERY_ANSWER) as (tracker, url):
+        llama = SwitchableLlama(llamas[serving])
+        node = MeshNode(tmp_path / "node", llamas["gguf"], llama, tracker_url=url, tracker_key=key, enrolment_secret=SECRET)
+        if verifier_up:
+            async with verifier_at(port, llamas["verifier"], key), node.running():
+                yield tracker, url, node, llama
+        else:
+            async with node.running():
+                yield tracker, url, node, llama
+
+
+def _audits(tracker: Any, node: MeshNode) -> Any:
+    return tracker.auditor.record(node.node_id)
+
+
+async def _ask(http: httpx.AsyncClient, url: str, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, **extra}
+    return await http.post(url + "/v1/completions", json=body, timeout=120)
+
+
+async def test_a_node_serving_another_model_is_caught_at_registration(tmp_path: Path, llamas: dict[str, Any]) -> None:
+    async with mesh(tmp_path, llamas, "other") as (tracker, url, node, _), httpx.AsyncClient() as http:
+        await wait_until(lambda: _async(_audits(tracker, node).failed > 0), timeout=60)
+        entry = tracker.registry.get(node.node_id)
+        assert entry.proof_blocked and entry.healthy
+        refused = await _ask(http, url, "hello")
+        assert refused.status_code == 503, refused.text  # never routed a client
+        listed = (await http.get(url + "/v1/nodes")).json()[0]
+        assert listed["audits"]["failed"] >= 1 and listed["audits"]["last_verdict"]["outcome"] == "failed"
+
+
+async def test_an_honest_node_passes_and_one_that_switches_is_caught_at_its_next_audited_answer(
+    tmp_path: Path, llamas: dict[str, Any]
+) -> None:
+    async with mesh(tmp_path, llamas, "honest") as (tracker, url, node, llama), httpx.AsyncClient() as http:
+        record = _audits(tracker, node)
+        await wait_until(lambda: _async(_routed(tracker, node)), timeout=60)
+        for i in range(HONEST_RUNS):  # greedy and sampled, chat and completions: none refused
+            sampled = {"temperature": 0.8, "max_tokens": 48} if i % 2 else {}
+            answer = await _ask(http, url, PROMPTS[i % len(PROMPTS)], **sampled)
+            assert answer.status_code == 200, answer.text
+        await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=60)
+        assert record.failed == 0 and record.passed >= len(PROBE_PROMPTS) + HONEST_RUNS // 2  # sampled ones may be too short
+        llama.url = llamas["other"]  # the node switches its weights under the same identity
+        switched = await _ask(http, url, "Once upon a time")
+        assert switched.status_code == 200  # the audit comes after the answer: the client got it
+        await wait_until(lambda: _async(record.failed == 1), timeout=60)  # N = 1 audited answer
+        assert (await _ask(http, url, "hello")).status_code == 503  # no longer routed
+        usage = (await http.get(url + "/v1/usage?limit=100")).json()
+        flagged = [u for u in usage if u["flagged"]]
+        assert len(flagged) == 1 and await tracker.ledger.flag_reason(flagged[0]["request_id"]) == "model_unproven"
+
+
+async def test_a_verifier_that_is_down_delays_a_new_node_and_never_refuses_it(tmp_path: Path, llamas: dict[str, Any]) -> None:
+    key = tracker_key(tmp_path / "tracker")
+    port = free_local_port()
+    async with start_tracker(tmp_path, verifiers={MODEL: f"http://127.0.0.1:{port}"}, audit_policy=EVERY_ANSWER) as (tracker, url):
+        node = MeshNode(tmp_path / "node", llamas["gguf"], SwitchableLlama(llamas["honest"]), tracker_url=url,
+                        tracker_key=key, enrolment_secret=SECRET)  # fmt: skip
+        async with node.running(), httpx.AsyncClient() as http:
+            await wait_until(lambda: _async(tracker.registry.get(node.node_id) is not None
+                                            and tracker.registry.get(node.node_id).healthy), timeout=30)  # fmt: skip
+            await anyio.sleep(2)  # the probe's audits are retried meanwhile
+            assert tracker.registry.get(node.node_id).proof_blocked and _audits(tracker, node).failed == 0
+            async with verifier_at(port, llamas["verifier"], key):
+                await wait_until(lambda: _async(_routed(tracker, node)), timeout=60)
+                assert (await _ask(http, url, "hello")).status_code == 200
+            assert _audits(tracker, node).failed == 0
+
+
+async def test_the_verifier_refuses_an_audit_not_signed_by_its_tracker(tmp_path: Path, llamas: dict[str, Any]) -> None:
+    port = free_local_port()
+    async with verifier_at(port, llamas["verifier"], tracker_key(tmp_path / "tracker")), httpx.AsyncClient() as http:
+        body = b'{"audit_id": "x", "model": "tiny", "path": "/v1/completions", "body": "{}", "answer_text": "hi"}'
+        for token in (None, "not.a.token"):
+            headers = {} if token is None else {AUDIT_TOKEN_HEADER: token}
+            assert (await http.post(f"http://127.0.0.1:{port}{AUDIT_PATH}", content=body, headers=headers)).status_code == 401
+
+
+def _routed(tracker: Any, node: MeshNode) -> bool:
+    entry = tracker.registry.get(node.node_id)
+    return entry is not None and entry.healthy and not entry.proof_blocked
+
+
+async def _async(value: bool) -> bool:
+    return value
