@@ -42,6 +42,11 @@ def tracker(
     allow_private: Annotated[bool, typer.Option(help="Accept nodes advertising private (LAN) addresses")] = False,
     heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = 10.0,  # protocol.DEFAULT_HEARTBEAT_INTERVAL_S; a literal so --help need not import pydantic (tests/cli/test_cli_startup.py checks they match)
     health_poll_interval: Annotated[Optional[float], typer.Option(help="Seconds between health polls of each node [default: 5]")] = None,
+    verifier: Annotated[
+        Optional[list[str]],
+        typer.Option(help="MODEL=URL: a verifier node this tracker trusts to audit answers of MODEL (repeatable; none: no audits)"),
+    ] = None,
+    audit_rate: Annotated[float, typer.Option(help="Fraction of settled answers audited (new nodes: 0.25 of their first 50)")] = 0.03,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
 ) -> None:
     """Run the reference tracker.
@@ -59,7 +64,14 @@ def tracker(
     from meshnet_gguf.reference.tracker.request_io import MAX_REQUEST_HEADER_BYTES
 
     _configure_logging(log_level)
-    extra = {} if health_poll_interval is None else {"health_poll_interval_s": health_poll_interval}
+    extra: dict[str, object] = {} if health_poll_interval is None else {"health_poll_interval_s": health_poll_interval}
+    if verifier:
+        from meshnet_gguf.reference.tracker.audits import AuditPolicy
+
+        named = [item.split("=", 1) for item in verifier]
+        if any(len(pair) != 2 or not all(pair) for pair in named):
+            raise typer.BadParameter("--verifier takes MODEL=URL")
+        extra.update(verifiers=dict(named), audit_policy=AuditPolicy(rate=audit_rate))  # type: ignore[arg-type]
     state = state_dir or default_state_dir() / "tracker"
     secret_path = state / ENROLMENT_SECRET_FILE
     generated_now = not open_enrolment and not enrolment_secret and not secret_path.exists()
