@@ -122,13 +122,15 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         return UpstreamTarget(base_url=supervisor.base_url, api_key=supervisor.api_key)
 
     upstream_client = make_upstream_client(settings.upstream_client, settings.parallel)
-    relay = _relay_link(settings, identity) if settings.relay_url and identity else None
+    # One tunnel per relay, each its own part: with two, the tracker moves to the other when one fails (protocol 9.7).
+    relays = _relay_links(settings, identity) if settings.relay_url and identity else []
+    is_relayed = _relayed_through(relays) if relays else None
     # One counter of prompts, for the proxy's requests and, meshed, for a prompt the previous run died
     # before counting (its body kept in the ledger).
     prompt_counter = PromptCounter(upstream_client, settings.retry_after_s)
     count_prompt = stored_prompt_counter(upstream, prompt_counter)
     tracker_link = (
-        _tracker_link(launch, identity, health, relay.attachment() if relay else None, count_prompt)
+        _tracker_link(launch, identity, health, [link.attachment() for link in relays], count_prompt)
         if settings.tracker and identity
         else None
     )
@@ -155,8 +157,8 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         llama_metrics=llama_metrics if LLAMA_METRICS_FLAG in launch.child.args else None,
     )
     metrics.count_download_bytes(launch.downloaded_bytes)
-    if relay is not None:
-        metrics.registry.register(_relay_metrics(relay))
+    if relays:
+        metrics.registry.register(_relay_metrics(relays))
 
     proxy = build_proxy(
         settings,
@@ -177,7 +179,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         on_rejected=metrics.count_request,
     )
     # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
-    guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=relay.is_relayed if relay else None, operator_key=settings.metrics_key)
+    guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=is_relayed, operator_key=settings.metrics_key)
     # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the
     # tracker's), and only where llama-server has its web UI (a build without npm has none).
     features = launch.features
@@ -191,7 +193,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         ),  # fmt: skip
         access=PageAccess(
             api_key=settings.api_key, meshed=tracker_link is not None, remote=settings.status_page_remote,
-            host_names=(settings.host, *settings.allowed_hosts), relayed=relay.is_relayed if relay else None,
+            host_names=(settings.host, *settings.allowed_hosts), relayed=is_relayed,
         ),  # fmt: skip
         chat=ChatUi(upstream, upstream_client) if chat else None,
     )
@@ -206,7 +208,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         # error event), then the listener, the tracker link's last receipts, the relay tunnel, systemd,
         # and last the state dir's lock, so a second node cannot start while this one still stops.
         parts=[
-            supervisor, http, *([tracker_link] if tracker_link else []), *([relay] if relay else []), *([pool] if pool else []),
+            supervisor, http, *([tracker_link] if tracker_link else []), *relays, *([pool] if pool else []),
             operations, *([journal] if journal else []), model_files, state_lock,
         ],  # fmt: skip
         supervisor=supervisor,
@@ -315,7 +317,7 @@ def _tracker_link(
     launch: PreparedLaunch,
     identity: NodeIdentity,
     health: Callable[[], HealthReport],
-    relay_attachment: RelayAttachment | None,
+    relay_attachments: Sequence[RelayAttachment],
     count_prompt: Callable[[str, bytes], Awaitable[int]],
 ) -> TrackerLink:
     """With a tracker: signed routes in front of the proxy, receipts behind it, presence beside it."""
@@ -339,7 +341,7 @@ def _tracker_link(
         return shard_digests(layout.shards, known, settings.state_dir), hardware_summary(report)
 
     try:
-        return build_tracker_link(settings, identity, served, health, describe, relay_attachment, count_prompt)
+        return build_tracker_link(settings, identity, served, health, describe, relay_attachments, count_prompt)
     except MeshSetupError as exc:
         raise NodeSetupError(str(exc)) from exc
 
@@ -350,7 +352,7 @@ def build_tracker_link(
     model: ServedModel,
     health: Callable[[], HealthReport],
     describe: DescribeModel,
-    relay_attachment: RelayAttachment | None = None,
+    relay_attachments: Sequence[RelayAttachment] = (),
     count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
 ) -> TrackerLink:
     """The tracker link and every part it runs: the one place a node opens its ledger.
@@ -380,27 +382,35 @@ def build_tracker_link(
     return TrackerLink(
         settings=settings, model=model, identity=identity, ledger=ledger, client=client, reporter=reporter,
         usage_sink=usage_sink, route_gate=route_gate, admission_mode=mode, health=health, describe=describe,
-        left_uncounted=left_uncounted, count_prompt=count_prompt, relay_attachment=relay_attachment,
+        left_uncounted=left_uncounted, count_prompt=count_prompt, relay_attachments=relay_attachments,
     )  # fmt: skip
 
 
-def _relay_link(settings: NodeSettings, identity: NodeIdentity) -> RelayLink:
-    """With a relay: an outbound tunnel brings the tracker's requests to this node's own listener."""
+def _relay_links(settings: NodeSettings, identity: NodeIdentity) -> list[RelayLink]:
+    """With relays: an outbound tunnel to each brings the tracker's requests to this node's own listener."""
+    from meshnet_gguf.contract.protocol import MAX_NODE_RELAYS
     from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
 
-    assert settings.relay_url is not None
+    if len(settings.relay_url) > MAX_NODE_RELAYS:
+        raise NodeSetupError(f"--relay: {len(settings.relay_url)} relays named; a node announces at most {MAX_NODE_RELAYS}")
     try:
-        return build_relay_link(
-            settings.relay_url, identity, settings.state_dir, local_address_for(settings.host, settings.port)
-        )
+        return [
+            build_relay_link(url, identity, settings.state_dir, local_address_for(settings.host, settings.port))
+            for url in settings.relay_url
+        ]
     except ValueError as exc:
         raise NodeSetupError(f"--relay: {exc}") from exc
 
 
-def _relay_metrics(relay: RelayLink) -> Collector:
+def _relayed_through(relays: Sequence[RelayLink]) -> Callable[[tuple[str, int]], bool]:
+    """Whether a connection to the node's listener carries a stream from any of its relays."""
+    return lambda peer: any(link.is_relayed(peer) for link in relays)
+
+
+def _relay_metrics(relays: Sequence[RelayLink]) -> Collector:
     from meshnet_gguf.ops.relay_health import RelayLinkCollector
 
-    return RelayLinkCollector(relay)
+    return RelayLinkCollector(relays)
 
 
 def hold_state_dir(settings: NodeSettings) -> StateDirLock:

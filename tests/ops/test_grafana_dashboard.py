@@ -32,7 +32,7 @@ async def _exported_names() -> set[str]:
         info=lambda: {"version": "0.1.0", "model": "tiny", "llama_build": "b1"},
     )  # fmt: skip
     link: Any = SimpleNamespace(link_health=lambda: RelayLinkHealth(url="http://relay:8001", state="attached"))
-    metrics.registry.register(RelayLinkCollector(link))
+    metrics.registry.register(RelayLinkCollector([link]))
     metrics.count_request("/v1/chat/completions", 200)
     metrics.count_download_bytes(1024)
     await metrics.record(

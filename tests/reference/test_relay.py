@@ -287,6 +287,7 @@ async def test_a_tampering_relay_gets_the_request_refused_not_changed(tmp_path: 
 # --- what operators see ------------------------------------------------------------------------------
 
 from prometheus_client import CollectorRegistry, generate_latest
+from pydantic import ValidationError
 
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport
@@ -301,7 +302,7 @@ async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:
         report = m.link.health(HealthReport(state="ready"))
         assert report.relay is not None and report.relay.state == "attached" and report.relay.connects == 1
         registry = CollectorRegistry()
-        registry.register(RelayLinkCollector(m.link))
+        registry.register(RelayLinkCollector([m.link]))
         text = generate_latest(registry).decode()
         assert f'meshnet_relay_attached{{relay="{m.relay_url}"}} 1.0' in text
         assert "meshnet_relay_idle_work_connections" in text
@@ -315,6 +316,10 @@ async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:
         assert other[0].status == "ok" and "no tunnel now" in other[0].summary
         assert not (tmp_path / "other" / NODE_KEY_FILE).exists()  # doctor only reads: it never creates a key
         assert m.relay.tunnels[m.identity.node_id] is not None  # the probe left the node's tunnel alone
+        # Two relays (protocol 9.7): each is checked, so the one that fails is named while the other works.
+        gone = f"http://127.0.0.1:{free_local_port()}"
+        both = await anyio.to_thread.run_sync(doctor, NodeSettings(relay_url=[m.relay_url, gone], state_dir=tmp_path / "node"))
+        assert [f.status for f in both] == ["ok", "fail"] and gone in both[1].summary
     dead = await anyio.to_thread.run_sync(doctor, NodeSettings(relay_url=f"http://127.0.0.1:{free_local_port()}", state_dir=tmp_path / "x"))
     assert dead[0].status == "fail"
     assert (await anyio.to_thread.run_sync(doctor, NodeSettings(state_dir=tmp_path / "x")))[0].status == "skip"
@@ -340,14 +345,23 @@ async def test_garbage_on_a_live_control_connection_drops_only_that_tunnel(tmp_p
 def test_the_relay_url_comes_from_flag_env_or_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from meshnet_gguf.cli.serve import settings_from_flags
 
-    assert settings_from_flags(relay_url="http://flag:1").relay_url == "http://flag:1"
+    # One relay as before; two (protocol 9.7) as the flag repeated, a comma-separated variable or a TOML list.
+    assert settings_from_flags(relay_url=["http://flag:1"]).relay_url == ["http://flag:1"]
+    assert settings_from_flags(relay_url=["http://flag:1", "http://flag:2"]).relay_url == ["http://flag:1", "http://flag:2"]
     monkeypatch.setenv("MESHNET_RELAY_URL", "http://env:2")
-    assert NodeSettings().relay_url == "http://env:2"
+    assert NodeSettings().relay_url == ["http://env:2"]
+    monkeypatch.setenv("MESHNET_RELAY_URL", "http://env:2, http://env:3")
+    assert NodeSettings().relay_url == ["http://env:2", "http://env:3"]
     monkeypatch.delenv("MESHNET_RELAY_URL")
     config = tmp_path / "node.toml"
     config.write_text('relay_url = "http://file:3"\n')
     monkeypatch.setenv("MESHNET_CONFIG", str(config))
-    assert NodeSettings().relay_url == "http://file:3"
+    assert NodeSettings().relay_url == ["http://file:3"]
+    config.write_text('relay_url = ["http://file:3", "http://file:4"]\n')
+    assert NodeSettings().relay_url == ["http://file:3", "http://file:4"]
+    # A relay keeps one tunnel per node: the same relay twice would have the two replace each other for ever.
+    with pytest.raises(ValidationError, match="named twice"):
+        settings_from_flags(relay_url=["http://flag:1", "http://FLAG:1/"])
 
 
 async def test_a_connect_that_never_starts_tls_releases_the_nodes_connection(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from meshnet_gguf.contract.protocol import NodeAnnouncement, RelayAttachment
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.reference.node_address import AddressPolicy, pin_node_url
 from meshnet_gguf.reference.relay_dialer import ConnectRefused, NodeDialer, RelayedNodeTarget, RelayTunnel
+from meshnet_gguf.reference.relay_failover import RelayOrder
 from support.relay_harness import Mesh, mesh, reading_relay, tampering_relay
 
 pytestmark = pytest.mark.anyio
@@ -86,7 +87,7 @@ async def test_a_tunnel_to_a_node_showing_another_certificate_is_refused_before_
         impostor = Ed25519PrivateKey.generate()
         relay = await pin_node_url(m.relay_url, AddressPolicy(allow_loopback=True))
         wrong = pinned_client_context(node_certificate(impostor), impostor.public_key())
-        client = Http1Client(4, peer="node", open_connection=RelayTunnel(relay, m.identity.node_id, lambda *_: OPEN_RELAY, wrong, wrong))
+        client = Http1Client(4, peer="node", open_connection=RelayTunnel(RelayOrder([relay]), m.identity.node_id, lambda *_: OPEN_RELAY, wrong, wrong))
         with pytest.raises(HttpConnectError, match="(?i)certificate"):
             await client.send("POST", f"https://{m.identity.node_id}{CHAT}", {}, b'{"n": 1, "prompt": "%s"}' % SECRET_PROMPT.encode())
         assert m.app.bodies == []  # the node's server never got a request
@@ -146,7 +147,7 @@ async def test_a_relay_that_refuses_or_misspeaks_is_a_connect_error(answer: byte
     relay = await pin_node_url(f"http://127.0.0.1:{port}", AddressPolicy(allow_loopback=True))
     node = NodeIdentity.from_private_key(Ed25519PrivateKey.generate())
     pinned = pinned_client_context(node_certificate(node.private_key), node.private_key.public_key())
-    tunnel = RelayTunnel(relay, node.node_id, lambda relay_url, node_id: "token-for-" + node_id, pinned, pinned)
+    tunnel = RelayTunnel(RelayOrder([relay]), node.node_id, lambda relay_url, node_id: "token-for-" + node_id, pinned, pinned)
     client = Http1Client(1, peer="node", open_connection=tunnel, connect_timeout_s=0.5)
     try:
         with anyio.fail_after(5), pytest.raises(HttpConnectError, match=why) as refused:

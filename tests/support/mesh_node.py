@@ -88,7 +88,7 @@ def tracker_link(
     def describe() -> tuple[list[ShardDigest], None]:
         return shard_digests(layout.shards, [], settings.state_dir), None
 
-    return build_tracker_link(settings, identity, served, health, describe, relay.attachment() if relay else None)
+    return build_tracker_link(settings, identity, served, health, describe, [relay.attachment()] if relay else [])
 
 
 class MeshNode:

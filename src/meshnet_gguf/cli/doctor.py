@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary to check")] = None,
         download_dir: Annotated[Optional[Path], typer.Option(help="Where GGUF files are downloaded")] = None,
         tracker: Annotated[Optional[str], typer.Option(help="Tracker URL to compare clocks with")] = None,
-        relay: Annotated[Optional[str], typer.Option("--relay", help="Relay URL to attach a test work connection to")] = None,
+        relay: Annotated[Optional[list[str]], typer.Option("--relay", help="Relay URL to attach a test work connection to (repeatable: each is checked)")] = None,
         state_dir: Annotated[Optional[Path], typer.Option(help="Node state dir (its identity proves itself to the relay)")] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Never contact the hub for model sizes")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,
@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
             download_dir=download_dir, tracker=tracker, relay_url=relay, state_dir=state_dir, offline=offline,
             pool_workers=pool_worker,
         )  # fmt: skip
-        flags = {k: v for k, v in given.items() if v is not None and v is not False}
+        flags = {k: v for k, v in given.items() if v is not None and v is not False and v != []}
         settings = NodeSettings(**flags)
         identity = doctor_identity(settings)
         environment = DoctorEnvironment(

@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         tracker: Annotated[Optional[str], typer.Option(help="Tracker URL: register, require signed routes, report usage")] = None,
         tracker_public_key: Annotated[Optional[str], typer.Option(help="Pin the tracker's Ed25519 key (else learned on first contact)")] = None,
         advertised_url: Annotated[Optional[str], typer.Option(help="URL the tracker should use to reach this node")] = None,
-        relay_url: Annotated[Optional[str], typer.Option("--relay", help="Relay URL: serve through an outbound tunnel (no public listener needed)")] = None,
+        relay_url: Annotated[Optional[list[str]], typer.Option("--relay", help="Relay URL: serve through an outbound tunnel (no public listener needed); repeat for a second relay to fail over to")] = None,
         enrolment_secret: Annotated[Optional[str], typer.Option(help="Secret the tracker requires to register (prefer MESHNET_ENROLMENT_SECRET: argv is visible to other users)")] = None,
         drain_grace_s: Annotated[Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown")] = None,
         max_tokens_cap: Annotated[Optional[int], typer.Option(help="Most completion tokens one request may produce; larger max_tokens are lowered to it")] = None,

@@ -119,9 +119,12 @@ class NodeSettings(BaseSettings):
     tracker: str | None = Field(None, description="Tracker base URL; enables registration, routes and billing")
     tracker_public_key: str | None = Field(None, description="Pinned tracker Ed25519 public key (PEM or base64url raw)")
     enrolment_secret: str | None = Field(None, description="Secret the tracker requires to register a node")
-    # MESHNET_RELAY_URL, `relay_url` in the TOML file, `--relay` on the command line.
-    relay_url: str | None = Field(
-        None, description="Relay URL (http://host:port): serve through an outbound tunnel, no public listener needed"
+    # MESHNET_RELAY_URL (comma-separated), `relay_url` in the TOML file (a string or a list), `--relay`
+    # on the command line (repeatable). A list under its old name, so one relay is written as before.
+    # Two relays give failover (protocol 9.7): a tunnel at each, the tracker moves to the next when one fails.
+    relay_url: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Relay URL (http://host:port), repeatable: serve through an outbound tunnel at each, no public listener needed",
     )
     # Batching: a busy node then makes one tracker call per interval rather than one per request.
     usage_report_interval_s: float = Field(
@@ -155,7 +158,7 @@ class NodeSettings(BaseSettings):
     log_format: Literal["auto", "text", "json"] = "auto"
     log_level: str = "INFO"
 
-    @field_validator("pool_workers", "allowed_hosts", mode="before")
+    @field_validator("pool_workers", "allowed_hosts", "relay_url", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
@@ -166,6 +169,17 @@ class NodeSettings(BaseSettings):
     @classmethod
     def _host_names(cls, names: list[str]) -> list[str]:
         return [check_host_name(name) for name in names]
+
+    @field_validator("relay_url")
+    @classmethod
+    def _relays_named_once(cls, urls: list[str]) -> list[str]:
+        # A relay keeps one control connection per node id and a second replaces the first:
+        # two tunnels to one relay would push each other out for ever.
+        seen = [url.strip().rstrip("/").lower() for url in urls]
+        twice = next((url for n, url in enumerate(urls) if seen[n] in seen[:n]), None)
+        if twice is not None:
+            raise ValueError(f"{twice!r} is named twice: name each relay once")
+        return urls
 
     @field_validator("tracker")
     @classmethod

@@ -55,6 +55,9 @@ NODE_CONTROL_NONCE_MAX_CHARS = 128
 MAX_NODE_SLOTS = 256
 # A node measures itself at a few context sizes; more points than this say nothing more and cost the tracker memory.
 MAX_CAPABILITY_POINTS = 16
+# Relays one node announces (section 9.7): two give failover; each costs the tracker a name to resolve
+# and check at registration, so a few bound what one registration can make it do.
+MAX_NODE_RELAYS = 4
 
 # Route refusals a node answers (status, code). Kept here so tracker, relay and docs agree.
 ROUTE_ERRORS: dict[str, int] = {
@@ -140,6 +143,9 @@ class HealthReport(_Wire):
         None, description="Why the node is not online on its tracker (e.g. the tracker key does not match the pin)"
     )
     relay: RelayLinkHealth | None = Field(None, description="The tunnel to the relay, when the node serves through one")
+    relays: list[RelayLinkHealth] = Field(
+        default_factory=list, description="Every relay tunnel, in the order announced (the first is `relay`)"
+    )
     pool: PoolHealth | None = Field(None, description="The LAN pool behind this node, when it has one (never addresses)")
     capability: NodeCapability | None = Field(None, description="What the running llama-server measured at its start")
 
@@ -209,6 +215,11 @@ class NodeAnnouncement(_Wire):
     node_version: str
     state: MeshState = "joining"
     relay: RelayAttachment | None = Field(None, description="Set when the node is reachable only through a relay")
+    # Beside `relay`, not instead of it: a tracker that predates the list still reads the first relay there.
+    relays: list[RelayAttachment] = Field(
+        default_factory=list, max_length=MAX_NODE_RELAYS,
+        description="Every relay the node holds a tunnel at, in the order to try them; the first is `relay` (section 9.7)",
+    )
     pool: PoolDescription | None = Field(None, description="Set when a LAN pool behind the node holds the model with it")
     capability: NodeCapability | None = Field(None, description="The node's own speed figures, once it measured them")
 
@@ -218,6 +229,26 @@ class NodeAnnouncement(_Wire):
     @property
     def full_coverage(self) -> bool:
         return self.first_layer == 0 and self.last_layer == self.total_layers - 1
+
+    def relay_attachments(self) -> list[RelayAttachment]:
+        """The relays to reach the node through, in order: `relays`, or `relay` alone from a node that sends no list."""
+        if self.relays:
+            return list(self.relays)
+        return [self.relay] if self.relay is not None else []
+
+    @model_validator(mode="after")
+    def _relays_agree(self) -> NodeAnnouncement:
+        # One node, one certificate: a list that disagreed with `relay`, or named a relay twice, would
+        # make an old and a new tracker reach the node differently (or dial one relay twice for nothing).
+        if not self.relays:
+            return self
+        if self.relay is None or self.relays[0] != self.relay:
+            raise ValueError("relays: the first relay must be the one in `relay`")
+        if any(r.tls_certificate != self.relay.tls_certificate for r in self.relays):
+            raise ValueError("relays: every relay carries the node's one certificate")
+        if len({relay_audience(r.url) for r in self.relays}) != len(self.relays):
+            raise ValueError("relays: a relay is named twice")
+        return self
 
     @model_validator(mode="after")
     def _ordered_layers(self) -> NodeAnnouncement:

@@ -178,7 +178,10 @@ class RelayLink(BasePart):
         )
 
     def health(self, report: HealthReport) -> HealthReport:
-        return report.model_copy(update={"relay": self.link_health()})
+        # With several relays each link adds its own, in the order announced; `relay` stays the first,
+        # as a reader that knows one relay expects.
+        mine = self.link_health()
+        return report.model_copy(update={"relay": report.relay or mine, "relays": [*report.relays, mine]})
 
     # --- NodePart ------------------------------------------------------------
     async def run(self) -> None:

@@ -127,7 +127,7 @@ class TrackerLink(BasePart):
         describe: DescribeModel,
         left_uncounted: Sequence[tuple[UsageRecord, bytes]] = (),
         count_prompt: Callable[[str, bytes], Awaitable[int]] | None = None,
-        relay_attachment: RelayAttachment | None = None,
+        relay_attachments: Sequence[RelayAttachment] = (),
     ) -> None:
         self.settings = settings
         self.model = model
@@ -157,10 +157,11 @@ class TrackerLink(BasePart):
         self.control_route: tuple[str, QueryRoute] = (NODE_CONTROL_PATH, self.answer_control_challenge)
         self._shards: list[ShardDigest] | None = None
         self._hardware: HardwareSummary | None = None
-        # Behind a relay, the tracker reaches this node through it rather than at advertised_url.
-        self.relay_attachment = relay_attachment
+        # Behind relays, the tracker reaches this node through them (in this order) rather than at advertised_url.
+        self.relay_attachments = list(relay_attachments)
         # A relayed node's own address is loopback or private: naming it would say the tracker dials it.
-        reached = f"reached through its relay {relay_attachment.url}" if relay_attachment else f"advertised as {self.advertised_url}"
+        through = " and ".join(a.url for a in self.relay_attachments)
+        reached = f"reached through its relay {through}" if self.relay_attachments else f"advertised as {self.advertised_url}"
         log.info("meshnet node id %s, tracker %s, %s", self.identity.node_id, settings.tracker, reached)
 
     # --- what the node wires in ---------------------------------------------
@@ -257,8 +258,10 @@ class TrackerLink(BasePart):
         return NodeAnnouncement(
             node_id=self.identity.node_id,
             public_key=self.identity.public_key_text,
-            advertised_url=self.relay_attachment.url if self.relay_attachment else self.advertised_url,
-            relay=self.relay_attachment,
+            advertised_url=self.relay_attachments[0].url if self.relay_attachments else self.advertised_url,
+            # The first relay where a tracker that knows one reads it; the list only when there is more than one.
+            relay=self.relay_attachments[0] if self.relay_attachments else None,
+            relays=self.relay_attachments if len(self.relay_attachments) > 1 else [],
             model_id=model.model_id,
             model_aliases=list(model.model_aliases),
             max_tokens_cap=model.max_tokens_cap,

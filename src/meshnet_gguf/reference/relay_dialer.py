@@ -18,6 +18,11 @@ a failed registration's is closed at once, and a replaced or forgotten one is
 closed when its last request has finished, so failed or repeated registrations
 leave nothing behind.
 
+A node that announced several relays (`NodeAnnouncement.relays`, protocol 9.7) is reached through
+whichever of them answers: each new connection dials them in a `RelayOrder` (the one that worked
+last first) and moves to the next when a CONNECT fails, before any byte of a request is written
+(`relay_failover`).
+
 Routed requests, the hot path, do not go through httpx: each target also has a
 lean client (`common/http1_client`) whose connections `RelayTunnel` opens, the
 same CONNECT and the same pinned TLS on asyncio's own `start_tls`. httpx costs
@@ -47,6 +52,7 @@ from meshnet_gguf.contract.relay_framing import HEAD_END, connect_refusal, conne
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
 from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.node_answer import NodeAnswer, NodeClients, send_through_httpx
+from meshnet_gguf.reference.relay_failover import RelayOrder, dial_in_order
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,7 @@ ConnectSigner = Callable[[str, str], str]
 # httpx limits hold for the rest). A relay tunnel costs a CONNECT, its token and a TLS
 # handshake, so warm ones are kept; a node's uvicorn closes one idle for 5 s.
 RELAYED_KEPT_CONNECTIONS = 64
+# Per relay tried: a node with two relays may take twice this before its connection fails.
 RELAYED_CONNECT_TIMEOUT_S = 5.0
 RELAYED_IDLE_TTL_S = 2.0
 RELAYED_READ_IDLE_TIMEOUT_S = 600.0
@@ -70,6 +77,13 @@ TLS_IN_TLS = sys.version_info >= (3, 11)
 
 class ConnectRefused(HttpConnectError):
     """The relay would not open the tunnel (or spoke no HTTP): the node never saw the request."""
+
+
+# How dialling through one relay can fail before a request is written, so the next relay may be tried:
+# the TCP connect, the relay's TLS, a refused or unanswered CONNECT, the node's TLS inside (ssl errors
+# are OSErrors), or a try past its time.
+_LEAN_DIAL_FAILURES: tuple[type[BaseException], ...] = (OSError, TimeoutError, HttpConnectError)
+_HTTPCORE_DIAL_FAILURES: tuple[type[BaseException], ...] = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProxyError)
 
 
 def _check_connect_answer(answer: bytes) -> None:
@@ -84,14 +98,20 @@ class _RelayNetwork(httpcore.AsyncNetworkBackend):
     httpcore then runs the node's TLS inside the stream this returns.
     """
 
-    def __init__(self, relay: NodeTarget, node_id: str, sign: ConnectSigner, relay_tls: ssl.SSLContext) -> None:
-        self._relay, self._node_id, self._sign, self._relay_tls = relay, node_id, sign, relay_tls
+    def __init__(self, relays: RelayOrder[NodeTarget], node_id: str, sign: ConnectSigner, relay_tls: ssl.SSLContext) -> None:
+        self._relays, self._node_id, self._sign, self._relay_tls = relays, node_id, sign, relay_tls
         self._inner = httpcore.AnyIOBackend()
 
     async def connect_tcp(
         self, host: str, port: int, timeout: float | None = None, local_address: str | None = None, socket_options: Iterable[object] | None = None
     ) -> httpcore.AsyncNetworkStream:
-        relay = self._relay
+        # Each step below is bounded by `timeout` already; whatever fails here failed before httpcore wrote the request.
+        return await dial_in_order(
+            self._relays, lambda relay: self._connect_through(relay, timeout, local_address), _HTTPCORE_DIAL_FAILURES,
+            node_id=self._node_id,
+        )  # fmt: skip
+
+    async def _connect_through(self, relay: NodeTarget, timeout: float | None, local_address: str | None) -> httpcore.AsyncNetworkStream:
         stream = await self._inner.connect_tcp(str(relay.address), relay.port, timeout=timeout, local_address=local_address)
         try:
             if relay.scheme == "https":  # the pinned address dialled, the relay's own name checked and sent as SNI
@@ -150,13 +170,22 @@ class RelayTunnel:
     token, then TLS 1.3 inside that trusts only the node's registered certificate. What httpx's
     `_RelayNetwork` does, on asyncio's transports (`loop.start_tls`)."""
 
-    def __init__(self, relay: NodeTarget, node_id: str, sign: ConnectSigner, relay_tls: ssl.SSLContext, node_tls: ssl.SSLContext) -> None:
-        self._relay, self._node_id, self._sign = relay, node_id, sign
+    def __init__(
+        self, relays: RelayOrder[NodeTarget], node_id: str, sign: ConnectSigner, relay_tls: ssl.SSLContext, node_tls: ssl.SSLContext
+    ) -> None:
+        self._relays, self._node_id, self._sign = relays, node_id, sign
         self._relay_tls, self._node_tls = relay_tls, node_tls
 
     async def __call__(self, protocol: asyncio.Protocol) -> None:
+        # `protocol` sees nothing until a tunnel is whole (connection_made comes last), so a failed
+        # relay leaves it clean for the next; the request is written only after this returns.
+        await dial_in_order(
+            self._relays, lambda relay: self._open_through(relay, protocol), _LEAN_DIAL_FAILURES,
+            each_timeout_s=RELAYED_CONNECT_TIMEOUT_S, node_id=self._node_id,
+        )  # fmt: skip
+
+    async def _open_through(self, relay: NodeTarget, protocol: asyncio.Protocol) -> None:
         loop = asyncio.get_running_loop()
-        relay = self._relay
         head = _ConnectAnswer(loop)
         transport, _ = await loop.create_connection(lambda: head, str(relay.address), relay.port)
         try:
@@ -180,7 +209,8 @@ class RelayTunnel:
 
 
 def _relayed_transport(
-    relay: NodeTarget, node_id: str, node_tls: ssl.SSLContext, limits: httpx.Limits, sign: ConnectSigner, relay_tls: ssl.SSLContext
+    relays: RelayOrder[NodeTarget], node_id: str, node_tls: ssl.SSLContext, limits: httpx.Limits, sign: ConnectSigner,
+    relay_tls: ssl.SSLContext,
 ) -> httpx.AsyncHTTPTransport:
     transport = httpx.AsyncHTTPTransport(verify=node_tls, limits=limits)
     # httpx has no public hook for the network backend; its pool is swapped for one whose every connection is a
@@ -190,7 +220,7 @@ def _relayed_transport(
         max_connections=limits.max_connections,
         max_keepalive_connections=limits.max_keepalive_connections,
         keepalive_expiry=limits.keepalive_expiry,
-        network_backend=_RelayNetwork(relay, node_id, sign, relay_tls),
+        network_backend=_RelayNetwork(relays, node_id, sign, relay_tls),
     )
     return transport
 
@@ -200,12 +230,14 @@ class RelayedNodeTarget:
     """A node reached through a relay: same interface as `NodeTarget` (url, endpoint, request, send)."""
 
     node_id: str
-    relay: NodeTarget  # the relay's URL, checked against the address policy and pinned like a node's
+    relay: NodeTarget  # the first relay's URL, checked against the address policy and pinned like a node's
     certificate: str
     transport: httpx.AsyncHTTPTransport = field(compare=False, repr=False)
     # Routed requests: the lean client, its connections opened by a RelayTunnel (see the module's
     # text); None where this Python cannot nest TLS for an https relay (TLS_IN_TLS).
     client: Http1Client | None = field(compare=False, repr=False)
+    # Every relay the node announced (the first is `relay`), each pinned the same way, in the order to dial them.
+    relays: RelayOrder[NodeTarget] = field(compare=False, repr=False)
 
     def forward_url(self, path: str) -> str:
         """`path` on the node, as both clients ask for it (the relay and the pinned TLS do the reaching)."""
@@ -257,26 +289,33 @@ class NodeDialer(httpx.AsyncBaseTransport):
         registration's answer."""
         relay = announcement.relay
         assert relay is not None
-        try:
-            relay_target = await pin_node_url(relay.url, policy)
-        except UnsafeNodeURL as exc:
-            raise ApiError(422, "unsafe_relay_url", str(exc)) from None
+        # Every relay passes the address checks (T6) and is pinned once, as the first always was.
+        relay_targets: list[NodeTarget] = []
+        for attachment in announcement.relay_attachments():
+            try:
+                relay_targets.append(await pin_node_url(attachment.url, policy))
+            except UnsafeNodeURL as exc:
+                raise ApiError(422, "unsafe_relay_url", str(exc)) from None
+        relay_target = relay_targets[0]
         try:
             context = pinned_client_context(certificate_from_text(relay.tls_certificate), parse_public_key(announcement.public_key))
         except (NodeCertificateError, KeyFormatError) as exc:
             raise ApiError(422, "bad_relay_certificate", f"relay.tls_certificate: {exc}") from None
         known = self._adopted.get(announcement.node_id)
-        if known is not None and (known.relay, known.certificate) == (relay_target, relay.tls_certificate):
-            return known  # the same way in: keep its warm connections
-        transport = _relayed_transport(relay_target, announcement.node_id, context, self._limits, self._sign, self._relay_tls)
+        if known is not None and (known.relays.relays, known.certificate) == (tuple(relay_targets), relay.tls_certificate):
+            return known  # the same way in: keep its warm connections (and which relay works)
+        # One order for both clients: what the health polls learn about a dead relay, routed requests use too.
+        relays = RelayOrder(relay_targets)
+        transport = _relayed_transport(relays, announcement.node_id, context, self._limits, self._sign, self._relay_tls)
         client = None
         if relay_target.scheme == "http" or TLS_IN_TLS:
             client = Http1Client(
                 RELAYED_KEPT_CONNECTIONS, peer="node", read_idle_timeout_s=RELAYED_READ_IDLE_TIMEOUT_S, keep_streamed=True,
-                open_connection=RelayTunnel(relay_target, announcement.node_id, self._sign, self._relay_tls, context),
-                connect_timeout_s=RELAYED_CONNECT_TIMEOUT_S, idle_ttl_s=RELAYED_IDLE_TTL_S,
+                open_connection=RelayTunnel(relays, announcement.node_id, self._sign, self._relay_tls, context),
+                # Room for each relay's own try (RelayTunnel bounds each), so the last is not cut short.
+                connect_timeout_s=RELAYED_CONNECT_TIMEOUT_S * len(relay_targets), idle_ttl_s=RELAYED_IDLE_TTL_S,
             )  # fmt: skip
-        return RelayedNodeTarget(announcement.node_id, relay_target, relay.tls_certificate, transport, client)
+        return RelayedNodeTarget(announcement.node_id, relay_target, relay.tls_certificate, transport, client, relays)
 
     def adopt(self, target: RelayedNodeTarget) -> None:
         """Keep `target` as the way to its node (after the node proved control through it)."""
