@@ -193,3 +193,110 @@ def test_a_client_that_goes_away_frees_the_slot_through_the_relay(relayed: Relay
                     break
     wait_for(lambda: (h := relayed.node.health()) is not None and h.json()["slots_busy"] == 0,
              "the node to free the slot", relayed.logs(), timeout=2.0)  # fmt: skip
+
+
+# --- two relays (protocol 9.7) ----------------------------------------------------------------------------
+
+# Requests that must go through after the first relay is killed, and how many client threads send them.
+REQUESTS_AFTER_THE_KILL = 12
+CLIENT_THREADS = 2
+
+
+@dataclass
+class Sent:
+    started: float
+    error: str | None
+
+
+def test_a_relay_killed_under_a_stream_fails_over_with_no_client_error(real_llama, tiny_gguf, start_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    tracker = tracker_process(tmp_path).start()
+    first = relay_process(tmp_path, tracker, name="relay-a").start()
+    second = relay_process(tmp_path, tracker, name="relay-b").start()
+    node = start_node(
+        "--gguf", str(tiny_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
+        "--relay", first.url, "--relay", second.url, "--parallel", "4", "--ctx-size", STREAM_CTX_SIZE, "--drain-grace", "2",
+        env=node_env(tracker),
+    )  # fmt: skip
+    mesh = RelayedMesh(tracker, first, node, tiny_gguf.stem)
+    logs = [*mesh.logs(), second.log_path]
+    try:
+        node.wait_ready()
+        mesh.wait_routable()
+        [entry] = httpx.get(tracker.url + "/v1/nodes").json()
+        assert entry["announcement"]["relay"]["url"] == first.url  # where a tracker that knows one relay looks
+        assert [r["url"] for r in entry["announcement"]["relays"]] == [first.url, second.url]
+        def both_attached() -> bool:
+            health = node.health()
+            return health is not None and [r["state"] for r in health.json()["relays"]] == ["attached", "attached"]
+
+        wait_for(both_attached, "a tunnel at each relay", logs)
+
+        client = mesh.sdk()
+        sent: list[Sent] = []
+        stop = threading.Event()
+        killed_at: list[float] = []
+
+        def send_requests() -> None:
+            n = 0
+            while not stop.is_set():
+                started, error = time.monotonic(), None
+                try:
+                    if n % 2:
+                        chunks = list(client.chat.completions.create(model=mesh.model, messages=MESSAGES, max_tokens=4, stream=True, **EXACT))
+                        assert chunks
+                    else:
+                        client.chat.completions.create(model=mesh.model, messages=MESSAGES, max_tokens=4, **EXACT)
+                except Exception as exc:  # noqa: BLE001 - every failure is counted against its start time
+                    error = f"{type(exc).__name__}: {exc}"
+                sent.append(Sent(started, error))
+                n += 1
+                if killed_at and sum(1 for s in sent if s.started > killed_at[0]) >= REQUESTS_AFTER_THE_KILL:
+                    stop.set()
+
+        senders = [threading.Thread(target=send_requests, daemon=True) for _ in range(CLIENT_THREADS)]
+        for thread in senders:
+            thread.start()
+        wait_for(lambda: len(sent) >= 4, "requests flowing through the first relay", logs)
+
+        # A long stream in flight through the first relay (the one dialled first) when it dies.
+        stream = client.chat.completions.create(model=mesh.model, messages=MESSAGES, max_tokens=4000, stream=True, **EXACT)
+        seen = 0
+        with pytest.raises(openai.APIError) as broken:
+            for _chunk in stream:
+                seen += 1
+                if seen == 5:
+                    first.kill()  # SIGKILL by PID, reaped: every request that starts from here must go through
+                    killed_at.append(time.monotonic())
+        assert "broke off" in str(broken.value)  # the request in flight on the dead relay gets its error event
+
+        for thread in senders:
+            thread.join(60)
+        stop.set()
+        after = [s for s in sent if s.started > killed_at[0]]
+        assert len(after) >= REQUESTS_AFTER_THE_KILL
+        assert [s.error for s in after if s.error] == [], after  # zero client errors after the kill
+        before = [s for s in sent if s.started <= killed_at[0]]
+        # A request that was on the dead relay when it died may fail; no other one before the kill did.
+        assert sum(1 for s in before if s.error) <= CLIENT_THREADS, before
+
+        # Billing exactly once: every request the node ran, the tracker billed, once, with the node's receipt.
+        answered = sum(1 for s in sent if s.error is None) + 1  # and the stream cut on the dead relay
+
+        def billed_once() -> bool:
+            ledger = node_ledger(node.state_dir)
+            usage = [u for u in tracker_usage(tracker) if u["outcome"] != "refused"]
+            return (
+                len(ledger) >= answered and all(row["reported"] for row in ledger.values())
+                and sorted(u["request_id"] for u in usage) == sorted(ledger) and all(u["node"] is not None for u in usage)
+            )  # fmt: skip
+
+        wait_for(billed_once, "the tracker's ledger and the node's to agree on every request id", logs)
+    finally:
+        node.close()
+        second.close()
+        first.close()
+        tracker.close()
+        for log in logs:
+            print(f"----- {log.name}\n{log.read_text(errors='replace')[-4000:]}")

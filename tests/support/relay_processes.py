@@ -91,12 +91,14 @@ def node_env(tracker: ServiceProcess) -> dict[str, str]:
     return {"MESHNET_ENROLMENT_SECRET": tracker.env["MESHNET_TRACKER_ENROLMENT_SECRET"]}
 
 
-def relay_process(workdir: Path, tracker: ServiceProcess, host: str = "127.0.0.1", port: int | None = None) -> ServiceProcess:
-    """The reference relay, trusting `tracker` (already started) and no one else."""
+def relay_process(
+    workdir: Path, tracker: ServiceProcess, host: str = "127.0.0.1", port: int | None = None, name: str = "relay"
+) -> ServiceProcess:
+    """The reference relay, trusting `tracker` (already started) and no one else; `name` its log and state dir."""
     port = port or free_local_port()
-    return ServiceProcess("relay", [
+    return ServiceProcess(name, [
         "dev", "relay", "--host", host, "--port", str(port), "--ping-interval", "2", "--trust-tracker-key", tracker_key(tracker),
-        "--state-dir", str(workdir / "relay"),
+        "--state-dir", str(workdir / name),
     ], workdir, port=port, host=host)  # fmt: skip
 
 

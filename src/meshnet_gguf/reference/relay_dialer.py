@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import anyio
 import httpcore
 import httpx
 
@@ -70,6 +71,10 @@ RELAYED_KEPT_CONNECTIONS = 64
 RELAYED_CONNECT_TIMEOUT_S = 5.0
 RELAYED_IDLE_TTL_S = 2.0
 RELAYED_READ_IDLE_TIMEOUT_S = 600.0
+# A standby relay (one a node is not reached through now) is visited this often: a CONNECT through it
+# is what makes a trusting relay admit the node's tunnel there (it drops one no tracker reached within
+# 60 s, ADMISSION_WINDOW_S), so failover finds the tunnel still there; and the log says when it would not.
+STANDBY_VISIT_INTERVAL_S = 20.0
 # The node's TLS inside an https relay's is `start_tls` on a TLS transport, which asyncio's own
 # loop allows from Python 3.11; before that such targets keep httpx for routed requests too.
 TLS_IN_TLS = sys.version_info >= (3, 11)
@@ -184,6 +189,13 @@ class RelayTunnel:
             each_timeout_s=RELAYED_CONNECT_TIMEOUT_S, node_id=self._node_id,
         )  # fmt: skip
 
+    async def visit(self, relay: NodeTarget) -> None:
+        """Open one tunnel through `relay`, the node's TLS included, and close it: no request is sent."""
+        visit = _Visit()
+        with anyio.fail_after(RELAYED_CONNECT_TIMEOUT_S):
+            await self._open_through(relay, visit)
+        visit.close()
+
     async def _open_through(self, relay: NodeTarget, protocol: asyncio.Protocol) -> None:
         loop = asyncio.get_running_loop()
         head = _ConnectAnswer(loop)
@@ -206,6 +218,19 @@ class RelayTunnel:
             transport.close()
             raise ConnectRefused("the tunnel closed during the node's TLS handshake")
         protocol.connection_made(node)
+
+
+class _Visit(asyncio.Protocol):
+    """The far end of a standby visit: takes the tunnel and closes it."""
+
+    transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
 
 def _relayed_transport(
@@ -236,6 +261,7 @@ class RelayedNodeTarget:
     # Routed requests: the lean client, its connections opened by a RelayTunnel (see the module's
     # text); None where this Python cannot nest TLS for an https relay (TLS_IN_TLS).
     client: Http1Client | None = field(compare=False, repr=False)
+    tunnel: RelayTunnel | None = field(compare=False, repr=False)  # what the lean client opens its connections with
     # Every relay the node announced (the first is `relay`), each pinned the same way, in the order to dial them.
     relays: RelayOrder[NodeTarget] = field(compare=False, repr=False)
 
@@ -307,15 +333,16 @@ class NodeDialer(httpx.AsyncBaseTransport):
         # One order for both clients: what the health polls learn about a dead relay, routed requests use too.
         relays = RelayOrder(relay_targets)
         transport = _relayed_transport(relays, announcement.node_id, context, self._limits, self._sign, self._relay_tls)
-        client = None
+        client, tunnel = None, None
         if relay_target.scheme == "http" or TLS_IN_TLS:
+            tunnel = RelayTunnel(relays, announcement.node_id, self._sign, self._relay_tls, context)
             client = Http1Client(
                 RELAYED_KEPT_CONNECTIONS, peer="node", read_idle_timeout_s=RELAYED_READ_IDLE_TIMEOUT_S, keep_streamed=True,
-                open_connection=RelayTunnel(relays, announcement.node_id, self._sign, self._relay_tls, context),
+                open_connection=tunnel,
                 # Room for each relay's own try (RelayTunnel bounds each), so the last is not cut short.
                 connect_timeout_s=RELAYED_CONNECT_TIMEOUT_S * len(relay_targets), idle_ttl_s=RELAYED_IDLE_TTL_S,
             )  # fmt: skip
-        return RelayedNodeTarget(announcement.node_id, relay_target, relay.tls_certificate, transport, client, relays)
+        return RelayedNodeTarget(announcement.node_id, relay_target, relay.tls_certificate, transport, client, tunnel, relays)
 
     def adopt(self, target: RelayedNodeTarget) -> None:
         """Keep `target` as the way to its node (after the node proved control through it)."""
@@ -345,6 +372,24 @@ class NodeDialer(httpx.AsyncBaseTransport):
             else:
                 await transport.aclose()
         self._retired = still_busy
+
+    async def visit_standby_relays(self) -> None:
+        """One tunnel through every relay each node is not reached through now, opened and closed at once
+        (STANDBY_VISIT_INTERVAL_S says why). A failed visit changes nothing: routed requests still fail
+        over by themselves, and the standby may be back by then."""
+
+        async def visit(target: RelayedNodeTarget, tunnel: RelayTunnel, relay: NodeTarget) -> None:
+            try:
+                await tunnel.visit(relay)
+            except _LEAN_DIAL_FAILURES as exc:
+                log.warning("node %s: its standby relay %s does not reach it (%s: %s)", target.node_id, relay.url, type(exc).__name__, exc)
+
+        async with anyio.create_task_group() as visits:
+            for target in list(self._adopted.values()):
+                if target.tunnel is None:
+                    continue
+                for relay in target.relays.order()[1:]:
+                    visits.start_soon(visit, target, target.tunnel, relay)
 
     def held(self) -> tuple[int, int]:
         """(adopted, retired) transports: what registrations left behind."""

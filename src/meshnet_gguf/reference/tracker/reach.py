@@ -14,13 +14,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import httpx
 
 from meshnet_gguf.common.http1_client import Http1Client
 from meshnet_gguf.reference.node_address import NodeTarget
 from meshnet_gguf.reference.node_answer import NodeClients
 from meshnet_gguf.reference.registry import NodeEntry
-from meshnet_gguf.reference.relay_dialer import ConnectSigner, NodeDialer
+from meshnet_gguf.reference.relay_dialer import STANDBY_VISIT_INTERVAL_S, ConnectSigner, NodeDialer
 
 FORWARD_CONNECT_TIMEOUT_S = 5.0
 # Between two chunks of an answer: a 100 GB model may prefill a long prompt for minutes.
@@ -57,10 +58,20 @@ class NodeReach:
             )  # fmt: skip
             self._clients = NodeClients(lean=lean, http=http)
             try:
-                yield
+                async with anyio.create_task_group() as background:
+                    background.start_soon(self._visit_standby_relays, self._dialer)
+                    yield
+                    background.cancel_scope.cancel()
             finally:
                 await lean.aclose()
                 self._clients = None
+
+    @staticmethod
+    async def _visit_standby_relays(dialer: NodeDialer) -> None:
+        """Nodes with two relays: the one not in use is kept admitted and checked (relay_dialer says why)."""
+        while True:
+            await anyio.sleep(STANDBY_VISIT_INTERVAL_S)
+            await dialer.visit_standby_relays()
 
     @property
     def clients(self) -> NodeClients:
