@@ -317,7 +317,9 @@ class Http1Client:
     given, makes every new connection (a URL then names only the Host and the path);
     `connect_timeout_s` bounds each one. `keep_streamed`: the server keeps a connection alive
     after a chunked answer, so it is pooled too; `idle_ttl_s`: a pooled connection idle longer
-    is dropped, not reused (keep it under the server's own idle close).
+    is dropped, not reused (keep it under the server's own idle close). `resend_on_stale: False` where
+    a pooled connection that ends unanswered may still have delivered the request (a tunnel whose relay
+    died after forwarding it): the request is then never sent twice.
 
     After `aclose`, answers still being read finish; their connections are closed, not pooled.
     """
@@ -332,6 +334,7 @@ class Http1Client:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         keep_streamed: bool = False,
         idle_ttl_s: float = IDLE_CONNECTION_TTL_S,
+        resend_on_stale: bool = True,
     ) -> None:
         self._peer = peer
         self._read_idle_timeout_s = READ_IDLE_TIMEOUT_S if read_idle_timeout_s is None else read_idle_timeout_s
@@ -341,6 +344,7 @@ class Http1Client:
         self._connect_timeout_s = connect_timeout_s
         self._keep_streamed = keep_streamed
         self._idle_ttl_s = idle_ttl_s
+        self._resend_on_stale = resend_on_stale
         self._closed = False
         self.opened = 0  # connections made so far (a pool that works reuses them)
 
@@ -359,7 +363,7 @@ class Http1Client:
                     await connection.wait()
             except HttpClientError as exc:
                 connection.close()
-                if reused and not connection.got_bytes and attempt < STALE_CONNECTION_RETRIES:
+                if self._resend_on_stale and reused and not connection.got_bytes and attempt < STALE_CONNECTION_RETRIES:
                     # A pooled connection the server had already closed: no answer came, so
                     # the request never ran; a fresh connection is safe to try.
                     continue

@@ -341,6 +341,9 @@ class NodeDialer(httpx.AsyncBaseTransport):
                 open_connection=tunnel,
                 # Room for each relay's own try (RelayTunnel bounds each), so the last is not cut short.
                 connect_timeout_s=RELAYED_CONNECT_TIMEOUT_S * len(relay_targets), idle_ttl_s=RELAYED_IDLE_TTL_S,
+                # A kept tunnel that ends unanswered may have carried the request to the node before its relay
+                # died: sending it again (through the other relay) could run it twice. Only a dial is retried.
+                resend_on_stale=False,
             )  # fmt: skip
         return RelayedNodeTarget(announcement.node_id, relay_target, relay.tls_certificate, transport, client, tunnel, relays)
 
