@@ -146,7 +146,9 @@ def main() -> None:
         proc, url = start_llama(model, args.threads)
         try:
             print(f"model {model.name}, {args.seeds} seeds x 2 prompts per kind, max_tokens {args.max_tokens}, temperature {TEMPERATURE}\n")
-            print("| text | answers | tokens | events | bytes | old flags | new flags | least bytes - tokens | least headroom | most ceiling/tokens |")
+            print(
+                "| text | answers | tokens | events | bytes | old flags | new flags | least bytes - tokens | least headroom | most ceiling/tokens |"
+            )
             print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for kind, requests in KINDS.items():
                 answers = [measure(url, r, seed, args.max_tokens) for r in requests for seed in range(args.seeds)]

@@ -236,8 +236,14 @@ def body_for(model: str, prompt: str, max_tokens: int, n: int, *, cached: bool =
     evaluates only its last few tokens, while the node still handles the whole body."""
     content = f"{prompt} {n}" if cached else f"{n} {prompt}"
     return json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-         "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+        }  # fmt: skip
     ).encode()
 
 
@@ -370,7 +376,9 @@ async def decode(p: PathUnderTest, c: int, rounds: int, tokens: int, start: int)
         if d == d and q == q and d > 0:
             pairs.append(q / d)
     return {
-        "direct_tok_s": statistics.median(r for w, r in rates if w == "direct" and r == r) if any(w == "direct" and r == r for w, r in rates) else float("nan"),
+        "direct_tok_s": statistics.median(r for w, r in rates if w == "direct" and r == r)
+        if any(w == "direct" and r == r for w, r in rates)
+        else float("nan"),
         "ratio": statistics.median(pairs) if pairs else float("nan"),
         "pairs": len(pairs),
         "errors": errors,
@@ -437,7 +445,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         results["long_prompt_tokens"] = prompt_tokens
         minter = RouteMinter(work / "tracker", node_m)
         paths = [
-            PathUnderTest("splice", nodes["s"], RoutedConn(splice.port, nodes["s"].llama_key, fresh=True), models["s"].stem, cpu_s=splice.cpu_s),
+            PathUnderTest(
+                "splice", nodes["s"], RoutedConn(splice.port, nodes["s"].llama_key, fresh=True), models["s"].stem, cpu_s=splice.cpu_s
+            ),
             PathUnderTest("standalone", nodes["s"], RoutedConn(nodes["s"].port), models["s"].stem),
             PathUnderTest("route", nodes["m"], RoutedConn(nodes["m"].port), models["m"].stem, minter),
             PathUnderTest("tracker", nodes["m"], RoutedConn(tracker.port), models["m"].stem),
@@ -449,7 +459,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         splice_r = SpliceProcess(work, nodes["r"].port, "splice-r")
         link_paths = [
             PathUnderTest("node R direct", nodes["r"], RoutedConn(nodes["r"].port), models["r"].stem, minter_r),
-            PathUnderTest("node R through the relay", nodes["r"], RelayedConn(await relay_tunnel(minter_r, node_r)), models["r"].stem, minter_r),
+            PathUnderTest(
+                "node R through the relay", nodes["r"], RelayedConn(await relay_tunnel(minter_r, node_r)), models["r"].stem, minter_r
+            ),
             PathUnderTest("node R through a bare splice", nodes["r"], RoutedConn(splice_r.port), models["r"].stem, minter_r),
         ]
         n = 0
@@ -494,7 +506,10 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 hop = await hop_pairs(by_name[outer], by_name[inner], prompt, args.pairs, n, cached=args.long_cached)
                 n += 2 * args.pairs
                 results["hops_long"][label] = hop
-                print(f"[hop, long prompt] {label}: {hop['added_p50'] * 1000:+.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)", flush=True)
+                print(
+                    f"[hop, long prompt] {label}: {hop['added_p50'] * 1000:+.2f} ms (p90 {hop['added_p90'] * 1000:.2f}, {hop['pairs']} pairs)",
+                    flush=True,
+                )
     finally:
         for bare in (splice, splice_r):
             if bare is not None:
@@ -513,7 +528,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    long = f"~{results['long_prompt_tokens']:,}-token prompt" + (", its prefix cached" if results.get("args", {}).get("long_cached") else "")
+    long = f"~{results['long_prompt_tokens']:,}-token prompt" + (
+        ", its prefix cached" if results.get("args", {}).get("long_cached") else ""
+    )
     lines = [
         f"| path | added TTFT, short prompt: p50 (p90, p99) | added TTFT, {long}: p50 (p90, p99) "
         "| tok/s vs direct, c=1 | tok/s vs direct, c=8 | node CPU per request | node CPU per 1,000 streamed tokens (c=8) |",
@@ -533,11 +550,15 @@ def table(results: dict[str, Any]) -> str:
     if results.get("hops"):
         lines += ["", "| hop, short prompt, paired with the path it adds to | p50 | p90 | p99 |", "|---|---|---|---|"]
         for label, hop in results["hops"].items():
-            lines.append(f"| {label} | {hop['added_p50'] * 1000:+.2f} ms | {hop['added_p90'] * 1000:+.2f} ms | {hop['added_p99'] * 1000:+.2f} ms |")
+            lines.append(
+                f"| {label} | {hop['added_p50'] * 1000:+.2f} ms | {hop['added_p90'] * 1000:+.2f} ms | {hop['added_p99'] * 1000:+.2f} ms |"
+            )
     if results.get("hops_long"):
         lines += ["", f"| hop, {long} | p50 | p90 | p99 |", "|---|---|---|---|"]
         for label, hop in results["hops_long"].items():
-            lines.append(f"| {label} | {hop['added_p50'] * 1000:+.2f} ms | {hop['added_p90'] * 1000:+.2f} ms | {hop['added_p99'] * 1000:+.2f} ms |")
+            lines.append(
+                f"| {label} | {hop['added_p50'] * 1000:+.2f} ms | {hop['added_p90'] * 1000:+.2f} ms | {hop['added_p99'] * 1000:+.2f} ms |"
+            )
     return "\n".join(lines)
 
 
@@ -548,8 +569,12 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=1500, help="the long prompt's length in tokens")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens per stream in the tokens/s rounds")
     parser.add_argument("--decode-rounds", type=int, default=4, help="rounds per path and concurrency (each direct + path twice)")
-    parser.add_argument("--ledger-warmup", type=int, default=LEDGER_WARMUP_REQUESTS,
-                        help="requests through each ledger-writing path before measuring (0: a fresh mesh)")
+    parser.add_argument(
+        "--ledger-warmup",
+        type=int,
+        default=LEDGER_WARMUP_REQUESTS,
+        help="requests through each ledger-writing path before measuring (0: a fresh mesh)",
+    )
     parser.add_argument("--ctx-size", type=int, default=16384, help="node context (split over 8 slots)")
     parser.add_argument("--long-hops", action="store_true", help="pair the node's and the route's hops at the long prompt too")
     parser.add_argument("--long-cached", action="store_true",
@@ -557,7 +582,9 @@ def main() -> None:
                              "work on a long body without the prefill's spread")  # fmt: skip
     parser.add_argument("--gpu-layers", help="passed to the nodes as --n-gpu-layers")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
-    parser.add_argument("--trace", action="store_true", help="run the standalone and routed nodes under trace_node.py and print where their time goes")
+    parser.add_argument(
+        "--trace", action="store_true", help="run the standalone and routed nodes under trace_node.py and print where their time goes"
+    )
     args = parser.parse_args()
     started = time.time()
     results = asyncio.run(amain(args))

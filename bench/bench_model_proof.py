@@ -66,7 +66,9 @@ def generate(url: str, prompts: list[list[int]], tokens: int, temperature: float
     out = []
     for i, prompt in enumerate(prompts):
         body = {"prompt": prompt, "n_predict": tokens, "n_probs": 4, "cache_prompt": False, "ignore_eos": True}
-        body |= {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]} if temperature == 0 else {"temperature": temperature, "seed": 1000 + i}
+        body |= (
+            {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]} if temperature == 0 else {"temperature": temperature, "seed": 1000 + i}
+        )
         out.append(httpx.post(url + "/completion", json=body, timeout=900).json())
     return out
 
@@ -136,11 +138,20 @@ def n_probs_cost(binary, model: Path, log: Path, rounds: int) -> str:
     with llama_instance(binary, model, CPU1, log) as url:
         for _ in range(rounds):
             for k in (0, 4):
-                body = {"prompt": "Once upon a time", "n_predict": 64, "n_probs": k, "temperature": 0, "cache_prompt": False, "ignore_eos": True}
+                body = {
+                    "prompt": "Once upon a time",
+                    "n_predict": 64,
+                    "n_probs": k,
+                    "temperature": 0,
+                    "cache_prompt": False,
+                    "ignore_eos": True,
+                }
                 speeds[k].append(httpx.post(url + "/completion", json=body, timeout=900).json()["timings"]["predicted_per_second"])
     a, b = statistics.median(speeds[0]), statistics.median(speeds[4])
-    return (f"decode {model.name}, 1 thread, 64 tokens x {rounds}: n_probs 0 {a:.1f} tok/s, n_probs 4 {b:.1f} tok/s "
-            f"({(a - b) / a * 100:+.1f} % slower; rounds {', '.join(f'{x:.1f}/{y:.1f}' for x, y in zip(speeds[0], speeds[4]))})")
+    return (
+        f"decode {model.name}, 1 thread, 64 tokens x {rounds}: n_probs 0 {a:.1f} tok/s, n_probs 4 {b:.1f} tok/s "
+        f"({(a - b) / a * 100:+.1f} % slower; rounds {', '.join(f'{x:.1f}/{y:.1f}' for x, y in zip(speeds[0], speeds[4]))})"
+    )
 
 
 def main() -> int:
@@ -165,9 +176,27 @@ def main() -> int:
         q4km = gemma.assemble(work / "gemma-Q4_K_M.gguf")
         demo = {"Q4_K_M": q4km, "F16": dequantize_to_f16(q4km, work / "gemma-F16.gguf"),
                 "Q8_0": requantize(q4km, work / "gemma-Q8_0.gguf", "Q8_0"), "Q4_0": requantize(q4km, work / "gemma-Q4_0.gguf", "Q4_0")}  # fmt: skip
-        rows += run_pairs(binary, demo, ("Q8_0", CPU2), [("Q8_0", VULKAN), ("Q8_0", CPU1), ("F16", VULKAN), ("Q4_K_M", CPU1)], TEXT_PROMPTS, args.tokens, log)
-        rows += run_pairs(binary, demo, ("Q4_K_M", CPU2), [("Q4_K_M", CPU1), ("F16", CPU1), ("Q8_0", CPU1), ("Q4_0", CPU1)], TEXT_PROMPTS, args.tokens, log)
-        rows += run_pairs(binary, demo, ("Q4_K_M", CPU2), [("Q4_K_M", CPU1), ("Q4_0", CPU1)], TEXT_PROMPTS[:2], 2 * args.tokens, log, SAMPLED_T)
+        rows += run_pairs(
+            binary,
+            demo,
+            ("Q8_0", CPU2),
+            [("Q8_0", VULKAN), ("Q8_0", CPU1), ("F16", VULKAN), ("Q4_K_M", CPU1)],
+            TEXT_PROMPTS,
+            args.tokens,
+            log,
+        )
+        rows += run_pairs(
+            binary,
+            demo,
+            ("Q4_K_M", CPU2),
+            [("Q4_K_M", CPU1), ("F16", CPU1), ("Q8_0", CPU1), ("Q4_0", CPU1)],
+            TEXT_PROMPTS,
+            args.tokens,
+            log,
+        )
+        rows += run_pairs(
+            binary, demo, ("Q4_K_M", CPU2), [("Q4_K_M", CPU1), ("Q4_0", CPU1)], TEXT_PROMPTS[:2], 2 * args.tokens, log, SAMPLED_T
+        )
         rows.append(n_probs_cost(binary, q4km, log, args.cost_rounds))
         print(rows[-1], flush=True)
     block = evidence_from_token_probs([{"id": 1, "top_logprobs": [{"id": i, "logprob": -1.0} for i in range(4)]}] * 32).blocks[0]

@@ -175,7 +175,9 @@ def node_first_vs_steady(model: Path, endpoints: list[str], workdir: Path) -> di
             # The node's own llama-server is private: the prompt is cut by words, about the same length.
             prompt = f"{i} " + " ".join(f"word{(i + j) % 97}" for j in range(PREFILL_WORDS_FOR_NODE))
             started = time.monotonic()
-            answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0}, timeout=REQUEST_TIMEOUT_S)
+            answer = httpx.post(
+                url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0}, timeout=REQUEST_TIMEOUT_S
+            )
             answer.raise_for_status()
             times.append(time.monotonic() - started)
         steady = statistics.median(times[1:])
@@ -221,7 +223,19 @@ def main() -> None:
         for i in range(args.workers):
             port = free_local_port()
             cache = ["-c"] if args.worker_cache else []
-            argv = [shutil.which("stdbuf") or "stdbuf", "-oL", str(rpc.path), "-H", "127.0.0.1", "-p", str(port), "-d", args.worker_device, *threads, *cache]
+            argv = [
+                shutil.which("stdbuf") or "stdbuf",
+                "-oL",
+                str(rpc.path),
+                "-H",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-d",
+                args.worker_device,
+                *threads,
+                *cache,
+            ]
             log = workdir / f"worker{i}.log"
             env_binary = BinaryInfo(rpc.path, rpc.source, rpc.version, rpc.build, "", rpc.library_dirs)
             proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -230,7 +244,17 @@ def main() -> None:
             wait_log(log, "Starting RPC server", proc)
             endpoints.append(f"127.0.0.1:{port}")
         devices = [f"RPC{i}" for i in range(args.workers)] + ([args.local_device] if args.local_device else [])
-        pooled = ["--rpc", ",".join(endpoints), "--device", ",".join(devices), "--tensor-split", ",".join("1" for _ in devices), "-ngl", "999", *threads]
+        pooled = [
+            "--rpc",
+            ",".join(endpoints),
+            "--device",
+            ",".join(devices),
+            "--tensor-split",
+            ",".join("1" for _ in devices),
+            "-ngl",
+            "999",
+            *threads,
+        ]
         results["pooled"] = run_llama(binary, model, pooled, workdir, "pooled")
     finally:
         for proc in workers:

@@ -595,7 +595,10 @@ async def bench_real(
         res.ttft_pairs = len(res.ttft_node)
         if ttft:
             a = res.added_ttft()
-            print(f"[real/{client}] TTFT direct p50 {ms(a['direct_p50'])} ms, added p50 {ms(a['added_p50'])} ms p99 {ms(a['added_p99'])} ms", flush=True)
+            print(
+                f"[real/{client}] TTFT direct p50 {ms(a['direct_p50'])} ms, added p50 {ms(a['added_p50'])} ms p99 {ms(a['added_p99'])} ms",
+                flush=True,
+            )
 
         # Decode tokens/s at each concurrency: alternating rounds, ABBA.
         body = chat_body(args.decode_tokens)
@@ -629,7 +632,10 @@ async def bench_real(
             res.decode[c] = rounds
             res.cpu_ms_per_1k[c] = node_cpu_s * 1e6 / node_tokens if node_tokens else float("nan")
             d = res.decode_summary(c)
-            print(f"[real/{client}] c={c} direct {d['direct_tok_s']:.1f} tok/s node {d['node_tok_s']:.1f} tok/s ratio {d['ratio']:.4f}", flush=True)
+            print(
+                f"[real/{client}] c={c} direct {d['direct_tok_s']:.1f} tok/s node {d['node_tok_s']:.1f} tok/s ratio {d['ratio']:.4f}",
+                flush=True,
+            )
         for conn in direct + proxied:
             conn.close()
     finally:
@@ -1029,14 +1035,24 @@ def write_report(path: Path, args: argparse.Namespace, facts: dict[str, str], mo
             for c in clients:
                 v = real[c].cpu_ms_per_1k.get(conc, float("nan"))
                 cells.append(f"{v:.1f} ms ({verdict(v <= TARGETS['cpu_ms_per_1k'])})")
-            rows.append((f"node CPU ≤ {TARGETS['cpu_ms_per_1k']:g} ms per 1,000 streamed tokens, c={conc} ({args.decode_tokens}-token streams)", cells))
+            rows.append(
+                (
+                    f"node CPU ≤ {TARGETS['cpu_ms_per_1k']:g} ms per 1,000 streamed tokens, c={conc} ({args.decode_tokens}-token streams)",
+                    cells,
+                )
+            )
     if stub:
         for epw in args.events_per_write:
             cells = []
             for c in clients:
                 best = max(r["node"]["events_per_s"] for r in stub[c]["throughput"] if r["epw"] == epw)
                 cells.append(f"{best:,.0f} ({verdict(best >= TARGETS['events_per_s'])})")
-            rows.append((f"SSE events/s ≥ 20,000 on one core, stub writing {epw} event(s) per write (best of {'/'.join(map(str, args.stub_streams))} streams)", cells))
+            rows.append(
+                (
+                    f"SSE events/s ≥ 20,000 on one core, stub writing {epw} event(s) per write (best of {'/'.join(map(str, args.stub_streams))} streams)",
+                    cells,
+                )
+            )
         cells = []
         for c in clients:
             runs = [stub[c]["many"], stub[c]["paced"]]
@@ -1062,14 +1078,18 @@ def write_report(path: Path, args: argparse.Namespace, facts: dict[str, str], mo
           f"Decode: `max_tokens` {args.decode_tokens} with `ignore_eos`, rounds of c concurrent streams "
           "alternating direct/node (ABBA). Every request opens a fresh connection to llama-server on both paths "
           "(llama-server closes a connection after each streamed answer); the client keeps its connection to the node.\n")  # fmt: skip
-        w("| client | direct TTFT p50 / p99 | node TTFT p50 / p99 | added p50 / p99 (node quantile − direct quantile) | paired difference p50 / p99 | errors |")
+        w(
+            "| client | direct TTFT p50 / p99 | node TTFT p50 / p99 | added p50 / p99 (node quantile − direct quantile) | paired difference p50 / p99 | errors |"
+        )
         w("|---|---|---|---|---|---|")
         for c in clients:
             a = real[c].added_ttft()
             w(f"| `{c}` | {ms(a['direct_p50'])} / {ms(a['direct_p99'])} ms | {ms(a['node_p50'])} / {ms(a['node_p99'])} ms | "
               f"**{ms(a['added_p50'])} / {ms(a['added_p99'])} ms** | {ms(a['pair_p50'])} / {ms(a['pair_p99'])} ms | {real[c].errors} |")  # fmt: skip
         w("")
-        w("| client | concurrency | rounds per path | direct tok/s | node tok/s | node / direct [95 % CI] | median paired-round ratio | added TTFT p50 at this concurrency |")
+        w(
+            "| client | concurrency | rounds per path | direct tok/s | node tok/s | node / direct [95 % CI] | median paired-round ratio | added TTFT p50 at this concurrency |"
+        )
         w("|---|---|---|---|---|---|---|---|")
         for c in clients:
             for conc in args.concurrency:
@@ -1086,7 +1106,9 @@ def write_report(path: Path, args: argparse.Namespace, facts: dict[str, str], mo
         w("### Proxy-only added TTFT\n")
         w(f"`max_tokens` 1, {args.stub_ttft_pairs} interleaved pairs; the stub answers in ~0.1 ms, so this is the node's own cost "
           "plus one extra loopback hop and its cross-core wake-ups.\n")  # fmt: skip
-        w("| client | pairs | direct TTFT p50 / p99 | node TTFT p50 / p99 | added p50 / p99 (quantile diff) | paired difference p50 / p99 |")
+        w(
+            "| client | pairs | direct TTFT p50 / p99 | node TTFT p50 / p99 | added p50 / p99 (quantile diff) | paired difference p50 / p99 |"
+        )
         w("|---|---|---|---|---|---|")
         for c in clients:
             t = stub[c]["ttft"]
@@ -1123,7 +1145,9 @@ def write_report(path: Path, args: argparse.Namespace, facts: dict[str, str], mo
           f"per {args.paced_delay_s * 1000:.0f} ms per stream, {args.paced_tokens} tokens each (a busy node's real pace). "
           "*all open together*: from the last stream's first byte to the first stream's end. RSS: the node process alone "
           "(not the stub), sampled every 50 ms.\n")  # fmt: skip
-        w("| client | run | errors | short streams | peak slots busy | all open together for | events/s | node CPU | node CPU per event | node RSS idle | node RSS peak |")
+        w(
+            "| client | run | errors | short streams | peak slots busy | all open together for | events/s | node CPU | node CPU per event | node RSS idle | node RSS peak |"
+        )
         w("|---|---|---|---|---|---|---|---|---|---|---|")
         for c in clients:
             for label, key in (("fast", "many"), ("paced", "paced")):
@@ -1151,7 +1175,9 @@ async def amain(args: argparse.Namespace) -> None:
     startup: dict[str, Any] = {}
     if not args.skip_startup:
         startup["help"] = help_timing(args.help_runs)
-        print(f"[startup] --help median {startup['help']['help_ms']:.0f} ms, python -c pass {startup['help']['pass_ms']:.0f} ms", flush=True)
+        print(
+            f"[startup] --help median {startup['help']['help_ms']:.0f} ms, python -c pass {startup['help']['pass_ms']:.0f} ms", flush=True
+        )
         gemma, gemma_desc = gemma_model("auto")
         startup["first_model"] = f"gemma-3-270m {gemma_desc.split(',')[0]}"
         startup["first"] = first_request(gemma, args.first_steady)
@@ -1170,7 +1196,9 @@ async def amain(args: argparse.Namespace) -> None:
     load_after = list(os.getloadavg())
     raw = {
         "facts": facts,
-        "real": {c: {**asdict(r), "added": r.added_ttft(), "decode_summary": {k: r.decode_summary(k) for k in r.decode}} for c, r in real.items()},
+        "real": {
+            c: {**asdict(r), "added": r.added_ttft(), "decode_summary": {k: r.decode_summary(k) for k in r.decode}} for c, r in real.items()
+        },
         "stub": stub,
         "load": [load_before, load_after],
         "startup": startup,

@@ -110,8 +110,13 @@ SERVER_RATE = re.compile(rb'"predicted_per_second":([0-9.]+)')
 
 async def one_stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[float, float, int]:
     """(ttft_s, decode_s from first to last content delta, content deltas) for one streamed chat request."""
-    body = {"messages": MESSAGES, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}  # the usage chunk carries llama-server's timings
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }  # the usage chunk carries llama-server's timings
     sent = time.perf_counter()
     first = last = 0.0
     tokens = 0
@@ -139,7 +144,7 @@ async def part_ttft(direct_url: str, relay_url: str, state_dir: Path, pairs: int
     relayed, node_url = relay_client(relay_url, state_dir, limits=limits)
     try:
         for i in range(pairs + 5):
-            for path in (("direct", "relay") if i % 2 == 0 else ("relay", "direct")):
+            for path in ("direct", "relay") if i % 2 == 0 else ("relay", "direct"):
                 client, base = (direct, direct_url) if path == "direct" else (relayed, node_url)
                 t, _, _ = await one_stream(client, base, 4)
                 if i >= 5:  # warm-up pairs not counted
@@ -167,7 +172,7 @@ async def part_decode(direct_url: str, relay_url: str, state_dir: Path, rounds: 
     relayed, node_url = relay_client(relay_url, state_dir)
     try:
         for i in range(rounds + 1):
-            for path in (("direct", "relay") if i % 2 == 0 else ("relay", "direct")):
+            for path in ("direct", "relay") if i % 2 == 0 else ("relay", "direct"):
                 client, base = (direct, direct_url) if path == "direct" else (relayed, node_url)
                 _, span, tokens = await one_stream(client, base, max_tokens)
                 if i >= 1 and span > 0:
@@ -191,7 +196,9 @@ def run_part1(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = write_tiny_model(work / "tiny.gguf")
     relay_port, node_port = free_local_port(), free_local_port()
     relay_url = f"http://127.0.0.1:{relay_port}"
-    relay = start(["-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--open", "--log-level", "WARNING"], work / "relay1.log")
+    relay = start(
+        ["-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--open", "--log-level", "WARNING"], work / "relay1.log"
+    )
     state = work / "node-state"
     node = start([
         "-m", "meshnet_gguf", "serve", "--gguf", str(model), "--port", str(node_port), "--state-dir", str(state),
@@ -315,7 +322,9 @@ def run_part2(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     relay_port = free_local_port()
     relay_url = f"http://127.0.0.1:{relay_port}"
-    relay = start(["-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--open", "--log-level", "WARNING"], work / "relay2.log")
+    relay = start(
+        ["-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--open", "--log-level", "WARNING"], work / "relay2.log"
+    )
     nodes: list[subprocess.Popen[bytes]] = []
     try:
         wait_http(relay_url + "/health", relay, work / "relay2.log")

@@ -102,7 +102,6 @@ def flood_sources(networks: int) -> list[str]:
     return [f"127.{1 + i // 254}.{1 + i % 254}.1" for i in range(networks)]
 
 
-
 async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path) -> None:
     """Runs in its own process: strangers at the relay for `duration_s`; writes outcome counts as JSON."""
     outcomes: Counter[str] = Counter()
@@ -248,8 +247,13 @@ def summary(ttfts: list[float]) -> dict[str, float]:
 
 
 async def measure(
-    limits: httpx.Limits, sign: Any, announcement: NodeAnnouncement, relay: subprocess.Popen[bytes], relay_port: int,
-    flooded: bool, outcomes_path: Path,
+    limits: httpx.Limits,
+    sign: Any,
+    announcement: NodeAnnouncement,
+    relay: subprocess.Popen[bytes],
+    relay_port: int,
+    flooded: bool,
+    outcomes_path: Path,
 ) -> dict[str, Any]:
     """`ROUNDS` rounds of honest streams, with or without a flood process at the relay meanwhile."""
     dialer = NodeDialer(limits, sign)
@@ -320,7 +324,9 @@ async def run(work: Path) -> dict[str, Any]:
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(server.serve)
-            link = build_relay_link(relay_url, NodeIdentity.load_or_create(work / "node"), work / "node", local_address_for("127.0.0.1", app_port))
+            link = build_relay_link(
+                relay_url, NodeIdentity.load_or_create(work / "node"), work / "node", local_address_for("127.0.0.1", app_port)
+            )
             tg.start_soon(link.run)
             with anyio.fail_after(START_TIMEOUT_S):
                 while link.link_health().idle_work < 1:
@@ -415,8 +421,12 @@ def main() -> None:
     FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY = args.flood_decoy, args.networks, args.rounds, args.concurrency
     with tempfile.TemporaryDirectory(prefix="meshnet-flood-") as tmp:
         results = anyio.run(run, Path(tmp), backend_options={"use_uvloop": True})
-    command = "PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py" + (" --flood-decoy" if args.flood_decoy else "") + (
-        f" --networks {args.networks} --rounds {args.rounds} --concurrency {args.concurrency}") + (f" --out {args.out}" if args.out else "")
+    command = (
+        "PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py"
+        + (" --flood-decoy" if args.flood_decoy else "")
+        + (f" --networks {args.networks} --rounds {args.rounds} --concurrency {args.concurrency}")
+        + (f" --out {args.out}" if args.out else "")
+    )
     text = render(results, command)
     print(text)
     print(json.dumps(results, indent=2), file=sys.stderr)

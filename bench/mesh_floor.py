@@ -326,7 +326,9 @@ def main() -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "filesystem": filesystem_of(folder.resolve()),
             "steps": {
-                **route_steps(args.calls), **ledger_steps(folder, args.calls), **disk_steps(folder, args.calls),
+                **route_steps(args.calls),
+                **ledger_steps(folder, args.calls),
+                **disk_steps(folder, args.calls),
                 **after_gap_steps(folder, args.gap_calls, args.gap_ms / 1000),
             },  # fmt: skip
         }

@@ -27,7 +27,10 @@ from meshnet_gguf.models.tiny_model import write_tiny_model
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.billing_harness import LlamaChild, serve_front  # noqa: E402
 
-CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you?" * 4}], "max_tokens": 1}
+CHAT = {
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you?" * 4}],
+    "max_tokens": 1,
+}
 COMPLETION = {"prompt": "Hello there, how are you?" * 4, "max_tokens": 2, "stream": True}
 
 
@@ -63,7 +66,9 @@ def main() -> int:
         child.close()
     for name, values in sorted(times.items()):
         values.sort()
-        print(f"{name}: p50 {statistics.median(values) * 1000:.2f} ms, p90 {values[int(len(values) * 0.9)] * 1000:.2f} ms (n={len(values)})")
+        print(
+            f"{name}: p50 {statistics.median(values) * 1000:.2f} ms, p90 {values[int(len(values) * 0.9)] * 1000:.2f} ms (n={len(values)})"
+        )
     return 0
 
 

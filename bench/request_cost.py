@@ -113,7 +113,9 @@ class InstantUpstream:
         return None
 
 
-def build(mode_name: str, state_dir: Path, upstream: InstantUpstream, body: bytes) -> tuple[ProxyApp, Callable[[], dict[str, str]], UsageLedger | None]:
+def build(
+    mode_name: str, state_dir: Path, upstream: InstantUpstream, body: bytes
+) -> tuple[ProxyApp, Callable[[], dict[str, str]], UsageLedger | None]:
     slots = Slots(total=8)
     target = UpstreamTarget("http://127.0.0.1:1", "llama-key")
     sinks: list[Any] = [UsageStats(), RecentRequests(), UsageLog(), NodeMetrics(in_flight=lambda: slots.in_flight)]
@@ -231,7 +233,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per streamed answer (one SSE event each)")
-    parser.add_argument("--modes", default="standalone,meshed", help="standalone, standalone-no-journal (without the usage journal), meshed")
+    parser.add_argument(
+        "--modes", default="standalone,meshed", help="standalone, standalone-no-journal (without the usage journal), meshed"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of about this many tokens (default: a short chat)")
     parser.add_argument("--profile", type=int, default=0, metavar="K", help="print the top K functions by own time")
     parser.add_argument("--json", type=Path, default=None)

@@ -146,7 +146,9 @@ def main() -> int:
             print(f"\n{label} ({limit}): RSS after load {base / 2**20:.0f} MiB")
             for s in samples[1:]:
                 if s.request % max(1, len(samples) // 12) == 0 or s is samples[-1]:
-                    print(f"  request {s.request:4d}  {s.elapsed_s:7.1f} s  RSS {s.rss_bytes / 2**20:7.1f} MiB  (+{(s.rss_bytes - base) / 2**20:.1f})")
+                    print(
+                        f"  request {s.request:4d}  {s.elapsed_s:7.1f} s  RSS {s.rss_bytes / 2**20:7.1f} MiB  (+{(s.rss_bytes - base) / 2**20:.1f})"
+                    )
             results[limit] = [s.__dict__ for s in samples]
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

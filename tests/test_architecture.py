@@ -28,7 +28,22 @@ AREA_MAY_IMPORT: dict[str, set[str]] = {
     "proof": {"common", "contract"},
     "reference": {"common", "contract"},
     "node": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops"},
-    "cli": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops", "doctor", "devtools", "reference", "node", "proof"},
+    "cli": {
+        "common",
+        "contract",
+        "models",
+        "llama",
+        "hardware",
+        "prepare",
+        "serving",
+        "mesh",
+        "ops",
+        "doctor",
+        "devtools",
+        "reference",
+        "node",
+        "proof",
+    },
 }
 # Modules outside any area: the package's own __init__ and `python -m meshnet_gguf`.
 NO_AREA = {"__init__", "__main__"}
@@ -181,9 +196,7 @@ def test_no_import_cycle_anywhere_in_the_package() -> None:
     modules = _all_modules()
     graph = {name: _import_edges(path, modules) for name, path in modules.items()}
     cycles = _cycles(graph)
-    assert not cycles, "modules that import each other, directly or round a loop:\n" + "\n".join(
-        " <-> ".join(c) for c in cycles
-    )
+    assert not cycles, "modules that import each other, directly or round a loop:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
 def test_the_cycle_check_sees_function_level_and_relative_imports(tmp_path: Path) -> None:

@@ -231,10 +231,7 @@ def main() -> int:
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("decode", "prefill")}), flush=True)
         out_file.write_text(json.dumps({"results": results}, indent=2))
-    best = {
-        key: max((r for r in results if r.get(key)), key=lambda r: r[key], default=None)
-        for key in ("decode_tok_s", "prefill_tok_s")
-    }
+    best = {key: max((r for r in results if r.get(key)), key=lambda r: r[key], default=None) for key in ("decode_tok_s", "prefill_tok_s")}
     # The plan's figure is the median of its two runs (start and end of the sweep).
     plans = [r for r in results if r["name"] in ("plan", "plan-again") and r.get("decode_tok_s")]
     plan = {key: median([r.get(key) for r in plans]) for key in best}

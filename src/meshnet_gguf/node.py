@@ -170,8 +170,12 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         model_aliases=launch.model_aliases,
         health=health,
         usage_sinks=[
-            usage_stats, recent_requests, UsageLog(), metrics,
-            *([tracker_link.usage_sink] if tracker_link else []), *([journal] if journal else []),
+            usage_stats,
+            recent_requests,
+            UsageLog(),
+            metrics,
+            *([tracker_link.usage_sink] if tracker_link else []),
+            *([journal] if journal else []),
         ],  # fmt: skip
         mode=tracker_link.admission_mode if tracker_link else None,
         extra_get_routes={METRICS_PATH: metrics.scrape},
@@ -187,13 +191,19 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
     pages = NodePages(
         guarded,
         status=StatusSource(
-            health, recent_requests, plan_line(launch.plan.describe(with_argv=False) if launch.plan else None, settings.parallel),
-            tracker=settings.tracker, chat=chat,
+            health,
+            recent_requests,
+            plan_line(launch.plan.describe(with_argv=False) if launch.plan else None, settings.parallel),
+            tracker=settings.tracker,
+            chat=chat,
             llama_server=f"{launch.binary.describe()}; {features.describe()}" if features else launch.binary.describe(),
         ),  # fmt: skip
         access=PageAccess(
-            api_key=settings.api_key, meshed=tracker_link is not None, remote=settings.status_page_remote,
-            host_names=(settings.host, *settings.allowed_hosts), relayed=is_relayed,
+            api_key=settings.api_key,
+            meshed=tracker_link is not None,
+            remote=settings.status_page_remote,
+            host_names=(settings.host, *settings.allowed_hosts),
+            relayed=is_relayed,
         ),  # fmt: skip
         chat=ChatUi(upstream, upstream_client) if chat else None,
     )
@@ -208,8 +218,15 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         # error event), then the listener, the tracker link's last receipts, the relay tunnel, systemd,
         # and last the state dir's lock, so a second node cannot start while this one still stops.
         parts=[
-            supervisor, http, *([tracker_link] if tracker_link else []), *relays, *([pool] if pool else []),
-            operations, *([journal] if journal else []), model_files, state_lock,
+            supervisor,
+            http,
+            *([tracker_link] if tracker_link else []),
+            *relays,
+            *([pool] if pool else []),
+            operations,
+            *([journal] if journal else []),
+            model_files,
+            state_lock,
         ],  # fmt: skip
         supervisor=supervisor,
         slots=slots,
@@ -276,8 +293,7 @@ def _pool_monitor(launch: PreparedLaunch, identity: NodeIdentity) -> PoolMonitor
     settings = launch.settings
     read, close = http_status_reader(lambda: status_token(identity.private_key), settings.pool_status_timeout_s)
     workers = [
-        WatchedWorker(worker_name(i), m.spec.endpoint, m.spec.status_url, m.budget_bytes, m.protocol)
-        for i, m in enumerate(launch.pool)
+        WatchedWorker(worker_name(i), m.spec.endpoint, m.spec.status_url, m.budget_bytes, m.protocol) for i, m in enumerate(launch.pool)
     ]
     described = pool_description(launch)
     assert described is not None

@@ -39,9 +39,7 @@ def run(tmp_path: Path, box: str, llama: Path, *args: str) -> subprocess.Complet
         MESHNET_HARDWARE_FIXTURE=str(FIXTURES / box), MESHNET_LLAMA_SERVER=str(llama),
         MESHNET_DOWNLOAD_DIR=str(tmp_path / "models"), MESHNET_STATE_DIR=str(tmp_path / "state"),
     )  # fmt: skip
-    return subprocess.run(
-        [sys.executable, "-m", "meshnet_gguf", *args], env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
-    )
+    return subprocess.run([sys.executable, "-m", "meshnet_gguf", *args], env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
 
 
 def figures_in(text: str) -> tuple[str, int, str | None]:

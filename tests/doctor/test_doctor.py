@@ -118,9 +118,7 @@ def test_amd_box_without_render_node_access(tmp_path: Path) -> None:
     (root / "dev/dri/renderD128").write_bytes(b"")
     (root / "dev/kfd").write_bytes(b"")
     denied = {root / "dev/dri/renderD128", root / "dev/kfd"}
-    doctor = run_doctor(
-        _environment(load_box("strix-halo-128"), root=root, access=lambda path, mode: Path(path) not in denied)
-    )
+    doctor = run_doctor(_environment(load_box("strix-halo-128"), root=root, access=lambda path, mode: Path(path) not in denied))
     gpu = _only(doctor, "gpu")
     render = next(f for f in gpu if "renderD128" in f.summary)
     kfd = next(f for f in gpu if "/dev/kfd" in f.summary)

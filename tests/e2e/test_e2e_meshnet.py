@@ -47,7 +47,9 @@ def test_openai_sdk_through_the_tracker_and_both_ledgers_agree(real_llama, track
     assert (node.state_dir / TRACKER_KEY_PIN_FILE).read_text().strip() == tracker.public_key()
     assert tracker.serve_line()["MESHNET_TRACKER_PUBLIC_KEY"] == tracker.public_key()
     [announced] = [n["announcement"] for n in httpx.get(tracker.url + "/v1/nodes").json()]
-    assert announced["shards"] == [{"name": tiny_gguf.name, "sha256": hashlib.sha256(tiny_gguf.read_bytes()).hexdigest(), "size": tiny_gguf.stat().st_size}]
+    assert announced["shards"] == [
+        {"name": tiny_gguf.name, "sha256": hashlib.sha256(tiny_gguf.read_bytes()).hexdigest(), "size": tiny_gguf.stat().st_size}
+    ]
     assert (announced["first_layer"], announced["last_layer"], announced["total_layers"]) == (0, 1, 2)
     assert announced["hardware"]["summary"] and announced["llama_build"] and announced["slots"] == 2
     assert announced["model_aliases"] == [tiny_gguf.name] and announced["max_tokens_cap"] == 8192

@@ -150,7 +150,9 @@ def test_the_sdk_retrieves_the_model_by_any_of_its_names_and_404s_another(start_
 # --- 5. the operator's token cap ------------------------------------------------------------
 
 
-def test_the_token_cap_bounds_every_request_and_is_shown_in_health(start_node, fake_llama_path: Path, tiny_gguf: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_token_cap_bounds_every_request_and_is_shown_in_health(
+    start_node, fake_llama_path: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     request_log = tmp_path / "requests.jsonl"
     node = start_node(
         "--gguf", str(tiny_gguf), "--llama-server", str(fake_llama_path), "--max-tokens-cap", "7",

@@ -55,7 +55,9 @@ class WorkerProcess:
     def wait_listening(self) -> None:
         deadline = time.monotonic() + WORKER_START_S
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, subprocess.run(["ss", "-tanpo"], capture_output=True, text=True).stdout + self.log_path.read_text()
+            assert self.proc.poll() is None, (
+                subprocess.run(["ss", "-tanpo"], capture_output=True, text=True).stdout + self.log_path.read_text()
+            )
             try:
                 # Unauthenticated: 401 is enough to know the status endpoint is up; the banner comes with the server.
                 if httpx.get(f"http://127.0.0.1:{self.port + 1}{STATUS_PATH}", timeout=1).status_code == 401 and (
@@ -171,7 +173,9 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_the_node_s
     real_llama: BinaryInfo, tiny_gguf: Path, start_node, start_worker, tmp_path: Path
 ) -> None:
     key, first, second = listening_pair(start_worker, tmp_path / "state")
-    node: NodeProcess = start_node("--gguf", str(tiny_gguf), "--pool-worker", f"{first.endpoint}=3G", "--pool-worker", f"{second.endpoint}=3G")
+    node: NodeProcess = start_node(
+        "--gguf", str(tiny_gguf), "--pool-worker", f"{first.endpoint}=3G", "--pool-worker", f"{second.endpoint}=3G"
+    )
     health = node.wait_ready()
     pool = health["pool"]
     assert [(w["name"], w["state"]) for w in pool["workers"]] == [("worker 1", "up"), ("worker 2", "up")]
@@ -201,8 +205,11 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_and_the_node_s
     deadline = time.monotonic() + UNREADY_WITHIN_S
     while True:
         answer = node.health()
-        away = answer is not None and answer.status_code == 503 and answer.json().get("pool") and (
-            answer.json()["pool"]["workers"][1]["state"] == "away"
+        away = (
+            answer is not None
+            and answer.status_code == 503
+            and answer.json().get("pool")
+            and (answer.json()["pool"]["workers"][1]["state"] == "away")
         )
         if away or time.monotonic() > deadline:
             break
@@ -376,7 +383,7 @@ def _stream_killing_after(
         for line in answer.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if "error" in event:
                 error, ended_at = event["error"], time.monotonic()
                 continue

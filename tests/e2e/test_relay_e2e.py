@@ -227,6 +227,7 @@ def test_a_relay_killed_under_a_stream_fails_over_with_no_client_error(real_llam
         [entry] = httpx.get(tracker.url + "/v1/nodes").json()
         assert entry["announcement"]["relay"]["url"] == first.url  # where a tracker that knows one relay looks
         assert [r["url"] for r in entry["announcement"]["relays"]] == [first.url, second.url]
+
         def both_attached() -> bool:
             health = node.health()
             return health is not None and [r["state"] for r in health.json()["relays"]] == ["attached", "attached"]
@@ -244,7 +245,9 @@ def test_a_relay_killed_under_a_stream_fails_over_with_no_client_error(real_llam
                 started, error = time.monotonic(), None
                 try:
                     if n % 2:
-                        chunks = list(client.chat.completions.create(model=mesh.model, messages=MESSAGES, max_tokens=4, stream=True, **EXACT))
+                        chunks = list(
+                            client.chat.completions.create(model=mesh.model, messages=MESSAGES, max_tokens=4, stream=True, **EXACT)
+                        )
                         assert chunks
                     else:
                         client.chat.completions.create(model=mesh.model, messages=MESSAGES, max_tokens=4, **EXACT)

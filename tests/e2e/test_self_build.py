@@ -170,7 +170,9 @@ def test_dev_mesh_demo_builds_in_front_then_answers(not_our_box: dict[str, str],
             assert time.monotonic() < deadline, out_path.read_text()
             time.sleep(0.2)
         out = out_path.read_text()
-        assert BUILD_ANNOUNCEMENT in out and out.index(BUILD_ANNOUNCEMENT) < out.index("state (keys, ledgers, logs) in")  # before anything started
+        assert BUILD_ANNOUNCEMENT in out and out.index(BUILD_ANNOUNCEMENT) < out.index(
+            "state (keys, ledgers, logs) in"
+        )  # before anything started
         base_url = re.search(r"OpenAI base URL: (\S+)", out).group(1)  # type: ignore[union-attr]
         answer = openai.OpenAI(base_url=base_url, api_key="unused").chat.completions.create(model="demo", messages=QUESTION, max_tokens=32)
         assert "Paris" in (answer.choices[0].message.content or "")

@@ -89,8 +89,7 @@ def test_requests_go_to_the_faster_node_and_spill_to_the_slower_only_while_it_is
         under_way = [threading.Event() for _ in range(SLOTS)]
         held: list[str] = []
         holders = [
-            threading.Thread(target=lambda e=e: held.append(stream(tracker, "model", max_tokens=HOLD_TOKENS, started=e)))
-            for e in under_way
+            threading.Thread(target=lambda e=e: held.append(stream(tracker, "model", max_tokens=HOLD_TOKENS, started=e))) for e in under_way
         ]
         for t, event in zip(holders, under_way):
             t.start()

@@ -89,9 +89,7 @@ def _script_answering(path: Path, fake_llama_path: Path) -> Path:
     """A llama-server at `path` that prints the wheel's --version line and the fake's --help."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        "#!/bin/sh\n"
-        f'if [ "$1" = --version ]; then echo "{WHEEL_VERSION_LINE}" >&2; exit 0; fi\n'
-        f'exec "{fake_llama_path}" "$@"\n'
+        f'#!/bin/sh\nif [ "$1" = --version ]; then echo "{WHEEL_VERSION_LINE}" >&2; exit 0; fi\nexec "{fake_llama_path}" "$@"\n'
     )
     path.chmod(0o755)
     return path

@@ -51,9 +51,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", str(SCRIPT), *args], env=_env(tmp_path, **env), capture_output=True, text=True, timeout=30, check=False
-    )
+    return subprocess.run(["bash", str(SCRIPT), *args], env=_env(tmp_path, **env), capture_output=True, text=True, timeout=30, check=False)
 
 
 def last_line(done: subprocess.CompletedProcess[str]) -> str:
@@ -74,9 +72,7 @@ def _add_tar(tar: tarfile.TarFile, name: str, data: bytes = b"", *, mode: int = 
         tar.addfile(info, io.BytesIO(data))
 
 
-def make_tar_gz(
-    path: Path, top: str = "llama-b9999", *, link_target: str = "libggml.so.0", server: bool = True
-) -> Path:
+def make_tar_gz(path: Path, top: str = "llama-b9999", *, link_target: str = "libggml.so.0", server: bool = True) -> Path:
     with tarfile.open(path, "w:gz") as tar:
         tar.addfile(_dir_info(top))
         if server:
@@ -145,9 +141,7 @@ def no_curl(tmp_path: Path) -> dict[str, str]:
         (["macos", "b6500", "--arch", "x64"], "llama-b6500-bin-macos-x64.tar.gz"),
     ],
 )
-def test_dry_run_prints_the_release_asset_url(
-    tmp_path: Path, no_curl: dict[str, str], args: list[str], asset: str
-) -> None:
+def test_dry_run_prints_the_release_asset_url(tmp_path: Path, no_curl: dict[str, str], args: list[str], asset: str) -> None:
     done = run(tmp_path, *args, "--dry-run", **no_curl)
     assert done.stdout.splitlines() == [f"{GH}/b6500/{asset}"], done.stderr
     assert not (tmp_path / "curl-called").exists() and not (tmp_path / "install").exists()
@@ -255,9 +249,7 @@ def test_zip_link_stored_as_text_file_is_restored(tmp_path: Path) -> None:
 
 def test_link_mangled_by_the_packer_is_repaired(tmp_path: Path) -> None:
     # ggml-org/llama.cpp#23115: b9165 shipped libggml.so -> llama-b9165ibggml.so.0
-    archive = make_tar_gz(
-        tmp_path / "llama-b9165-bin-ubuntu-vulkan-x64.tar.gz", "llama-b9165", link_target="llama-b9165ibggml.so.0"
-    )
+    archive = make_tar_gz(tmp_path / "llama-b9165-bin-ubuntu-vulkan-x64.tar.gz", "llama-b9165", link_target="llama-b9165ibggml.so.0")
     done = run(tmp_path, "vulkan", "--archive", str(archive))
     assert "repaired broken symlink" in done.stderr
     assert_installed(Path(last_line(done)))
@@ -319,10 +311,7 @@ def mirror(tmp_path: Path) -> dict[str, object]:
         body = json.dumps(
             {
                 "tag_name": tag,
-                "assets": [
-                    {"name": n, "browser_download_url": f"https://github.com/x/y/releases/download/{tag}/{n}"}
-                    for n in assets
-                ],
+                "assets": [{"name": n, "browser_download_url": f"https://github.com/x/y/releases/download/{tag}/{n}"} for n in assets],
             },
             indent=2,
         )
@@ -338,9 +327,7 @@ def mirror(tmp_path: Path) -> dict[str, object]:
 
 
 def test_latest_is_resolved_downloaded_and_then_reused(tmp_path: Path, mirror: dict) -> None:
-    mirror["publish"](
-        "b9999", "llama-b9999-bin-ubuntu-vulkan-x64.tar.gz", "llama-b9999-bin-macos-arm64.tar.gz", latest=True
-    )
+    mirror["publish"]("b9999", "llama-b9999-bin-ubuntu-vulkan-x64.tar.gz", "llama-b9999-bin-macos-arm64.tar.gz", latest=True)
     done = run(tmp_path, "vulkan", "--arch", "x64", **mirror["env"])
     binary = Path(last_line(done))
     assert binary == (tmp_path / "install").resolve() / "b9999-vulkan" / "llama-server"

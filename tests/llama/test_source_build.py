@@ -48,6 +48,7 @@ class RecordedProgress:
         if step is not None:
             self.steps.append(step)
 
+
 SERVER_C = r"""
 #include <stdio.h>
 #include <string.h>
@@ -115,7 +116,13 @@ def test_builds_installs_and_is_found_before_the_bundled_wheel(tmp_path: Path) -
     # The configure step asked for this CPU, a static binary, RPC and nothing fetched at build time.
     log = (install / BUILD_LOG_FILE).read_text().splitlines()
     configure = next(line for line in log if line.startswith("$ cmake -S"))
-    for flag in ("-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_NUMBER=11434", "-DGGML_RPC=ON"):
+    for flag in (
+        "-DGGML_NATIVE=ON",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_NUMBER=11434",
+        "-DGGML_RPC=ON",
+    ):
         assert flag in configure
     # Only the two targets were built: the broken one next to them never compiled.
     assert any("--target llama-server ggml-rpc-server" in line for line in log)
@@ -215,7 +222,13 @@ def test_missing_build_tools_are_named_with_their_debian_packages_before_anythin
 
 def test_portable_builds_ask_for_every_cpu_variant_loaded_at_run_time() -> None:
     flags = cmake_flags(vulkan=False, build_number=None, portable=True)
-    for flag in ("-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN"):
+    for flag in (
+        "-DGGML_BACKEND_DL=ON",
+        "-DGGML_CPU_ALL_VARIANTS=ON",
+        "-DGGML_NATIVE=OFF",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+    ):
         assert flag in flags
     assert "-DGGML_NATIVE=ON" not in flags
     # AMX is left to the run-time choice of variant there, never switched off at compile time.

@@ -35,8 +35,12 @@ class ReadyClock:
 async def test_the_probe_runs_after_the_warmup_and_before_ready_and_its_figures_are_kept(fake_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     log = tmp_path / "warmup.jsonl"
     clock = ReadyClock()
-    policy = dataclasses.replace(QUICK, warmup=WarmupPolicy(prompt_words=(3,), max_tokens=2), speed_probe=SpeedProbePolicy(prompt_words=(4, 40)))
-    supervisor = Supervisor(ChildSpec(fake_llama, ["--model", "m.gguf"], {"FAKE_LLAMA_WARMUP_LOG": str(log)}), policy, state_dir=tmp_path, listeners=[clock])
+    policy = dataclasses.replace(
+        QUICK, warmup=WarmupPolicy(prompt_words=(3,), max_tokens=2), speed_probe=SpeedProbePolicy(prompt_words=(4, 40))
+    )
+    supervisor = Supervisor(
+        ChildSpec(fake_llama, ["--model", "m.gguf"], {"FAKE_LLAMA_WARMUP_LOG": str(log)}), policy, state_dir=tmp_path, listeners=[clock]
+    )
     async with anyio.create_task_group() as tg:
         tg.start_soon(supervisor.run)
         with anyio.fail_after(20):

@@ -45,9 +45,7 @@ class StateLog:
         self.pids.append(pid)
 
 
-def make(
-    binary: BinaryInfo, tmp_path: Path, policy: SupervisorPolicy = FAST, listener: StateLog | None = None, **env: str
-) -> Supervisor:
+def make(binary: BinaryInfo, tmp_path: Path, policy: SupervisorPolicy = FAST, listener: StateLog | None = None, **env: str) -> Supervisor:
     return Supervisor(
         ChildSpec(binary, ["--model", "m.gguf", "--alias", "m"], env),
         policy,

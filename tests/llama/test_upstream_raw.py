@@ -33,9 +33,7 @@ class Server:
             try:
                 while True:
                     head = await reader.readuntil(b"\r\n\r\n")
-                    length = next(
-                        (int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")), 0
-                    )
+                    length = next((int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")), 0)
                     body = await reader.readexactly(length)
                     if not await self.handler(head, body, writer):
                         break

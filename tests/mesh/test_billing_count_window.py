@@ -96,7 +96,10 @@ async def test_llama_server_gone_after_forwarding_and_before_the_count_still_bil
         async with serve_front(child.url, tracker=tracker, state_dir=state) as front, httpx.AsyncClient(timeout=30) as http:
             assert front.identity is not None
             body = f'{{"model": "tiny", "messages": [{{"role": "user", "content": "{CONTENT}"}}], "stream": true}}'.encode()
-            headers = {"content-type": "application/json", ROUTE_HEADER: tracker.route(front.identity.node_id, "/v1/chat/completions", body)}
+            headers = {
+                "content-type": "application/json",
+                ROUTE_HEADER: tracker.route(front.identity.node_id, "/v1/chat/completions", body),
+            }
 
             async def ask() -> None:
                 await http.post(front.url + "/v1/chat/completions", content=body, headers=headers)

@@ -158,7 +158,9 @@ def test_tracker_down_for_a_while_under_traffic_then_back_loses_and_doubles_no_r
         stop.set()
         for w in workers:
             w.join(60)
-    wait_for(lambda: all(r["reported"] for r in node_ledger(node.state_dir).values()), "every receipt delivered", node.log_path, timeout=120)
+    wait_for(
+        lambda: all(r["reported"] for r in node_ledger(node.state_dir).values()), "every receipt delivered", node.log_path, timeout=120
+    )
     delivered_after = time.monotonic() - back
     rows = ledger_rows(node.state_dir)
     receipts = tracker.receipt_rows()

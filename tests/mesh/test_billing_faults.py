@@ -60,12 +60,14 @@ async def test_chat_streams_keep_llama_timings_and_are_billed_from_them(llama: L
     messages = [{"role": "user", "content": "Say hello."}]
     async with serve_front(llama.url) as front, httpx.AsyncClient(base_url=front.url, timeout=30) as client:
         whole = (await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "ignore_eos": True})).json()
-        raw = (await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "stream": True, "ignore_eos": True})).content
+        raw = (
+            await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "stream": True, "ignore_eos": True})
+        ).content
         records = await wait_records(front.sink, 2)
     events = events_of(raw)
     # What llama-server sends for this request: no usage-only chunk, timings in the finish chunk.
     assert not [e for e in events if b'"choices":[]' in e]
-    finish = [json.loads(e[len(b"data: ") :]) for e in events if e.startswith(b"data: {") and b"\"finish_reason\":\"length\"" in e]
+    finish = [json.loads(e[len(b"data: ") :]) for e in events if e.startswith(b"data: {") and b'"finish_reason":"length"' in e]
     assert finish and finish[0]["timings"]["predicted_n"] == 5
     assert events[-2].startswith(b": meshnet-usage ") and events[-1] == b"data: [DONE]"
     prompt = whole["usage"]["prompt_tokens"]

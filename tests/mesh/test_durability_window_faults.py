@@ -119,7 +119,9 @@ def test_a_node_killed_before_its_row_is_durable_delivers_and_bills_nothing_and_
     again = httpx.post(restarted.url + CHAT_PATH, content=body, headers=headers, timeout=30)
     assert first.status_code == 200 and b"[DONE]" in first.content
     assert (again.status_code, again.json()["error"]["code"]) == (403, "route_replayed")
-    wait_for(lambda: [r["state"] for r in ledger_rows(restarted.state_dir)] == [RowState.SETTLED], "its one row settled", restarted.log_path)
+    wait_for(
+        lambda: [r["state"] for r in ledger_rows(restarted.state_dir)] == [RowState.SETTLED], "its one row settled", restarted.log_path
+    )
 
 
 def test_a_node_killed_once_its_row_is_durable_bills_it_exactly_once_after_restart(  # type: ignore[no-untyped-def]

@@ -61,4 +61,6 @@ async def test_the_forward_does_not_wait_for_the_ledger_commit_and_the_first_byt
     _, arrived = [json.loads(line)["at"] for line in request_log.read_text().splitlines()]
     [commit_ended] = commits_ended
     assert arrived < commit_ended, f"llama-server got the request {(arrived - commit_ended) * 1000:.1f} ms after the commit ended"
-    assert first_byte_at >= commit_ended, f"the client's first byte came {(commit_ended - first_byte_at) * 1000:.1f} ms before the commit ended"
+    assert first_byte_at >= commit_ended, (
+        f"the client's first byte came {(commit_ended - first_byte_at) * 1000:.1f} ms before the commit ended"
+    )

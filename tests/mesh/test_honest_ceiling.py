@@ -46,7 +46,9 @@ class RealLlama:
         self.url = f"http://127.0.0.1:{port}"
         argv = [str(binary.path), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", "2048",
                 "--parallel", "1", "-t", "2", "--api-key", FAKE_LLAMA_KEY]  # fmt: skip
-        self.proc = subprocess.Popen(argv, env=binary.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, env=binary.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -127,10 +129,22 @@ async def _billed_honestly(url: str, rid: str, true: int) -> dict[str, Any]:
 # events than tokens by more than the old slack (2): the event-count ceiling flagged exactly these answers.
 KINDS = {
     "english": ({"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 12, "temperature": 0}, False),
-    "code": ({"messages": [{"role": "user", "content": "def fibonacci(n):\n    if n < 2:\n        return n\n"}], "max_tokens": 16, "temperature": 0}, False),
+    "code": (
+        {
+            "messages": [{"role": "user", "content": "def fibonacci(n):\n    if n < 2:\n        return n\n"}],
+            "max_tokens": 16,
+            "temperature": 0,
+        },
+        False,
+    ),
     "grammar_json": (
-        {"messages": [{"role": "user", "content": "Give a person"}], "max_tokens": 40, "seed": 3, "temperature": 1,
-         "response_format": {"type": "json_schema", "json_schema": PERSON}},
+        {
+            "messages": [{"role": "user", "content": "Give a person"}],
+            "max_tokens": 40,
+            "seed": 3,
+            "temperature": 1,
+            "response_format": {"type": "json_schema", "json_schema": PERSON},
+        },
         True,
     ),  # fmt: skip
     "chinese": ({"messages": [{"role": "user", "content": "请重复：龘靐齉爩麤"}], "max_tokens": 12, "temperature": 0}, True),
@@ -157,13 +171,38 @@ SHAPES: dict[str, dict[str, Any]] = {
     "chat_max_completion_tokens": {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4},
     "chat_ignore_eos": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True, "stream": True},
     # The base model writes "<|im_end|>" as text, several tokens: the stop string is cut from the answer.
-    "chat_stop": {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 24, "stop": ["<|im_end|>"], "stream": True, "temperature": 0},
+    "chat_stop": {
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 24,
+        "stop": ["<|im_end|>"],
+        "stream": True,
+        "temperature": 0,
+    },
     "chat_stop_whole": {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 24, "stop": "<|im_end|>", "temperature": 0},
-    "json_object": {"messages": [{"role": "user", "content": "A JSON object"}], "max_tokens": 8, "response_format": {"type": "json_object"}, "stream": True},
-    "json_schema_whole": {"messages": [{"role": "user", "content": "Give a person"}], "max_tokens": 40, "seed": 5, "temperature": 1.5,
-                          "response_format": {"type": "json_schema", "json_schema": PERSON}},  # fmt: skip
-    "tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 4, "stream": True,
-              "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]},  # fmt: skip
+    "json_object": {
+        "messages": [{"role": "user", "content": "A JSON object"}],
+        "max_tokens": 8,
+        "response_format": {"type": "json_object"},
+        "stream": True,
+    },
+    "json_schema_whole": {
+        "messages": [{"role": "user", "content": "Give a person"}],
+        "max_tokens": 40,
+        "seed": 5,
+        "temperature": 1.5,
+        "response_format": {"type": "json_schema", "json_schema": PERSON},
+    },  # fmt: skip
+    "tools": {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "max_tokens": 4,
+        "stream": True,
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+            }
+        ],
+    },  # fmt: skip
     "logprobs": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2, "stream": True},
     "completion": {"path": "/v1/completions", "prompt": "The sea is", "max_tokens": 4},
     "completion_stream": {"path": "/v1/completions", "prompt": "请重复：龘靐齉", "max_tokens": 8, "stream": True, "temperature": 0},

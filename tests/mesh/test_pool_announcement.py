@@ -13,7 +13,10 @@ from meshnet_gguf.prepare.pool import PoolMember, PoolShare, parse_pool_worker, 
 
 
 def test_the_announcement_carries_the_pools_size_and_plan_without_addresses(tmp_path: Path) -> None:
-    members = [PoolMember(parse_pool_worker(text), budget, "5.0.0") for text, budget in (("10.0.0.2:50052=80G", 80 * 10**9), ("10.0.0.3:50052=60G", 60 * 10**9))]
+    members = [
+        PoolMember(parse_pool_worker(text), budget, "5.0.0")
+        for text, budget in (("10.0.0.2:50052=80G", 80 * 10**9), ("10.0.0.3:50052=60G", 60 * 10**9))
+    ]
     shares = [
         PoolShare("RPC0", members[0].spec.endpoint, 80 * 10**9, 70 * 10**9),
         PoolShare("RPC1", members[1].spec.endpoint, 60 * 10**9, 52 * 10**9),

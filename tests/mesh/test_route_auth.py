@@ -142,7 +142,14 @@ def test_tokens_the_fast_check_must_still_refuse(verifier: RouteVerifier, clock:
     assert rejected(verifier, {ROUTE_HEADER: crit}).code == "route_malformed"
     token = headers(claims())[ROUTE_HEADER]
     head, payload, sig = token.split(".")
-    for broken in (f"{head}.{payload}", f"{head}.{payload}.{sig}.{sig}", f"{head}.{payload}.{sig[:-8]}", f"{head}.{payload}.", "a.b.c", "é.é.é"):
+    for broken in (
+        f"{head}.{payload}",
+        f"{head}.{payload}.{sig}.{sig}",
+        f"{head}.{payload}.{sig[:-8]}",
+        f"{head}.{payload}.",
+        "a.b.c",
+        "é.é.é",
+    ):
         assert rejected(verifier, {ROUTE_HEADER: broken}).status == 401, broken
     # A header nested deeper than the JSON parser goes, unsigned: a clean refusal, not a crash.
     deep = base64.urlsafe_b64encode(b"[" * 50_000).rstrip(b"=").decode()
@@ -263,7 +270,7 @@ def test_tokens_signed_by_the_libsodium_encoder_are_pyjwts_byte_for_byte() -> No
     keys = [Ed25519PrivateKey.generate() for _ in range(20)]  # more than the cache holds
     samples = [
         claims(),
-        {"iss": "node-x", "jti": "r-1", "iat": 1, "usage": {"prompt_tokens": 3, "ratio": 1.5, "text": "é ☃ \"q\"", "none": None, "ok": True}},
+        {"iss": "node-x", "jti": "r-1", "iat": 1, "usage": {"prompt_tokens": 3, "ratio": 1.5, "text": 'é ☃ "q"', "none": None, "ok": True}},
         {"aud": "rpc-status", "iat": 0, "exp": 2**40, "list": [1, "two", {"three": 3}]},
     ]
     for round_ in range(2):  # the second round signs with keys the cache has already dropped
@@ -271,4 +278,6 @@ def test_tokens_signed_by_the_libsodium_encoder_are_pyjwts_byte_for_byte() -> No
             for sample in samples:
                 token = encode_token(sample, key)
                 assert token == jwt.encode(sample, key, algorithm="EdDSA"), round_
-                assert jwt.decode(token, key.public_key(), algorithms=["EdDSA"], options={"verify_aud": False, "verify_exp": False}) == sample
+                assert (
+                    jwt.decode(token, key.public_key(), algorithms=["EdDSA"], options={"verify_aud": False, "verify_exp": False}) == sample
+                )

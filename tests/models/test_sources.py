@@ -156,7 +156,9 @@ def test_a_hub_repo_offers_its_listing_and_saves_it_only_when_it_may_write(hub: 
 
 
 def test_a_hub_repo_fetches_the_chosen_quant_verified_and_then_finds_it_on_disk(
-    hub: LocalHub, access: HubAccess, tmp_path: Path  # noqa: F811
+    hub: LocalHub,
+    access: HubAccess,
+    tmp_path: Path,  # noqa: F811
 ) -> None:
     models = tmp_path / "models"
     source = HubRepoSource(ROOT_SPLIT, "Q8_0", ROOT_SPLIT)

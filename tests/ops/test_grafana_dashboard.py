@@ -37,8 +37,18 @@ async def _exported_names() -> set[str]:
     metrics.count_download_bytes(1024)
     await metrics.record(
         UsageRecord(
-            request_id="r", route="/v1/chat/completions", model="tiny", status=200, stream=True, prompt_tokens=5,
-            cached_tokens=1, completion_tokens=4, finish_reason="stop", started_at=0, duration_s=0.5, ttft_s=0.1,
+            request_id="r",
+            route="/v1/chat/completions",
+            model="tiny",
+            status=200,
+            stream=True,
+            prompt_tokens=5,
+            cached_tokens=1,
+            completion_tokens=4,
+            finish_reason="stop",
+            started_at=0,
+            duration_s=0.5,
+            ttft_s=0.1,
             decode_tokens_per_s=30.0,
         )  # fmt: skip
     )
@@ -63,4 +73,3 @@ async def test_every_query_names_a_metric_the_node_exports() -> None:
         named = set(METRIC_NAME.findall(query))
         assert named, f"no node metric in {query!r}"
         assert named <= exported, f"{query!r} names {sorted(named - exported)}, which the node does not export"
-

@@ -172,9 +172,7 @@ def test_rewrite_of_real_llama_server_metrics() -> None:
 
 def test_rewrite_keeps_labels_values_and_timestamps() -> None:
     text = 'llamacpp:slot_tokens{slot="0",kind="a:b"} 12.5 1700000000000\n\n# a free comment\nnot a sample line {\n'
-    assert rewrite_llama_metrics(text) == (
-        'meshnet_llamacpp_slot_tokens{slot="0",kind="a:b"} 12.5 1700000000000\n# a free comment\n'
-    )
+    assert rewrite_llama_metrics(text) == ('meshnet_llamacpp_slot_tokens{slot="0",kind="a:b"} 12.5 1700000000000\n# a free comment\n')
 
 
 def test_scrape_appends_llama_metrics() -> None:

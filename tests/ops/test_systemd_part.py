@@ -74,11 +74,7 @@ def notify_socket(tmp_path: Path) -> Iterator[NotifySocket]:
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @pytest.mark.real_llama
@@ -122,13 +118,13 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
     answer = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8)
     chunks = list(
-        client.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}
-        )
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True})
     )
     streamed_usage = chunks[-1].usage
     assert answer.usage is not None and streamed_usage is not None
-    assert httpx.post(node.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    assert (
+        httpx.post(node.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    )
     metrics = httpx.get(node.url + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     s = _samples(metrics.text)

@@ -127,9 +127,7 @@ def test_exec_start_is_this_installations_executable() -> None:
 
 def test_paths_with_spaces_and_percent_are_escaped(tmp_path: Path) -> None:
     odd = tmp_path / "my models 100%"
-    plan = plan_install(
-        _settings(download_dir=odd), user_mode=False, command=["/opt/mesh net/bin/meshnet-gguf"], interpreter=[]
-    )
+    plan = plan_install(_settings(download_dir=odd), user_mode=False, command=["/opt/mesh net/bin/meshnet-gguf"], interpreter=[])
     unit = _unit_entries(plan.files[1].content)
     assert unit["ExecStart"] == ['"/opt/mesh net/bin/meshnet-gguf" serve']
     assert f'"{odd.parent}/my models 100%%"' in unit["ReadWritePaths"][0]
@@ -143,9 +141,7 @@ def test_paths_with_spaces_and_percent_are_escaped(tmp_path: Path) -> None:
         ("/srv/meshnet/models", [Path("/root/.pyenv/versions/3.11/bin/python3.11")], "read-only"),
     ],
 )
-def test_protect_home_only_where_the_node_needs_nothing_from_homes(
-    download_dir: str, interpreter: list[Path], expected: str
-) -> None:
+def test_protect_home_only_where_the_node_needs_nothing_from_homes(download_dir: str, interpreter: list[Path], expected: str) -> None:
     plan = plan_install(_settings(download_dir=download_dir), user_mode=False, interpreter=interpreter)
     unit = _unit_entries(plan.files[1].content)
     assert unit["ProtectHome"] == [expected]
@@ -153,9 +149,7 @@ def test_protect_home_only_where_the_node_needs_nothing_from_homes(
 
 
 def test_operator_chosen_dirs_are_writable_and_created_for_the_service_user() -> None:
-    plan = plan_install(
-        _settings(download_dir="/srv/models", state_dir="/srv/meshnet-state"), user_mode=False, interpreter=[]
-    )
+    plan = plan_install(_settings(download_dir="/srv/models", state_dir="/srv/meshnet-state"), user_mode=False, interpreter=[])
     unit = _unit_entries(plan.files[1].content)
     assert sorted(unit["ReadWritePaths"][0].split()) == ["/srv/meshnet-state", "/srv/models"]
     assert "StateDirectory" not in unit
@@ -176,9 +170,7 @@ def test_config_round_trips_through_meshnet_config(tmp_path: Path, monkeypatch: 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     monkeypatch.chdir(tmp_path)
-    chosen = _settings(
-        gguf="m.gguf", port=9123, parallel=2, llama_args=["-lv", "4"], api_key="s3cret", drain_grace_s=12.5
-    )
+    chosen = _settings(gguf="m.gguf", port=9123, parallel=2, llama_args=["-lv", "4"], api_key="s3cret", drain_grace_s=12.5)
     env = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
     plan = plan_install(chosen, user_mode=True, environ=env, interpreter=[])
     config = next(f for f in plan.files if f.path.name == "node.toml")
@@ -210,9 +202,7 @@ class RecordingRunner:
 
 def test_user_install_and_uninstall_write_and_remove_real_files(tmp_path: Path) -> None:
     env = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
-    settings = _settings(
-        gguf="owner/name", api_key="k", download_dir=tmp_path / "models", state_dir=tmp_path / "state"
-    )
+    settings = _settings(gguf="owner/name", api_key="k", download_dir=tmp_path / "models", state_dir=tmp_path / "state")
     runner = RecordingRunner()
     plan = plan_install(settings, user_mode=True, environ=env, start=False)
     apply_plan(plan, runner)
@@ -322,4 +312,3 @@ def test_status_from_systemctl_show_output() -> None:
     assert "activating (start), enabled at boot" in text
     assert "loading tensors 43%" in text and "4242" in text and "restarts: 1" in text
     assert "not installed" in describe_status(parse_show("LoadState=not-found\nActiveState=inactive\n"))
-

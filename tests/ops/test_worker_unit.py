@@ -16,9 +16,7 @@ from meshnet_gguf.ops.worker_unit import SYSTEM_CACHE_DIR, WORKER_UNIT_NAME, pla
 def test_the_system_unit_runs_the_worker_as_the_service_user_with_its_cache_its_only_writable_folder() -> None:
     plan = plan_worker_install(["--host", "10.0.0.2", "--node-key", "KEY"], user_mode=False, command=["/opt/venv/bin/meshnet-gguf"])
     unit = next(f for f in plan.files if f.path.name == WORKER_UNIT_NAME).content
-    assert (
-        f"ExecStart=/opt/venv/bin/meshnet-gguf worker --host 10.0.0.2 --node-key KEY --cache-dir {SYSTEM_CACHE_DIR}" in unit
-    )
+    assert f"ExecStart=/opt/venv/bin/meshnet-gguf worker --host 10.0.0.2 --node-key KEY --cache-dir {SYSTEM_CACHE_DIR}" in unit
     assert "User=meshnet" in unit and f"ReadWritePaths={SYSTEM_CACHE_DIR}" in unit and "Restart=on-failure" in unit
     assert plan.directories == [SYSTEM_CACHE_DIR]
     assert ["systemctl", "enable", "--now", WORKER_UNIT_NAME] in plan.commands

@@ -65,7 +65,9 @@ def test_a_catalog_model_is_planned_from_its_figures_and_nothing_is_written(work
 
 
 def test_a_downloaded_hub_repo_is_planned_without_rewriting_a_byte(
-    work: Path, hub: LocalHub, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    work: Path,
+    hub: LocalHub,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
     settings = settings_for(work, f"{ROOT_SPLIT}:Q8_0")

@@ -34,7 +34,6 @@ EXIT_TIMEOUT_S = 60.0
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
 
 
-
 def shards(hub: LocalHub) -> list[RemoteFile]:
     listing = list_repo(ROOT_SPLIT, HubAccess(endpoint=hub.endpoint, token=None, offline=False))
     return list(select_quant(group_quants(listing.files), QUANT).files)
@@ -72,7 +71,10 @@ def never_launched(node: NodeProcess) -> None:
 
 
 def test_serve_downloads_verifies_and_serves_a_three_shard_model(
-    hub: LocalHub, tmp_path: Path, real_llama, start_node: StartNode  # noqa: F811
+    hub: LocalHub,
+    tmp_path: Path,
+    real_llama,
+    start_node: StartNode,  # noqa: F811
 ) -> None:
     files = shards(hub)
     assert len(files) == 3
@@ -96,7 +98,10 @@ def test_serve_downloads_verifies_and_serves_a_three_shard_model(
 
 
 def test_a_serve_killed_mid_download_fetches_only_what_was_missing(
-    hub: LocalHub, tmp_path: Path, real_llama, start_node: StartNode  # noqa: F811
+    hub: LocalHub,
+    tmp_path: Path,
+    real_llama,
+    start_node: StartNode,  # noqa: F811
 ) -> None:
     files = shards(hub)
     cut = files[1].size // 2
@@ -128,7 +133,10 @@ def test_a_serve_killed_mid_download_fetches_only_what_was_missing(
 
 
 def test_a_flipped_byte_is_caught_before_launch(
-    hub: LocalHub, tmp_path: Path, real_llama, start_node: StartNode  # noqa: F811
+    hub: LocalHub,
+    tmp_path: Path,
+    real_llama,
+    start_node: StartNode,  # noqa: F811
 ) -> None:
     files = shards(hub)
     llama = ("--llama-server", str(real_llama.path))

@@ -137,7 +137,9 @@ def test_llama_arg_parallel_sets_the_proxy_slots_too(tmp_path: Path, recorded_ll
 
 
 def test_a_hub_model_is_planned_from_its_header_once_on_disk_and_never_fetched(
-    tmp_path: Path, recorded_llama: Path, hub: LocalHub  # noqa: F811
+    tmp_path: Path,
+    recorded_llama: Path,
+    hub: LocalHub,  # noqa: F811
 ) -> None:
     spec = f"{ROOT_SPLIT}:Q8_0"
     not_yet = dry_run(tmp_path, "cpu-only", "--gguf", spec, llama=recorded_llama, hub_endpoint=hub.endpoint)

@@ -64,7 +64,9 @@ async def verifier_at(port: int, llama_url: str, key: str) -> AsyncIterator[None
 
 
 @asynccontextmanager
-async def mesh(tmp_path: Path, llamas: dict[str, Any], serving: str, *, verifier_up: bool = True) -> AsyncIterator[tuple[Any, str, MeshNode, SwitchableLlama]]:
+async def mesh(
+    tmp_path: Path, llamas: dict[str, Any], serving: str, *, verifier_up: bool = True
+) -> AsyncIterator[tuple[Any, str, MeshNode, SwitchableLlama]]:
     key = tracker_key(tmp_path / "tracker")
     port = free_local_port()
     async with start_tracker(tmp_path, verifiers={MODEL: f"http://127.0.0.1:{port}"}, audit_policy=EVERY_ANSWER) as (tracker, url):

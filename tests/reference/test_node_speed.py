@@ -29,8 +29,12 @@ def claim(prefill: float, decode: float) -> NodeCapability:
     )
 
 
-def stream(prompt: int = 100, ttft: float = 0.1, busy: int = 0, tokens: int = 20, decode_s: float = 0.2, concurrency: float = 1.0) -> StreamSample:
-    return StreamSample(prompt_tokens=prompt, ttft_s=ttft, busy_before=busy, decode_tokens=tokens, decode_s=decode_s, concurrency=concurrency)
+def stream(
+    prompt: int = 100, ttft: float = 0.1, busy: int = 0, tokens: int = 20, decode_s: float = 0.2, concurrency: float = 1.0
+) -> StreamSample:
+    return StreamSample(
+        prompt_tokens=prompt, ttft_s=ttft, busy_before=busy, decode_tokens=tokens, decode_s=decode_s, concurrency=concurrency
+    )
 
 
 def test_a_claimed_rate_is_interpolated_between_its_points_and_held_beyond_them() -> None:
@@ -102,7 +106,9 @@ PORTS = {"fast": 1, "slow": 2, "a": 3, "b": 4, "new": 5, "prefill": 6, "decode":
 
 
 def target(url: str) -> NodeTarget:
-    return NodeTarget(url=url, scheme="http", host="127.0.0.1", port=int(url.rsplit(":", 1)[1]), base_path="", address=ip_address("127.0.0.1"))
+    return NodeTarget(
+        url=url, scheme="http", host="127.0.0.1", port=int(url.rsplit(":", 1)[1]), base_path="", address=ip_address("127.0.0.1")
+    )
 
 
 def announce(node_id: str, slots: int = 2, capability: NodeCapability | None = None) -> NodeAnnouncement:

@@ -60,7 +60,9 @@ def node(tmp_path: Path, tiny_gguf: Path, llama: FakeLlama, tracker: tuple[Track
 def target(url: str = "http://127.0.0.1:1") -> NodeTarget:
     import ipaddress
 
-    return NodeTarget(url=url, scheme="http", host="127.0.0.1", port=int(url.rsplit(":", 1)[1]), base_path="", address=ipaddress.ip_address("127.0.0.1"))
+    return NodeTarget(
+        url=url, scheme="http", host="127.0.0.1", port=int(url.rsplit(":", 1)[1]), base_path="", address=ipaddress.ip_address("127.0.0.1")
+    )
 
 
 def test_registry_ttl_selection_and_re_registration() -> None:
@@ -147,7 +149,9 @@ async def test_registration_is_authenticated(tracker, tmp_path: Path, tiny_gguf:
         assert info.value.code == "bad_node_auth"
 
 
-async def test_routable_only_when_online_and_healthy_and_dropped_after_ttl(tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
+async def test_routable_only_when_online_and_healthy_and_dropped_after_ttl(
+    tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama
+) -> None:
     service, url = tracker
     mesh = node(tmp_path, tiny_gguf, llama, tracker)
     mesh.state = "loading"
@@ -258,12 +262,16 @@ async def test_the_node_proxy_caps_each_token_limit_to_the_route(field: str, tmp
             assert answer.json()["usage"]["completion_tokens"] == 3
 
 
-async def test_receipts_must_match_a_route_this_tracker_issued_to_that_node(tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
+async def test_receipts_must_match_a_route_this_tracker_issued_to_that_node(
+    tracker, tmp_path: Path, tiny_gguf: Path, llama: FakeLlama
+) -> None:
     service, url = tracker
     a, b = node(tmp_path, tiny_gguf, llama, tracker, "a"), node(tmp_path, tiny_gguf, llama, tracker, "b")
     async with a.running(), b.running(), httpx.AsyncClient(timeout=10) as http:
         await wait_until(lambda: _true(len(service.registry.routable(MODEL)) == 2))
-        answer = await http.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        answer = await http.post(
+            url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        )
         rid = answer.headers["x-meshnet-request-id"]
         served_by, other = (a, b) if service.registry.get(a.node_id).routed else (b, a)
 
@@ -344,7 +352,9 @@ async def test_unknown_model_or_bad_body_are_refused_plainly(tracker) -> None:
         assert nomodel.status_code == 400
 
 
-async def test_node_without_its_trackers_key_refuses_with_503_route_key_unavailable(tmp_path: Path, tiny_gguf: Path, llama: FakeLlama) -> None:
+async def test_node_without_its_trackers_key_refuses_with_503_route_key_unavailable(
+    tmp_path: Path, tiny_gguf: Path, llama: FakeLlama
+) -> None:
     # No key pinned and the tracker (a loopback port nothing listens on) cannot be asked for it.
     dead = f"http://127.0.0.1:{free_port()}"
     mesh = MeshNode(tmp_path / "n", tiny_gguf, llama, tracker_url=dead, tracker_key=None, enrolment_secret=None)

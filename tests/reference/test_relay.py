@@ -78,7 +78,11 @@ async def test_a_second_tunnel_replaces_the_first_only_with_the_same_key(tmp_pat
         stranger = NodeIdentity.from_private_key(Ed25519PrivateKey.generate())
         stream, buffered, challenge = await raw_tunnel(m.relay_url)
         async with stream:
-            await stream.send(attach_message(m.identity, challenge["nonce"], to=m.relay_url, public_key=stranger.public_key_text, signer=stranger.private_key))
+            await stream.send(
+                attach_message(
+                    m.identity, challenge["nonce"], to=m.relay_url, public_key=stranger.public_key_text, signer=stranger.private_key
+                )
+            )
             assert (await read_answer(buffered))["type"] == "refused"
         assert m.relay.tunnels[m.identity.node_id] is first  # untouched
         # The same key on a new control connection takes over; the node notices and attaches again.
@@ -178,7 +182,9 @@ async def test_killed_mid_stream_the_client_fails_fast_and_a_restarted_relay_ser
     app, app_port, relay_port = StreamApp(), free_local_port(), free_local_port()
     relay_url = f"http://127.0.0.1:{relay_port}"
     async with serve_asgi(app, app_port), anyio.create_task_group() as outer:
-        link = build_relay_link(relay_url, NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port))
+        link = build_relay_link(
+            relay_url, NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port)
+        )
         relay = Relay(RelayConfig(port=relay_port))
         relay_scope = anyio.CancelScope()
 

@@ -427,7 +427,12 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
     ))  # fmt: skip
     async with serve_asgi(app, app_port), anyio.create_task_group() as tg:
         await tg.start(relay.serve)
-        link = build_relay_link(f"https://localhost:{port}", NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port))
+        link = build_relay_link(
+            f"https://localhost:{port}",
+            NodeIdentity.load_or_create(tmp_path / "node"),
+            tmp_path / "node",
+            local_address_for("127.0.0.1", app_port),
+        )
         tg.start_soon(link.run)
         with anyio.fail_after(10):
             while link.link_health().idle_work < 1:
@@ -439,7 +444,9 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
         dialer = NodeDialer(httpx.Limits(), _signer(tracker), relay_tls=trusting)
         async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=10) as http:
             target = await dialer.through_relay(_announcement(m), AddressPolicy(allow_loopback=True))
-            request = target.request(http, "POST", "/v1/chat/completions", content=b'{"n": 3}', headers={"content-type": "application/json"})
+            request = target.request(
+                http, "POST", "/v1/chat/completions", content=b'{"n": 3}', headers={"content-type": "application/json"}
+            )
             response = await http.send(request, stream=True)
             try:
                 body = b"".join([chunk async for chunk in response.aiter_raw()])
@@ -450,7 +457,9 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
             # (Python 3.10's own loop cannot nest TLS; such a target has no lean client and keeps httpx).
             assert (target.client is not None) == TLS_IN_TLS
             if target.client is not None:
-                lean = await target.client.send("POST", target.forward_url("/v1/chat/completions"), {"content-type": "application/json"}, b'{"n": 3}')
+                lean = await target.client.send(
+                    "POST", target.forward_url("/v1/chat/completions"), {"content-type": "application/json"}, b'{"n": 3}'
+                )
                 try:
                     assert lean.status == 200 and (await lean.read()).endswith(b"data: [DONE]\n\n")
                 finally:
@@ -462,7 +471,9 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
         impostor_port = await tg.start(impostor.serve)
         wrong_name = NodeDialer(httpx.Limits(), _signer(tracker), relay_tls=ssl.create_default_context(cafile=str(other_ca)))
         async with httpx.AsyncClient(transport=wrong_name, trust_env=False, timeout=5) as http:
-            announcement = _announcement(m).model_copy(update={"relay": m.link.attachment().model_copy(update={"url": f"https://localhost:{impostor_port}"})})
+            announcement = _announcement(m).model_copy(
+                update={"relay": m.link.attachment().model_copy(update={"url": f"https://localhost:{impostor_port}"})}
+            )
             target = await wrong_name.through_relay(announcement, AddressPolicy(allow_loopback=True))
             with pytest.raises(httpx.ConnectError, match="(?i)hostname|certificate"):
                 await http.send(target.request(http, "GET", "/health"))

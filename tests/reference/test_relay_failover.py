@@ -121,7 +121,11 @@ def test_the_announcement_lists_both_relays_and_an_older_tracker_still_reads_the
     [
         (attachment("http://relay-a:8001"), [attachment("http://relay-b:8002"), attachment("http://relay-a:8001")], "first relay"),
         (None, [attachment("http://relay-a:8001")], "first relay"),
-        (attachment("http://relay-a:8001"), [attachment("http://relay-a:8001"), attachment("http://relay-b:8002", "b3RoZXI")], "one certificate"),
+        (
+            attachment("http://relay-a:8001"),
+            [attachment("http://relay-a:8001"), attachment("http://relay-b:8002", "b3RoZXI")],
+            "one certificate",
+        ),
         (attachment("http://relay-a:8001"), [attachment("http://relay-a:8001"), attachment("http://RELAY-A:8001/")], "named twice"),
         (
             attachment("http://relay-0:8001"),

@@ -87,7 +87,9 @@ async def test_a_tunnel_to_a_node_showing_another_certificate_is_refused_before_
         impostor = Ed25519PrivateKey.generate()
         relay = await pin_node_url(m.relay_url, AddressPolicy(allow_loopback=True))
         wrong = pinned_client_context(node_certificate(impostor), impostor.public_key())
-        client = Http1Client(4, peer="node", open_connection=RelayTunnel(RelayOrder([relay]), m.identity.node_id, lambda *_: OPEN_RELAY, wrong, wrong))
+        client = Http1Client(
+            4, peer="node", open_connection=RelayTunnel(RelayOrder([relay]), m.identity.node_id, lambda *_: OPEN_RELAY, wrong, wrong)
+        )
         with pytest.raises(HttpConnectError, match="(?i)certificate"):
             await client.send("POST", f"https://{m.identity.node_id}{CHAT}", {}, b'{"n": 1, "prompt": "%s"}' % SECRET_PROMPT.encode())
         assert m.app.bodies == []  # the node's server never got a request

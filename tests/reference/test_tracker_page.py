@@ -20,7 +20,6 @@ from support.node_process import StartNode
 from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker  # noqa: F401
 
 
-
 @pytest.mark.real_llama
 @pytest.mark.slow
 def test_the_tracker_page_lists_a_node_that_registers_and_the_requests_it_routed(  # type: ignore[no-untyped-def]
@@ -98,13 +97,23 @@ async def test_every_column_is_explained_and_no_figure_reads_as_a_question_mark(
     assert "?" not in routes
     by_id = {line.split("\t")[0]: line.split("\t")[3:] for line in routes.splitlines()}
     assert by_id["req-stream"] == ["complete (200)", "5 token events", "9 / 5", "9 / 5", "agree"]
-    assert by_id["req-whole"] == ["complete (200)", "no stream: bounded by its text", "no receipt yet", "not yet (no receipt)", "awaiting receipt"]
+    assert by_id["req-whole"] == [
+        "complete (200)",
+        "no stream: bounded by its text",
+        "no receipt yet",
+        "not yet (no receipt)",
+        "awaiting receipt",
+    ]
     assert by_id["req-going"] == ["in flight", "counting…", "no receipt yet", "not yet (in flight)", "awaiting receipt"]
     assert by_id["req-refused"][0] == "refused (no answer)" and by_id["req-refused"][3] == "0 / 0"
-    ceiling = browser.evaluate("[...document.querySelectorAll('#routes tr')].find(tr => tr.cells[0].textContent === 'req-stream').cells[4].title")
+    ceiling = browser.evaluate(
+        "[...document.querySelectorAll('#routes tr')].find(tr => tr.cells[0].textContent === 'req-stream').cells[4].title"
+    )
     assert ceiling == "ceiling: at most 150 prompt / 7 completion tokens"
     # Each column of both tables has its line in the legend under it.
     for table, legend in (("nodes", "nodes-legend"), ("routes", "routes-legend")):
-        headers = browser.evaluate(f"[...document.getElementById('{table}').closest('table').querySelectorAll('th')].map(th => th.textContent)")
+        headers = browser.evaluate(
+            f"[...document.getElementById('{table}').closest('table').querySelectorAll('th')].map(th => th.textContent)"
+        )
         explained = browser.evaluate(f"[...document.querySelectorAll('#{legend} dt')].map(dt => dt.textContent)")
         assert headers == explained

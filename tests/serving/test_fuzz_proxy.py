@@ -40,7 +40,9 @@ json_scalars = (
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
 )  # fmt: skip
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+json_values = st.recursive(
+    json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8
+)
 messages = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x", 3]), "content": json_values}),
     min_size=0, max_size=3,
@@ -70,7 +72,11 @@ def request_bodies(draw: st.DrawFn) -> bytes:
     text = json.dumps(body, ensure_ascii=draw(st.booleans()))
     if kind == "text_tweak":
         tweak = draw(st.sampled_from(["NaN", "Infinity", "-Infinity", '"\\ud800"', '"\\udfff"', "1e999", "-1e400", "01", '"\\x"', "tru"]))
-        text = text.replace('"max_tokens": ', '"max_tokens": ' + tweak + ", \"_\": ", 1) if draw(st.booleans()) else text[:-1] + ', "z": ' + tweak + "}"
+        text = (
+            text.replace('"max_tokens": ', '"max_tokens": ' + tweak + ', "_": ', 1)
+            if draw(st.booleans())
+            else text[:-1] + ', "z": ' + tweak + "}"
+        )
     encoding = draw(st.sampled_from(["utf-8"] * 8 + ["utf-16", "utf-32", "latin-1"]))
     try:
         return text.encode(encoding)

@@ -170,4 +170,3 @@ async def test_llama_server_not_answering_is_a_503_with_retry_after_and_frees_th
         assert response.status_code == 503 and response.headers["retry-after"] == str(RETRY_AFTER_S)
         assert "not answer" in _error(response)["message"]
     assert proxy.slots.in_flight == 0
-

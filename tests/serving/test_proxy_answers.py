@@ -116,8 +116,7 @@ async def test_extra_get_routes_are_served_and_health_reports_without_reaching_l
 
 # llama-server b10434's answer to /v1/embeddings when started without --embeddings (recorded).
 LLAMA_NO_EMBEDDINGS = (
-    b'{"error":{"code":501,"message":"This server does not support embeddings. '
-    b'Start it with `--embeddings`","type":"not_supported_error"}}'
+    b'{"error":{"code":501,"message":"This server does not support embeddings. Start it with `--embeddings`","type":"not_supported_error"}}'
 )
 
 

@@ -190,7 +190,6 @@ async def test_an_error_answer_from_llama_server_passes_through_as_it_is() -> No
     assert (record.status, record.finish_reason) == (400, "error")
 
 
-
 COUNTING_PATHS = {"/apply-template", "/tokenize"}
 
 

@@ -47,7 +47,11 @@ def generations(request_log: Path) -> list[dict]:
 BAD_BODIES: dict[str, tuple[str, bytes, str]] = {
     "nested arrays": ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, "json_too_deep"),
     "nested in a key": ("/v1/chat/completions", b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "json_too_deep"),
-    "just too deep": ("/v1/chat/completions", ("{" + USER + ',"x":' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}").encode(), "json_too_deep"),
+    "just too deep": (
+        "/v1/chat/completions",
+        ("{" + USER + ',"x":' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}").encode(),
+        "json_too_deep",
+    ),
     "lone surrogate": ("/v1/chat/completions", b'{"messages":"\\ud800"}', "invalid_unicode"),
     "lone surrogate in content": ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"\\udc00x"}]}', "invalid_unicode"),
     "lone surrogate in a key": ("/v1/chat/completions", ("{" + USER + ',"\\ud800":1}').encode(), "invalid_unicode"),
@@ -190,7 +194,9 @@ async def test_a_standalone_node_answers_only_its_own_host_names_and_json(fake_u
             headers = {"content-type": content_type} if content_type else {}
             answer = await client.post("/v1/chat/completions", content=json.dumps(CHAT).encode(), headers=headers)
             assert answer.status_code == 415, content_type
-        ok = await client.post("/v1/chat/completions", content=json.dumps(CHAT).encode(), headers={"content-type": "application/json; charset=utf-8"})
+        ok = await client.post(
+            "/v1/chat/completions", content=json.dumps(CHAT).encode(), headers={"content-type": "application/json; charset=utf-8"}
+        )
         assert ok.status_code == 200
 
 
@@ -236,7 +242,9 @@ def test_llama_server_does_not_inherit_the_nodes_settings() -> None:
     assert env == {"PATH": "/bin", "HOME": "/h", "LLAMA_ARG_X": "1"}
 
 
-def test_supervisor_spawns_llama_server_without_meshnet_variables(fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_supervisor_spawns_llama_server_without_meshnet_variables(
+    fake_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The real spawn path: the fake llama-server writes down the environment it was given."""
     from meshnet_gguf.common.settings import NodeSettings
     from meshnet_gguf.llama.child import ChildSpec
@@ -264,7 +272,6 @@ def test_supervisor_spawns_llama_server_without_meshnet_variables(fake_llama: Bi
     anyio.run(main)
     env = json.loads(dump.read_text())
     assert "LLAMA_API_KEY" in env and not [k for k in env if k.upper().startswith("MESHNET_")]
-
 
 
 def test_the_listener_socket_lets_asyncio_turn_nagle_off() -> None:

@@ -149,5 +149,3 @@ def test_the_plan_in_one_line() -> None:
     text = "plan: CPU only; context 4096 tokens over 4 slots; mmap\nmemory: ~0 B on the GPU\n  = weights"
     assert plan_line(text, 4) == "CPU only; context 4096 tokens over 4 slots; mmap"
     assert plan_line(None, 2) == "2 slots (llama-server decides the rest)"
-
-

@@ -10,9 +10,7 @@ from meshnet_gguf.serving.meter import RequestMeter, StreamMeter, meter_events
 
 
 def _meter() -> RequestMeter:
-    return RequestMeter(
-        request_id="r", path="/v1/chat/completions", stream=True, started_at=0.0, started=0.0
-    )
+    return RequestMeter(request_id="r", path="/v1/chat/completions", stream=True, started_at=0.0, started=0.0)
 
 
 def _answer(tokens: int) -> bytes:
@@ -91,7 +89,9 @@ def test_a_non_finite_decode_speed_from_upstream_leaves_the_usage_record_whole()
     keeps none: the request's one record is still made, and goes on the wire finite."""
     for rate in ("NaN", "1e999", "-1", "1" + "0" * 400):
         relay = StreamMeter(_meter())
-        relay.feed(b'data: {"choices":[{"delta":{"content":"x"}}],"timings":{"predicted_n":1,"predicted_per_second":%s}}\n\n' % rate.encode())
+        relay.feed(
+            b'data: {"choices":[{"delta":{"content":"x"}}],"timings":{"predicted_n":1,"predicted_per_second":%s}}\n\n' % rate.encode()
+        )
         relay.feed(b"data: [DONE]\n\n")
         assert relay.meter.usage_record("tiny").decode_tokens_per_s is None, rate
     relay = StreamMeter(_meter())

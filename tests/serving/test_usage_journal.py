@@ -34,7 +34,9 @@ async def test_records_are_appended_one_line_each_and_read_back_newest_first(tmp
     assert (summary.totals.requests, summary.totals.completion_tokens, summary.totals.cancelled) == (5, 10, 1)
 
 
-async def test_a_reopened_journal_appends_and_a_full_file_rotates_keeping_one_older(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_reopened_journal_appends_and_a_full_file_rotates_keeping_one_older(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     journal = UsageJournal.in_state_dir(tmp_path)
     await journal.record(record(0))
     await journal.close()

@@ -51,7 +51,9 @@ TOTAL_LAYERS = 2
 class LlamaChild:
     """llama-server (real or fake) as a child of the test, on a loopback port, stopped by its PID."""
 
-    def __init__(self, binary: BinaryInfo, model: Path, *, slots: int = 2, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+    def __init__(
+        self, binary: BinaryInfo, model: Path, *, slots: int = 2, env: dict[str, str] | None = None, log: Path | None = None
+    ) -> None:
         self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(binary.path), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),

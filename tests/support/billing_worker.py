@@ -32,8 +32,15 @@ async def main(state_dir: Path, tracker_url: str, first: int, count: int) -> Non
             rid = f"req-{i:05d}"
             await sink.record(
                 UsageRecord(
-                    request_id=rid, route="/v1/chat/completions", model="tiny", status=200, stream=True,
-                    prompt_tokens=i, completion_tokens=2 * i, finish_reason="stop", started_at=1000.0 + i,
+                    request_id=rid,
+                    route="/v1/chat/completions",
+                    model="tiny",
+                    status=200,
+                    stream=True,
+                    prompt_tokens=i,
+                    completion_tokens=2 * i,
+                    finish_reason="stop",
+                    started_at=1000.0 + i,
                 )  # fmt: skip
             )
             print(f"wrote {rid}", flush=True)

@@ -135,7 +135,16 @@ class FakeLlama:
                 with open(log_to, "a") as fh:
                     fh.write(json.dumps({"path": path, "body": payload, "at": time.time()}) + "\n")
             if path == "/v1/embeddings":
-                return await respond(writer, 200, {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}], "model": self.alias, "usage": {"prompt_tokens": 3, "total_tokens": 3}})
+                return await respond(
+                    writer,
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                        "model": self.alias,
+                        "usage": {"prompt_tokens": 3, "total_tokens": 3},
+                    },
+                )
             slot = next(i for i in range(self.slots) if i not in self.busy) if len(self.busy) < self.slots else -1
             self.busy.add(slot)
             try:
@@ -185,7 +194,12 @@ class FakeLlama:
         wants_usage = (payload.get("stream_options") or {}).get("include_usage")
         if chat:
             tail = {} if wants_usage else {"timings": timings}
-            end = head + b'"delta":{},"finish_reason":"length"}]' + (b"," + json.dumps(tail, separators=(",", ":")).encode()[1:-1] if tail else b"") + b"}\n\n"
+            end = (
+                head
+                + b'"delta":{},"finish_reason":"length"}]'
+                + (b"," + json.dumps(tail, separators=(",", ":")).encode()[1:-1] if tail else b"")
+                + b"}\n\n"
+            )
         else:
             extra = json.dumps({"usage": usage, "timings": timings}, separators=(",", ":")).encode()[1:-1]
             end = head + b'"text":"","finish_reason":"length"}],' + extra + b"}\n\n"

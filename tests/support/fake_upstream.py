@@ -190,7 +190,9 @@ def stream_events(
     head = b'data: {"id":"fake-1","object":"chat.completion.chunk","model":"' + ALIAS.encode() + b'","choices":[{"index":0,'
     events = [head + b'"delta":{"role":"assistant","content":null},"finish_reason":null}]}\n\n'] if chat else []
     for i in range(n):
-        events.append(head + (b'"delta":{"content":"x"},"finish_reason":null}]}\n\n' if chat else b'"text":"x","finish_reason":null}]}\n\n'))
+        events.append(
+            head + (b'"delta":{"content":"x"},"finish_reason":null}]}\n\n' if chat else b'"text":"x","finish_reason":null}]}\n\n')
+        )
         if ping_every and (i + 1) % ping_every == 0:
             events.append(b": ping\n\n")
     last = head + (b'"delta":{},"finish_reason":"length"}]' if chat else b'"text":"","finish_reason":"length"}]')

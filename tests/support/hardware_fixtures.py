@@ -100,6 +100,8 @@ def dense_facts(name: str, total_bytes: int, layers: int, kv_heads: int, head_di
     )
 
 
-def choices(*, parallel: int = 4, ctx_size: int | None = None, n_gpu_layers: str | None = None, llama_args: tuple[str, ...] = ()) -> OperatorChoices:
+def choices(
+    *, parallel: int = 4, ctx_size: int | None = None, n_gpu_layers: str | None = None, llama_args: tuple[str, ...] = ()
+) -> OperatorChoices:
     """The operator's choices as `serve` reads them from its flags (defaults: `serve`'s own)."""
     return OperatorChoices.read(parallel=parallel, ctx_size=ctx_size, n_gpu_layers=n_gpu_layers, llama_args=llama_args)

@@ -161,9 +161,7 @@ class Exchange:
         self._tg.start_soon(self._run)
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool | None:
         if not self.complete:
             self.hang_up()  # leaving before the answer ended is hanging up; after, the app just finishes
         with anyio.fail_after(EXCHANGE_TIMEOUT_S):

@@ -124,7 +124,9 @@ async def mesh(
     links: list[RelayLink] = []
     guarded = MetricsAccess(app, "/metrics", is_relayed=lambda peer: any(link.is_relayed(peer) for link in links), operator_key=metrics_key)
     async with serve_asgi(guarded, app_port), running_relay(relay) as relay_url:
-        link = build_relay_link(relay_url, NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port))
+        link = build_relay_link(
+            relay_url, NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port)
+        )
         links.append(link)
         async with anyio.create_task_group() as tg:
             tg.start_soon(link.run)
@@ -218,8 +220,17 @@ async def read_answer(buffered: Any) -> dict[str, Any]:
     return json.loads(await buffered.receive_until(b"\n", 65536))
 
 
-def attach_message(identity: NodeIdentity, nonce: str, *, to: str, role: str = "control", node_id: str | None = None,
-                   public_key: str | None = None, signer: Any = None, aud: str | None = None) -> bytes:
+def attach_message(
+    identity: NodeIdentity,
+    nonce: str,
+    *,
+    to: str,
+    role: str = "control",
+    node_id: str | None = None,
+    public_key: str | None = None,
+    signer: Any = None,
+    aud: str | None = None,
+) -> bytes:
     """An attach line for the relay at URL `to` (its proof names that relay unless `aud` says otherwise)."""
     import time as _time
 

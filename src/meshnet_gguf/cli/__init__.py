@@ -22,7 +22,6 @@ app = typer.Typer(
 )
 
 
-
 def _print_version(value: bool) -> None:
     if value:
         typer.echo(f"meshnet-gguf {__version__}")

@@ -16,13 +16,17 @@ def register(app: typer.Typer) -> None:
         ] = None,
         vulkan: Annotated[
             Optional[bool],
-            typer.Option("--vulkan/--no-vulkan", help="Build the Vulkan backend [default: when libvulkan-dev, glslc and spirv-headers here can build it]"),
+            typer.Option(
+                "--vulkan/--no-vulkan",
+                help="Build the Vulkan backend [default: when libvulkan-dev, glslc and spirv-headers here can build it]",
+            ),
         ] = None,
         web_ui: Annotated[
             Optional[bool], typer.Option("--web-ui/--no-web-ui", help="Build the web UI (/chat/) [default: when npm is installed]")
         ] = None,
         portable: Annotated[
-            bool, typer.Option("--portable", help="One build for any x86-64 CPU (each CPU variant, picked at run time), to copy across a fleet")
+            bool,
+            typer.Option("--portable", help="One build for any x86-64 CPU (each CPU variant, picked at run time), to copy across a fleet"),
         ] = False,
         jobs: Annotated[Optional[int], typer.Option(help="Parallel compile jobs [default: one per CPU core]")] = None,
         install_dir: Annotated[

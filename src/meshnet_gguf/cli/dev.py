@@ -36,11 +36,11 @@ def tracker(
     open_enrolment: Annotated[
         bool, typer.Option("--open", help="Let anyone register a node, without an enrolment secret (local experiments)")
     ] = False,
-    allow_loopback: Annotated[
-        bool, typer.Option(help="Accept nodes advertising loopback URLs (a mesh on this one machine)")
-    ] = True,
+    allow_loopback: Annotated[bool, typer.Option(help="Accept nodes advertising loopback URLs (a mesh on this one machine)")] = True,
     allow_private: Annotated[bool, typer.Option(help="Accept nodes advertising private (LAN) addresses")] = False,
-    heartbeat_interval: Annotated[float, typer.Option(help="Seconds between node heartbeats")] = 10.0,  # protocol.DEFAULT_HEARTBEAT_INTERVAL_S; a literal so --help need not import pydantic (tests/cli/test_cli_startup.py checks they match)
+    heartbeat_interval: Annotated[
+        float, typer.Option(help="Seconds between node heartbeats")
+    ] = 10.0,  # protocol.DEFAULT_HEARTBEAT_INTERVAL_S; a literal so --help need not import pydantic (tests/cli/test_cli_startup.py checks they match)
     health_poll_interval: Annotated[Optional[float], typer.Option(help="Seconds between health polls of each node [default: 5]")] = None,
     verifier: Annotated[
         Optional[list[str]],
@@ -94,8 +94,10 @@ def tracker(
     else:
         typer.echo(f"enrolment: nodes must present the enrolment secret kept in {secret_path} (mode 0600)")
     allowed = [kind for kind, on in (("loopback", allow_loopback), ("private", allow_private)) if on]
-    typer.echo(f"node addresses: public{''.join(', ' + kind for kind in allowed)} allowed"
-               + (" (loopback is for a mesh on this machine)" if allow_loopback else ""))
+    typer.echo(
+        f"node addresses: public{''.join(', ' + kind for kind in allowed)} allowed"
+        + (" (loopback is for a mesh on this machine)" if allow_loopback else "")
+    )
     # A secret is printed at most once: when it was made just now and the output is a terminal, not a log.
     if secret is None:
         shown = ""
@@ -125,15 +127,15 @@ def tracker(
 def relay(
     host: Annotated[str, typer.Option(help="Address to listen on (nodes and trackers both dial it)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on")] = DEFAULT_RELAY_PORT,
-    ping_interval: Annotated[float, typer.Option(help="Seconds between a node's pings (at most 20)", max=20)] = 10.0,  # protocol.RELAY_PING_INTERVAL_S, a literal for the same reason (checked by the same test)
+    ping_interval: Annotated[
+        float, typer.Option(help="Seconds between a node's pings (at most 20)", max=20)
+    ] = 10.0,  # protocol.RELAY_PING_INTERVAL_S, a literal for the same reason (checked by the same test)
     max_idle_work: Annotated[Optional[int], typer.Option(help="Idle work connections kept per node [default: 16]", min=1)] = None,
     trust_tracker_key: Annotated[
         Optional[list[str]],
         typer.Option("--trust-tracker-key", help="Public key of a tracker whose CONNECT tokens this relay honours (repeatable)"),
     ] = None,
-    open_relay: Annotated[
-        bool, typer.Option("--open", help="Trust no tracker: anyone may CONNECT and attach (local experiments)")
-    ] = False,
+    open_relay: Annotated[bool, typer.Option("--open", help="Trust no tracker: anyone may CONNECT and attach (local experiments)")] = False,
     public_url: Annotated[
         Optional[str], typer.Option(help="The URL nodes and trackers know this relay by [default: http://HOST:PORT]")
     ] = None,
@@ -218,9 +220,13 @@ def _configure_logging(log_level: str) -> None:
 def mesh(
     demo: Annotated[bool, typer.Option("--demo", help="Serve the demo model (gemma-3-270m, `demo` extra)")] = False,
     gguf: Annotated[Optional[str], typer.Option(help="Serve this model instead of the demo")] = None,
-    tracker_port: Annotated[int, typer.Option(help="Tracker port: the OpenAI base URL clients use (0: any free port)")] = DEFAULT_TRACKER_PORT,
+    tracker_port: Annotated[
+        int, typer.Option(help="Tracker port: the OpenAI base URL clients use (0: any free port)")
+    ] = DEFAULT_TRACKER_PORT,
     relay_port: Annotated[int, typer.Option(help="Relay port (0: any free port)")] = DEFAULT_RELAY_PORT,
-    state_dir: Annotated[Optional[Path], typer.Option(help="Keys, ledgers and logs, kept after exit [default: <node state dir>/mesh]")] = None,
+    state_dir: Annotated[
+        Optional[Path], typer.Option(help="Keys, ledgers and logs, kept after exit [default: <node state dir>/mesh]")
+    ] = None,
     download_dir: Annotated[Optional[Path], typer.Option(help="Where the node keeps models [default: the node's]")] = None,
 ) -> None:
     """Run a whole local mesh in one command.

@@ -165,8 +165,14 @@ def run_mesh(
             return 0
         tracker_key = _get(tracker_url + WELL_KNOWN_PATH).json()["public_key"]
         # The relay honours CONNECTs from this tracker only, and keeps tunnels only for nodes it admits.
-        children.append(_start("relay", ["dev", "relay", "--port", str(relay_port), "--trust-tracker-key", tracker_key,
-                                             "--state-dir", str(root / MESH_RELAY_DIR)], root, {}))
+        children.append(
+            _start(
+                "relay",
+                ["dev", "relay", "--port", str(relay_port), "--trust-tracker-key", tracker_key, "--state-dir", str(root / MESH_RELAY_DIR)],
+                root,
+                {},
+            )
+        )
         _wait_for(lambda: _get(relay_url + "/health").status_code == 200, "the relay", SERVICE_START_TIMEOUT_S, children, stop)
         if stop.is_set():
             return 0

@@ -32,7 +32,9 @@ def register(app: typer.Typer) -> None:
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary to check")] = None,
         download_dir: Annotated[Optional[Path], typer.Option(help="Where GGUF files are downloaded")] = None,
         tracker: Annotated[Optional[str], typer.Option(help="Tracker URL to compare clocks with")] = None,
-        relay: Annotated[Optional[list[str]], typer.Option("--relay", help="Relay URL to attach a test work connection to (repeatable: each is checked)")] = None,
+        relay: Annotated[
+            Optional[list[str]], typer.Option("--relay", help="Relay URL to attach a test work connection to (repeatable: each is checked)")
+        ] = None,
         state_dir: Annotated[Optional[Path], typer.Option(help="Node state dir (its identity proves itself to the relay)")] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Never contact the hub for model sizes")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON")] = False,

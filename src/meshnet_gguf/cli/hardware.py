@@ -13,9 +13,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def hardware(
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON for machines")] = False,
-        llama_server: Annotated[
-            Optional[Path], typer.Option(help="llama-server whose devices to list")
-        ] = None,
+        llama_server: Annotated[Optional[Path], typer.Option(help="llama-server whose devices to list")] = None,
     ) -> None:
         """Show CPU, RAM, GPUs and the GPU memory budget.
 

@@ -68,7 +68,9 @@ def _served_cell(row: dict[str, Any]) -> str:
 def register(app: typer.Typer) -> None:
     @app.command("rm")
     def remove(
-        model: Annotated[str, typer.Argument(help="MODEL[:QUANT] as `models --local` lists it (owner/name or a catalog id); every quant without :QUANT")],
+        model: Annotated[
+            str, typer.Argument(help="MODEL[:QUANT] as `models --local` lists it (owner/name or a catalog id); every quant without :QUANT")
+        ],
         download_dir: Annotated[Optional[Path], typer.Option(help="Where the models are")] = None,
         yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (needs --yes: nothing to ask)")] = False,
@@ -93,7 +95,9 @@ def register(app: typer.Typer) -> None:
         total = sum(m.total_bytes for m in found)
         if not yes:
             for m in found:
-                typer.echo(f"  {m.spec}  {format_bytes(m.total_bytes)}  {m.path}" + (f" (+{len(m.files) - 1} shards)" if len(m.files) > 1 else ""))
+                typer.echo(
+                    f"  {m.spec}  {format_bytes(m.total_bytes)}  {m.path}" + (f" (+{len(m.files) - 1} shards)" if len(m.files) > 1 else "")
+                )
             if not typer.confirm(f"remove {len(found)} model file set(s), {format_bytes(total)}?", default=False):
                 typer.echo("nothing removed")
                 raise typer.Exit(EXIT_DECLINED)

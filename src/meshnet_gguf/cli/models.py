@@ -32,8 +32,7 @@ def _configure_logging(settings: NodeSettings) -> None:
 def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:  # type: ignore[assignment]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-        for row in rows
+        "  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows
     )
 
 
@@ -111,7 +110,9 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.prepare.plan import OperatorChoiceError, OperatorChoices
         from meshnet_gguf.prepare.quant_table import PlanRefused, catalog_quant_tables, listed_quant_table
 
-        settings = _settings(download_dir=download_dir, offline=offline, llama_server=llama_server, pool_workers=pool_worker, state_dir=state_dir)
+        settings = _settings(
+            download_dir=download_dir, offline=offline, llama_server=llama_server, pool_workers=pool_worker, state_dir=state_dir
+        )
         binary = local_llama_server(settings.llama_server)
         try:
             hardware = probe_configured(binary, settings.hardware_fixture)
@@ -200,7 +201,9 @@ class _PoolFit:
 
         self.members, self.local_device, self.local_budget = members, local_device, local_budget
         parts = [f"{worker_name(i)} {format_bytes(m.budget_bytes)}" for i, m in enumerate(members)]
-        parts.append(f"this node's GPU {format_bytes(local_budget)}" if local_device else "this node's GPU: none (every layer on the workers)")
+        parts.append(
+            f"this node's GPU {format_bytes(local_budget)}" if local_device else "this node's GPU: none (every layer on the workers)"
+        )
         self.describe = ", ".join(parts)
 
     def __call__(self, weights_and_kv: int) -> bool:

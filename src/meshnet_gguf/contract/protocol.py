@@ -217,7 +217,8 @@ class NodeAnnouncement(_Wire):
     relay: RelayAttachment | None = Field(None, description="Set when the node is reachable only through a relay")
     # Beside `relay`, not instead of it: a tracker that predates the list still reads the first relay there.
     relays: list[RelayAttachment] = Field(
-        default_factory=list, max_length=MAX_NODE_RELAYS,
+        default_factory=list,
+        max_length=MAX_NODE_RELAYS,
         description="Every relay the node holds a tunnel at, in the order to try them; the first is `relay` (section 9.7)",
     )
     pool: PoolDescription | None = Field(None, description="Set when a LAN pool behind the node holds the model with it")
@@ -407,9 +408,7 @@ class TrackerUsage(_Wire):
     node: UsageCounts | None = None
     node_finish_reason: FinishReason | None = None
     agreement: UsageAgreement
-    billed: UsageCounts | None = Field(
-        None, description="What the tracker bills: the receipt, capped per field by the tracker's ceiling"
-    )
+    billed: UsageCounts | None = Field(None, description="What the tracker bills: the receipt, capped per field by the tracker's ceiling")
     flagged: bool = Field(False, description="The receipt claims more than the tracker's ceilings, or the request was interrupted")
     ceiling: UsageCounts | None = Field(
         None, description="The most the tracker bills, from the request it received and the bytes it forwarded"
@@ -503,8 +502,10 @@ class RelayRefused(_Wire):
     """relay -> node, then the relay closes the connection."""
 
     type: Literal["refused"] = "refused"
-    code: str = Field(description="bad_message, message_too_large, node_id_mismatch, bad_public_key, bad_proof, "
-                      "no_control_channel, work_pool_full, too_many_tunnels")
+    code: str = Field(
+        description="bad_message, message_too_large, node_id_mismatch, bad_public_key, bad_proof, "
+        "no_control_channel, work_pool_full, too_many_tunnels"
+    )
     message: str
 
 
@@ -519,8 +520,7 @@ class RelayAttachment(_Wire):
 
     url: str = Field(description="The relay's base URL; the tracker uses it as an HTTP CONNECT proxy")
     tls_certificate: str = Field(
-        description="base64url DER of the node's self-signed X.509 certificate: Ed25519, the node's own key, "
-        "subjectAltName DNS = node id"
+        description="base64url DER of the node's self-signed X.509 certificate: Ed25519, the node's own key, subjectAltName DNS = node id"
     )
 
 
@@ -584,7 +584,6 @@ class ErrorBody(_Wire):
     """OpenAI's error shape, used for every refusal so SDKs surface the message (`errors.ApiError` writes it)."""
 
     error: ErrorDetail
-
 
 
 HealthReport.model_rebuild()

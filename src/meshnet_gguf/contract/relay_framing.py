@@ -99,8 +99,7 @@ def _too_large() -> RelayFramingError:
 def upgrade_request(host: str, port: int) -> bytes:
     """The node's request for a tunnel connection."""
     return (
-        f"GET {RELAY_TUNNEL_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        f"Connection: Upgrade\r\nUpgrade: {RELAY_UPGRADE_PROTOCOL}\r\n\r\n"
+        f"GET {RELAY_TUNNEL_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: Upgrade\r\nUpgrade: {RELAY_UPGRADE_PROTOCOL}\r\n\r\n"
     ).encode("latin-1")
 
 
@@ -113,7 +112,9 @@ def upgrade_refusal(answer: bytes) -> str | None:
 def connect_request(node_id: str, token: str) -> bytes:
     """The tracker's CONNECT to one node, with its token for this one connection."""
     target = f"{node_id}:{RELAY_CONNECT_PORT}"
-    return f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {RELAY_CONNECT_AUTH_SCHEME} {token}\r\n\r\n".encode("latin-1")
+    return f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: {RELAY_CONNECT_AUTH_SCHEME} {token}\r\n\r\n".encode(
+        "latin-1"
+    )
 
 
 def connect_refusal(answer: bytes) -> str | None:

@@ -89,9 +89,7 @@ def load_or_create_private_key(path: Path) -> Ed25519PrivateKey:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=STATE_DIR_MODE)
         key = Ed25519PrivateKey.generate()
-        pem = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
         # Linked into place, not renamed: when another process won the race, its key is kept and used.
         write_atomically(path, pem, mode=KEY_FILE_MODE, exclusive=True)
     return load_private_key(path)
@@ -102,9 +100,7 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     path = Path(path)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
-        raise PermissionError(
-            f"{path} is readable by other users (mode {mode:o}); run `chmod 600 {path}` so the key stays private"
-        )
+        raise PermissionError(f"{path} is readable by other users (mode {mode:o}); run `chmod 600 {path}` so the key stays private")
     key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFormatError(f"{path} does not hold an Ed25519 private key")
@@ -137,7 +133,9 @@ def encode_token(claims: dict[str, Any], key: Ed25519PrivateKey) -> str:
 
 @functools.lru_cache(maxsize=_HOT_SIGNING_KEYS)
 def _hot_signing_key(key: Ed25519PrivateKey) -> nacl.signing.SigningKey:
-    return nacl.signing.SigningKey(key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()))
+    return nacl.signing.SigningKey(
+        key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+    )
 
 
 def decode_token(

@@ -171,9 +171,7 @@ class LocalHub:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((LOOPBACK, self._port))
         port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app(), log_level="warning", lifespan="off", timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)
-        )
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
@@ -333,7 +331,11 @@ class LocalHub:
             auth = request.headers.get("authorization", "")
             token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
             if token is None:
-                return _error(401, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access to it and be authenticated to access it. Please log in.")
+                return _error(
+                    401,
+                    "GatedRepo",
+                    f"Access to model {repo_id} is restricted. You must have access to it and be authenticated to access it. Please log in.",
+                )
             if token not in self.tokens:
                 return _error(403, "GatedRepo", f"Access to model {repo_id} is restricted and you are not in the authorized list.")
         path = request.path_params["path"]

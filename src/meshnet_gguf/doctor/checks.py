@@ -101,7 +101,6 @@ class DoctorReport:
         return "\n".join(lines)
 
 
-
 @dataclass
 class DoctorEnvironment:
     """Everything the checks read from the outside world; tests swap in recorded machines."""
@@ -221,8 +220,11 @@ def check_gpus(report: HardwareReport, env: DoctorEnvironment) -> list[Finding]:
         else:
             findings.append(
                 Finding(
-                    "gpu", "warn", f"{gpu.name} is present but llama-server lists no device for it",
-                    "models would run on the CPU", "install the GPU's Vulkan driver, or a llama-server build for it",
+                    "gpu",
+                    "warn",
+                    f"{gpu.name} is present but llama-server lists no device for it",
+                    "models would run on the CPU",
+                    "install the GPU's Vulkan driver, or a llama-server build for it",
                 )  # fmt: skip
             )
         if gpu.vendor == "amd":
@@ -287,7 +289,9 @@ def _amd_device_access(env: DoctorEnvironment) -> list[Finding]:
     if render_nodes and not any(env.access(node, os.R_OK | os.W_OK) for node in render_nodes):
         findings.append(
             Finding(
-                "gpu", "warn", f"this user cannot open {render_nodes[0].relative_to(env.root)} (GPU render node)",
+                "gpu",
+                "warn",
+                f"this user cannot open {render_nodes[0].relative_to(env.root)} (GPU render node)",
                 "Vulkan opens /dev/dri/renderD*; without it the GPU is invisible and models run on the CPU",
                 DEVICE_GROUPS_FIX,
             )  # fmt: skip
@@ -296,8 +300,11 @@ def _amd_device_access(env: DoctorEnvironment) -> list[Finding]:
     if kfd.exists() and not env.access(kfd, os.R_OK | os.W_OK):
         findings.append(
             Finding(
-                "gpu", "warn", "this user cannot open /dev/kfd (the ROCm compute device)",
-                "a ROCm build of llama-server needs /dev/kfd; the Vulkan build does not", DEVICE_GROUPS_FIX,
+                "gpu",
+                "warn",
+                "this user cannot open /dev/kfd (the ROCm compute device)",
+                "a ROCm build of llama-server needs /dev/kfd; the Vulkan build does not",
+                DEVICE_GROUPS_FIX,
             )  # fmt: skip
         )
     return findings
@@ -352,8 +359,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
             Finding(
                 "memory",
                 "warn",
-                f"{size.label} {needs} but {gpu.name} may map only {format_bytes(capacity.gpu_bytes)} "
-                f"({gpu.budget_basis})",
+                f"{size.label} {needs} but {gpu.name} may map only {format_bytes(capacity.gpu_bytes)} ({gpu.budget_basis})",
                 "the GTT limit, not RAM, caps the GPU: the layers beyond it run on the CPU, several times slower",
                 f"raise the limit: add ttm.pages_limit={pages} (4 KiB pages) to the kernel command line "
                 "(GRUB_CMDLINE_LINUX in /etc/default/grub, then update-grub) and reboot",
@@ -363,8 +369,7 @@ def check_memory(report: HardwareReport, size: ModelSize | None) -> list[Finding
         Finding(
             "memory",
             "warn",
-            f"{size.label} {needs}; {gpu.name} holds {format_bytes(capacity.gpu_bytes)}: "
-            "part of it runs on the CPU",
+            f"{size.label} {needs}; {gpu.name} holds {format_bytes(capacity.gpu_bytes)}: part of it runs on the CPU",
             "layers that do not fit the GPU run on the CPU, several times slower",
             "choose a smaller quant to keep it all on the GPU, or accept the split",
         )
@@ -382,7 +387,9 @@ def check_pool(env: DoctorEnvironment, binary: BinaryInfo | None, report: Hardwa
     except NodeSetupError as exc:
         return [
             Finding(
-                "pool", "fail", str(exc),
+                "pool",
+                "fail",
+                str(exc),
                 "the node checks every worker before it launches llama-server and does not start without all of them",
                 "start `meshnet-gguf worker --node-key` with this node's public key on each box, and check the link "
                 "and the firewall (RPC port and RPC port + 1), or lower the worker's budget",
@@ -432,7 +439,9 @@ def check_clock(env: DoctorEnvironment) -> list[Finding]:
     except httpx.HTTPError as exc:
         return [
             Finding(
-                "clock", "fail", f"the tracker at {tracker} did not answer: {exc}",
+                "clock",
+                "fail",
+                f"the tracker at {tracker} did not answer: {exc}",
                 "the node registers and reports usage there; its clock is compared with the tracker's",
                 "check the URL (--tracker) and that this machine can reach it",
             )  # fmt: skip
@@ -460,9 +469,12 @@ def check_clock(env: DoctorEnvironment) -> list[Finding]:
     if off > tolerance:
         return [
             Finding(
-                "clock", "fail", summary,
+                "clock",
+                "fail",
+                summary,
                 f"signed routes are valid for a short window with {tolerance} s of tolerance; with this skew the node "
-                "refuses the tracker's routes (expired or not yet valid)", fix,
+                "refuses the tracker's routes (expired or not yet valid)",
+                fix,
             )  # fmt: skip
         ]
     if off > CLOCK_WARN_S:
@@ -500,7 +512,8 @@ def check_tracker_key(env: DoctorEnvironment) -> list[Finding]:
     if public_key_text(published) != public_key_text(pinned):
         return [
             Finding(
-                "tracker key", "fail",
+                "tracker key",
+                "fail",
                 f"tracker key mismatch: {tracker} publishes {public_key_text(published)}, this node pinned {public_key_text(pinned)}",
                 "every route the tracker signs would be refused, so the node reports itself not online",
                 f"{fix}, or delete {pin} to learn it again",
@@ -527,14 +540,14 @@ def check_port(env: DoctorEnvironment) -> list[Finding]:
                 return [Finding("port", "ok", f"{host}:{port} is served by a running node ({_describe(owner)})")]
             return [
                 Finding(
-                    "port", "fail", f"{host}:{port} is already in use" + (f" by {_describe(owner)}" if owner else ""),
+                    "port",
+                    "fail",
+                    f"{host}:{port} is already in use" + (f" by {_describe(owner)}" if owner else ""),
                     "the node's public port must be free to bind",
                     "stop what holds it, or choose another port (--port / MESHNET_PORT)",
                 )  # fmt: skip
             ]
-        return [
-            Finding("port", "fail", f"cannot bind {host}:{port}: {exc.strerror}", "", "check --host and --port")
-        ]
+        return [Finding("port", "fail", f"cannot bind {host}:{port}: {exc.strerror}", "", "check --host and --port")]
     finally:
         probe.close()
     return [Finding("port", "ok", f"{host}:{port} is free")]
@@ -571,4 +584,3 @@ def findings_by_check(report: DoctorReport) -> dict[str, list[Finding]]:
     for finding in report.findings:
         grouped.setdefault(finding.check, []).append(finding)
     return grouped
-

@@ -94,7 +94,6 @@ _AMD_APU_GFX = frozenset({"gfx902", "gfx909", "gfx90c", "gfx1035", "gfx1036", "g
 _INTEL_DISCRETE_PREFIXES = ("0x56", "0xe2")
 
 
-
 # --------------------------------------------------------------------------- report
 
 
@@ -243,9 +242,7 @@ def _attach_by_vendor(gpus: list[_Gpu], vendor: str, index: int) -> _Gpu | None:
     return same[index] if index < len(same) else None
 
 
-def _merge(
-    cards: list[DrmCard], nvidia: list[NvidiaGpu], rocm: list[RocmAgent], llama: Sequence[LlamaDevice]
-) -> list[_Gpu]:
+def _merge(cards: list[DrmCard], nvidia: list[NvidiaGpu], rocm: list[RocmAgent], llama: Sequence[LlamaDevice]) -> list[_Gpu]:
     gpus = [_Gpu(c.vendor, card=c) for c in cards]
     for i, smi in enumerate(nvidia):
         target = _attach_by_vendor(gpus, "nvidia", i)
@@ -326,9 +323,7 @@ def _gpu_name(gpu: _Gpu, cpu: CpuInfo, strix_halo: bool) -> str:
     return f"{gpu.vendor} GPU"
 
 
-def _unified_budget(
-    vram: int, gtt: int | None, reported_total: int | None, ttm_limit: int | None, host_budget: int
-) -> tuple[int, str]:
+def _unified_budget(vram: int, gtt: int | None, reported_total: int | None, ttm_limit: int | None, host_budget: int) -> tuple[int, str]:
     """Carve-out + the GTT that RAM can really back, never the carve-out + GTT sum Vulkan reports."""
     limits: list[tuple[int, str]] = [(host_budget, f"RAM available minus {format_bytes(SYSTEM_RESERVE_BYTES)} reserve")]
     if gtt is not None:
@@ -554,8 +549,7 @@ def probe_recorded(box: Path, binary: BinaryInfo | None = None) -> HardwareRepor
     box = Path(box).expanduser()
     if not (box / "root").is_dir():
         raise FileNotFoundError(
-            f"{box} is not a recorded machine: it needs a root/ folder (sysfs, proc) and commands/ "
-            "(see tests/fixtures/hardware/<box>)"
+            f"{box} is not a recorded machine: it needs a root/ folder (sysfs, proc) and commands/ (see tests/fixtures/hardware/<box>)"
         )
     commands = box / "commands"
     # Recorded as llama-server.txt whatever this machine's binary is called.
@@ -592,9 +586,7 @@ def _rows(report: HardwareReport) -> list[tuple[str, str]]:
         if gpu.pci_id or gpu.gfx_target:
             rows.append(("  id", " ".join(x for x in (gpu.pci_id, gpu.gfx_target) if x)))
         rows.append(("  backends", ", ".join(gpu.backends) or "none"))
-        devices = ", ".join(
-            f"{d.name} ({_gib(d.total_bytes)} reported, {_gib(d.free_bytes)} free)" for d in gpu.llama_devices
-        )
+        devices = ", ".join(f"{d.name} ({_gib(d.total_bytes)} reported, {_gib(d.free_bytes)} free)" for d in gpu.llama_devices)
         rows.append(("  llama-server", devices or "not visible"))
         if gpu.vram_bytes is not None:
             gtt = f", GTT {_gib(gpu.gtt_bytes)}" if gpu.gtt_bytes is not None else ""

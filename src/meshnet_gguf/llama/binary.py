@@ -275,9 +275,7 @@ def _probe_cached(path: Path, _mtime_ns: int, _size: int, source: str, library_d
 
 def _run(argv: list[str], env: Mapping[str, str]) -> str:
     try:
-        done = subprocess.run(
-            argv, env=dict(env), capture_output=True, text=True, errors="replace", timeout=PROBE_TIMEOUT_S, check=False
-        )
+        done = subprocess.run(argv, env=dict(env), capture_output=True, text=True, errors="replace", timeout=PROBE_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as exc:
         raise BinaryNotFound(f"{argv[0]} {argv[1]} did not answer within {PROBE_TIMEOUT_S:.0f} s") from exc
     except OSError as exc:

@@ -47,7 +47,9 @@ SPIRV_HEADERS_CONFIG = "SPIRV-HeadersConfig.cmake"
 # ggml-vulkan.cpp at b11434 uses vk::LayerSettingEXT (VK_EXT_layer_settings), first in Vulkan-Headers 1.3.272.
 MIN_VULKAN_HEADER = (1, 3, 272)
 _HEADER_VERSION_RE = re.compile(r"#define\s+VK_HEADER_VERSION\s+(?P<patch>\d+)")
-_HEADER_COMPLETE_RE = re.compile(r"#define\s+VK_HEADER_VERSION_COMPLETE\s+VK_MAKE_API_VERSION\(\s*0\s*,\s*(?P<major>\d+)\s*,\s*(?P<minor>\d+)")
+_HEADER_COMPLETE_RE = re.compile(
+    r"#define\s+VK_HEADER_VERSION_COMPLETE\s+VK_MAKE_API_VERSION\(\s*0\s*,\s*(?P<major>\d+)\s*,\s*(?P<minor>\d+)"
+)
 
 
 class BuildError(RuntimeError):
@@ -73,9 +75,7 @@ def vulkan_header_version(include_dir: Path = VULKAN_INCLUDE_DIR) -> tuple[int, 
     return major, minor, int(patch["patch"])
 
 
-def vulkan_blocker(
-    include_dir: Path = VULKAN_INCLUDE_DIR, config_dirs: Sequence[Path] = SPIRV_HEADERS_CONFIG_DIRS
-) -> str | None:
+def vulkan_blocker(include_dir: Path = VULKAN_INCLUDE_DIR, config_dirs: Sequence[Path] = SPIRV_HEADERS_CONFIG_DIRS) -> str | None:
     """Why the Vulkan backend cannot be built here, in one line with the fix; None when it can."""
     missing = []
     version = vulkan_header_version(include_dir)
@@ -128,7 +128,9 @@ def amx_blocked() -> bool:
         source, program = Path(tmp) / "amx.c", Path(tmp) / "amx"
         source.write_text(_AMX_PROBE_C)
         try:
-            built = subprocess.run(["cc", "-O2", "-mamx-tile", str(source), "-o", str(program)], capture_output=True, timeout=PROBE_TIMEOUT_S)
+            built = subprocess.run(
+                ["cc", "-O2", "-mamx-tile", str(source), "-o", str(program)], capture_output=True, timeout=PROBE_TIMEOUT_S
+            )
             if built.returncode != 0:
                 return True  # this compiler cannot even emit AMX: keep it out
             return subprocess.run([str(program)], capture_output=True, timeout=PROBE_TIMEOUT_S).returncode != 0

@@ -175,9 +175,7 @@ def reap_stale_child(pidfile: Path | None, timeout_s: float = STOP_TIMEOUT_S) ->
         return False
     owner = _live_owner(record)
     if owner is not None:
-        log.warning(
-            "llama-server pid %s belongs to node pid %s, which is still running: leaving it alone", proc.pid, owner
-        )
+        log.warning("llama-server pid %s belongs to node pid %s, which is still running: leaving it alone", proc.pid, owner)
         return False
     log.warning("ending llama-server pid %s left by an earlier run", proc.pid)
     for stop in (proc.terminate, proc.kill):

@@ -130,8 +130,12 @@ class PoolMonitor(BasePart):
         now = time.monotonic()
         workers = [
             PoolWorkerHealth(
-                name=w.name, state=seen.state, protocol=seen.protocol, assigned_bytes=w.assigned_bytes,
-                last_heartbeat_s=None if seen.last_ok is None else round(now - seen.last_ok, 1), problem=seen.problem,
+                name=w.name,
+                state=seen.state,
+                protocol=seen.protocol,
+                assigned_bytes=w.assigned_bytes,
+                last_heartbeat_s=None if seen.last_ok is None else round(now - seen.last_ok, 1),
+                problem=seen.problem,
             )  # fmt: skip
             for w in self.workers
             for seen in (self._seen[w.name],)

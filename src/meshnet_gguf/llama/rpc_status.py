@@ -43,9 +43,7 @@ def status_token(key: Ed25519PrivateKey, now: float | None = None) -> str:
 
 def check_status_token(token: str, node_key: Ed25519PublicKey) -> None:
     """Raises `jwt.InvalidTokenError` unless the node's key signed this fresh, short-lived status token."""
-    claims = decode_token(
-        token, node_key, required=["aud", "iat", "exp"], audience=STATUS_AUDIENCE, leeway=STATUS_CLOCK_LEEWAY_S
-    )
+    claims = decode_token(token, node_key, required=["aud", "iat", "exp"], audience=STATUS_AUDIENCE, leeway=STATUS_CLOCK_LEEWAY_S)
     if int(claims["exp"]) - int(claims["iat"]) > STATUS_TOKEN_MAX_LIFE_S:
         raise jwt.InvalidTokenError(f"a status token may live at most {STATUS_TOKEN_MAX_LIFE_S} s")
     if int(claims["iat"]) > time.time() + STATUS_CLOCK_LEEWAY_S:
@@ -77,7 +75,9 @@ def worker_status(worker: RpcWorker) -> dict[str, Any]:
     }
 
 
-def status_app(worker: RpcWorker, node_key: Ed25519PublicKey, *, status: Callable[[RpcWorker], dict[str, Any]] = worker_status) -> Starlette:
+def status_app(
+    worker: RpcWorker, node_key: Ed25519PublicKey, *, status: Callable[[RpcWorker], dict[str, Any]] = worker_status
+) -> Starlette:
     async def read_status(request: Request) -> JSONResponse:
         token = bearer_token(request.headers.get("authorization", ""))
         if token is None:

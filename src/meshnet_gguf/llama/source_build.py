@@ -90,7 +90,6 @@ FAILURE_TAIL_LINES = 20
 _VERSION_RE = re.compile(r"^(?P<build>\d+)(?:\.\d+)*$")
 
 
-
 @dataclass(frozen=True)
 class BuildResult:
     binary: Path
@@ -106,9 +105,7 @@ class BuildResult:
         return f"{self.binary} (llama.cpp {self.build}, {kind}, built in {self.seconds:.0f} s)"
 
 
-def cmake_flags(
-    *, vulkan: bool, build_number: int | None, amx: bool = True, web_ui: bool = False, portable: bool = False
-) -> list[str]:
+def cmake_flags(*, vulkan: bool, build_number: int | None, amx: bool = True, web_ui: bool = False, portable: bool = False) -> list[str]:
     flags = [*BASE_CMAKE_FLAGS, *(PORTABLE_CMAKE_FLAGS if portable else NATIVE_CMAKE_FLAGS)]
     if not amx and not portable:
         # GCC lets an explicit -mno-* win over -march=native, whatever the order.
@@ -370,7 +367,9 @@ def _build_number(folder: Path) -> int | None:
     pkg_info = folder / "PKG-INFO"
     candidates = []
     if pkg_info.is_file():
-        candidates += [line.split(":", 1)[1].strip() for line in pkg_info.read_text(errors="replace").splitlines() if line.startswith("Version:")]
+        candidates += [
+            line.split(":", 1)[1].strip() for line in pkg_info.read_text(errors="replace").splitlines() if line.startswith("Version:")
+        ]
     candidates.append(folder.name.rpartition("-")[2])
     for text in candidates:
         match = _VERSION_RE.match(text)

@@ -477,5 +477,3 @@ class Supervisor(ChildLoop, BasePart):
     def _remove_pidfile(self) -> None:
         if self._pidfile is not None:
             self._pidfile.unlink(missing_ok=True)
-
-

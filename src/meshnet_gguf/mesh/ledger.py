@@ -162,7 +162,9 @@ class UsageLedger:
         return cls(Path(state_dir) / LEDGER_FILE)
 
     # --- async API (what the node uses) -------------------------------------------
-    def open_request_soon(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> asyncio.Future[bool]:
+    def open_request_soon(
+        self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None
+    ) -> asyncio.Future[bool]:
         """Hand the open row to the writer thread now and return at once: the future is done (True, or
         False when the id is already there) once the row is synced.
 
@@ -223,9 +225,7 @@ class UsageLedger:
     def note_prompt_sync(self, request_id: str, prompt_tokens: int) -> bool:
         """Not synced to the platter (see the module doc): the body stays durable until a synced write follows."""
         with self._lock:
-            row = self._db.execute(
-                f"SELECT record_json FROM usage WHERE request_id = ? AND {_OPEN}", (request_id,)
-            ).fetchone()
+            row = self._db.execute(f"SELECT record_json FROM usage WHERE request_id = ? AND {_OPEN}", (request_id,)).fetchone()
             if row is None:
                 return False
             record = UsageRecord.model_validate_json(row[0]).model_copy(update={"prompt_tokens": prompt_tokens})
@@ -243,9 +243,7 @@ class UsageLedger:
         """Records of requests opened but never settled whose prompt count is in the row: a previous run
         died while they ran."""
         with self._lock:
-            rows = self._db.execute(
-                f"SELECT record_json FROM usage WHERE {_OPEN} AND prompt_body IS NULL ORDER BY started_at"
-            ).fetchall()
+            rows = self._db.execute(f"SELECT record_json FROM usage WHERE {_OPEN} AND prompt_body IS NULL ORDER BY started_at").fetchall()
         return [UsageRecord.model_validate_json(r[0]) for r in rows]
 
     def awaiting_count_sync(self) -> list[tuple[UsageRecord, bytes]]:
@@ -374,18 +372,14 @@ class UsageLedger:
     def request_ids_since_sync(self, started_after: float) -> list[tuple[str, float]]:
         """(request id, started_at) of requests admitted after a time."""
         with self._lock:
-            return self._db.execute(
-                "SELECT request_id, started_at FROM usage WHERE started_at > ?", (started_after,)
-            ).fetchall()
+            return self._db.execute("SELECT request_id, started_at FROM usage WHERE started_at > ?", (started_after,)).fetchall()
 
     def unexpired_routes_sync(self, now: float) -> list[tuple[str, float]]:
         """(request id, route expiry) of every route that could still be presented: seeds the
         replay cache on restart. Rows are opened before forwarding, so this holds every
         route ever forwarded, including the ones a crash cut short."""
         with self._lock:
-            return self._db.execute(
-                "SELECT request_id, route_expires_at FROM usage WHERE route_expires_at > ?", (now,)
-            ).fetchall()
+            return self._db.execute("SELECT request_id, route_expires_at FROM usage WHERE route_expires_at > ?", (now,)).fetchall()
 
     def close(self) -> None:
         with self._lock:

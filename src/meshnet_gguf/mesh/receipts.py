@@ -149,7 +149,6 @@ class LedgerUsageSink:
         if self._reporter is not None:
             self._reporter.wake()
 
-
     async def _settle_late(self, usage: UsageRecord, body: bytes) -> None:
         if self._count_prompt is None:
             log.warning("request %s ended before its prompt was counted; billed at the next start", usage.request_id)
@@ -210,7 +209,9 @@ def _settle_cut(ledger: UsageLedger, identity: NodeIdentity, record: UsageRecord
     """Settle a row its request never settled itself: a crash row (its record as opened, outcome
     unknown: an error) or a parked one (its final record in, only the prompt was missing)."""
     ended = record.finish_reason != "unknown"
-    cut = record.model_copy(update={"finish_reason": record.finish_reason if ended else "error", "status": record.status or NODE_DIED_STATUS})
+    cut = record.model_copy(
+        update={"finish_reason": record.finish_reason if ended else "error", "status": record.status or NODE_DIED_STATUS}
+    )
     if not ledger.add_sync(cut, identity.sign_receipt(cut)):
         return False
     log.warning(

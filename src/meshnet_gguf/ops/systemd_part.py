@@ -170,9 +170,7 @@ class OperationsPart(BasePart):
             return False
 
     async def drain(self) -> None:
-        self.notifier.stopping(
-            f"draining: {self._slots.in_flight} request(s) in flight, up to {self._drain_grace_s:.0f} s"
-        )
+        self.notifier.stopping(f"draining: {self._slots.in_flight} request(s) in flight, up to {self._drain_grace_s:.0f} s")
 
     async def close(self) -> None:
         self.notifier.close()

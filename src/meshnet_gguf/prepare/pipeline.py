@@ -320,8 +320,11 @@ def prepare_with(
         resolved=model.resolved,
         downloaded_bytes=model.resolved.fetched_bytes if model.resolved is not None else 0,
         model_aliases=model_aliases(
-            name, load_catalog(),
-            catalog_id=entry.id if entry is not None else None, repo_id=choice.source.repo_id, quant=model.quant,
+            name,
+            load_catalog(),
+            catalog_id=entry.id if entry is not None else None,
+            repo_id=choice.source.repo_id,
+            quant=model.quant,
             file_name=model.facts.path.name if model.facts.path is not None else None,
         ),  # fmt: skip
         pool=tuple(pool),
@@ -441,8 +444,7 @@ def _find_model(choice: QuantChoice, download_dir: Path) -> ModelOnDisk:
         raise NotDownloadedYet(
             f"{source.text}{':' + quant if quant else ''} is not downloaded yet, and the catalog has no figures for it: "
             "the plan needs its GGUF header (layers, attention shape). Run `meshnet-gguf download "
-            f"{source.text}{' --quant ' + quant if quant else ''}` (or serve without --dry-run), then --dry-run again."
-            + advised,
+            f"{source.text}{' --quant ' + quant if quant else ''}` (or serve without --dry-run), then --dry-run again." + advised,
             choice,
         )
     path = found.first_shard

@@ -340,9 +340,7 @@ def _choose_ctx(model: ModelFacts, operator: OperatorChoices, where: Placement, 
     if ctx >= cap:
         notes.reasons.append(f"context {ctx} = {parallel} slots x {ctx // parallel} tokens, the most planned per slot ({kv})")
     else:
-        notes.reasons.append(
-            f"context {ctx} = {parallel} slots x {ctx // parallel} tokens: what memory leaves after the weights ({kv})"
-        )
+        notes.reasons.append(f"context {ctx} = {parallel} slots x {ctx // parallel} tokens: what memory leaves after the weights ({kv})")
     if ctx < floor:
         notes.warnings.append(
             f"only {ctx // parallel} tokens of context per slot fit (less than {MIN_CTX_PER_SLOT}): "
@@ -388,9 +386,7 @@ def plan_launch(model: ModelFacts, hw: HardwareReport, operator: OperatorChoices
     """Plan llama-server's arguments for `model` on `hw`. Pure: the same facts give the same plan."""
     notes = _Notes(reasons=[f"model facts: {g}" for g in model.guessed], warnings=[])
     # `--llama-arg -ngl N` counts as asking, so the memory estimate follows it too.
-    requested = _parse_gpu_layers(
-        operator.n_gpu_layers if operator.n_gpu_layers is not None else operator.values.get("gpu_layers")
-    )
+    requested = _parse_gpu_layers(operator.n_gpu_layers if operator.n_gpu_layers is not None else operator.values.get("gpu_layers"))
     kv_per_token = model.kv_bytes_per_token(
         (operator.values.get("cache_type_k") or DEFAULT_KV_TYPE).lower(),
         (operator.values.get("cache_type_v") or DEFAULT_KV_TYPE).lower(),
@@ -508,10 +504,7 @@ def _why_cpu_only(hw: HardwareReport) -> str:
         return f"CPU only: llama-server lists no device for {names} (see the hardware notes)"
     software = [g for g in hw.gpus if g.kind == "software"]
     if software:
-        return (
-            f"CPU only: the only GPU device is {software[0].name}, a software renderer "
-            "(set --n-gpu-layers to offload to it anyway)"
-        )
+        return f"CPU only: the only GPU device is {software[0].name}, a software renderer (set --n-gpu-layers to offload to it anyway)"
     return "CPU only: this machine has no GPU"
 
 

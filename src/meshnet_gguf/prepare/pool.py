@@ -104,9 +104,7 @@ def check_pool(specs: Sequence[PoolWorkerSpec], fetch: StatusFetch, local_protoc
         free = int(status.get("free_bytes") or 0)
         budget = spec.budget_bytes if spec.budget_bytes is not None else free
         if budget <= 0 or budget > free:
-            raise PoolError(
-                f"pool worker {spec.endpoint} has {format_bytes(free)} free, less than its budget {format_bytes(budget)}"
-            )
+            raise PoolError(f"pool worker {spec.endpoint} has {format_bytes(free)} free, less than its budget {format_bytes(budget)}")
         members.append(PoolMember(spec, budget, protocol))
     return members
 
@@ -172,8 +170,7 @@ def pool_shares(members: Sequence[PoolMember], local_device: str | None, local_b
         budgets.append((local_device, "this node", local_budget))
     total = sum(b for _, _, b in budgets)
     return [
-        PoolShare(device, where, budget, round(model_bytes * budget / total) + COMPUTE_OVERHEAD_BYTES)
-        for device, where, budget in budgets
+        PoolShare(device, where, budget, round(model_bytes * budget / total) + COMPUTE_OVERHEAD_BYTES) for device, where, budget in budgets
     ]
 
 
@@ -208,16 +205,17 @@ def pooled_plan(plan: LaunchPlan, members: Sequence[PoolMember], local_budget: i
     if not any(arg in _VERBOSITY for arg in argv):
         pool_args += ["-lv", LOAD_LINES_VERBOSITY]
     fits = all(s.fits for s in shares)
-    reasons = [
-        f"pool: {s.device} ({s.where}) ~{format_bytes(s.bytes)} of its {format_bytes(s.budget_bytes)}" for s in shares
-    ]
+    reasons = [f"pool: {s.device} ({s.where}) ~{format_bytes(s.bytes)} of its {format_bytes(s.budget_bytes)}" for s in shares]
     reasons.append("pool: no prompt cache (--cache-ram 0): saving it has aborted llama-server with RPC devices")
     if local_device is None:
         reasons.append("pool: this node has no GPU in the plan, so every layer goes to the workers")
     warnings = [w for w in plan.warnings if "does not fit" not in w]
     if not fits:
         short = [s for s in shares if not s.fits]
-        warnings.append("the pool does not hold the model: " + "; ".join(f"{s.device} ({s.where}) needs ~{format_bytes(s.bytes)}, has {format_bytes(s.budget_bytes)}" for s in short))
+        warnings.append(
+            "the pool does not hold the model: "
+            + "; ".join(f"{s.device} ({s.where}) needs ~{format_bytes(s.bytes)}, has {format_bytes(s.budget_bytes)}" for s in short)
+        )
     return replace(
         plan,
         argv=(*argv, *pool_args),

@@ -118,7 +118,12 @@ def quant_table(
 
 
 def listed_quant_table(
-    spec: str, download_dir: Path, access: HubAccess, catalog: Catalog, hardware: HardwareReport, operator: OperatorChoices,
+    spec: str,
+    download_dir: Path,
+    access: HubAccess,
+    catalog: Catalog,
+    hardware: HardwareReport,
+    operator: OperatorChoices,
     binary: BinaryCapabilities | None,
 ) -> QuantTable:
     """`meshnet-gguf models SPEC`: what a repo, catalog id or folder offers, each quant with the plan's figure here.

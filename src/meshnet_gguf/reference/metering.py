@@ -121,8 +121,10 @@ def prompt_ceiling(payload: dict[str, Any]) -> int:
             pieces += len(value)
         elif value is not None:
             pieces += 1
-    return PROMPT_BASE_ALLOWANCE_TOKENS + PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS * pieces + sum(
-        _text_size(payload[f]) for f in _PROMPT_FIELDS if f in payload
+    return (
+        PROMPT_BASE_ALLOWANCE_TOKENS
+        + PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS * pieces
+        + sum(_text_size(payload[f]) for f in _PROMPT_FIELDS if f in payload)
     )
 
 

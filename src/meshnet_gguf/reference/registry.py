@@ -73,8 +73,7 @@ class NodeRegistry:
         displaced = [
             other.node_id
             for other in self._nodes.values()
-            if other.node_id != announcement.node_id
-            and (other.target.url == target.url or other.target.endpoint == target.endpoint)
+            if other.node_id != announcement.node_id and (other.target.url == target.url or other.target.endpoint == target.endpoint)
         ]
         for node_id in displaced:
             del self._nodes[node_id]

@@ -232,7 +232,9 @@ class Relay:
                         raise
                     self.accept_errors += 1
                     if self.accept_errors == 1 or self.accept_errors % 1000 == 0:
-                        log.warning("accept failed (%s, %d times so far); serving the tunnels held, retrying", exc.strerror, self.accept_errors)
+                        log.warning(
+                            "accept failed (%s, %d times so far); serving the tunnels held, retrying", exc.strerror, self.accept_errors
+                        )
                     await anyio.sleep(ACCEPT_BACKOFF_S)
                     break
                 peer = str(address[0]) if isinstance(address, tuple) and address else "?"
@@ -277,7 +279,9 @@ class Relay:
                         raw: ByteStream = socket_stream
                         if self._tls is not None:
                             with anyio.fail_after(self.config.handshake_timeout_s):
-                                raw = await TLSStream.wrap(socket_stream, server_side=True, ssl_context=self._tls, standard_compatible=False)
+                                raw = await TLSStream.wrap(
+                                    socket_stream, server_side=True, ssl_context=self._tls, standard_compatible=False
+                                )
                         buffered = BufferedByteReceiveStream(raw)
                         await self._dispatch(raw, buffered, StapledByteStream(raw, buffered), slot)
                 finally:
@@ -285,9 +289,7 @@ class Relay:
         except Exception as exc:  # noqa: BLE001 - a peer's failure is logged, never raised
             log.debug("connection ended: %r", exc)
 
-    async def _dispatch(
-        self, raw: ByteStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream, slot: PendingSlot
-    ) -> None:
+    async def _dispatch(self, raw: ByteStream, buffered: BufferedByteReceiveStream, stream: StapledByteStream, slot: PendingSlot) -> None:
         try:
             with anyio.fail_after(self.config.handshake_timeout_s):
                 head = await buffered.receive_until(HEAD_END, MAX_RELAY_HEAD_BYTES)

@@ -108,7 +108,12 @@ class _RelayNetwork(httpcore.AsyncNetworkBackend):
         self._inner = httpcore.AnyIOBackend()
 
     async def connect_tcp(
-        self, host: str, port: int, timeout: float | None = None, local_address: str | None = None, socket_options: Iterable[object] | None = None
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[object] | None = None,
     ) -> httpcore.AsyncNetworkStream:
         # Each step below is bounded by `timeout` already; whatever fails here failed before httpcore wrote the request.
         return await dial_in_order(
@@ -234,7 +239,11 @@ class _Visit(asyncio.Protocol):
 
 
 def _relayed_transport(
-    relays: RelayOrder[NodeTarget], node_id: str, node_tls: ssl.SSLContext, limits: httpx.Limits, sign: ConnectSigner,
+    relays: RelayOrder[NodeTarget],
+    node_id: str,
+    node_tls: ssl.SSLContext,
+    limits: httpx.Limits,
+    sign: ConnectSigner,
     relay_tls: ssl.SSLContext,
 ) -> httpx.AsyncHTTPTransport:
     transport = httpx.AsyncHTTPTransport(verify=node_tls, limits=limits)

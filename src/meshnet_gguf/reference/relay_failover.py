@@ -70,7 +70,14 @@ async def dial_in_order(
         except failed_before_sending as exc:
             if n + 1 == len(order):
                 raise
-            log.warning("node %s: CONNECT through %s failed (%s: %s); trying %s", node_id, _name(relay), type(exc).__name__, exc, _name(order[n + 1]))
+            log.warning(
+                "node %s: CONNECT through %s failed (%s: %s); trying %s",
+                node_id,
+                _name(relay),
+                type(exc).__name__,
+                exc,
+                _name(order[n + 1]),
+            )
             continue
         relays.worked(relay)
         return connection

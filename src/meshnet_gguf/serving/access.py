@@ -123,9 +123,7 @@ class PageAccess:
         if address is not None and self.relayed is not None and self.relayed(address):
             raise ApiError(404, "not_found", "The status page is not served through the relay")
         if self.meshed and not self.remote and not is_loopback(address[0] if address else None):
-            raise ApiError(
-                403, "loopback_only", "A meshed node shows its status on this machine only (status_page_remote opts in)"
-            )
+            raise ApiError(403, "loopback_only", "A meshed node shows its status on this machine only (status_page_remote opts in)")
         check_host(headers, answered_hosts(self.host_names))
         check_api_key(headers, self.api_key)
 

@@ -213,10 +213,7 @@ class StreamMeter:
         complete = data if end == len(data) else data[:end]
         self._pending = data[end:]
         tokens = (
-            complete.count(b'"content":"')
-            - complete.count(b'"content":""')
-            + complete.count(b'"text":"')
-            - complete.count(b'"text":""')
+            complete.count(b'"content":"') - complete.count(b'"content":""') + complete.count(b'"text":"') - complete.count(b'"text":""')
         )
         if tokens > 0:
             meter = self.meter

@@ -102,9 +102,7 @@ class PromptCounter:
         return answer
 
 
-def stored_prompt_counter(
-    upstream: Callable[[], UpstreamTarget | None], counter: PromptCounter
-) -> Callable[[str, bytes], Awaitable[int]]:
+def stored_prompt_counter(upstream: Callable[[], UpstreamTarget | None], counter: PromptCounter) -> Callable[[str, bytes], Awaitable[int]]:
     """`count(path, body)` for a request body kept on disk (a restart bills a prompt its node
     died before counting): waits until llama-server is ready, then counts as for a live request."""
 

@@ -182,7 +182,12 @@ class ProxyApp:
         try:
             self._mode.admit_listing(headers)
             if model_id == "":
-                raise ApiError(404, "model_not_found", "No model id after /v1/models/; GET /v1/models lists the model", error_type="invalid_request_error")
+                raise ApiError(
+                    404,
+                    "model_not_found",
+                    "No model id after /v1/models/; GET /v1/models lists the model",
+                    error_type="invalid_request_error",
+                )
             if model_id is not None:
                 self._check_model(model_id)
             target = self._ready_target()
@@ -200,9 +205,7 @@ class ProxyApp:
             return
         if model_id is not None and response.status == 200:
             body = self._model_object(body)
-        await respond(
-            send, response.status, body, [JSON_HEADER, (_REQUEST_ID_KEY, request_id.encode())]
-        )
+        await respond(send, response.status, body, [JSON_HEADER, (_REQUEST_ID_KEY, request_id.encode())])
 
     def _model_object(self, listing: bytes) -> bytes:
         """The served model's entry of llama-server's list, under the node's id (whichever name asked for it)."""
@@ -263,7 +266,9 @@ class ProxyApp:
             return
 
         meter.release = release
-        count = PromptCount(partial(self._counter.count, target, path, payload, body), on_counted=partial(self._mode.prompt_counted, request_id))
+        count = PromptCount(
+            partial(self._counter.count, target, path, payload, body), on_counted=partial(self._mode.prompt_counted, request_id)
+        )
         if not self._mode.keeps_request_body:  # else counted from the kept body, only if the answer does not say
             count.count_beside()  # nothing could count this prompt after llama-server is gone
         held = _HeldSend(send, recording)
@@ -453,8 +458,7 @@ class ProxyApp:
             raise ApiError(
                 404,
                 "model_not_found",
-                f"The model {requested!r} is not served here. This node serves {self.model_name!r}{also}; "
-                "GET /v1/models lists it.",
+                f"The model {requested!r} is not served here. This node serves {self.model_name!r}{also}; GET /v1/models lists it.",
                 error_type="invalid_request_error",
             )
 

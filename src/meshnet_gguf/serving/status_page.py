@@ -137,9 +137,7 @@ class ChatUi:
 class NodePages:
     """The ASGI app the listener serves: the node's pages, then everything else to the proxy."""
 
-    def __init__(
-        self, proxy: AsgiApp, *, status: StatusSource, access: PageAccess, chat: ChatUi | None = None
-    ) -> None:
+    def __init__(self, proxy: AsgiApp, *, status: StatusSource, access: PageAccess, chat: ChatUi | None = None) -> None:
         self._proxy = proxy
         self._status = status
         self._access = access

@@ -69,9 +69,7 @@ class AiohttpUpstream:
         session = self._sessions.get(unix_path)
         if session is None:
             options = dict(limit=self._max_connections, force_close=False, keepalive_timeout=IDLE_CONNECTION_TTL_S)
-            connector = (
-                aiohttp.UnixConnector(path=unix_path, **options) if unix_path else aiohttp.TCPConnector(**options)
-            )
+            connector = aiohttp.UnixConnector(path=unix_path, **options) if unix_path else aiohttp.TCPConnector(**options)
             session = self._sessions[unix_path] = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S, sock_read=READ_IDLE_TIMEOUT_S),
@@ -93,9 +91,7 @@ class AiohttpUpstream:
         attempt = 0
         while True:
             try:
-                response = await self._client(address.unix_path).request(
-                    method, url, headers=headers, data=body, allow_redirects=False
-                )
+                response = await self._client(address.unix_path).request(method, url, headers=headers, data=body, allow_redirects=False)
                 return _AiohttpResponse(response)
             except aiohttp.ClientConnectorError as exc:
                 if exc.os_error.errno in BUSY_ERRNOS and loop.time() + pause < deadline:

@@ -117,9 +117,7 @@ def offer_of_files(
     title: str, sort: QuantSort[Any], source: str, where: str, *, budget: Budget | None = None, listing: RepoListing | None = None
 ) -> Offer:
     """The rows of a listing or folder that `quants.sort_quants` grouped, with the group it chose as `chosen`."""
-    rows = tuple(
-        OfferedQuant(g.label, g.total_bytes, g.shard_count, g.first.path, g.complete, quant=g.quant, group=g) for g in sort.groups
-    )
+    rows = tuple(OfferedQuant(g.label, g.total_bytes, g.shard_count, g.first.path, g.complete, quant=g.quant, group=g) for g in sort.groups)
     if sort.chosen is None:
         assert sort.refused is not None, "quants.sort_quants chooses a group or says why not"
         return Offer(title, rows, source, listing, refusal=_refused(sort.refused, where, budget))
@@ -185,9 +183,7 @@ def _complete(row: OfferedQuant, where: str) -> OfferedQuant:
 def _selection_message(exc: QuantSelectionError, where: str, budget: Budget | None) -> str:
     capacity = budget() if budget is not None and exc.candidates else None
     fit = {True: "fits this machine", False: "too big for this machine"}
-    offered = "\n".join(
-        f"  {row.describe(fit[row.total_bytes <= capacity] if capacity is not None else '')}" for row in exc.candidates
-    )
+    offered = "\n".join(f"  {row.describe(fit[row.total_bytes <= capacity] if capacity is not None else '')}" for row in exc.candidates)
     if isinstance(exc, QuantRequired):
         return f"{where} offers several quants; choose one with --quant (or {where}:QUANT):\n{offered}"
     if not exc.candidates:

@@ -89,7 +89,9 @@ class HubRepoSource(ModelSource):
                     f"offline, and {self.repo_id} has never been downloaded into {hub.download_dir}. Run "
                     f"`meshnet-gguf download {self.repo_id} --quant {chosen.name}` while online, or drop --offline."
                 )
-            log.warning("offline and %s was never listed from the hub: its files in %s cannot be sha256-verified", self.repo_id, offer.title)
+            log.warning(
+                "offline and %s was never listed from the hub: its files in %s cannot be sha256-verified", self.repo_id, offer.title
+            )
             return verified_folder(Path(offer.title), chosen, progress=hub.progress)
         group = chosen.group
         assert group is not None

@@ -49,7 +49,9 @@ class FileSource(ModelSource):
         """The file's one row, chosen: there is nothing to choose between."""
         shards = self._shards()
         quant = quant_of(shards[0].name)
-        row = OfferedQuant(quant or split_base(shards[0].name), sum(p.stat().st_size for p in shards), len(shards), shards[0].name, quant=quant)
+        row = OfferedQuant(
+            quant or split_base(shards[0].name), sum(p.stat().st_size for p in shards), len(shards), shards[0].name, quant=quant
+        )
         return Offer(str(self.path), (row,), "file", chosen=row)
 
     def _found(self, chosen: OfferedQuant, download_dir: Path) -> ResolvedModel:

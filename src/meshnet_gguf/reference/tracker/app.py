@@ -181,8 +181,11 @@ class Tracker:
                     "advertised_url": e.announcement.advertised_url,
                     "receipt_flags": flags.get(e.node_id, 0),
                     "speed": e.speed.summary(),
-                    **({} if self.auditor is None else {"audits": self.auditor.record(e.node_id).summary(),
-                                                        "proof_blocked": e.proof_blocked}),  # fmt: skip
+                    **(
+                        {}
+                        if self.auditor is None
+                        else {"audits": self.auditor.record(e.node_id).summary(), "proof_blocked": e.proof_blocked}
+                    ),  # fmt: skip
                     "announcement": e.announcement.model_dump(exclude={"public_key"}),
                 }
                 for e in self.registry.all()

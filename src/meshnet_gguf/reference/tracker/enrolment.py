@@ -100,9 +100,7 @@ class Enrolment:
                 raise ApiError(400, "node_id_mismatch", "node_id is not derived from public_key")
             self.calls.verify(request, body, announcement.node_id, key)
             if not announcement.full_coverage:
-                raise ApiError(
-                    422, "partial_coverage_unsupported", "this tracker routes single-hop only; a node must hold every layer"
-                )
+                raise ApiError(422, "partial_coverage_unsupported", "this tracker routes single-hop only; a node must hold every layer")
             # Only an enrolled, authenticated node makes this tracker send anything anywhere.
             try:
                 target: NodeTarget | RelayedNodeTarget = await pin_node_url(announcement.advertised_url, self.config.addresses)

@@ -143,9 +143,7 @@ def check_plausible(usage: Any, forwarded: ForwardedRequest) -> None:
         raise ApiError(400, "malformed", "receipt names another path or model than the route")
     ceiling = (forwarded.max_tokens or 0) * forwarded.choices
     if usage.completion_tokens > ceiling:
-        raise ApiError(
-            400, "implausible", f"receipt claims {usage.completion_tokens} completion tokens; the route allowed {ceiling}"
-        )
+        raise ApiError(400, "implausible", f"receipt claims {usage.completion_tokens} completion tokens; the route allowed {ceiling}")
     prompt_ceiling = forwarded.body_bytes + PROMPT_TEMPLATE_ALLOWANCE_TOKENS
     if usage.prompt_tokens > prompt_ceiling:
         raise ApiError(

@@ -55,4 +55,3 @@ class RouteSigner:
             return None
         asked = [v for f in MAX_TOKENS_FIELDS if isinstance(v := payload.get(f), int) and not isinstance(v, bool) and v > 0]
         return min([*asked, self.config.max_tokens_cap])
-
