@@ -1,8 +1,10 @@
-"""The files a new user reads before the code: the licence, and what the README says `.ci/run` installs."""
+"""The files a new user reads before the code: the licence, what the README says `.ci/run` installs, and the layout."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,3 +25,12 @@ def test_the_readme_names_every_package_ci_installs() -> None:
     readme = (ROOT / "README.md").read_text()
     missing = [package for package in packages if f"`{package}`" not in readme and package not in readme]
     assert missing == [], f"README's list of what .ci/run installs leaves out {missing}"
+
+
+def test_the_tree_is_as_ruff_format_writes_it() -> None:
+    """One layout, the formatter's ([tool.ruff] in pyproject.toml): `ruff format src tests bench` fixes a failure."""
+    ruff = Path(sys.executable).with_name("ruff")
+    found = subprocess.run(
+        [str(ruff) if ruff.exists() else "ruff", "format", "--check", "src", "tests", "bench"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert found.returncode == 0, found.stdout + found.stderr
