@@ -15,7 +15,9 @@ import hashlib
 import struct
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from meshnet_gguf.contract.protocol import WireModel
 
 EVIDENCE_VERSION = "1"
 # TOPLOC's block size: a verifier can check any block alone, and a digest per block bounds the work
@@ -40,13 +42,7 @@ def dequantize_logprob(q: int) -> float:
     return -q * LOGPROB_STEP
 
 
-class _ProofWire(BaseModel):
-    """As protocol._Wire: unknown fields are ignored, so a newer peer can add some."""
-
-    model_config = ConfigDict(extra="ignore")
-
-
-class EvidenceBlock(_ProofWire):
+class EvidenceBlock(WireModel):
     """Up to `EVIDENCE_BLOCK_TOKENS` consecutive answer tokens and, for each, the top-k the node's
     model gave at that position: `top_ids[i]` best first, `top_q[i]` their quantized log-probabilities."""
 
@@ -74,14 +70,14 @@ class EvidenceBlock(_ProofWire):
         return bytes(out)
 
 
-class EvidenceCommitment(_ProofWire):
+class EvidenceCommitment(WireModel):
     """What a receipt carries: the chained digest and how many tokens it covers."""
 
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     tokens: int = Field(ge=0)
 
 
-class AnswerEvidence(_ProofWire):
+class AnswerEvidence(WireModel):
     """The whole evidence of one answer, handed to an auditor on request."""
 
     version: Literal["1"] = EVIDENCE_VERSION
@@ -107,7 +103,7 @@ class AnswerEvidence(_ProofWire):
 AuditOutcome = Literal["passed", "failed", "no_verdict"]
 
 
-class AuditRequest(_ProofWire):
+class AuditRequest(WireModel):
     """Tracker -> verifier: check that `answer_text` (what the tracker forwarded) to the request
     `body` sent to `path` came from `model`, with the node's evidence if it kept one."""
 
@@ -121,7 +117,7 @@ class AuditRequest(_ProofWire):
     evidence: AnswerEvidence | None = None
 
 
-class AuditVerdict(_ProofWire):
+class AuditVerdict(WireModel):
     """Verifier -> tracker. `no_verdict` (the verifier could not score) never counts against a node."""
 
     audit_id: str

@@ -80,7 +80,7 @@ ROUTE_ERRORS: dict[str, int] = {
 }
 
 
-class _Wire(BaseModel):
+class WireModel(BaseModel):
     """Unknown fields are ignored so a newer peer can add fields without breaking an older one.
 
     Every float is finite. JSON has no NaN or infinity, yet Python's json reads and writes `NaN`
@@ -92,7 +92,7 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class UsageRecord(_Wire):
+class UsageRecord(WireModel):
     """What one proxied request used. Exactly one per request, whatever its end."""
 
     request_id: str
@@ -110,7 +110,7 @@ class UsageRecord(_Wire):
     decode_tokens_per_s: float | None = None
 
 
-class UsageTotals(_Wire):
+class UsageTotals(WireModel):
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -119,7 +119,7 @@ class UsageTotals(_Wire):
     cancelled: int = 0
 
 
-class HealthReport(_Wire):
+class HealthReport(WireModel):
     """`GET /health` body. 200 only when `state == "ready"`."""
 
     protocol_version: str = PROTOCOL_VERSION
@@ -153,13 +153,13 @@ class HealthReport(_Wire):
 # --- registration and liveness --------------------------------------------
 
 
-class ShardDigest(_Wire):
+class ShardDigest(WireModel):
     name: str = Field(description="File name, e.g. model-00001-of-00003.gguf")
     sha256: str | None = Field(None, description="Hex digest; None when the node did not verify it")
     size: int | None = None
 
 
-class HardwareSummary(_Wire):
+class HardwareSummary(WireModel):
     """What an operator or a placement policy wants to know at a glance; not a full probe."""
 
     summary: str = Field(description="One line, e.g. 'Vulkan0: Radeon 8060S (96 GiB), 16 cores, 128 GiB RAM'")
@@ -168,14 +168,14 @@ class HardwareSummary(_Wire):
     gpu_memory_bytes: int | None = None
 
 
-class RatePoint(_Wire):
+class RatePoint(WireModel):
     """One measured rate: tokens per second with a prompt of `ctx_tokens` tokens in the slot."""
 
     ctx_tokens: int = Field(ge=1)
     tokens_per_s: float = Field(gt=0)
 
 
-class NodeCapability(_Wire):
+class NodeCapability(WireModel):
     """What a node measured of itself after warm-up and before serving (its pool included, through the
     same llama-server), from llama-server's own `timings`: a claim the tracker checks against what it forwards."""
 
@@ -184,14 +184,14 @@ class NodeCapability(_Wire):
     measured_in_s: float | None = Field(None, ge=0, description="How long the measurement took")
 
 
-class NodeLoad(_Wire):
+class NodeLoad(WireModel):
     slots_total: int = Field(ge=0)
     slots_busy: int = Field(0, ge=0)
     queue_depth: int = Field(0, ge=0, description="Requests admitted but waiting for a slot")
     recent_tokens_per_s: float | None = None
 
 
-class NodeAnnouncement(_Wire):
+class NodeAnnouncement(WireModel):
     """`POST /v1/nodes/register` body: everything the tracker needs to route to this node."""
 
     protocol_version: str = PROTOCOL_VERSION
@@ -258,14 +258,14 @@ class NodeAnnouncement(_Wire):
         return self
 
 
-class RegistrationAck(_Wire):
+class RegistrationAck(WireModel):
     node_id: str
     issuer: str = Field(description="The `iss` this tracker puts in route tokens")
     heartbeat_interval_s: float = Field(gt=0, description="The node sends heartbeats this often")
     ttl_s: float = Field(gt=0, description="Without a heartbeat for this long the node is dropped")
 
 
-class Heartbeat(_Wire):
+class Heartbeat(WireModel):
     """`POST /v1/nodes/{node_id}/heartbeat` body."""
 
     node_id: str
@@ -273,18 +273,18 @@ class Heartbeat(_Wire):
     load: NodeLoad
 
 
-class HeartbeatAck(_Wire):
+class HeartbeatAck(WireModel):
     ttl_s: float
 
 
-class Deregistration(_Wire):
+class Deregistration(WireModel):
     """`POST /v1/nodes/{node_id}/deregister` body."""
 
     node_id: str
     reason: str = "shutdown"
 
 
-class TrackerInfo(_Wire):
+class TrackerInfo(WireModel):
     """`GET /.well-known/meshnet-tracker`: what a node pins and how often it must report."""
 
     protocol_version: str = PROTOCOL_VERSION
@@ -298,13 +298,13 @@ class TrackerInfo(_Wire):
 # --- tokens (JWT claims, EdDSA) ---------------------------------------------
 
 
-class RouteHop(_Wire):
+class RouteHop(WireModel):
     node_id: str
     first_layer: int = Field(ge=0)
     last_layer: int = Field(ge=0)
 
 
-class RouteClaims(_Wire):
+class RouteClaims(WireModel):
     """Claims of `X-Meshnet-Route`, signed by the tracker."""
 
     iss: str
@@ -320,7 +320,7 @@ class RouteClaims(_Wire):
     max_tokens: int | None = Field(None, ge=1, description="Most completion tokens the node may produce")
 
 
-class NodeAuthClaims(_Wire):
+class NodeAuthClaims(WireModel):
     """Claims of the bearer token on node -> tracker calls, signed by the node key."""
 
     iss: str = Field(description="Node id")
@@ -333,7 +333,7 @@ class NodeAuthClaims(_Wire):
     jti: str = Field(description="Fresh per call: the tracker remembers it for the token's lifetime and refuses it again")
 
 
-class NodeControlClaims(_Wire):
+class NodeControlClaims(WireModel):
     """Answer of `GET {advertised_url}/.well-known/meshnet-node?nonce=...`, signed by the node key.
 
     It proves that whatever answers at the advertised URL holds the key the node registered with.
@@ -345,11 +345,11 @@ class NodeControlClaims(_Wire):
     iat: int
 
 
-class NodeControlProof(_Wire):
+class NodeControlProof(WireModel):
     token: str = Field(description="JWT (EdDSA, node key) whose claims are NodeControlClaims")
 
 
-class ReceiptClaims(_Wire):
+class ReceiptClaims(WireModel):
     """Claims of a usage receipt, signed by the node. No `exp`: a receipt may arrive hours late."""
 
     iss: str = Field(description="Node id")
@@ -361,25 +361,25 @@ class ReceiptClaims(_Wire):
 # --- billing ----------------------------------------------------------------
 
 
-class UsageReceipt(_Wire):
+class UsageReceipt(WireModel):
     request_id: str
     token: str = Field(description="JWT (EdDSA, node key) whose claims are ReceiptClaims")
 
 
-class ReceiptBatch(_Wire):
+class ReceiptBatch(WireModel):
     """`POST /v1/nodes/{node_id}/receipts` body. Resending a receipt is harmless (idempotent by request id)."""
 
     node_id: str
     receipts: list[UsageReceipt] = Field(max_length=MAX_RECEIPTS_PER_BATCH)
 
 
-class ReceiptRejection(_Wire):
+class ReceiptRejection(WireModel):
     request_id: str
     code: str = Field(description="bad_signature, wrong_node, unknown_request, malformed, implausible, from_the_future")
     message: str
 
 
-class ReceiptAck(_Wire):
+class ReceiptAck(WireModel):
     """`accepted` (new or already stored) is final; `rejected` is final too: never resend those.
     A receipt in neither list (e.g. signed a little in the future) is to be sent again later."""
 
@@ -387,7 +387,7 @@ class ReceiptAck(_Wire):
     rejected: list[ReceiptRejection] = Field(default_factory=list)
 
 
-class UsageCounts(_Wire):
+class UsageCounts(WireModel):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
 
@@ -395,7 +395,7 @@ class UsageCounts(_Wire):
 UsageAgreement = Literal["agree", "mismatch", "awaiting_receipt", "unmetered"]
 
 
-class TrackerUsage(_Wire):
+class TrackerUsage(WireModel):
     """`GET /v1/usage/{request_id}` on the tracker: its own count beside the node's receipt."""
 
     request_id: str
@@ -437,7 +437,7 @@ RELAY_PROOF_LIFETIME_S = 60
 RelayRole = Literal["control", "work"]
 
 
-class RelayChallenge(_Wire):
+class RelayChallenge(WireModel):
     """relay -> node, first line after the upgrade: sign this nonce."""
 
     type: Literal["challenge"] = "challenge"
@@ -449,7 +449,7 @@ def relay_audience(url: str) -> str:
     return url.strip().rstrip("/").lower()
 
 
-class RelayAttachClaims(_Wire):
+class RelayAttachClaims(WireModel):
     """Claims of the attach proof (EdDSA JWT signed with the node key)."""
 
     iss: str = Field(description="Node id")
@@ -460,7 +460,7 @@ class RelayAttachClaims(_Wire):
     exp: int
 
 
-class RelayAttach(_Wire):
+class RelayAttach(WireModel):
     """node -> relay: who I am, proved by signing the challenge."""
 
     type: Literal["attach"] = "attach"
@@ -470,7 +470,7 @@ class RelayAttach(_Wire):
     proof: str = Field(description="JWT whose claims are RelayAttachClaims")
 
 
-class RelayAttached(_Wire):
+class RelayAttached(WireModel):
     """relay -> node: the connection is accepted in its role."""
 
     type: Literal["attached"] = "attached"
@@ -481,7 +481,7 @@ class RelayAttached(_Wire):
     max_idle_work: int = Field(gt=0, description="Idle work connections the relay keeps for this node")
 
 
-class RelayConnectClaims(_Wire):
+class RelayConnectClaims(WireModel):
     """Claims of a tracker's CONNECT token (EdDSA JWT signed with the tracker key)."""
 
     iss: str = Field(description="Tracker issuer (tracker_issuer_for its key)")
@@ -492,13 +492,13 @@ class RelayConnectClaims(_Wire):
     exp: int
 
 
-class RelayReady(_Wire):
+class RelayReady(WireModel):
     """node -> relay, on a work connection after `attached`: the node listens for TLS now; park me."""
 
     type: Literal["ready"] = "ready"
 
 
-class RelayRefused(_Wire):
+class RelayRefused(WireModel):
     """relay -> node, then the relay closes the connection."""
 
     type: Literal["refused"] = "refused"
@@ -509,13 +509,13 @@ class RelayRefused(_Wire):
     message: str
 
 
-class RelayPing(_Wire):
+class RelayPing(WireModel):
     """Either side, on the control connection only. A ping is answered with a pong."""
 
     type: Literal["ping", "pong"]
 
 
-class RelayAttachment(_Wire):
+class RelayAttachment(WireModel):
     """In a node's announcement: reach me through this relay, over TLS with this certificate."""
 
     url: str = Field(description="The relay's base URL; the tracker uses it as an HTTP CONNECT proxy")
@@ -530,7 +530,7 @@ RelayLinkState = Literal["connecting", "attached", "disconnected", "refused", "d
 PoolWorkerState = Literal["up", "away"]
 
 
-class PoolWorkerHealth(_Wire):
+class PoolWorkerHealth(WireModel):
     """One pool worker as `/health` shows it: named by its place in the pool, never by its address."""
 
     name: str = Field(description="e.g. 'worker 1', in the order the operator listed the workers")
@@ -541,7 +541,7 @@ class PoolWorkerHealth(_Wire):
     problem: str | None = None
 
 
-class PoolDescription(_Wire):
+class PoolDescription(WireModel):
     """What registration says of a LAN pool behind the node: its size and plan, never where its workers are."""
 
     workers: int = Field(ge=1, description="Pool workers lending memory to this node")
@@ -549,7 +549,7 @@ class PoolDescription(_Wire):
     plan: str | None = Field(None, description="The pooled plan in one line: devices and shares")
 
 
-class PoolHealth(_Wire):
+class PoolHealth(WireModel):
     """The LAN pool behind one node: its size and plan; the network still sees one node."""
 
     workers: list[PoolWorkerHealth] = Field(default_factory=list)
@@ -557,7 +557,7 @@ class PoolHealth(_Wire):
     plan: str | None = Field(None, description="The pooled plan in one line: devices and shares")
 
 
-class RelayLinkHealth(_Wire):
+class RelayLinkHealth(WireModel):
     """What `/health` says about the node's tunnel."""
 
     url: str
@@ -573,14 +573,14 @@ class RelayLinkHealth(_Wire):
 # --- errors -----------------------------------------------------------------
 
 
-class ErrorDetail(_Wire):
+class ErrorDetail(WireModel):
     message: str
     type: str
     code: str | int | None = None
     param: str | None = None
 
 
-class ErrorBody(_Wire):
+class ErrorBody(WireModel):
     """OpenAI's error shape, used for every refusal so SDKs surface the message (`errors.ApiError` writes it)."""
 
     error: ErrorDetail

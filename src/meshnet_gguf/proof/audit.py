@@ -12,6 +12,7 @@ some, against its commitment and value by value. Anything that stops the verifie
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 
@@ -27,6 +28,9 @@ from meshnet_gguf.proof.tolerance import GREEDY_TIE_NATS, VERIFIER_TOP_K_FACTOR
 
 # Wide enough for the sampled test: llama.cpp's default sampler chain keeps the top 40.
 SAMPLED_TOP_K = 40
+# A verdict the checks call certain (evidence that does not cover the answer, say) has an infinite margin; the
+# wire carries finite numbers only, so it goes as this many nats, beyond any measured margin.
+CERTAIN_MARGIN_NATS = 1e6
 
 
 async def _post(client: httpx.AsyncClient, path: str, body: dict[str, object]) -> dict[str, object]:
@@ -70,7 +74,15 @@ async def answer_tokens(client: httpx.AsyncClient, request: AuditRequest) -> lis
 def _verdict(request: AuditRequest, verdict: Verdict) -> AuditVerdict:
     outcome = "no_verdict" if verdict.passed is None else "passed" if verdict.passed else "failed"
     return AuditVerdict(audit_id=request.audit_id, outcome=outcome, reason=verdict.reason,
-                        margin_nats=verdict.margin, positions_checked=verdict.positions)  # fmt: skip
+                        margin_nats=wire_margin(verdict.margin), positions_checked=verdict.positions)  # fmt: skip
+
+
+def wire_margin(margin: float) -> float:
+    """The margin as the wire carries it (finite numbers only): a certain verdict's infinite margin, or
+    one that is not a number, becomes ±CERTAIN_MARGIN_NATS, so it is never lost to a refused verdict."""
+    if math.isnan(margin):
+        return -CERTAIN_MARGIN_NATS
+    return max(-CERTAIN_MARGIN_NATS, min(CERTAIN_MARGIN_NATS, margin))
 
 
 async def audit(client: httpx.AsyncClient, request: AuditRequest) -> AuditVerdict:

@@ -119,7 +119,7 @@ class RequestMeter:
 
 def _finite_rate(value: Any) -> float | None:
     """A decode speed as a finite float, else None: Python's json reads `NaN` and `1e999`, and the
-    usage record refuses a non-finite figure (it goes on the wire, `protocol._Wire`)."""
+    usage record refuses a non-finite figure (it goes on the wire, `protocol.WireModel`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
