@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,14 @@ FLOOD_NICE = 19
 # The control run (--flood-decoy): the same flood aimed at a second relay process on the same machine, so the
 # honest streams pay only for the shared cores, not for their relay's work on the strangers.
 FLOOD_AT_DECOY = False
+# --ipv6: the relay, the node and the honest side in one IPv6 /64, the flood from other /64s of one ULA /48, all made
+# local on `lo` for the run (an AnyIP route, with non-local binds allowed so any of its addresses can be a source),
+# as 127.0.0.0/8 is for IPv4. Both are put back after the run.
+IPV6_BLOCK = "fd6d:6573:6800::/48"
+IPV6_RELAY_HOST = "fd6d:6573:6800::1"
+IPV6_NONLOCAL_BIND = "/proc/sys/net/ipv6/ip_nonlocal_bind"
+IP_TIMEOUT_S = 10
+RELAY_HOST = "127.0.0.1"
 # How the tracker's side pools its connections to the node. *cold*: every stream a fresh CONNECT, token and TLS
 # handshake (the hardest case); *warm*: the reference tracker's own pool (kept-alive connections, 2 s expiry).
 POOLS = {
@@ -97,9 +107,29 @@ async def stream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 # --- the flood -----------------------------------------------------------------------------------------------
 
 
-def flood_sources(networks: int) -> list[str]:
-    """One loopback address in each of `networks` distinct /24s of 127.0.0.0/8, never the tracker's 127.0.0.0/24."""
+def flood_sources(networks: int, ipv6: bool = False) -> list[str]:
+    """One address in each of `networks` distinct networks the relay counts: a /24 of 127.0.0.0/8 (never the tracker's
+    127.0.0.0/24), or with `ipv6` a /64 of IPV6_BLOCK (never the relay's and the tracker's, its first)."""
+    if ipv6:
+        return [f"fd6d:6573:6800:{1 + i:x}::1" for i in range(networks)]
     return [f"127.{1 + i // 254}.{1 + i % 254}.1" for i in range(networks)]
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@contextlib.contextmanager
+def local_ipv6_block() -> Iterator[None]:
+    """IPV6_BLOCK local on `lo` and bindable for the run (root and iproute2); the route and the sysctl put back after."""
+    nonlocal_before = Path(IPV6_NONLOCAL_BIND).read_text().strip()
+    subprocess.run(["ip", "-6", "route", "add", "local", IPV6_BLOCK, "dev", "lo"], check=True, capture_output=True, timeout=IP_TIMEOUT_S)
+    try:
+        Path(IPV6_NONLOCAL_BIND).write_text("1")
+        yield
+    finally:
+        Path(IPV6_NONLOCAL_BIND).write_text(nonlocal_before)
+        subprocess.run(["ip", "-6", "route", "del", "local", IPV6_BLOCK, "dev", "lo"], capture_output=True, timeout=IP_TIMEOUT_S)
 
 
 async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path) -> None:
@@ -107,8 +137,10 @@ async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path
     outcomes: Counter[str] = Counter()
     limiter = anyio.Semaphore(FLOOD_CONCURRENCY)
     deadline = time.monotonic() + duration_s
-    host = "127.0.0.1"
-    sources = flood_sources(FLOOD_NETWORKS)
+    host = RELAY_HOST
+    sources = flood_sources(FLOOD_NETWORKS, ipv6=":" in host)
+    # Every other network's forged CONNECT carries a bad token, the rest none.
+    forged_token_sources = set(sources[::2])
 
     async def connect(source: str) -> anyio.abc.SocketStream:
         return await anyio.connect_tcp(host, relay_port, local_host=source)
@@ -137,7 +169,7 @@ async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path
 
     async def connect_forged(source: str) -> str:
         async with await connect(source) as stream:
-            auth = "" if int(source.split(".")[2]) % 2 else "Proxy-Authorization: Bearer eyJhbGciOiJFZERTQSJ9.e30.AAAA\r\n"
+            auth = "Proxy-Authorization: Bearer eyJhbGciOiJFZERTQSJ9.e30.AAAA\r\n" if source in forged_token_sources else ""
             await stream.send(f"CONNECT {node_id}:443 HTTP/1.1\r\nHost: {node_id}:443\r\n{auth}\r\n".encode())
             return "CONNECT: " + await answer_of(stream)
 
@@ -162,7 +194,7 @@ async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path
                         return f"{role} attach: " + head.split(b" ", 2)[1].decode()
                     challenge = json.loads(await buffered.receive_until(b"\n", 65536))
                     now = int(time.time())
-                    claims = {"iss": identity.node_id, "aud": relay_audience(f"http://{host}:{relay_port}"), "nonce": challenge["nonce"],
+                    claims = {"iss": identity.node_id, "aud": relay_audience(f"http://{url_host(host)}:{relay_port}"), "nonce": challenge["nonce"],
                               "role": role, "iat": now, "exp": now + 30}  # fmt: skip
                     message = {"type": "attach", "role": role, "node_id": identity.node_id, "public_key": identity.public_key_text,
                                "proof": encode_token(claims, identity.private_key)}  # fmt: skip
@@ -258,7 +290,7 @@ async def measure(
     """`ROUNDS` rounds of honest streams, with or without a flood process at the relay meanwhile."""
     dialer = NodeDialer(limits, sign)
     async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=30) as http:
-        target = await dialer.through_relay(announcement, AddressPolicy(allow_loopback=True))
+        target = await dialer.through_relay(announcement, AddressPolicy(allow_loopback=True, allow_private=":" in RELAY_HOST))
         await honest_round(http, target)  # warm-up; the first ever also admits the tunnel (a tracker's CONNECT)
         proc = psutil.Process(relay.pid)
         flood_proc = None
@@ -266,7 +298,7 @@ async def measure(
             duration = ROUNDS * (EVENTS * EVENT_GAP_S + 1.0)
             flood_proc = subprocess.Popen(
                 [sys.executable, __file__, "--flood", str(relay_port), str(duration), announcement.node_id, str(outcomes_path),
-                 str(FLOOD_NETWORKS), str(FLOOD_CONCURRENCY)],
+                 str(FLOOD_NETWORKS), str(FLOOD_CONCURRENCY), RELAY_HOST],
                 start_new_session=True,
             )  # fmt: skip
             await anyio.sleep(1.0)  # the flood is under way before the honest streams start
@@ -302,10 +334,10 @@ async def run(work: Path) -> dict[str, Any]:
     tracker_key = Ed25519PrivateKey.generate()
     issuer = tracker_issuer_for(tracker_key.public_key())
     relay_port, app_port = free_local_port(), free_local_port()
-    relay_url = f"http://127.0.0.1:{relay_port}"
+    relay_url = f"http://{url_host(RELAY_HOST)}:{relay_port}"
     relay_log = work / "relay.log"
     relay = subprocess.Popen(
-        [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(relay_port), "--log-level", "WARNING",
+        [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--host", RELAY_HOST, "--port", str(relay_port), "--log-level", "WARNING",
          "--trust-tracker-key", public_key_text(tracker_key.public_key()), "--state-dir", str(work / "relay")],
         stdout=relay_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
@@ -313,7 +345,7 @@ async def run(work: Path) -> dict[str, Any]:
     if FLOOD_AT_DECOY:
         flood_port = free_local_port()
         decoy = subprocess.Popen(
-            [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(flood_port), "--log-level", "WARNING",
+            [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--host", RELAY_HOST, "--port", str(flood_port), "--log-level", "WARNING",
              "--trust-tracker-key", public_key_text(tracker_key.public_key()), "--state-dir", str(work / "decoy")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -372,7 +404,7 @@ def render(results: dict[str, Any], command: str) -> str:
         "the tracker's way: CONNECT with a tracker-signed token, TLS pinned to the node, through `dev relay --trust-tracker-key`. "
         "*cold*: a fresh CONNECT per stream; *warm*: the reference tracker's kept-alive pool. "
         f"*flood*: meanwhile a second process keeps up to {FLOOD_CONCURRENCY} stranger connections at the relay from "
-        f"{FLOOD_NETWORKS:,} other networks (one 127.x.y.1 address per /24; {total:,} connections over the flood runs). It runs at nice {FLOOD_NICE}: its own CPU "
+        f"{FLOOD_NETWORKS:,} other networks ({'one address per IPv6 /64 of ' + IPV6_BLOCK if ':' in RELAY_HOST else 'one 127.x.y.1 address per /24'}; {total:,} connections over the flood runs). It runs at nice {FLOOD_NICE}: its own CPU "
         "(keys, proofs, sockets) stands for other machines'; the relay and the node run at normal priority on the same 2 cores.",
         "",
         "| run | honest streams | errors | TTFT p50 | TTFT p95 | TTFT max | relay CPU | relay peak RSS | relay peak fds | relay alive |",
@@ -400,10 +432,10 @@ def render(results: dict[str, Any], command: str) -> str:
 
 
 def main() -> None:
-    global FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY
+    global FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY, RELAY_HOST
     if len(sys.argv) > 1 and sys.argv[1] == "--flood":
         port, duration, node_id, out = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
-        FLOOD_NETWORKS, FLOOD_CONCURRENCY = int(sys.argv[6]), int(sys.argv[7])
+        FLOOD_NETWORKS, FLOOD_CONCURRENCY, RELAY_HOST = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         # The strangers' own CPU (making keys, proofs, sockets) is not the relay's: a real flood comes from other
@@ -417,13 +449,18 @@ def main() -> None:
     parser.add_argument("--networks", type=int, default=FLOOD_NETWORKS, help="source networks of the flood (IPv4 /24s in 127/8)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of honest streams per run")
     parser.add_argument("--concurrency", type=int, default=FLOOD_CONCURRENCY, help="flood connections open at once, at most")
+    parser.add_argument(
+        "--ipv6", action="store_true", help=f"the relay on {IPV6_RELAY_HOST}, the flood from other /64s of {IPV6_BLOCK} (root)"
+    )
     args = parser.parse_args()
     FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY = args.flood_decoy, args.networks, args.rounds, args.concurrency
-    with tempfile.TemporaryDirectory(prefix="meshnet-flood-") as tmp:
+    RELAY_HOST = IPV6_RELAY_HOST if args.ipv6 else RELAY_HOST
+    with tempfile.TemporaryDirectory(prefix="meshnet-flood-") as tmp, local_ipv6_block() if args.ipv6 else contextlib.nullcontext():
         results = anyio.run(run, Path(tmp), backend_options={"use_uvloop": True})
     command = (
         "PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py"
         + (" --flood-decoy" if args.flood_decoy else "")
+        + (" --ipv6" if args.ipv6 else "")
         + (f" --networks {args.networks} --rounds {args.rounds} --concurrency {args.concurrency}")
         + (f" --out {args.out}" if args.out else "")
     )
