@@ -48,6 +48,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+# The stream nodes serve the flood bench's numbered events, so the two benches' streams are the same.
+from bench_relay_flood import EVENT_GAP_S, EVENTS, stream_app  # noqa: E402
+
 PER_NETWORK = 8  # bulk nodes per 127.a.b.0/24: within a network's attach burst (20) and provisional share (16)
 IN_FLIGHT = 24  # per client: nodes attached but not yet admitted (all clients together stay under 256)
 CONNECTS_AT_ONCE = 8  # per client: CONNECTs in flight from the tracker's one network (its pending bound is 64)
@@ -56,8 +60,6 @@ ATTEMPTS = 20
 STREAM_NODES = 4
 STREAMS = 8
 ROUNDS = 10
-EVENTS = 50
-EVENT_GAP_S = 0.02
 QUIET_S = 10.0
 SETTLE_S = 5.0
 START_TIMEOUT_S = 60.0
@@ -184,18 +186,6 @@ async def client_main(port: int, key_hex: str, first: int, count: int, status_fi
 
 
 # --- the stream nodes and the tracker's side -------------------------------------------------------------------
-
-
-async def stream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if scope["type"] != "http":
-        return
-    while (await receive()).get("more_body"):
-        pass
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-    for i in range(EVENTS):
-        await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
-        await asyncio.sleep(EVENT_GAP_S)
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 async def stream_rounds(http: Any, targets: list[Any], rounds: int) -> tuple[int, int, list[float]]:
