@@ -180,5 +180,11 @@ def test_dev_mesh_demo_builds_in_front_then_answers(not_our_box: dict[str, str],
         assert mesh.wait(60) == 0, out_path.read_text()
     finally:
         if mesh.poll() is None:
-            mesh.kill()
-            mesh.wait()
+            # Ctrl-C first: dev mesh stops its tracker, relay and node (each in a session of its own, which
+            # killing dev mesh alone would leave running); killed only if that does not end it.
+            mesh.send_signal(signal.SIGINT)
+            try:
+                mesh.wait(60)
+            except subprocess.TimeoutExpired:
+                mesh.kill()
+                mesh.wait()
