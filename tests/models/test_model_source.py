@@ -26,6 +26,7 @@ from support.local_hub_fixtures import (  # noqa: F401
     NOT_GGUF,
     ROOT_FILE,
     ROOT_SPLIT,
+    TINY_CATALOG,
     access,
     hub,
     hub_root,
@@ -191,25 +192,7 @@ def test_not_enough_disk_suggests_smaller_quants(hub: LocalHub, access: HubAcces
 
 
 def test_catalog_entry_resolves_through_its_repo(hub: LocalHub, access: HubAccess, tmp_path: Path) -> None:
-    catalog = parse_catalog(
-        f"""
-[[model]]
-id = "tiny"
-title = "Tiny"
-repo = "{FOLDERS}"
-context_length = 2048
-  [[model.quant]]
-  name = "UD-Q4_K_XL"
-  files = "UD-Q4_K_XL/Tiny-UD-Q4_K_XL-*-of-00003.gguf"
-  total_bytes = 400000
-  shards = 3
-  [[model.quant]]
-  name = "IQ4_XS"
-  files = "IQ4_XS/Tiny-IQ4_XS-*-of-00002.gguf"
-  total_bytes = 400000
-  shards = 2
-"""
-    )
+    catalog = parse_catalog(TINY_CATALOG)
     with pytest.raises(ModelResolutionError, match="(?s)UD-Q4_K_XL.*IQ4_XS"):
         resolve_model(_settings(tmp_path, "tiny"), progress=False, access=access, catalog=catalog, budget=machine_budget_bytes)
     resolved = resolve_model(

@@ -24,30 +24,12 @@ from meshnet_gguf.models.source import (
     ModelResolutionError,
     Offer,
 )
-from support.local_hub_fixtures import FOLDERS, ROOT_FILE, ROOT_SPLIT, access, hub, hub_root  # noqa: F401
+from support.local_hub_fixtures import FOLDERS, ROOT_FILE, ROOT_SPLIT, TINY_CATALOG, access, hub, hub_root  # noqa: F401
 
 # A budget nobody reads unless a refusal lists what fits: large enough that everything would.
 ANY_BUDGET_BYTES = 1 << 40
 # Nothing listens here: a source that asked the hub would fail rather than answer.
 CLOSED_HUB = HubAccess(endpoint="http://127.0.0.1:9", token=None, offline=False)
-
-TINY_CATALOG = f"""
-[[model]]
-id = "tiny"
-title = "Tiny"
-repo = "{FOLDERS}"
-context_length = 2048
-  [[model.quant]]
-  name = "UD-Q4_K_XL"
-  files = "UD-Q4_K_XL/Tiny-UD-Q4_K_XL-*-of-00003.gguf"
-  total_bytes = 400000
-  shards = 3
-  [[model.quant]]
-  name = "IQ4_XS"
-  files = "IQ4_XS/Tiny-IQ4_XS-*-of-00002.gguf"
-  total_bytes = 400000
-  shards = 2
-"""
 
 
 def _hub_fetch(download_dir: Path, access: HubAccess) -> HubFetch:  # noqa: F811

@@ -20,6 +20,24 @@ AMBIGUOUS = "acme/ambiguous-GGUF"  # Tiny-Q4_K_M.gguf and Q4_K_M/Tiny-Q4_K_M-000
 GATED = "acme/gated-GGUF"
 NOT_GGUF = "acme/not-gguf-GGUF"  # Broken-Q4_K_M.gguf: random bytes with a valid sha256
 GOOD_TOKEN = "hf_local_test_token"
+# A catalog whose one model is FOLDERS's repo, with both its quants.
+TINY_CATALOG = f"""
+[[model]]
+id = "tiny"
+title = "Tiny"
+repo = "{FOLDERS}"
+context_length = 2048
+  [[model.quant]]
+  name = "UD-Q4_K_XL"
+  files = "UD-Q4_K_XL/Tiny-UD-Q4_K_XL-*-of-00003.gguf"
+  total_bytes = 400000
+  shards = 3
+  [[model.quant]]
+  name = "IQ4_XS"
+  files = "IQ4_XS/Tiny-IQ4_XS-*-of-00002.gguf"
+  total_bytes = 400000
+  shards = 2
+"""
 
 
 @pytest.fixture(scope="session")
