@@ -232,33 +232,37 @@ async def flood(relay_port: int, duration_s: float, node_id: str, seed_out: Path
 # --- honest streams ------------------------------------------------------------------------------------------
 
 
+async def honest_stream(http: httpx.AsyncClient, target: Any) -> float | None:
+    """One stream the tracker's way: its time to the first event, or None when it failed or came short."""
+    started = time.perf_counter()
+    first = None
+    events = 0
+    try:
+        request = target.request(http, "POST", "/v1/chat/completions", content=b"{}", headers={"content-type": "application/json"})
+        response = await http.send(request, stream=True)
+        try:
+            if response.status_code != 200:
+                return None
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    if first is None:
+                        first = time.perf_counter() - started
+                    events += 1
+        finally:
+            await response.aclose()
+    except httpx.HTTPError:
+        return None
+    return first if events == EVENTS + 1 else None
+
+
 async def honest_round(http: httpx.AsyncClient, target: Any) -> tuple[list[float], int]:
     ttfts: list[float] = []
     errors = 0
 
     async def one() -> None:
         nonlocal errors
-        started = time.perf_counter()
-        first = None
-        events = 0
-        try:
-            request = target.request(http, "POST", "/v1/chat/completions", content=b"{}", headers={"content-type": "application/json"})
-            response = await http.send(request, stream=True)
-            try:
-                if response.status_code != 200:
-                    errors += 1
-                    return
-                async for line in response.aiter_lines():
-                    if line.startswith("data: "):
-                        if first is None:
-                            first = time.perf_counter() - started
-                        events += 1
-            finally:
-                await response.aclose()
-        except httpx.HTTPError:
-            errors += 1
-            return
-        if events != EVENTS + 1 or first is None:
+        first = await honest_stream(http, target)
+        if first is None:
             errors += 1
         else:
             ttfts.append(first)

@@ -50,7 +50,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 # The stream nodes serve the flood bench's numbered events, so the two benches' streams are the same.
-from bench_relay_flood import EVENT_GAP_S, EVENTS, stream_app  # noqa: E402
+from bench_relay_flood import EVENT_GAP_S, EVENTS, honest_stream, stream_app  # noqa: E402
 
 PER_NETWORK = 8  # bulk nodes per 127.a.b.0/24: within a network's attach burst (20) and provisional share (16)
 IN_FLIGHT = 24  # per client: nodes attached but not yet admitted (all clients together stay under 256)
@@ -191,30 +191,13 @@ async def client_main(port: int, key_hex: str, first: int, count: int, status_fi
 async def stream_rounds(http: Any, targets: list[Any], rounds: int) -> tuple[int, int, list[float]]:
     """(streams, errors, times to first event) over `rounds` rounds of STREAMS concurrent streams."""
     import anyio
-    import httpx
 
     errors, ttfts = 0, []
 
     async def one(target: Any) -> None:
         nonlocal errors
-        started, first, events = time.perf_counter(), None, 0
-        try:
-            request = target.request(http, "POST", "/v1/chat/completions", content=b"{}", headers={"content-type": "application/json"})
-            response = await http.send(request, stream=True)
-            try:
-                if response.status_code != 200:
-                    errors += 1
-                    return
-                async for line in response.aiter_lines():
-                    if line.startswith("data: "):
-                        first = first if first is not None else time.perf_counter() - started
-                        events += 1
-            finally:
-                await response.aclose()
-        except httpx.HTTPError:
-            errors += 1
-            return
-        if events != EVENTS + 1 or first is None:
+        first = await honest_stream(http, target)
+        if first is None:
             errors += 1
         else:
             ttfts.append(first)
