@@ -194,27 +194,11 @@ async def test_a_relay_out_of_file_descriptors_keeps_running_and_serves_again() 
 import httpx
 
 from meshnet_gguf.common.http1_client import HttpConnectError
-from meshnet_gguf.contract.protocol import NodeAnnouncement, relay_audience
-from meshnet_gguf.contract.signing import encode_token, public_key_text, tracker_issuer_for
+from meshnet_gguf.contract.protocol import relay_audience
+from meshnet_gguf.contract.signing import public_key_text
 from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.relay_dialer import TLS_IN_TLS, NodeDialer, new_connect_claims
-
-
-def _signer(key: Ed25519PrivateKey, **override: object):  # type: ignore[no-untyped-def]
-    issuer = tracker_issuer_for(key.public_key())
-
-    def sign(relay_url: str, node_id: str) -> str:
-        return encode_token({**new_connect_claims(issuer, relay_url, node_id, 30), **override}, key)
-
-    return sign
-
-
-def _announcement(m) -> NodeAnnouncement:  # type: ignore[no-untyped-def]
-    relay = m.link.attachment()
-    return NodeAnnouncement(
-        node_id=m.identity.node_id, public_key=m.identity.public_key_text, advertised_url=relay.url, model_id="m",
-        first_layer=0, last_layer=0, total_layers=1, slots=1, node_version="test", relay=relay,
-    )  # fmt: skip
+from meshnet_gguf.reference.relay_dialer import TLS_IN_TLS, NodeDialer
+from support.relay_harness import connect_signer, tunnel_announcement
 
 
 async def _connect_answer(relay_url: str, node_id: str, authorization: str | None) -> bytes:
@@ -233,15 +217,15 @@ async def test_connect_without_a_fresh_token_from_a_trusted_tracker_gets_407_and
         await m.wait_attached(idle=4)
         node_id, url = m.identity.node_id, m.relay_url
         now = int(time.time())
-        valid = _signer(tracker)(url, node_id)
+        valid = connect_signer(tracker)(url, node_id)
         forged = {
             "no token": None,
             "another scheme": f"Basic {valid}",
-            "an untrusted tracker": "Bearer " + _signer(stranger)(url, node_id),
-            "another node": "Bearer " + _signer(tracker)(url, "node-someone-else"),
-            "another relay": "Bearer " + _signer(tracker)("http://relay.elsewhere:8001", node_id),
-            "expired": "Bearer " + _signer(tracker, iat=now - 120, exp=now - 60)(url, node_id),
-            "too long-lived": "Bearer " + _signer(tracker, exp=now + 3600)(url, node_id),
+            "an untrusted tracker": "Bearer " + connect_signer(stranger)(url, node_id),
+            "another node": "Bearer " + connect_signer(tracker)(url, "node-someone-else"),
+            "another relay": "Bearer " + connect_signer(tracker)("http://relay.elsewhere:8001", node_id),
+            "expired": "Bearer " + connect_signer(tracker, iat=now - 120, exp=now - 60)(url, node_id),
+            "too long-lived": "Bearer " + connect_signer(tracker, exp=now + 3600)(url, node_id),
         }
         for case, authorization in forged.items():
             answer = await _connect_answer(url, node_id, authorization)
@@ -250,7 +234,7 @@ async def test_connect_without_a_fresh_token_from_a_trusted_tracker_gets_407_and
         # The genuine token opens one connection, once.
         dialer = NodeDialer(httpx.Limits(), lambda relay_url, nid: valid)
         async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=5) as http:
-            target = await dialer.through_relay(_announcement(m), AddressPolicy(allow_loopback=True))
+            target = await dialer.through_relay(tunnel_announcement(m), AddressPolicy(allow_loopback=True))
             assert (await http.send(target.request(http, "GET", "/health"))).status_code == 200
         replayed = await _connect_answer(url, node_id, f"Bearer {valid}")
         assert replayed.startswith(b"HTTP/1.1 407") and b"already used" in replayed
@@ -281,9 +265,9 @@ async def test_a_source_whose_connections_prove_nothing_is_reset_at_accept_and_a
         assert answers[8:] == [b""] * 4  # out of tokens: reset before a byte is read, no answer
         assert m.relay.reset_at_accept == 4
         # The tracker's own CONNECTs prove themselves and give their token back: far more than the burst all pass.
-        dialer = NodeDialer(httpx.Limits(max_keepalive_connections=0), _signer(tracker))
+        dialer = NodeDialer(httpx.Limits(max_keepalive_connections=0), connect_signer(tracker))
         async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=5) as http:
-            target = await dialer.through_relay(_announcement(m), AddressPolicy(allow_loopback=True))
+            target = await dialer.through_relay(tunnel_announcement(m), AddressPolicy(allow_loopback=True))
             for _ in range(12):
                 assert (await http.send(target.request(http, "GET", "/health"))).status_code == 200
         assert m.relay.reset_at_accept == 4 and m.relay.stats()["streams_total"] == 12
@@ -298,11 +282,11 @@ async def test_a_connect_token_issued_before_the_relay_started_is_refused(tmp_pa
         await m.wait_attached(idle=1)
         node_id, url = m.identity.node_id, m.relay_url
         now = int(time.time())
-        before_start = _signer(tracker, iat=now - 5, exp=now + 20)(url, node_id)
+        before_start = connect_signer(tracker, iat=now - 5, exp=now + 20)(url, node_id)
         answer = await _connect_answer(url, node_id, f"Bearer {before_start}")
         assert answer.startswith(b"HTTP/1.1 407") and b"before this relay started" in answer, answer
         assert m.relay.stats()["streams_total"] == 0
-        fresh = _signer(tracker)(url, node_id)
+        fresh = connect_signer(tracker)(url, node_id)
         assert (await _connect_answer(url, node_id, f"Bearer {fresh}")).startswith(b"HTTP/1.1 200")
 
 
@@ -312,9 +296,9 @@ async def test_a_tunnel_stays_only_when_a_trusted_tracker_reaches_it(tmp_path: P
                          max_provisional_tunnels=2)  # fmt: skip
     async with mesh(tmp_path, relay_config=config) as m:
         node_id = m.identity.node_id
-        dialer = NodeDialer(httpx.Limits(), _signer(tracker))
+        dialer = NodeDialer(httpx.Limits(), connect_signer(tracker))
         async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=5) as http:
-            target = await dialer.through_relay(_announcement(m), AddressPolicy(allow_loopback=True))
+            target = await dialer.through_relay(tunnel_announcement(m), AddressPolicy(allow_loopback=True))
             assert (await http.send(target.request(http, "GET", "/health"))).status_code == 200
         assert m.relay.tunnels[node_id].admitted.is_set()
         # Strangers' fresh keys from one network: its share of provisional tunnels (one of two), then refusals; all
@@ -441,9 +425,9 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
 
         m = Mesh(relay, f"https://localhost:{port}", link, app, app_port, link.identity)
         trusting = ssl.create_default_context(cafile=str(ca))
-        dialer = NodeDialer(httpx.Limits(), _signer(tracker), relay_tls=trusting)
+        dialer = NodeDialer(httpx.Limits(), connect_signer(tracker), relay_tls=trusting)
         async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=10) as http:
-            target = await dialer.through_relay(_announcement(m), AddressPolicy(allow_loopback=True))
+            target = await dialer.through_relay(tunnel_announcement(m), AddressPolicy(allow_loopback=True))
             request = target.request(
                 http, "POST", "/v1/chat/completions", content=b'{"n": 3}', headers={"content-type": "application/json"}
             )
@@ -469,9 +453,9 @@ async def test_an_https_relay_is_reached_by_name_with_sni(tmp_path: Path, monkey
         other_ca, other_cert, other_key = _certificate_authority(tmp_path, "elsewhere.test")
         impostor = Relay(RelayConfig(host="localhost", port=0, tls_certificate_file=str(other_cert), tls_key_file=str(other_key)))
         impostor_port = await tg.start(impostor.serve)
-        wrong_name = NodeDialer(httpx.Limits(), _signer(tracker), relay_tls=ssl.create_default_context(cafile=str(other_ca)))
+        wrong_name = NodeDialer(httpx.Limits(), connect_signer(tracker), relay_tls=ssl.create_default_context(cafile=str(other_ca)))
         async with httpx.AsyncClient(transport=wrong_name, trust_env=False, timeout=5) as http:
-            announcement = _announcement(m).model_copy(
+            announcement = tunnel_announcement(m).model_copy(
                 update={"relay": m.link.attachment().model_copy(update={"url": f"https://localhost:{impostor_port}"})}
             )
             target = await wrong_name.through_relay(announcement, AddressPolicy(allow_loopback=True))

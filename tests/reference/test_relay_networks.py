@@ -17,18 +17,26 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet_gguf.common.ports import free_local_port
-from meshnet_gguf.contract.protocol import NodeAnnouncement
-from meshnet_gguf.contract.signing import encode_token, public_key_text, tracker_issuer_for
+from meshnet_gguf.contract.signing import public_key_text
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
 from meshnet_gguf.reference.node_address import AddressPolicy
 from meshnet_gguf.reference.relay import Relay
 from meshnet_gguf.reference.relay_admitted import STATE_FILE_NAME
 from meshnet_gguf.reference.relay_config import RelayConfig
-from meshnet_gguf.reference.relay_dialer import NodeDialer, new_connect_claims
+from meshnet_gguf.reference.relay_dialer import NodeDialer
 from meshnet_gguf.reference.relay_networks import FairShare, network_of
 from support.loopback import serve_asgi
-from support.relay_harness import StreamApp, attach_message, mesh, raw_tunnel, read_answer, running_relay
+from support.relay_harness import (
+    StreamApp,
+    attach_message,
+    connect_signer,
+    mesh,
+    raw_tunnel,
+    read_answer,
+    running_relay,
+    tunnel_announcement,
+)
 from support.routed_ipv6 import routed_slash64
 
 pytestmark = pytest.mark.anyio
@@ -39,24 +47,11 @@ HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: relay\r\n"  # never finished
 REATTACH_BOUND_S = 3.0
 
 
-def _signer(key: Ed25519PrivateKey):  # type: ignore[no-untyped-def]
-    issuer = tracker_issuer_for(key.public_key())
-    return lambda relay_url, node_id: encode_token(new_connect_claims(issuer, relay_url, node_id, 30), key)
-
-
-def _announcement(m) -> NodeAnnouncement:  # type: ignore[no-untyped-def]
-    relay = m.link.attachment()
-    return NodeAnnouncement(
-        node_id=m.identity.node_id, public_key=m.identity.public_key_text, advertised_url=relay.url, model_id="m",
-        first_layer=0, last_layer=0, total_layers=1, slots=1, node_version="test", relay=relay,
-    )  # fmt: skip
-
-
 async def _tracker_reaches(m, tracker: Ed25519PrivateKey) -> None:  # type: ignore[no-untyped-def]
     """The tracker's way in, a fresh token per CONNECT: /health and a streamed request both answered."""
-    dialer = NodeDialer(httpx.Limits(max_keepalive_connections=0), _signer(tracker))
+    dialer = NodeDialer(httpx.Limits(max_keepalive_connections=0), connect_signer(tracker))
     async with httpx.AsyncClient(transport=dialer, trust_env=False, timeout=5) as http:
-        target = await dialer.through_relay(_announcement(m), AddressPolicy(allow_loopback=True, allow_private=True))
+        target = await dialer.through_relay(tunnel_announcement(m), AddressPolicy(allow_loopback=True, allow_private=True))
         with anyio.fail_after(5):
             assert (await http.send(target.request(http, "GET", "/health"))).status_code == 200
             routed = await http.send(target.request(http, "POST", "/v1/chat/completions", content=b'{"n": 3}'))

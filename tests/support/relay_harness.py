@@ -16,12 +16,16 @@ import httpx
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_context
-from meshnet_gguf.contract.signing import parse_public_key
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshnet_gguf.contract.protocol import NodeAnnouncement
+from meshnet_gguf.contract.signing import encode_token, parse_public_key, tracker_issuer_for
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
 from meshnet_gguf.serving.access import MetricsAccess
 from meshnet_gguf.reference.relay import Relay
 from meshnet_gguf.reference.relay_config import RelayConfig
+from meshnet_gguf.reference.relay_dialer import new_connect_claims
 from support.loopback import serve_asgi
 
 WAIT_S = 10.0
@@ -243,3 +247,22 @@ def attach_message(
     proof = encode_token(claims, signer or identity.private_key)
     message = {"type": "attach", "role": role, "node_id": node_id, "public_key": public_key or identity.public_key_text, "proof": proof}
     return json.dumps(message).encode() + b"\n"
+
+
+def connect_signer(key: Ed25519PrivateKey, **override: object):  # type: ignore[no-untyped-def]
+    """The tracker's CONNECT token signer (as `NodeDialer` takes it), with claims overridden to play a forger."""
+    issuer = tracker_issuer_for(key.public_key())
+
+    def sign(relay_url: str, node_id: str) -> str:
+        return encode_token({**new_connect_claims(issuer, relay_url, node_id, 30), **override}, key)
+
+    return sign
+
+
+def tunnel_announcement(m: Mesh) -> NodeAnnouncement:
+    """What the mesh's node would announce to a tracker: reached only through its relay."""
+    relay = m.link.attachment()
+    return NodeAnnouncement(
+        node_id=m.identity.node_id, public_key=m.identity.public_key_text, advertised_url=relay.url, model_id="m",
+        first_layer=0, last_layer=0, total_layers=1, slots=1, node_version="test", relay=relay,
+    )  # fmt: skip
