@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import anyio
@@ -15,21 +14,9 @@ from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.speed_probe import SpeedProbePolicy, rates_of
 from meshnet_gguf.llama.supervisor import Supervisor
 from meshnet_gguf.llama.warmup import WarmupPolicy
-from support.supervisor_policies import QUICK
+from support.supervisor_policies import QUICK, ReadyClock
 
 pytestmark = pytest.mark.anyio
-
-
-class ReadyClock:
-    def __init__(self) -> None:
-        self.ready_at: float | None = None
-
-    def child_line(self, line: str) -> None:
-        pass
-
-    def child_state(self, state: str, detail: str | None, pid: int | None) -> None:
-        if state == "ready" and self.ready_at is None:
-            self.ready_at = time.time()
 
 
 async def test_the_probe_runs_after_the_warmup_and_before_ready_and_its_figures_are_kept(fake_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import anyio
@@ -14,22 +13,10 @@ import pytest
 from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.supervisor import Supervisor
 from meshnet_gguf.llama.warmup import WarmupPolicy
-from support.supervisor_policies import QUICK
+from support.supervisor_policies import QUICK, ReadyClock
 
 pytestmark = pytest.mark.anyio
 POLICY = QUICK
-
-
-class ReadyClock:
-    def __init__(self) -> None:
-        self.ready_at: float | None = None
-
-    def child_line(self, line: str) -> None:
-        pass
-
-    def child_state(self, state: str, detail: str | None, pid: int | None) -> None:
-        if state == "ready" and self.ready_at is None:
-            self.ready_at = time.time()
 
 
 async def _run_until_ready(fake_llama, tmp_path: Path, warmup: WarmupPolicy | None) -> tuple[ReadyClock, list[dict]]:  # type: ignore[no-untyped-def]

@@ -1,7 +1,9 @@
-"""Supervisor policies for tests that run a (fake) llama-server: quick polls and short backoffs."""
+"""Supervisor policies for tests that run a (fake) llama-server: quick polls and short backoffs; and a listener
+that notes when the supervisor said ready."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from meshnet_gguf.llama.supervisor import SupervisorPolicy
@@ -17,3 +19,17 @@ QUICK = SupervisorPolicy(
 )
 # QUICK with a shorter load stall and a liveness check that gives up after two missed polls.
 FAST = replace(QUICK, load_stall_timeout_s=5.0, liveness_interval_s=0.2, liveness_failures=2)
+
+
+class ReadyClock:
+    """A supervisor listener that notes when llama-server was first said ready (the supervisor's hooks)."""
+
+    def __init__(self) -> None:
+        self.ready_at: float | None = None
+
+    def child_line(self, line: str) -> None:
+        pass
+
+    def child_state(self, state: str, detail: str | None, pid: int | None) -> None:
+        if state == "ready" and self.ready_at is None:
+            self.ready_at = time.time()
