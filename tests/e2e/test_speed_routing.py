@@ -103,7 +103,9 @@ def test_requests_go_to_the_faster_node_and_spill_to_the_slower_only_while_it_is
         if held == [fast_id] * SLOTS:
             assert spilled == slow_id, "a request arriving while the faster node is full goes to the next"
     load = Counter(served)
-    assert load[fast_id] > load[slow_id] >= 1, load
+    # Most of the load went to the faster (the lone requests with the rounds'), and the slower took the spill. Within the
+    # rounds alone a loaded box may send a holder to the slower (see above), so they are not counted apart.
+    assert load[fast_id] + lone[fast_id] > load[slow_id] >= 1, (load, lone)
     # A stream is measured when the tracker has forwarded its end, a moment after the client read it.
     counted = lambda: [nodes(tracker)[i]["speed"]["measured_streams"] for i in (fast_id, slow_id)]
     wait_for(lambda: counted() == [load[fast_id] + 4, load[slow_id]], f"every stream measured ({counted()})", fast.log_path)
