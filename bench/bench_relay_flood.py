@@ -77,6 +77,10 @@ FLOOD_AT_DECOY = False
 # local on `lo` for the run (an AnyIP route, with non-local binds allowed so any of its addresses can be a source),
 # as 127.0.0.0/8 is for IPv4. Both are put back after the run.
 IPV6_BLOCK = "fd6d:6573:6800::/48"
+# --pin (a machine of 4 or more CPUs): the relay alone on the first CPU, this process (the node and the honest side) on
+# the second, the flood on the rest, so that the figures are the relay's own and not a fight for shared cores.
+PIN = False
+RELAY_CPU, HONEST_CPU = 0, 1
 IPV6_RELAY_HOST = "fd6d:6573:6800::1"
 IPV6_NONLOCAL_BIND = "/proc/sys/net/ipv6/ip_nonlocal_bind"
 IP_TIMEOUT_S = 10
@@ -305,6 +309,7 @@ async def measure(
                  str(FLOOD_NETWORKS), str(FLOOD_CONCURRENCY), RELAY_HOST],
                 start_new_session=True,
             )  # fmt: skip
+            pin(flood_proc.pid, set(range(HONEST_CPU + 1, os.cpu_count() or 1)))
             await anyio.sleep(1.0)  # the flood is under way before the honest streams start
         cpu0, wall0 = proc.cpu_times(), time.monotonic()
         ttfts: list[float] = []
@@ -334,6 +339,12 @@ async def measure(
     }  # fmt: skip
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """With --pin, `pid` runs on `cpus` only."""
+    if PIN and cpus:
+        os.sched_setaffinity(pid, cpus)
+
+
 async def run(work: Path) -> dict[str, Any]:
     tracker_key = Ed25519PrivateKey.generate()
     issuer = tracker_issuer_for(tracker_key.public_key())
@@ -345,6 +356,8 @@ async def run(work: Path) -> dict[str, Any]:
          "--trust-tracker-key", public_key_text(tracker_key.public_key()), "--state-dir", str(work / "relay")],
         stdout=relay_log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
+    pin(relay.pid, {RELAY_CPU})
+    pin(os.getpid(), {HONEST_CPU})
     decoy, flood_port = None, relay_port
     if FLOOD_AT_DECOY:
         flood_port = free_local_port()
@@ -353,6 +366,7 @@ async def run(work: Path) -> dict[str, Any]:
              "--trust-tracker-key", public_key_text(tracker_key.public_key()), "--state-dir", str(work / "decoy")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+        pin(decoy.pid, {RELAY_CPU})  # the decoy takes the flood's relay work on the same core the honest relay runs on
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(stream_app, host="127.0.0.1", port=app_port, log_level="warning", lifespan="off"))
@@ -409,7 +423,13 @@ def render(results: dict[str, Any], command: str) -> str:
         "*cold*: a fresh CONNECT per stream; *warm*: the reference tracker's kept-alive pool. "
         f"*flood*: meanwhile a second process keeps up to {FLOOD_CONCURRENCY} stranger connections at the relay from "
         f"{FLOOD_NETWORKS:,} other networks ({'one address per IPv6 /64 of ' + IPV6_BLOCK if ':' in RELAY_HOST else 'one 127.x.y.1 address per /24'}; {total:,} connections over the flood runs). It runs at nice {FLOOD_NICE}: its own CPU "
-        "(keys, proofs, sockets) stands for other machines'; the relay and the node run at normal priority on the same 2 cores.",
+        + (
+            "(keys, proofs, sockets) stands for other machines'; pinned: the relay alone on CPU 0, the node and the honest side "
+            "on CPU 1, the flood on the others."
+            if PIN
+            else f"(keys, proofs, sockets) stands for other machines'; the relay and the node run at normal priority on the same "
+            f"{os.cpu_count()} cores."
+        ),
         "",
         "| run | honest streams | errors | TTFT p50 | TTFT p95 | TTFT max | relay CPU | relay peak RSS | relay peak fds | relay alive |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -436,7 +456,7 @@ def render(results: dict[str, Any], command: str) -> str:
 
 
 def main() -> None:
-    global FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY, RELAY_HOST
+    global FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY, RELAY_HOST, PIN
     if len(sys.argv) > 1 and sys.argv[1] == "--flood":
         port, duration, node_id, out = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
         FLOOD_NETWORKS, FLOOD_CONCURRENCY, RELAY_HOST = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
@@ -456,7 +476,11 @@ def main() -> None:
     parser.add_argument(
         "--ipv6", action="store_true", help=f"the relay on {IPV6_RELAY_HOST}, the flood from other /64s of {IPV6_BLOCK} (root)"
     )
+    parser.add_argument("--pin", action="store_true", help="relay, honest side and flood each on their own CPUs (4 or more CPUs)")
     args = parser.parse_args()
+    if args.pin and (os.cpu_count() or 1) < 4:
+        parser.error("--pin needs 4 or more CPUs")
+    PIN = args.pin
     FLOOD_AT_DECOY, FLOOD_NETWORKS, ROUNDS, FLOOD_CONCURRENCY = args.flood_decoy, args.networks, args.rounds, args.concurrency
     RELAY_HOST = IPV6_RELAY_HOST if args.ipv6 else RELAY_HOST
     with tempfile.TemporaryDirectory(prefix="meshnet-flood-") as tmp, local_ipv6_block() if args.ipv6 else contextlib.nullcontext():
@@ -465,6 +489,7 @@ def main() -> None:
         "PYTHONPATH=src .venv/bin/python bench/bench_relay_flood.py"
         + (" --flood-decoy" if args.flood_decoy else "")
         + (" --ipv6" if args.ipv6 else "")
+        + (" --pin" if args.pin else "")
         + (f" --networks {args.networks} --rounds {args.rounds} --concurrency {args.concurrency}")
         + (f" --out {args.out}" if args.out else "")
     )

@@ -22,6 +22,7 @@ from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
 from meshnet_gguf.reference.node_address import AddressPolicy
 from meshnet_gguf.reference.relay import Relay
+from meshnet_gguf.reference.relay_admission import ALL_STRANGERS, TrustedNetworks
 from meshnet_gguf.reference.relay_admitted import STATE_FILE_NAME
 from meshnet_gguf.reference.relay_config import RelayConfig
 from meshnet_gguf.reference.relay_dialer import NodeDialer
@@ -192,6 +193,52 @@ async def test_provisional_tunnels_from_16_addresses_lock_out_neither_a_new_node
                 await stream.aclose()
 
 
+async def _forged_connect_answer(relay_url: str, node_id: str, source: str) -> bytes:
+    """What a stranger at `source` gets for a CONNECT with a forged token: a 407, or b"" when reset at accept."""
+    host, port = relay_url.removeprefix("http://").rsplit(":", 1)
+    forged = f"CONNECT {node_id}:443 HTTP/1.1\r\nHost: {node_id}:443\r\nProxy-Authorization: Bearer x.y.z\r\n\r\n".encode()
+    try:
+        async with await anyio.connect_tcp(host, int(port), local_host=source) as stream:
+            await stream.send(forged)
+            with anyio.fail_after(3):
+                return await stream.receive()
+    except (anyio.BrokenResourceError, anyio.EndOfStream, OSError):
+        return b""
+
+
+async def test_strangers_from_40_networks_share_one_relay_wide_budget_and_neither_a_tracker_nor_an_admitted_node_draws_on_it(
+    tmp_path: Path,
+) -> None:
+    # Per-network buckets alone let each of a thousand networks in at its own rate: 40 networks, one try each, all
+    # within their own bucket, must still meet the relay's one budget (16 here, refilled at 1 per 100 s).
+    tracker = Ed25519PrivateKey.generate()
+    config = RelayConfig(port=0, trusted_tracker_keys=(public_key_text(tracker.public_key()),),
+                         relay_stranger_connection_burst=16, relay_stranger_connections_per_s=0.01)  # fmt: skip
+    async with mesh(tmp_path, relay_config=config) as m:
+        node_id = m.identity.node_id
+        await _tracker_reaches(m, tracker)  # admitted: the node's network is spared from now on
+        spent_by_node = config.relay_stranger_connection_burst - int(m.relay.admission.relay_stranger_rate.remaining(ALL_STRANGERS))
+        answers = [await _forged_connect_answer(m.relay_url, node_id, f"127.0.3.{i + 1}") for i in range(40)]
+        let_in = sum(a.startswith(b"HTTP/1.1 407") for a in answers)
+        assert let_in == config.relay_stranger_connection_burst - spent_by_node, answers
+        assert answers[let_in:] == [b""] * (40 - let_in)  # reset at accept: no task, no parse, no answer
+        # The budget is spent. The tracker's network is trusted: it still reaches the node.
+        await _tracker_reaches(m, tracker)
+        # The admitted node's tunnel blips while no tracker's trust covers its address (in the field the tracker dials
+        # from elsewhere): its network, where an admitted node attached from, is spared the spent budget.
+        m.relay.admission.trusted = TrustedNetworks()
+        resets_before = m.relay.reset_at_accept
+        m.relay.tunnels[node_id].close()
+        with anyio.fail_after(REATTACH_BOUND_S):
+            while not (node_id in m.relay.tunnels and m.relay.tunnels[node_id].admitted.is_set() and m.link.connects >= 2):
+                await anyio.sleep(0.02)
+        await m.wait_attached()
+        assert m.relay.reset_at_accept == resets_before
+        await _tracker_reaches(m, tracker)
+        # A stranger from yet another network still finds the budget spent.
+        assert await _forged_connect_answer(m.relay_url, node_id, "127.0.4.1") == b""
+
+
 async def test_a_relay_restart_keeps_the_admission(tmp_path: Path) -> None:
     tracker = Ed25519PrivateKey.generate()
     port, app_port = free_local_port(), free_local_port()
@@ -216,8 +263,11 @@ async def test_a_relay_restart_keeps_the_admission(tmp_path: Path) -> None:
                 while not (state.exists() and node_id in json.loads(state.read_text())["admitted"]):
                     await anyio.sleep(0.05)
             assert state.stat().st_mode & 0o077 == 0
+            assert json.loads(state.read_text())["networks"] == {node_id: "127.0.0.1/32"}
         second = Relay(config())
         async with running_relay(second) as relay_url:
+            # Its network is spared the strangers' relay-wide budget before it even attaches.
+            assert second.admission.admitted.hosts_admitted("127.0.0.1/32")
             with anyio.fail_after(REATTACH_BOUND_S + 5):  # the link's backoff after a dead relay reaches 4 s
                 while node_id not in second.tunnels:
                     await anyio.sleep(0.02)

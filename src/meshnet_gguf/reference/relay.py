@@ -212,6 +212,7 @@ class Relay:
         saved_at = time.monotonic()
         while True:
             await anyio.sleep(SAVE_INTERVAL_S)
+            admitted.expire()
             if admitted.dirty or time.monotonic() - saved_at >= refresh_s:
                 admitted.save()
                 saved_at = time.monotonic()
@@ -341,7 +342,7 @@ class Relay:
             tunnel.admitted.set()
             self.admission.leave_provisional(tunnel.network, tunnel)
             if not self.open:
-                self.admission.admitted.admitted(node_id)
+                self.admission.admitted.admitted(node_id, tunnel.network)
         work = await tunnel.take_work(self.config.work_wait_timeout_s)
         if work is None:
             await raw.send(http_error(503, "no_work_connection", f"{node_id} has no free work connection; retry"))
@@ -426,7 +427,7 @@ class Relay:
     ) -> None:
         previous = self.tunnels.get(tunnel.node_id)
         if tunnel.admitted.is_set() and not self.open:
-            self.admission.admitted.admitted(tunnel.node_id)
+            self.admission.admitted.admitted(tunnel.node_id, tunnel.network)
         self.tunnels[tunnel.node_id] = tunnel
         if previous is not None:
             # Same node id means same key (the id is the key's fingerprint, and the proof checked it).

@@ -4,7 +4,9 @@ A connection that has proved nothing yet is a stranger's. Limits are keyed by so
 *network* (an IPv6 /64, an IPv4 prefix: `relay_networks`), never by address, since
 anyone with a /64 has more addresses than any per-address limit. Strangers get, per
 network, a bucket of tries (a network whose tries keep failing is reset at accept, before
-a task or a byte of parsing is spent on it) and a fair share of the places for connections
+a task or a byte of parsing is spent on it), and all of them together a relay-wide budget of
+tries (so a flood from thousands of networks costs the relay a bounded share of its loop;
+trackers' networks and admitted nodes' networks never draw on it), and a fair share of the places for connections
 still in their handshake: each network holds at most its share, and when all are taken a
 newcomer from a network holding fewer takes the heaviest network's oldest place. So a
 tracker's CONNECT or a node's attach, which proves itself within a round trip, is never
@@ -45,6 +47,8 @@ MAX_TRUSTED_NETWORKS = 1024
 # Places for the pending connections of trusted networks, apart from the strangers' (a tracker's burst of
 # streams, each proving itself within a round trip); past them, a trusted connection waits among the strangers.
 TRUSTED_PENDING_PLACES = 1024
+# The key of the relay-wide budget: one bucket for every stranger network together.
+ALL_STRANGERS = "*"
 # A refusal logged under a flood: one line per kind per interval, with the count of those held back.
 REFUSAL_LOG_INTERVAL_S = 10.0
 
@@ -122,6 +126,11 @@ class RateLimit:
             self._buckets = {p: (n, a) for p, (n, a) in self._buckets.items() if now - a < refill_s}
         return True
 
+    def remaining(self, peer: str) -> float:
+        """The tries `peer` has left now (a full bucket for one never seen)."""
+        tokens, at = self._buckets.get(peer, (float(self.burst), time.monotonic()))
+        return min(float(self.burst), tokens + (time.monotonic() - at) * self.per_s)
+
     def give_back(self, peer: str) -> None:
         """Returns the token `allow` took, to a peer whose attempt turned out to be a fair one."""
         bucket = self._buckets.get(peer)
@@ -163,6 +172,7 @@ class RelayAdmission:
         self.admitted = AdmittedNodes(Path(config.state_dir) / STATE_FILE_NAME if config.state_dir else None, config.admitted_remembered_s)
         self.attach_rate = RateLimit(config.tunnel_attaches_per_s, config.tunnel_attach_burst)
         self.stranger_rate = RateLimit(config.stranger_connections_per_s, config.stranger_connection_burst)
+        self.relay_stranger_rate = RateLimit(config.relay_stranger_connections_per_s, config.relay_stranger_connection_burst)
         self.refusals = RefusalLog(REFUSAL_LOG_INTERVAL_S)
         self.reset_at_accept = 0
         self.evicted = 0
@@ -171,12 +181,21 @@ class RelayAdmission:
         return network_of(peer, self.config.ipv4_network_prefix)
 
     def may_connect(self, network: str, peer: str) -> bool:
-        """At accept: False when `network`'s strangers have spent their tries (the relay then resets the connection)."""
-        if network in self.trusted or self.stranger_rate.allow(network):
+        """At accept: False when `network`'s strangers have spent their tries, or all strangers together the relay's
+        (the relay then resets the connection). A trusted tracker's network meets neither; an admitted node's network
+        only its own bucket, whose tries its proved connections give back."""
+        if network in self.trusted:
             return True
+        if not self.stranger_rate.allow(network):
+            return self._reset(peer, network, "too many connections that proved nothing from this network")
+        if self.admitted.hosts_admitted(network) or self.relay_stranger_rate.allow(ALL_STRANGERS):
+            return True
+        self.stranger_rate.give_back(network)  # the relay's budget refused it, not its network's: that try is not spent
+        return self._reset(peer, network, "too many connections that proved nothing from all networks")
+
+    def _reset(self, peer: str, network: str, why: str) -> bool:
         self.reset_at_accept += 1
-        self.refusals.log(logging.WARNING, "reset_at_accept", "%s (%s): too many connections that proved nothing; reset at accept",
-                          peer, network)  # fmt: skip
+        self.refusals.log(logging.WARNING, "reset_at_accept", "%s (%s): %s; reset at accept", peer, network, why)
         return False
 
     def enter_pending(self, network: str, peer: str, on_evict: Callable[[], None]) -> PendingSlot | None:

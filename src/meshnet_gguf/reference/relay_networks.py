@@ -17,6 +17,7 @@ different network, i.e. as many networks as places.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Hashable
 from typing import Generic, TypeVar
@@ -27,10 +28,14 @@ IPV6_NETWORK_PREFIX = 64
 DEFAULT_IPV4_NETWORK_PREFIX = 32
 # Prefixes an operator may choose for IPv4: /16 would put a whole provider's customers in one network.
 IPV4_NETWORK_PREFIXES = (32, 24)
+# Addresses whose network is remembered: parsing one is most of what a reset at accept costs, and a flood's sources
+# come back again and again. Bounded, least recently used first out.
+NETWORK_CACHE_SIZE = 65_536
 
 Holder = TypeVar("Holder", bound=Hashable)
 
 
+@functools.lru_cache(maxsize=NETWORK_CACHE_SIZE)
 def network_of(address: str, ipv4_prefix: int = DEFAULT_IPV4_NETWORK_PREFIX) -> str:
     """The network `address` counts in, as `a.b.c.d/p` or `x:y::/64`; an unparsable address is its own network."""
     try:
