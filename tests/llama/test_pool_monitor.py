@@ -53,6 +53,11 @@ async def test_a_whole_pool_is_whole_and_health_names_workers_without_addresses(
         (ConnectionRefusedError("refused"), "status unreachable"),
         ({"state": "restarting", "protocol": None}, "ggml-rpc-server restarting"),
         ({"state": "running", "protocol": "4.0.0"}, "speaks RPC protocol 4.0.0, the pool 3.0.0"),
+        # A worker whose status says nonsense is away too, and nothing of it reaches /health: the monitor keeps polling.
+        ({"state": "running", "protocol": 3}, "no RPC protocol version"),
+        ({"state": "running", "protocol": "3.0.0<script>" + "x" * 100_000}, "no RPC protocol version"),
+        ({"state": "<b>" * 1000, "protocol": "3.0.0"}, "ggml-rpc-server not serving"),
+        (["running", "3.0.0"], "not a JSON object"),
     ],
 )
 async def test_a_worker_unreachable_not_serving_or_on_another_protocol_is_away(answer: object, why: str) -> None:
@@ -63,6 +68,7 @@ async def test_a_worker_unreachable_not_serving_or_on_another_protocol_is_away(a
     assert missing is not None and "worker 2 is away" in missing and why in missing and "worker 1" not in missing
     report = pool.health(HealthReport(state="restarting"))
     assert report.pool is not None and [w.state for w in report.pool.workers] == ["up", "away"]
+    assert report.pool.workers[1].protocol == "3.0.0" and len(report.model_dump_json()) < 2_000  # the last good word only
 
 
 async def test_the_waits_follow_the_pool_as_the_monitor_polls() -> None:

@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 # Reads a worker's status endpoint (its URL); raises on any failure to get a JSON answer.
 StatusReader = Callable[[str], Awaitable[dict[str, Any]]]
+# What a worker may say its RPC protocol is (ggml's MAJOR.MINOR.PATCH): anything else is not copied into /health.
+RPC_PROTOCOL_PATTERN = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){0,2}")
+# A worker's state as its status says it ("running", "restarting", ...): words only, short, or it is not repeated.
+WORKER_STATE_PATTERN = re.compile(r"[a-z][a-z _-]{0,31}")
 
 
 @dataclass(frozen=True)
@@ -167,12 +171,9 @@ class PoolMonitor(BasePart):
         except Exception as exc:  # noqa: BLE001 - any failure to read it means the same: away
             problem = f"status unreachable: {type(exc).__name__}"
         else:
-            protocol = status.get("protocol")
-            if status.get("state") != "running" or protocol is None:
-                problem = f"ggml-rpc-server {status.get('state') or 'not serving'}"
-            elif worker.protocol is not None and protocol_major(protocol) != protocol_major(worker.protocol):
-                problem = f"speaks RPC protocol {protocol}, the pool {worker.protocol}"
-            seen.protocol = protocol or seen.protocol
+            problem = _status_problem(worker, status)
+            if problem is None:
+                seen.protocol = status["protocol"]
         if problem is None:
             if seen.state != "up":
                 log.info("pool %s (%s) is back", worker.name, worker.endpoint)
@@ -181,6 +182,21 @@ class PoolMonitor(BasePart):
             if seen.state != "away":
                 log.warning("pool %s (%s) is away: %s", worker.name, worker.endpoint, problem)
             seen.state, seen.problem = "away", problem
+
+
+def _status_problem(worker: WatchedWorker, status: object) -> str | None:
+    """Why `status` (a worker's status answer) says it is not serving the pool's protocol; None when it is."""
+    if not isinstance(status, dict):
+        return "status unreadable: not a JSON object"
+    protocol, state = status.get("protocol"), status.get("state")
+    if state != "running" or protocol is None:
+        said = state if isinstance(state, str) and WORKER_STATE_PATTERN.fullmatch(state) else "not serving"
+        return f"ggml-rpc-server {said}"
+    if not isinstance(protocol, str) or not RPC_PROTOCOL_PATTERN.fullmatch(protocol):
+        return "status unreadable: no RPC protocol version in it"
+    if worker.protocol is not None and protocol_major(protocol) != protocol_major(worker.protocol):
+        return f"speaks RPC protocol {protocol}, the pool {worker.protocol}"
+    return None
 
 
 def http_status_reader(token: Callable[[], str], client_timeout_s: float) -> tuple[StatusReader, Callable[[], Awaitable[None]]]:
