@@ -11,6 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from meshnet_gguf.common.gc_pauses import freeze_startup_objects
+
 dev_app = typer.Typer(help="Reference Meshnet services for local use and tests.", no_args_is_help=True)
 
 DEFAULT_TRACKER_PORT = 8000
@@ -117,6 +119,7 @@ def tracker(
     from meshnet_gguf.serving import http_server
 
     guarded = getattr(http_server, "GuardedHttpToolsProtocol", None)
+    freeze_startup_objects()
     uvicorn.run(
         service.app(), host=host, port=port, log_level=log_level.lower(), lifespan="on", access_log=False, log_config=None,
         http=guarded or "h11", h11_max_incomplete_event_size=MAX_REQUEST_HEADER_BYTES,
@@ -196,7 +199,9 @@ def relay(
     # SIGTERM (systemd, `dev mesh`, kill) stops it as Ctrl-C does, exiting 0 like the tracker and the node.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        anyio.run(Relay(config).serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
+        relay_service = Relay(config)
+        freeze_startup_objects()
+        anyio.run(relay_service.serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
     except KeyboardInterrupt:
         pass
     except OSError as exc:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
+from meshnet_gguf.common.gc_pauses import freeze_startup_objects
+
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
@@ -145,6 +147,7 @@ def register(app: typer.Typer) -> None:
             async def run_node() -> int:
                 return await build_node(launch, identity).run()
 
+            freeze_startup_objects()
             code = anyio.run(run_node, backend_options={"use_uvloop": _uvloop_available()})
         except NodeSetupError as exc:  # e.g. the port is taken, or the tracker link cannot start
             typer.echo(f"error: {exc}", err=True)
