@@ -160,6 +160,9 @@ class _SpliceSide:
     async def aclose(self) -> None:
         await self.inner.aclose()
 
+    def extra(self, attribute: Any, *default: Any) -> Any:
+        return self.inner.extra(attribute, *default)
+
 
 def reading_relay(monkeypatch: Any, seen: bytearray) -> None:
     """The reference relay, made to copy every byte it splices (both ways) into `seen`."""
