@@ -27,7 +27,7 @@ AREA_MAY_IMPORT: dict[str, set[str]] = {
     "devtools": {"common", "contract", "models"},
     "proof": {"common", "contract"},
     "reference": {"common", "contract"},
-    "node": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops"},
+    "node": {"common", "contract", "models", "llama", "hardware", "prepare", "serving", "mesh", "ops", "proof"},
     "cli": {
         "common",
         "contract",

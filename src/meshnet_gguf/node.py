@@ -44,7 +44,7 @@ from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
 from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
 from meshnet_gguf.serving.access import MetricsAccess, PageAccess
-from meshnet_gguf.serving.asgi import ExtraRoute, QueryRoute
+from meshnet_gguf.serving.asgi import AsgiApp, ExtraRoute, QueryRoute
 from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UsageSink
 from meshnet_gguf.serving.status_page import ChatUi, NodePages, RecentRequests, StatusSource, plan_line
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
@@ -207,8 +207,10 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         ),  # fmt: skip
         chat=ChatUi(upstream, upstream_client) if chat else None,
     )
+    # serve --verifier: the tracker's audits of this model, on this listener, scored by this node's llama-server.
+    app = _verifier_route(pages, settings, upstream, slots, tracker_link, is_relayed) if settings.verifier else pages
     try:
-        http = HttpServerPart(pages, settings.host, settings.port)
+        http = HttpServerPart(app, settings.host, settings.port)
     except ListenError as exc:
         raise NodeSetupError(str(exc)) from exc
 
@@ -235,6 +237,40 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         on_close=upstream_client.aclose,
     )
     return node
+
+
+def _verifier_route(
+    app: AsgiApp,
+    settings: NodeSettings,
+    upstream: Callable[[], UpstreamTarget | None],
+    slots: Slots,
+    tracker_link: TrackerLink | None,
+    is_relayed: Callable[[tuple[str, int]], bool] | None,
+) -> AsgiApp:
+    """`POST /v1/proof/audit` in front of the node's app. Audits are signed by the tracker this node trusts:
+    a meshed node's route key (configured, pinned, or learnt on first contact), else `tracker_public_key`.
+    Each takes one of the node's slots, as a request does; the relay's callers never see the path."""
+    from meshnet_gguf.contract.model_proof import AUDIT_PATH
+    from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
+    from meshnet_gguf.proof.verifier_endpoint import AuditEndpoint, VerifierRoute
+
+    if tracker_link is not None:
+        gate = tracker_link.route_gate
+        key = lambda: gate.tracker_key  # noqa: E731
+    else:
+        try:
+            fixed = parse_public_key(settings.tracker_public_key or "")
+        except KeyFormatError as exc:
+            raise NodeSetupError(f"--verifier trusts tracker_public_key, which is not a key: {exc}") from exc
+        key = lambda: fixed  # noqa: E731
+
+    def scorer() -> tuple[str, str | None] | None:
+        target = upstream()
+        return None if target is None else (target.base_url, target.api_key)
+
+    endpoint = AuditEndpoint(scorer, key, acquire_slot=lambda: None if slots.draining else slots.try_acquire())
+    log.info("verifier: this node answers the tracker's audits at %s", AUDIT_PATH)
+    return VerifierRoute(app, endpoint, hidden=is_relayed)
 
 
 def build_proxy(

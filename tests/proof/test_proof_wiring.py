@@ -60,7 +60,6 @@ async def verifier_at(port: int, llama_url: str, key: str) -> AsyncIterator[None
     endpoint = AuditEndpoint(llama_url, key)
     async with serve_asgi(Starlette(routes=[Route(AUDIT_PATH, endpoint.handle, methods=["POST"])]), port):
         yield
-    await endpoint.aclose()
 
 
 @asynccontextmanager

@@ -25,11 +25,11 @@ MESSAGES = [{"role": "user", "content": "Say hello."}]
 class TrackerProcess(ServiceProcess):
     """`python -m meshnet_gguf dev tracker` as a child (the tracker's enrolment hint in its log); stopped by PID only."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *extra_args: str) -> None:
         port = free_port()
         super().__init__("tracker", [
             "dev", "tracker", "--port", str(port), "--state-dir", str(workdir / "tracker"),
-            "--heartbeat-interval", str(HEARTBEAT_S),
+            "--heartbeat-interval", str(HEARTBEAT_S), *extra_args,
         ], workdir, port=port)  # fmt: skip
         self.state_dir = workdir / "tracker"
         self.start()

@@ -87,6 +87,13 @@ def register(app: typer.Typer) -> None:
         max_tokens_cap: Annotated[
             Optional[int], typer.Option(help="Most completion tokens one request may produce; larger max_tokens are lowered to it")
         ] = None,
+        verifier: Annotated[
+            bool,
+            typer.Option(
+                "--verifier",
+                help="Also verify audits of the served model (POST /v1/proof/audit) for the tracker whose key this node trusts",
+            ),
+        ] = False,
         upstream_client: Annotated[Optional[str], typer.Option(help="raw (default), aiohttp or httpx for the llama-server hop")] = None,
         log_format: Annotated[Optional[str], typer.Option(help="auto, text or json")] = None,
         pool_worker: Annotated[
@@ -116,7 +123,7 @@ def register(app: typer.Typer) -> None:
                 tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay_url,
                 drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
                 max_tokens_cap=max_tokens_cap, pool_workers=pool_worker, build_source=build_source,
-                allowed_hosts=allowed_host,
+                allowed_hosts=allowed_host, verifier=verifier,
             )  # fmt: skip
             if no_build:  # a flag that turns a setting off (MESHNET_BUILD=0 and `build = false` do the same)
                 settings = settings.model_copy(update={"build": False})

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from meshnet_gguf.common.config_file import CONFIG_FILE_ENV, config_file_path, flag_of, read_config_file  # noqa: F401 - CONFIG_FILE_ENV: the settings' name for it too
@@ -123,6 +123,12 @@ class NodeSettings(BaseSettings):
     )
     # Batching: a busy node then makes one tracker call per interval rather than one per request.
     usage_report_interval_s: float = Field(1.0, ge=0, description="Usage receipts go to the tracker in batches, at most this often")
+    # Proof of model: this node also verifies answers of the model it serves, for a tracker that names it
+    # (`dev tracker --verifier MODEL=URL`): POST /v1/proof/audit, signed by the tracker key this node trusts
+    # (tracker_public_key, or the key its tracker link pinned), scored by the node's own llama-server.
+    verifier: bool = Field(
+        False, description="Verify audits of the served model for the tracker whose key this node trusts (POST /v1/proof/audit)"
+    )
 
     # --- a LAN pool behind this node -----------------------------------------
     # Each `HOST:PORT[=BUDGET]` is a `meshnet-gguf worker` (llama.cpp's ggml-rpc-server) on another
@@ -173,6 +179,17 @@ class NodeSettings(BaseSettings):
         if twice is not None:
             raise ValueError(f"{twice!r} is named twice: name each relay once")
         return urls
+
+    @field_validator("verifier")
+    @classmethod
+    def _verifier_knows_its_tracker(cls, value: bool, info: ValidationInfo) -> bool:
+        # An audit is taken only when signed by the tracker: without its key nobody could be answered.
+        if value and not info.data.get("tracker_public_key") and not info.data.get("tracker"):
+            raise ValueError(
+                "a verifier answers only audits its tracker signed: give the tracker's key with --tracker-public-key "
+                "(the tracker prints it at start, and publishes it at /.well-known/meshnet-tracker), or serve through that tracker with --tracker"
+            )
+        return value
 
     @field_validator("tracker")
     @classmethod

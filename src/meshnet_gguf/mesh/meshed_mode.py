@@ -44,6 +44,7 @@ class RouteGate:
         self._node_id, self._model_id, self._total_layers = node_id, model_id, total_layers
         self.replay_cache = ReplayCache()
         self._verifier: RouteVerifier | None = None
+        self._key: Ed25519PublicKey | None = None
         if key is not None:
             self.set_tracker_key(key)
 
@@ -51,7 +52,13 @@ class RouteGate:
     def issuer(self) -> str | None:
         return self._verifier.issuer if self._verifier else None
 
+    @property
+    def tracker_key(self) -> Ed25519PublicKey | None:
+        """The key routes must be signed with; None until it is known. A verifier node trusts it for audits too."""
+        return self._key
+
     def set_tracker_key(self, key: Ed25519PublicKey) -> None:
+        self._key = key
         self._verifier = RouteVerifier(
             key,
             node_id=self._node_id,
