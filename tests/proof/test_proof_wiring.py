@@ -150,6 +150,47 @@ async def test_the_verifier_refuses_an_audit_not_signed_by_its_tracker(tmp_path:
             assert (await http.post(f"http://127.0.0.1:{port}{AUDIT_PATH}", content=body, headers=headers)).status_code == 401
 
 
+async def test_a_node_that_failed_stays_refused_with_its_audits_listed_after_a_tracker_restart(
+    tmp_path: Path, llamas: dict[str, Any]
+) -> None:
+    """The attacker fails its probe, then comes back with the right weights once the tracker restarted: the ledger
+    kept its failure, so it is never routed again, and its audits and flagged answers are still listed."""
+    key, port, tracker_port = tracker_key(tmp_path / "tracker"), free_local_port(), free_local_port()
+    config: dict[str, Any] = {"verifiers": {MODEL: f"http://127.0.0.1:{port}"}, "audit_policy": EVERY_ANSWER, "port": tracker_port}
+    async with verifier_at(port, llamas["verifier"], key), httpx.AsyncClient() as http:
+        async with start_tracker(tmp_path, **config) as (tracker, url):
+            node = MeshNode(tmp_path / "node", llamas["gguf"], SwitchableLlama(llamas["other"]), tracker_url=url, tracker_key=key,
+                            enrolment_secret=SECRET)  # fmt: skip
+            async with node.running():
+                await wait_until(lambda: _async(_audits(tracker, node).failed > 0 and tracker.auditor.outstanding == 0), timeout=60)
+                before = (await http.get(url + "/v1/nodes")).json()[0]["audits"]
+                flagged_before = [u["request_id"] for u in (await http.get(url + "/v1/usage?limit=100")).json() if u["flagged"]]
+        assert before["failed"] >= 1 and before["recent"][0]["outcome"] == "failed" and flagged_before
+
+        async with start_tracker(tmp_path, **config) as (tracker, url):
+            # Read back from the ledger before any node registers.
+            record = _audits(tracker, node)
+            assert (record.passed, record.failed, record.last_verdict.outcome) == (before["passed"], before["failed"], "failed")
+            honest = MeshNode(tmp_path / "node", llamas["gguf"], SwitchableLlama(llamas["honest"]), tracker_url=url, tracker_key=key,
+                              enrolment_secret=SECRET)  # fmt: skip
+            assert honest.node_id == node.node_id  # the same identity, now with the claimed weights
+            async with honest.running():
+                await wait_until(lambda: _async(_healthy(tracker, honest)), timeout=30)
+                await anyio.sleep(1)  # room for a probe, if one were (wrongly) asked
+                assert tracker.registry.get(honest.node_id).proof_blocked
+                assert (await _ask(http, url, "hello")).status_code == 503  # still never routed a client
+                listed = (await http.get(url + "/v1/nodes")).json()[0]
+                assert listed["proof_blocked"] and listed["audits"]["failed"] == before["failed"]
+                assert [a["audit_id"] for a in listed["audits"]["recent"]] == [a["audit_id"] for a in before["recent"]]
+                usage = (await http.get(url + "/v1/usage?limit=100")).json()
+                assert set(flagged_before) <= {u["request_id"] for u in usage if u["flagged"]}
+
+
+def _healthy(tracker: Any, node: MeshNode) -> bool:
+    entry = tracker.registry.get(node.node_id)
+    return entry is not None and entry.healthy
+
+
 def _routed(tracker: Any, node: MeshNode) -> bool:
     entry = tracker.registry.get(node.node_id)
     return entry is not None and entry.healthy and not entry.proof_blocked

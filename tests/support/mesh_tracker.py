@@ -22,13 +22,16 @@ HEALTH_POLL_S = 0.2
 
 
 @asynccontextmanager
-async def start_tracker(tmp_path: Path, name: str = "tracker", **over: Any) -> AsyncIterator[tuple[Tracker, str]]:
+async def start_tracker(
+    tmp_path: Path, name: str = "tracker", *, port: int | None = None, **over: Any
+) -> AsyncIterator[tuple[Tracker, str]]:
+    """A tracker with its state in `tmp_path / name` (started again on the same `port`, it is the same tracker restarted)."""
     fields: dict[str, Any] = dict(
         state_dir=tmp_path / name, enrolment_secret=SECRET, addresses=AddressPolicy(allow_loopback=True),
         heartbeat_interval_s=HEARTBEAT_S, health_poll_interval_s=HEALTH_POLL_S,
     )  # fmt: skip
     service = Tracker(TrackerConfig(**{**fields, **over}))
-    port = free_local_port()
+    port = port or free_local_port()
     try:
         async with serve_asgi(service.app(), port, lifespan="on"):
             yield service, f"http://127.0.0.1:{port}"

@@ -57,6 +57,19 @@ CREATE TABLE IF NOT EXISTS flag_reasons (
     request_id TEXT PRIMARY KEY,
     reason     TEXT NOT NULL
 );
+-- Proof of model: every decided audit (passed or failed; a no_verdict proves nothing and is not kept), so a
+-- restarted tracker keeps each node's history, its counts, and a failed node unroutable.
+CREATE TABLE IF NOT EXISTS audits (
+    audit_id    TEXT PRIMARY KEY,
+    node_id     TEXT NOT NULL,
+    model       TEXT NOT NULL,
+    outcome     TEXT NOT NULL,
+    reason      TEXT NOT NULL,
+    margin_nats REAL NOT NULL,
+    issued_at   REAL NOT NULL,
+    decided_at  REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audits_by_node ON audits (node_id, decided_at);
 CREATE TABLE IF NOT EXISTS receipts (
     request_id        TEXT PRIMARY KEY,
     node_id           TEXT NOT NULL,
@@ -99,6 +112,28 @@ class ForwardedRequest:
     max_tokens: int | None
     choices: int
     body_bytes: int
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """One decided audit as the ledger keeps it: `issued_at` is when the audited answer's route was issued."""
+
+    audit_id: str
+    node_id: str
+    model: str
+    outcome: str  # passed or failed
+    reason: str
+    margin_nats: float
+    issued_at: float
+    decided_at: float
+
+
+@dataclass(frozen=True)
+class AuditTotals:
+    passed: int
+    failed: int
+    last_passed_at: float  # the issue time of its last passed answer; 0 when none passed
+    routed: int  # requests routed to the node, ever
 
 
 class TrackerLedger:
@@ -229,17 +264,21 @@ class TrackerLedger:
         def flag() -> int:
             with self._lock:
                 self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute(
-                    "INSERT OR IGNORE INTO flag_reasons (request_id, reason) SELECT request_id, ? FROM forwarded"
-                    " WHERE node_id = ? AND issued_at >= ?", (UNPROVEN_REASON, node_id, since),
-                )  # fmt: skip
-                changed = self._db.execute(
-                    "UPDATE forwarded SET flagged = 1 WHERE node_id = ? AND issued_at >= ? AND flagged = 0", (node_id, since)
-                ).rowcount
+                changed = self._flag_unproven(node_id, since)
                 self._db.execute("COMMIT")
                 return changed
 
         return await self._run(flag)
+
+    def _flag_unproven(self, node_id: str, since: float) -> int:
+        """Inside a transaction the caller holds (and the lock)."""
+        self._db.execute(
+            "INSERT OR IGNORE INTO flag_reasons (request_id, reason) SELECT request_id, ? FROM forwarded"
+            " WHERE node_id = ? AND issued_at >= ?", (UNPROVEN_REASON, node_id, since),
+        )  # fmt: skip
+        return self._db.execute(
+            "UPDATE forwarded SET flagged = 1 WHERE node_id = ? AND issued_at >= ? AND flagged = 0", (node_id, since)
+        ).rowcount
 
     async def flag_reason(self, request_id: str) -> str | None:
         rows = await self._run(self._read, "SELECT reason FROM flag_reasons WHERE request_id = ?", (request_id,))
@@ -248,6 +287,61 @@ class TrackerLedger:
     async def flags_by_node(self) -> dict[str, int]:
         rows = await self._run(self._read, "SELECT node_id, count(*) FROM forwarded WHERE flagged = 1 GROUP BY node_id", ())
         return {node_id: count for node_id, count in rows}
+
+    # --- audits (proof of model) -------------------------------------------
+    async def record_audit(self, audit: AuditRecord, *, flag_unproven_since: float | None = None) -> int:
+        """Keep a decided audit; with `flag_unproven_since` (a failed one), flag the node's requests issued since
+        then as `model_unproven` in the same transaction, so no restart keeps the one without the other.
+        Returns how many requests were newly flagged."""
+
+        def record() -> int:
+            with self._lock:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute(
+                        "INSERT OR IGNORE INTO audits (audit_id, node_id, model, outcome, reason, margin_nats, issued_at, decided_at)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (audit.audit_id, audit.node_id, audit.model, audit.outcome, audit.reason, audit.margin_nats,
+                         audit.issued_at, audit.decided_at),
+                    )  # fmt: skip
+                    changed = 0 if flag_unproven_since is None else self._flag_unproven(audit.node_id, flag_unproven_since)
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+                return changed
+
+        return await self._run(record)
+
+    async def audit_totals(self) -> dict[str, AuditTotals]:
+        """Per node: its passed and failed audits, when the last passed answer was issued, and how many
+        requests it was routed (for the new-node rate)."""
+
+        def read() -> dict[str, AuditTotals]:
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT node_id, SUM(outcome = 'passed'), SUM(outcome = 'failed'),"
+                    " COALESCE(MAX(CASE WHEN outcome = 'passed' THEN issued_at END), 0) FROM audits GROUP BY node_id"
+                ).fetchall()
+                routed = dict(self._db.execute("SELECT node_id, count(*) FROM forwarded GROUP BY node_id").fetchall())
+            return {
+                node_id: AuditTotals(passed, failed, last_passed_at, routed.get(node_id, 0))
+                for node_id, passed, failed, last_passed_at in rows
+            }
+
+        return await self._run(read)
+
+    async def recent_audits(self, node_id: str | None = None, limit: int = 10) -> list[AuditRecord]:
+        """The latest decided audits, newest first: of one node, or `limit` of each node."""
+        where, params = ("WHERE node_id = ?", (node_id,)) if node_id else ("", ())
+        rows = await self._run(
+            self._read,
+            "SELECT audit_id, node_id, model, outcome, reason, margin_nats, issued_at, decided_at FROM ("
+            " SELECT *, ROW_NUMBER() OVER (PARTITION BY node_id ORDER BY decided_at DESC) AS nth FROM audits"
+            f" {where}) WHERE nth <= ? ORDER BY decided_at DESC",
+            (*params, limit),
+        )
+        return [AuditRecord(*row) for row in rows]
 
     # --- receipts -----------------------------------------------------------
     async def store_receipt(self, node_id: str, record: UsageRecord, token: str) -> bool:

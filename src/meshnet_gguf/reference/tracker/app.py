@@ -115,6 +115,8 @@ class Tracker:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         for request_id in await self.ledger.settle_interrupted():
             log.warning("request %s was in flight when this tracker stopped: settled as interrupted, flagged", request_id)
+        if self.auditor is not None:
+            await self.auditor.load()  # before any node registers: one that failed here before stays unroutable
         async with self.reach.running(), anyio.create_task_group() as tg:
             tg.start_soon(self._watch_nodes)
             if self.auditor is not None:

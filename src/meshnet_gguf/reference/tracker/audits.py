@@ -10,7 +10,11 @@ All of it is off unless `TrackerConfig.verifiers` names a verifier for the node'
 - a newly registered node stays unroutable until `PROBE_PROMPTS` greedy answers, asked through the
   ordinary route (signed routes, ledger rows), pass;
 - a `failed` verdict makes the node unroutable (`NodeEntry.proof_blocked`) and flags its receipts
-  since its last passed audit (`model_unproven`).
+  since its last passed audit (`model_unproven`);
+- every decided audit is kept in the ledger (`TrackerLedger.record_audit`, with the flags of a failure in
+  the same transaction) and read back when the tracker starts (`load`): a node that failed stays
+  unroutable across restarts, and its counts and latest audits stay listed. Audits still waiting for the
+  verifier are not kept: they were drawn at random, and a restart draws again.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from meshnet_gguf.contract.signing import body_sha256, encode_token
 from meshnet_gguf.contract.sse import event_data
 from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling, requested_choices
 from meshnet_gguf.reference.registry import NodeEntry
+from meshnet_gguf.reference.tracker_ledger import AuditRecord
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,8 @@ PROBE_TOKENS = 32
 PROBE_PATH = "/v1/completions"
 # A node is probed once it is healthy; this bounds how long the probe waits for that.
 PROBE_READY_POLL_S = 0.1
+# The latest decided audits /v1/nodes and the page show per node (the ledger keeps them all).
+RECENT_AUDITS_SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -87,11 +94,15 @@ class NodeAudits:
     last_verdict: AuditVerdict | None = None
     answers: int = 0  # settled answers seen, for the new-node rate
     last_passed_at: float = 0.0  # wall clock; receipts since then are flagged on a failure
+    pending: int = 0  # drawn and queued, not decided yet (not kept across a restart)
+    recent: deque[AuditRecord] = field(default_factory=lambda: deque(maxlen=RECENT_AUDITS_SHOWN))  # newest first
 
     def summary(self) -> dict[str, Any]:
         last = self.last_verdict
-        return {"passed": self.passed, "failed": self.failed,
-                "last_verdict": None if last is None else {"outcome": last.outcome, "reason": last.reason}}  # fmt: skip
+        return {"passed": self.passed, "failed": self.failed, "pending": self.pending,
+                "last_verdict": None if last is None else {"outcome": last.outcome, "reason": last.reason},
+                "recent": [{"audit_id": a.audit_id, "outcome": a.outcome, "reason": a.reason, "margin_nats": a.margin_nats,
+                            "decided_at": a.decided_at} for a in self.recent]}  # fmt: skip
 
 
 class AnswerCapture:
@@ -180,6 +191,24 @@ class Auditor:
     def record(self, node_id: str) -> NodeAudits:
         return self.records.setdefault(node_id, NodeAudits())
 
+    async def load(self) -> None:
+        """The ledger's audit history, read once before the tracker serves: counts, the last passed answer's
+        issue time (the flags of a later failure start there), the latest audits, and answers so far."""
+        totals = await self.ledger.audit_totals()
+        recent = await self.ledger.recent_audits(limit=RECENT_AUDITS_SHOWN)
+        for node_id, kept in totals.items():
+            record = self.record(node_id)
+            record.passed, record.failed, record.last_passed_at, record.answers = kept.passed, kept.failed, kept.last_passed_at, kept.routed
+        for audit in recent:  # newest first, as the record keeps them
+            record = self.record(audit.node_id)
+            record.recent.append(audit)
+            if record.last_verdict is None:
+                record.last_verdict = AuditVerdict(audit_id=audit.audit_id, outcome=audit.outcome, reason=audit.reason,  # type: ignore[arg-type]
+                                                   margin_nats=audit.margin_nats, positions_checked=0)  # fmt: skip
+        if totals:
+            failed = sorted(node_id for node_id, kept in totals.items() if kept.failed)
+            log.info("audit history of %d node(s) read from the ledger; %d failed and stay unroutable", len(totals), len(failed))
+
     def draw(self, entry: NodeEntry, path: str, payload: dict[str, Any], stream: bool) -> AnswerCapture | None:
         """A capture for this answer when it is drawn for audit; None (nothing kept) otherwise."""
         if self.verifier_for(entry) is None or path == "/v1/embeddings" or requested_choices(payload) != 1:
@@ -206,9 +235,11 @@ class Auditor:
         if len(self._queue) >= MAX_QUEUED_AUDITS:
             dropped = self._queue.popleft()
             self.outstanding -= 1
+            self.record(dropped.node_id).pending -= 1
             log.warning("audit queue full: audit %s of %s dropped", dropped.request.audit_id, dropped.node_id)
         self._queue.append(job)
         self.outstanding += 1
+        self.record(node_id).pending += 1
         self._wake.set()
         return job
 
@@ -232,6 +263,7 @@ class Auditor:
                             job.verdict = verdict
                             job.done.set()
                             self.outstanding -= 1
+                            self.record(job.node_id).pending -= 1
                             continue
                     if verdict is None or verdict.outcome == "no_verdict":
                         # Not the node's fault: asked again later, the queue goes on meanwhile.
@@ -241,6 +273,7 @@ class Auditor:
                     job.verdict = verdict
                     job.done.set()
                     self.outstanding -= 1
+                    self.record(job.node_id).pending -= 1
             finally:
                 self._http = self._tg = None
 
@@ -277,16 +310,21 @@ class Auditor:
         node_id = job.node_id
         record = self.record(node_id)
         record.last_verdict = verdict
+        kept = AuditRecord(audit_id=verdict.audit_id, node_id=node_id, model=job.request.model, outcome=verdict.outcome,
+                           reason=verdict.reason, margin_nats=verdict.margin_nats, issued_at=job.issued_at, decided_at=time.time())  # fmt: skip
+        record.recent.appendleft(kept)
         if verdict.outcome == "passed":
             record.passed += 1
             # The answer's issue time, not the verdict's: answers issued after it are not proven by it.
             record.last_passed_at = max(record.last_passed_at, job.issued_at)
+            await self.ledger.record_audit(kept)
             return
         record.failed += 1
         entry = self.registry.get(node_id)
         if entry is not None:
             entry.proof_blocked = True
-        flagged = await self.ledger.flag_unproven(node_id, record.last_passed_at)
+        # Kept with its flags in one transaction: a restart finds the node failed, and its answers flagged.
+        flagged = await self.ledger.record_audit(kept, flag_unproven_since=record.last_passed_at)
         log.warning("node %s failed an audit (%s): no longer routed, %d receipts since its last passed audit flagged",
                     node_id, verdict.reason, flagged)  # fmt: skip
 
@@ -296,6 +334,11 @@ class Auditor:
         if self.verifier_for(entry) is None or self._tg is None:
             return
         entry.proof_blocked = True
+        if self.record(entry.node_id).failed:
+            # Failed an audit on this tracker, before this registration or a restart (the ledger keeps it): no
+            # probe can clear it, or the node would register again, pass honestly, and switch back.
+            log.warning("node %s failed an audit here before: it registered again and stays unroutable", entry.node_id)
+            return
         self._tg.start_soon(self._probe, entry)
 
     async def _probe(self, entry: NodeEntry) -> None:
