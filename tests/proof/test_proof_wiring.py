@@ -184,6 +184,8 @@ async def test_a_node_that_failed_stays_refused_with_its_audits_listed_after_a_t
                 assert [a["audit_id"] for a in listed["audits"]["recent"]] == [a["audit_id"] for a in before["recent"]]
                 usage = (await http.get(url + "/v1/usage?limit=100")).json()
                 assert set(flagged_before) <= {u["request_id"] for u in usage if u["flagged"]}
+                page = (await http.get(url + "/dashboard.json")).json()["nodes"][0]["audits"]
+                assert page["failed"] == before["failed"] and page["proof_blocked"]
 
 
 def _healthy(tracker: Any, node: MeshNode) -> bool:

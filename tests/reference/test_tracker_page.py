@@ -32,6 +32,7 @@ def test_the_tracker_page_lists_a_node_that_registers_and_the_requests_it_routed
     browser.wait_for("document.getElementById('nodes').innerText.includes('online')")
     nodes = browser.text_of("nodes", "innerText")
     assert "tiny" in nodes and "direct" in nodes and "0 / 2" in nodes
+    assert "not audited" in nodes  # this tracker names no verifier: proof of model says so in words
 
     answer = sdk(tracker).chat.completions.with_raw_response.create(model="tiny", messages=MESSAGES, max_tokens=4)
     request_id = answer.headers["x-meshnet-request-id"]
@@ -117,3 +118,33 @@ async def test_every_column_is_explained_and_no_figure_reads_as_a_question_mark(
         )
         explained = browser.evaluate(f"[...document.querySelectorAll('#{legend} dt')].map(dt => dt.textContent)")
         assert headers == explained
+    assert "Audits" in explained_nodes(browser)
+    # The Audits column in words for each state a node's audits can be in: the page's own render, given
+    # /dashboard.json's shape (a real tracker with a verifier shows them in tests/proof/test_proof_wiring.py).
+    cells = browser.evaluate(_RENDER_AUDITS)
+    assert cells == [
+        ["n-none", "not audited", "muted"],
+        ["n-new", "none audited yet", "muted"],
+        ["n-probing", "probing: 1 passed, 2 pending", "muted"],
+        ["n-passed", "5 passed, 1 pending", ""],
+        ["n-failed", "FAILED 1, passed 3: not routed", "flag"],
+    ]
+    assert "?" not in str(cells)
+
+
+def explained_nodes(browser: Browser) -> list[str]:
+    return list(browser.evaluate("[...document.querySelectorAll('#nodes-legend dt')].map(dt => dt.textContent)"))
+
+
+_RENDER_AUDITS = """(() => {
+  const node = (id, audits) => ({node_id: id, model: "tiny", quant: null, state: "online", node_state: "ready", healthy: true,
+    slots_total: 1, slots_busy: 0, tokens_per_s: null, reached: "direct", relay_url: null, advertised_url: "http://127.0.0.1:1",
+    last_seen_s_ago: 0, health_misses: 0, routed: 0, speed: null, audits});
+  const audits = (passed, failed, pending, proof_blocked, last) => ({passed, failed, pending, proof_blocked, recent: [],
+    last_verdict: last ? {outcome: last, reason: "why"} : null});
+  render({nodes: [node("n-none", null), node("n-new", audits(0, 0, 0, false, null)), node("n-probing", audits(1, 0, 2, true, "passed")),
+                  node("n-passed", audits(5, 0, 1, false, "passed")), node("n-failed", audits(3, 1, 0, true, "failed"))],
+          recent_routes: [], disagreements: 0, poll_interval_s: 2});
+  const column = [...document.getElementById("nodes").closest("table").querySelectorAll("th")].findIndex(th => th.textContent === "Audits");
+  return [...document.querySelectorAll("#nodes tr")].map(tr => [tr.cells[0].title, tr.cells[column].textContent, tr.cells[column].className]);
+})()"""

@@ -2,7 +2,7 @@
 
 Static files in `pages/` (no build step, no data in them) poll `/dashboard.json`,
 which is built from the same registry and ledger as `/v1/nodes` and `/v1/usage`
-(both already public on a reference tracker), plus what only the page wants:
+(both already public on a reference tracker; a node's audits too, where a verifier audits its model), plus what only the page wants:
 how long ago each node was last heard from and whether it is reached directly or
 through a relay. `routes()` is all `Tracker.app()` needs to add.
 """
@@ -83,6 +83,7 @@ async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
                 "health_misses": entry.health_misses,
                 "routed": entry.routed,
                 "speed": entry.speed.summary(),
+                "audits": _audits(tracker, entry),
             }
         )
     usage = await tracker.ledger.usage_list(limit=RECENT_ROUTES_SHOWN)
@@ -92,6 +93,15 @@ async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
         "disagreements": sum(u.flagged for u in usage),
         "poll_interval_s": DASHBOARD_POLL_S,
     }
+
+
+def _audits(tracker: _Tracker, entry: Any) -> dict[str, Any] | None:
+    """Proof of model on the page: the node's audit counts and its latest verdict; None when no verifier
+    audits its model here (the page says "not audited")."""
+    auditor = getattr(tracker, "auditor", None)
+    if auditor is None or auditor.verifier_for(entry) is None:
+        return None
+    return {**auditor.record(entry.node_id).summary(), "proof_blocked": entry.proof_blocked}
 
 
 __all__ = ["DASHBOARD_JSON_PATH", "dashboard_document", "routes"]

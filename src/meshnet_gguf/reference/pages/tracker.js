@@ -45,6 +45,17 @@ function speedText(s) {
   return `${claimed} / ${measured}${s.claim_flagged ? " — CLAIM FLAGGED: far above what it delivers" : ""}`;
 }
 
+// Proof of model, in words: a node's audits on this tracker (null: no verifier audits its model).
+function auditCell(a) {
+  if (!a) return ["not audited", "muted", "no verifier is named for this model on this tracker"];
+  const last = a.last_verdict ? `latest: ${a.last_verdict.outcome}, ${a.last_verdict.reason}` : "no verdict yet";
+  const pending = a.pending ? `, ${a.pending} pending` : "";
+  if (a.failed) return [`FAILED ${a.failed}, passed ${a.passed}${pending}: not routed`, "flag", last];
+  if (a.proof_blocked) return [`probing: ${a.passed} passed${pending}`, "muted", last];
+  if (!a.passed && !a.pending) return ["none audited yet", "muted", last];
+  return [`${a.passed} passed${pending}`, "", last];
+}
+
 function row(cells, className) {
   const tr = document.createElement("tr");
   if (className) tr.className = className;
@@ -72,6 +83,7 @@ function render(doc) {
     [n.reached === "relayed" ? `relayed via ${n.relay_url}` : `direct ${n.advertised_url}`],
     [`${n.last_seen_s_ago} s ago${n.health_misses ? `, ${n.health_misses} missed` : ""}`],
     [String(n.routed)],
+    auditCell(n.audits),
   ]));
   $("nodes").replaceChildren(...(nodes.length ? nodes : [row([["no node has registered yet", "muted"]])]));
   const routes = doc.recent_routes.map((u) => row([
