@@ -22,6 +22,7 @@ from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 from meshnet_gguf.proof.audit import audit
 from meshnet_gguf.proof.evidence import evidence_from_token_probs
+from meshnet_gguf.proof.tolerance import GREEDY_TIE_NATS
 
 pytestmark = pytest.mark.anyio
 
@@ -126,3 +127,57 @@ async def test_a_verifier_that_is_down_gives_no_verdict(honest: tuple[str, Answe
     text, evidence = honest
     verdict = await _audit(f"http://127.0.0.1:{free_local_port()}", text, evidence)
     assert verdict.outcome == "no_verdict" and verdict.margin_nats == 0, verdict
+
+
+# After this prompt the claimed model (SHAPE, seed 0) ranks its end-of-generation token first, by about 0.3 nats,
+# over tokens 40-63 of a greedy answer that goes on (found by bench/bench_model_proof.py --honest).
+ENDLESS_PROMPT = "Q: What is winter"
+
+
+async def test_a_client_asking_ignore_eos_cannot_get_an_honest_node_refused(
+    real_llama: BinaryInfo, models: dict[str, Path], verifier: str, tmp_path: Path
+) -> None:
+    """llama-server's `ignore_eos` forbids the end token to the sampler, but `n_probs` still ranks it first: an honest
+    greedy answer then goes on below it. Held to that token the node is refused for what its client asked (here by
+    0.002 nats; a model more sure of its end, by nats). Held to the verifier's own pick, it is the model's best at every
+    token. The same answer to a request without `ignore_eos` is held to the end token: the node went on past it."""
+    text = _endless_answer(real_llama, models["claimed"], tmp_path / "llama.log")
+    margins = {}
+    for asked in (True, False):
+        request = {"prompt": ENDLESS_PROMPT, "max_tokens": 64, "temperature": 0, **({"ignore_eos": True} if asked else {})}
+        audited = AuditRequest(audit_id="a1", model="tiny", path="/v1/completions", body=json.dumps(request), answer_text=text)
+        async with httpx.AsyncClient(base_url=verifier) as client:
+            verdict = await audit(client, audited)
+        margins[asked] = verdict.margin_nats
+        if asked:
+            assert verdict.outcome == "passed", verdict
+    # Every token the verifier's best (margin: the whole tolerance, less CPU noise); without ignore_eos, about 0.3 nats
+    # less: the end token led there.
+    assert margins[True] > GREEDY_TIE_NATS - 0.05 and margins[False] < margins[True] - 0.2, margins
+
+
+async def test_an_answer_steered_by_its_client_gets_no_verdict(
+    real_llama: BinaryInfo, models: dict[str, Path], verifier: str, tmp_path: Path
+) -> None:
+    """The honest node's greedy answer under a client's logit_bias is not the model's own: a verifier that got it anyway
+    (a tracker that drew it) must not refuse the node for it, and says so."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logit_bias": {"5": 100}}
+    with llama_instance(real_llama, models["claimed"], Backend("cpu", threads=1), tmp_path / "llama.log") as url:
+        text = _completion_text(url, body)
+    audited = AuditRequest(audit_id="a1", model="tiny", path="/v1/completions", body=json.dumps(body), answer_text=text)
+    async with httpx.AsyncClient(base_url=verifier) as client:
+        verdict = await audit(client, audited)
+        assert verdict.outcome == "no_verdict" and "logit_bias" in verdict.reason, verdict
+        unsteered = await audit(client, audited.model_copy(update={"body": json.dumps({**body, "logit_bias": {}})}))
+    assert unsteered.outcome == "failed", unsteered  # the same answer, judged as the model's own: far from it
+
+
+def _completion_text(url: str, body: dict[str, object]) -> str:
+    return httpx.post(url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+
+
+def _endless_answer(binary: BinaryInfo, model: Path, log: Path) -> str:
+    """The honest greedy answer of a client that asked `ignore_eos`."""
+    with llama_instance(binary, model, Backend("cpu", threads=1), log) as url:
+        body = {"prompt": ENDLESS_PROMPT, "n_predict": 64, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+        return httpx.post(url + "/completion", json=body, timeout=300).json()["content"]

@@ -124,6 +124,23 @@ async def test_an_honest_node_passes_and_one_that_switches_is_caught_at_its_next
         assert [await tracker.ledger.flag_reason(request_id) for request_id in flagged] == ["model_unproven"] * len(flagged)
 
 
+async def test_a_client_steering_the_sampler_cannot_get_an_honest_node_refused(tmp_path: Path, llamas: dict[str, Any]) -> None:
+    """A client's logit_bias (or grammar, schema, penalty) makes the honest node's greedy answer another than the claimed
+    model's own: judged by re-generation it would be refused. Such answers are never drawn, at any rate."""
+    async with mesh(tmp_path, llamas, "honest") as (tracker, url, node, _), httpx.AsyncClient() as http:
+        record = _audits(tracker, node)
+        await wait_until(lambda: _async(_routed(tracker, node)), timeout=60)
+        passed = record.passed
+        for steering in ({"logit_bias": {"5": 100}}, {"presence_penalty": 1.5}, {"frequency_penalty": 2.0}):
+            answer = await _ask(http, url, "The quick brown fox", **steering)
+            assert answer.status_code == 200, answer.text
+        assert record.pending == 0 and tracker.auditor.outstanding == 0  # not drawn, though every answer is at rate 1.0
+        plain = await _ask(http, url, "The quick brown fox")  # the same prompt unsteered is drawn, and passes
+        assert plain.status_code == 200
+        await wait_until(lambda: _async(record.passed == passed + 1), timeout=60)
+        assert record.failed == 0 and _routed(tracker, node)
+
+
 async def test_a_verifier_that_is_down_delays_a_new_node_and_never_refuses_it(tmp_path: Path, llamas: dict[str, Any]) -> None:
     key = tracker_key(tmp_path / "tracker")
     port = free_local_port()

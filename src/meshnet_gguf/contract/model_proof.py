@@ -128,6 +128,30 @@ class AuditVerdict(WireModel):
     positions_checked: int = Field(ge=0)
 
 
+# Request fields that steer a sampler's pick beyond the model's own log-probabilities (a bias, a grammar, a schema,
+# tool calls, a penalty on what came before). An answer made under them is not the claimed model's own continuation,
+# and a verifier that re-generates from prompt + answer cannot apply them as the node did (a grammar or a penalty
+# depends on the answer so far): such answers are not drawn for audit, and a verifier gives them no verdict.
+STEERING_FIELDS = ("logit_bias", "grammar", "json_schema", "tools")
+# Sampler settings that steer only away from their neutral value (llama-server's defaults).
+NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0, "dry_multiplier": 0.0, "mirostat": 0}
+
+
+def unscoreable(payload: dict[str, object]) -> str | None:
+    """Why an answer to this request body cannot be audited by scoring it, or None when it can."""
+    for name in STEERING_FIELDS:
+        if payload.get(name):
+            return f"the request's {name} steers the sampler"
+    response_format = payload.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        return "the request's response_format constrains the answer"
+    for name, neutral in NEUTRAL_PENALTIES.items():
+        value = payload.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != neutral:
+            return f"the request's {name} steers the sampler"
+    return None
+
+
 # Where a verifier takes audits, and the header carrying the tracker's signed token for one: claims
 # `iss` (the tracker), `sub` = AUDIT_TOKEN_SUBJECT, `jti` (the audit id), `iat`, `exp` and
 # `body_sha256` of the AuditRequest as sent, so a verifier spends its llama-server only on a tracker's asks.

@@ -16,7 +16,7 @@ import math
 
 import httpx
 
-from meshnet_gguf.contract.model_proof import EVIDENCE_TOP_K, AuditRequest, AuditVerdict
+from meshnet_gguf.contract.model_proof import EVIDENCE_TOP_K, AuditRequest, AuditVerdict, unscoreable
 from meshnet_gguf.proof.check import (
     Verdict,
     check_evidence,
@@ -89,6 +89,8 @@ async def audit(client: httpx.AsyncClient, request: AuditRequest) -> AuditVerdic
     """Check one answer against the claimed model served at `client`'s base URL."""
     try:
         body = json.loads(request.body)
+        if isinstance(body, dict) and (why := unscoreable(body)) is not None:
+            return _verdict(request, Verdict(None, f"no verdict: {why}", 0.0, 0))
         prompt = await prompt_tokens(client, request.path, body)
         answer = await answer_tokens(client, request)
         if isinstance(answer, str):
@@ -97,8 +99,10 @@ async def audit(client: httpx.AsyncClient, request: AuditRequest) -> AuditVerdic
             return _verdict(request, Verdict(None, "an empty answer proves nothing", 0.0, 0))
         greedy = request.temperature == 0.0
         top_k = EVIDENCE_TOP_K * VERIFIER_TOP_K_FACTOR if greedy or request.evidence else SAMPLED_TOP_K
+        # A request with ignore_eos (llama-server's own field) let the node go on past the model's end.
+        ends_ignored = body.get("ignore_eos") is True
         scored = await score_answer(client, prompt, answer, top_k=max(top_k, SAMPLED_TOP_K if not greedy else 0),
-                                    give_up_gap=GREEDY_TIE_NATS if greedy else None)  # fmt: skip
+                                    give_up_gap=GREEDY_TIE_NATS if greedy else None, ends_ignored=ends_ignored)  # fmt: skip
     except (ScoringFailed, ValueError) as exc:
         return _verdict(request, Verdict(None, f"no verdict: {exc}", 0.0, 0))
     verdicts = [check_greedy(scored) if greedy else check_sampled(scored, request.temperature)]

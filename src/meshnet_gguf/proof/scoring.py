@@ -24,14 +24,19 @@ _GREEDY = {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"], "cache_prompt"
 
 @dataclass(frozen=True)
 class Position:
-    """The verifier's view of one answer token: its top-k (id, log-probability), best first."""
+    """The verifier's view of one answer token: its top-k (id, log-probability), best first, and, where the
+    request forbade some tokens (`ignore_eos`), the verifier's own greedy pick among those it allowed.
+
+    `n_probs` reports the raw logits, before the sampler: with `ignore_eos` an end-of-generation token can
+    top them while no sampler may pick it, so the best a greedy answer is held to is the pick (`chosen`)."""
 
     token: int
     top: tuple[tuple[int, float], ...]
+    chosen: int | None = None
 
     @property
     def best(self) -> int:
-        return self.top[0][0]
+        return self.top[0][0] if self.chosen is None else self.chosen
 
     def logprob_of(self, token: int) -> float | None:
         for tid, lp in self.top:
@@ -44,7 +49,8 @@ class Position:
         not in the top-k, at least the distance to the k-th (a lower bound)."""
         token = self.token if token is None else token
         lp = self.logprob_of(token)
-        return self.top[0][1] - (lp if lp is not None else self.top[-1][1])
+        best = self.logprob_of(self.best) if self.chosen is not None else None
+        return (self.top[0][1] if best is None else best) - (lp if lp is not None else self.top[-1][1])
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,14 @@ async def score_answer(
     top_k: int,
     give_up_gap: float | None = None,
     timeout_s: float = 120.0,
+    ends_ignored: bool = False,
 ) -> Scored:
     """The verifier's top-k at every position of `answer` (token ids) after `prompt` (token ids).
+
+    The verifier always generates with `ignore_eos` (it must go on to the answer's end); `ends_ignored`
+    says the audited request asked for it too, so the node could not end either: its best at each position
+    is then the verifier's own pick. Without it an end-of-generation token on top means the answer went on
+    where the claimed model ends, and the answer's token is held to that token's log-probability.
 
     With `give_up_gap`, scoring stops at the first answer token further than that below the
     verifier's best: the verdict on a greedy answer is then known, and another model's answer
@@ -90,7 +102,7 @@ async def score_answer(
         for entry in probs:
             expected = answer[len(positions)]
             top = tuple((int(t["id"]), float(t["logprob"])) for t in entry["top_logprobs"])
-            positions.append(Position(expected, top))
+            positions.append(Position(expected, top, int(entry["id"]) if ends_ignored else None))
             if give_up_gap is not None and positions[-1].gap() > give_up_gap:
                 return Scored(tuple(positions), requests)
             if int(entry["id"]) != expected or len(positions) == len(answer):

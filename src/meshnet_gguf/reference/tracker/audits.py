@@ -33,7 +33,7 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
-from meshnet_gguf.contract.model_proof import AUDIT_PATH, AUDIT_TOKEN_HEADER, AUDIT_TOKEN_SUBJECT, AuditRequest, AuditVerdict
+from meshnet_gguf.contract.model_proof import AUDIT_PATH, AUDIT_TOKEN_HEADER, AUDIT_TOKEN_SUBJECT, AuditRequest, AuditVerdict, unscoreable
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token
 from meshnet_gguf.contract.sse import event_data
@@ -215,6 +215,8 @@ class Auditor:
             return None
         record = self.record(entry.node_id)
         record.answers += 1
+        if unscoreable(payload) is not None:  # a biased or constrained answer is not the model's own: never judged
+            return None
         rate = self.policy.new_node_rate if record.answers <= self.policy.new_node_answers else self.policy.rate
         return AnswerCapture(stream) if secrets.randbelow(DRAW_SCALE) < rate * DRAW_SCALE else None
 
