@@ -1,7 +1,9 @@
 """A real llama-server on one model and one backend, for the proof-of-model tests and bench.
 
-`cpu` runs on the CPU backend only (`--device none`); `vulkan` offloads every layer to the first
-Vulkan device, here lavapipe (llvmpipe), which ggml lists only with `GGML_VK_VISIBLE_DEVICES=0`.
+`cpu` runs on the CPU backend only (`--device none`); `vulkan` offloads every layer to `device`
+(Vulkan0 by default), here lavapipe (llvmpipe), which ggml lists only with `GGML_VK_VISIBLE_DEVICES=0`.
+A GPU is named the same way: `Backend("vulkan", device="Vulkan0", vk_visible_devices=None)` leaves
+ggml's own device list alone (a real GPU is listed without the variable), `device="CUDA0"` for a CUDA build.
 """
 
 from __future__ import annotations
@@ -28,23 +30,27 @@ class Backend:
     name: str  # "cpu" or "vulkan"
     threads: int = 1
     batch: int = 512  # -b and -ub: how many prompt tokens one step computes
+    device: str = "Vulkan0"  # the offload device of a non-cpu backend, as llama-server --list-devices names it
+    # GGML_VK_VISIBLE_DEVICES for a non-cpu backend: "0" lists lavapipe; None leaves the variable unset.
+    vk_visible_devices: str | None = "0"
 
     def argv(self) -> list[str]:
-        device = ["--device", "Vulkan0", "-ngl", "99"] if self.name == "vulkan" else ["--device", "none", "-ngl", "0"]
+        device = ["--device", self.device, "-ngl", "99"] if self.name != "cpu" else ["--device", "none", "-ngl", "0"]
         return [*device, "-t", str(self.threads), "-b", str(self.batch), "-ub", str(self.batch)]
 
     def env(self, binary: BinaryInfo) -> dict[str, str]:
         env = binary.environment()
-        if self.name == "vulkan":
-            env["GGML_VK_VISIBLE_DEVICES"] = "0"
+        if self.name != "cpu" and self.vk_visible_devices is not None:
+            env["GGML_VK_VISIBLE_DEVICES"] = self.vk_visible_devices
         return env
 
 
-def vulkan_listed(binary: BinaryInfo) -> bool:
-    """Whether this llama-server sees a Vulkan device (lavapipe counts) with the variable set."""
-    out = subprocess.run([str(binary.path), "--list-devices"], check=False, env=Backend("vulkan").env(binary),
+def vulkan_listed(binary: BinaryInfo, backend: Backend | None = None) -> bool:
+    """Whether this llama-server lists `backend`'s device (lavapipe's Vulkan0 by default) in its environment."""
+    backend = backend or Backend("vulkan")
+    out = subprocess.run([str(binary.path), "--list-devices"], check=False, env=backend.env(binary),
                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    return "Vulkan0" in out.stdout + out.stderr
+    return backend.device in out.stdout + out.stderr
 
 
 @contextmanager
