@@ -46,7 +46,9 @@ def tracker(
     health_poll_interval: Annotated[Optional[float], typer.Option(help="Seconds between health polls of each node [default: 5]")] = None,
     verifier: Annotated[
         Optional[list[str]],
-        typer.Option(help="MODEL=URL: a verifier node this tracker trusts to audit answers of MODEL (repeatable; none: no audits)"),
+        typer.Option(
+            help="MODEL=URL: a node this tracker trusts to audit answers of MODEL, run with serve --verifier (repeatable; none: no audits)"
+        ),
     ] = None,
     audit_rate: Annotated[float, typer.Option(help="Fraction of settled answers audited (new nodes: 0.25 of their first 50)")] = 0.03,
     log_level: Annotated[str, typer.Option(help="Log level")] = "INFO",
