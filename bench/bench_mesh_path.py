@@ -65,6 +65,7 @@ from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_cre
 from meshnet_gguf.models.tiny_model import write_tiny_model  # noqa: E402
 from meshnet_gguf.reference.node_address import AddressPolicy, pin_node_url  # noqa: E402
 from meshnet_gguf.reference.relay_dialer import RelayTunnel, new_connect_claims  # noqa: E402
+from meshnet_gguf.reference.relay_failover import RelayOrder  # noqa: E402
 
 SERVICE_START_TIMEOUT_S = 30.0
 ROUTABLE_TIMEOUT_S = 120.0
@@ -134,7 +135,7 @@ async def relay_tunnel(minter: RouteMinter, node: dict[str, Any]) -> RelayTunnel
         return encode_token(new_connect_claims(issuer, relay_url, node_id, ROUTE_LIFETIME_S), minter.key)
 
     relay_target = await pin_node_url(relay["url"], AddressPolicy(allow_loopback=True))
-    return RelayTunnel(relay_target, node["node_id"], sign, ssl.create_default_context(), node_tls)
+    return RelayTunnel(RelayOrder([relay_target]), node["node_id"], sign, ssl.create_default_context(), node_tls)
 
 
 def stop_child(proc: subprocess.Popen[bytes], log: BinaryIO) -> None:
