@@ -97,6 +97,9 @@ async def test_a_node_serving_another_model_is_caught_at_registration(tmp_path: 
         assert refused.status_code == 503, refused.text  # never routed a client
         listed = (await http.get(url + "/v1/nodes")).json()[0]
         assert listed["audits"]["failed"] >= 1 and listed["audits"]["last_verdict"]["outcome"] == "failed"
+        metrics = (await http.get(url + "/metrics")).text
+        assert f'meshnet_tracker_audits_total{{outcome="failed"}} {float(listed["audits"]["failed"])}' in metrics
+        assert 'meshnet_tracker_nodes{state="proof_blocked"} 1.0' in metrics
 
 
 async def test_an_honest_node_passes_and_one_that_switches_is_caught_at_its_next_audited_answer(
@@ -122,6 +125,14 @@ async def test_an_honest_node_passes_and_one_that_switches_is_caught_at_its_next
         # for a verdict, say): all as not the model they claimed.
         assert switched.headers["x-meshnet-request-id"] in flagged, flagged
         assert [await tracker.ledger.flag_reason(request_id) for request_id in flagged] == ["model_unproven"] * len(flagged)
+        # The tracker's metrics count what the audits did: every pass, the one failure, each answer drawn.
+        metrics = (await http.get(url + "/metrics")).text
+        assert f'meshnet_tracker_audits_total{{outcome="passed"}} {float(record.passed)}' in metrics
+        assert 'meshnet_tracker_audits_total{outcome="failed"} 1.0' in metrics
+        drawn = next(
+            float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("meshnet_tracker_audit_answers_drawn_total")
+        )
+        assert drawn >= HONEST_RUNS + 1  # at this policy every answer is drawn: the honest ones and the switched one
 
 
 async def test_a_client_steering_the_sampler_cannot_get_an_honest_node_refused(tmp_path: Path, llamas: dict[str, Any]) -> None:

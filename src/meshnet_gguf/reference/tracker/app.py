@@ -33,6 +33,7 @@ from meshnet_gguf.reference.tracker.audits import Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.enrolment import Enrolment
 from meshnet_gguf.reference.tracker.forwarding import INFERENCE_PATHS, ForwardEndpoint
+from meshnet_gguf.reference.tracker.metrics import TrackerMetrics
 from meshnet_gguf.reference.tracker.node_calls import NodeCalls
 from meshnet_gguf.reference.tracker.reach import NodeReach
 from meshnet_gguf.reference.tracker.receipts import Receipts
@@ -74,6 +75,7 @@ class Tracker:
             config, self.registry, self.ledger, self.routes, self.reach, self.poll_soon, self.receipts.flag_mismatch,
             self.auditor,
         )  # fmt: skip
+        self.metrics = TrackerMetrics(self.registry, self.auditor)
         self._poll_wake = anyio.Event()
 
     def close(self) -> None:
@@ -98,6 +100,7 @@ class Tracker:
         routes = [
             Route(WELL_KNOWN_PATH, self._well_known, methods=["GET"]),
             Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self.metrics.endpoint, methods=["GET"]),
             Route("/v1/nodes", self._nodes, methods=["GET"]),
             Route("/v1/nodes/register", enrolment.register, methods=["POST"]),
             Route("/v1/nodes/{node_id}/heartbeat", enrolment.heartbeat, methods=["POST"]),

@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,10 @@ class Auditor:
         self.records: dict[str, NodeAudits] = {}
         self._queue: deque[_Job] = deque()
         self.outstanding = 0  # audits queued or waiting for a retry, not yet decided or dropped
+        # Since this tracker started (its metrics): answers drawn, audits dropped undecided by why, verifier misses.
+        self.drawn = 0
+        self.dropped: Counter[str] = Counter()
+        self.verifier_misses = 0
         self._wake = anyio.Event()
         self._http: httpx.AsyncClient | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -218,7 +222,10 @@ class Auditor:
         if unscoreable(payload) is not None:  # a biased or constrained answer is not the model's own: never judged
             return None
         rate = self.policy.new_node_rate if record.answers <= self.policy.new_node_answers else self.policy.rate
-        return AnswerCapture(stream) if secrets.randbelow(DRAW_SCALE) < rate * DRAW_SCALE else None
+        if secrets.randbelow(DRAW_SCALE) >= rate * DRAW_SCALE:
+            return None
+        self.drawn += 1
+        return AnswerCapture(stream)
 
     def settled(self, entry: NodeEntry, path: str, body: bytes, payload: dict[str, Any], capture: AnswerCapture) -> None:
         """A drawn answer completed: queue its audit (never blocks the forward)."""
@@ -238,6 +245,7 @@ class Auditor:
             dropped = self._queue.popleft()
             self.outstanding -= 1
             self.record(dropped.node_id).pending -= 1
+            self.dropped["queue_full"] += 1
             log.warning("audit queue full: audit %s of %s dropped", dropped.request.audit_id, dropped.node_id)
         self._queue.append(job)
         self.outstanding += 1
@@ -262,6 +270,7 @@ class Auditor:
                         job.no_verdicts += 1
                         if job.no_verdicts >= MAX_NO_VERDICT_ANSWERS:
                             log.info("audit %s of %s dropped: %s", job.request.audit_id, job.node_id, verdict.reason)
+                            self.dropped["no_verdict"] += 1
                             job.verdict = verdict
                             job.done.set()
                             self.outstanding -= 1
@@ -269,6 +278,7 @@ class Auditor:
                             continue
                     if verdict is None or verdict.outcome == "no_verdict":
                         # Not the node's fault: asked again later, the queue goes on meanwhile.
+                        self.verifier_misses += 1
                         tg.start_soon(self._retry_later, job)
                         continue
                     await self._apply(job, verdict)
