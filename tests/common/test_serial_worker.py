@@ -31,6 +31,30 @@ async def test_calls_run_in_order_on_one_thread() -> None:
     worker.stop()
 
 
+async def test_a_call_deferred_to_the_next_turn_starts_only_after_the_caller_yields_and_keeps_its_place() -> None:
+    # The node's route path hands its ledger row over this way, after the request went upstream: the thread must
+    # not take the GIL before the caller's next await, and a call made after it in the same turn must not overtake it.
+    worker = SerialWorker("test")
+    seen: list[str] = []
+    started = threading.Event()
+
+    def note(name: str) -> str:
+        started.set()
+        seen.append(name)
+        return name
+
+    await worker.run(note, "warm")  # the thread exists and waits
+    started.clear()
+    deferred = worker.submit(note, "row", at_next_turn=True)
+    time.sleep(0.05)  # still this turn: the thread has not been handed the call
+    assert not started.is_set() and seen == ["warm"]
+    later = worker.submit(note, "after")  # an immediate call in the same turn hands the deferred one over first
+    assert (await deferred, await later) == ("row", "after") and seen == ["warm", "row", "after"]
+    alone = worker.submit(note, "alone", at_next_turn=True)
+    assert await alone == "alone"  # handed over at the next turn by itself
+    worker.stop()
+
+
 async def test_an_error_reaches_its_caller_and_the_worker_goes_on() -> None:
     worker = SerialWorker("test")
 

@@ -165,14 +165,15 @@ class UsageLedger:
     def open_request_soon(
         self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None
     ) -> asyncio.Future[bool]:
-        """Hand the open row to the writer thread now and return at once: the future is done (True, or
-        False when the id is already there) once the row is synced.
+        """Hand the open row to the writer thread at the loop's next turn (once the caller has sent the request on)
+        and return at once: the future is done (True, or False when the id is already there) once the row is synced.
 
         The request is forwarded meanwhile (protocol §6, rule 1): the row is written beside
         llama-server's prefill rather than before it, and only the answer's first byte waits for
         the future. On the thread, not the loop: a synced write on the loop would hold the forward
         (and every other stream) for the whole sync."""
-        written = self._worker.submit(self.open_request_sync, record, route_expires_at, prompt_body)
+        # At the loop's next turn: the caller forwards the request first, then the row goes to the thread.
+        written = self._worker.submit(self.open_request_sync, record, route_expires_at, prompt_body, at_next_turn=True)
         self._checkpoints.after_call()
         return written
 
