@@ -217,8 +217,10 @@ class Relay:
         saved_at = time.monotonic()
         while True:
             await anyio.sleep(SAVE_INTERVAL_S)
-            admitted.expire()
-            if admitted.dirty or time.monotonic() - saved_at >= refresh_s:
+            refresh = time.monotonic() - saved_at >= refresh_s
+            if refresh:
+                admitted.expire()  # a walk of every remembered node: at the refresh's pace, not every second
+            if admitted.dirty or refresh:
                 admitted.save()
                 saved_at = time.monotonic()
 
