@@ -27,23 +27,11 @@ from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_cre
 from meshnet_gguf.mesh.ledger import LEDGER_FILE, RowState
 from meshnet_gguf.reference.tracker.app import TRACKER_KEY_FILE
 from support.relay_processes import ledger_rows
-from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F401
+from support.tracker_process import TrackerProcess, start_meshed_fake_node, tracker, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.slow]
 CHAT_PATH = "/v1/chat/completions"
-# Slow enough tokens that the answer is still running when a kill lands after the row is durable.
-SLOW_TOKENS = {"FAKE_LLAMA_TOKEN_DELAY_S": "0.5", "FAKE_LLAMA_TOKENS": "8"}
 MESSAGES = [{"role": "user", "content": "hold me"}]
-
-
-def start(start_node, tracker: TrackerProcess, gguf: Path, fake_llama_path: Path, workdir: Path, **env: str):  # type: ignore[no-untyped-def]
-    workdir.mkdir(parents=True, exist_ok=True)
-    node = start_node(
-        "--gguf", str(gguf), "--llama-server", str(fake_llama_path), "--tracker", tracker.url, "--parallel", "2",
-        env={**tracker.enrolment(), "MESHNET_TRACKER_PUBLIC_KEY": tracker.public_key(), **SLOW_TOKENS, **env}, workdir=workdir,
-    )  # fmt: skip
-    node.wait_ready()
-    return node
 
 
 def routed_request(tracker: TrackerProcess, node_url: str, model: str) -> tuple[bytes, dict[str, str]]:
@@ -98,7 +86,7 @@ def test_a_node_killed_before_its_row_is_durable_delivers_and_bills_nothing_and_
     tracker, tiny_gguf, fake_llama_path, start_node, tmp_path
 ) -> None:
     workdir, requests = tmp_path / "node", tmp_path / "forwarded.jsonl"
-    node = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir, FAKE_LLAMA_REQUEST_LOG=str(requests))
+    node = start_meshed_fake_node(start_node, tracker, tiny_gguf, fake_llama_path, workdir, FAKE_LLAMA_REQUEST_LOG=str(requests))
     body, headers = routed_request(tracker, node.url, tiny_gguf.stem)
     holder = hold_ledger(node.state_dir)
     got: list[bytes | str] = []
@@ -116,7 +104,7 @@ def test_a_node_killed_before_its_row_is_durable_delivers_and_bills_nothing_and_
     assert got and isinstance(got[0], str), got  # an error: not one byte, not even a status line
     assert ledger_rows(node.state_dir) == []  # billed nothing
 
-    restarted = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir)
+    restarted = start_meshed_fake_node(start_node, tracker, tiny_gguf, fake_llama_path, workdir)
     first = httpx.post(restarted.url + CHAT_PATH, content=body, headers=headers, timeout=30)
     again = httpx.post(restarted.url + CHAT_PATH, content=body, headers=headers, timeout=30)
     assert first.status_code == 200 and b"[DONE]" in first.content
@@ -130,7 +118,7 @@ def test_a_node_killed_once_its_row_is_durable_bills_it_exactly_once_after_resta
     tracker, tiny_gguf, fake_llama_path, start_node, tmp_path
 ) -> None:
     workdir, requests = tmp_path / "node", tmp_path / "forwarded.jsonl"
-    node = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir, FAKE_LLAMA_REQUEST_LOG=str(requests))
+    node = start_meshed_fake_node(start_node, tracker, tiny_gguf, fake_llama_path, workdir, FAKE_LLAMA_REQUEST_LOG=str(requests))
     body, headers = routed_request(tracker, node.url, tiny_gguf.stem)
     holder = hold_ledger(node.state_dir)
     got: list[bytes | str] = []
@@ -147,7 +135,7 @@ def test_a_node_killed_once_its_row_is_durable_bills_it_exactly_once_after_resta
     [row] = ledger_rows(node.state_dir)
     assert row["state"] == RowState.OPEN and row["has_body"]
 
-    restarted = start(start_node, tracker, tiny_gguf, fake_llama_path, workdir)
+    restarted = start_meshed_fake_node(start_node, tracker, tiny_gguf, fake_llama_path, workdir)
     wait_for(lambda: ledger_rows(restarted.state_dir)[0]["state"] == RowState.SETTLED, "the row settled", restarted.log_path)
     replay = httpx.post(restarted.url + CHAT_PATH, content=body, headers=headers, timeout=30)
     assert (replay.status_code, replay.json()["error"]["code"]) == (403, "route_replayed")

@@ -28,27 +28,11 @@ from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for
 from meshnet_gguf.reference.tracker.app import TRACKER_KEY_FILE
 from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
-from support.node_process import NodeProcess
 from support.relay_processes import ledger_rows
-from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F401
+from support.tracker_process import TrackerProcess, start_meshed_fake_node, tracker, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.slow]
 CHAT_PATH = "/v1/chat/completions"
-# Slow enough tokens that the answer is still running when a kill lands after the row is durable.
-SLOW_TOKENS = {"FAKE_LLAMA_TOKEN_DELAY_S": "0.5", "FAKE_LLAMA_TOKENS": "8"}
-
-
-def start(start_node, tracker: TrackerProcess, gguf: Path, fake_llama_path: Path, workdir: Path, **env: str) -> NodeProcess:  # type: ignore[no-untyped-def]
-    workdir.mkdir(parents=True, exist_ok=True)
-    node = start_node(
-        "--gguf", str(gguf), "--llama-server", str(fake_llama_path), "--tracker", tracker.url, "--parallel", "2",
-        env={**tracker.enrolment(), "MESHNET_TRACKER_PUBLIC_KEY": tracker.public_key(), **SLOW_TOKENS, **env}, workdir=workdir,
-    )  # fmt: skip
-    node.wait_ready()
-    wait_for(lambda: tracker.models() == [gguf.stem], "the node to become routable", node.log_path)
-    return node
-
-
 MESSAGES = [{"role": "user", "content": "hold me"}]
 
 
@@ -125,7 +109,7 @@ def test_a_tracker_killed_before_its_row_is_durable_delivers_and_bills_nothing_a
     tracker, tiny_gguf, fake_llama_path, start_node, tmp_path
 ) -> None:
     requests = tmp_path / "forwarded.jsonl"
-    node = start(start_node, tracker, tiny_gguf, fake_llama_path, tmp_path / "node", FAKE_LLAMA_REQUEST_LOG=str(requests))
+    node = start_meshed_fake_node(start_node, tracker, tiny_gguf, fake_llama_path, tmp_path / "node", FAKE_LLAMA_REQUEST_LOG=str(requests))
     node_id = httpx.get(tracker.url + "/v1/nodes").json()[0]["node_id"]
     body = chat_body(tiny_gguf.stem)
     holder = hold_tracker_ledger(tracker)
@@ -170,7 +154,7 @@ def test_a_tracker_killed_once_its_row_is_durable_bills_the_request_exactly_once
     tracker, tiny_gguf, fake_llama_path, start_node, tmp_path
 ) -> None:
     requests = tmp_path / "forwarded.jsonl"
-    node = start(start_node, tracker, tiny_gguf, fake_llama_path, tmp_path / "node", FAKE_LLAMA_REQUEST_LOG=str(requests))
+    node = start_meshed_fake_node(start_node, tracker, tiny_gguf, fake_llama_path, tmp_path / "node", FAKE_LLAMA_REQUEST_LOG=str(requests))
     body = chat_body(tiny_gguf.stem)
     holder = hold_tracker_ledger(tracker)
     try:

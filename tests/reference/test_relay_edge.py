@@ -198,7 +198,7 @@ from meshnet_gguf.contract.protocol import relay_audience
 from meshnet_gguf.contract.signing import public_key_text
 from meshnet_gguf.reference.node_address import AddressPolicy
 from meshnet_gguf.reference.relay_dialer import TLS_IN_TLS, NodeDialer
-from support.relay_harness import connect_signer, tunnel_announcement
+from support.relay_harness import answer_from, connect_signer, forged_connect, tunnel_announcement
 
 
 async def _connect_answer(relay_url: str, node_id: str, authorization: str | None) -> bytes:
@@ -240,18 +240,6 @@ async def test_connect_without_a_fresh_token_from_a_trusted_tracker_gets_407_and
         assert replayed.startswith(b"HTTP/1.1 407") and b"already used" in replayed
 
 
-async def _answer_from(relay_url: str, request: bytes, source: str) -> bytes:
-    """What the relay says to `request` from `source`: b"" when it closes or resets without a word."""
-    host, port = relay_url.removeprefix("http://").split(":")
-    try:
-        async with await anyio.connect_tcp(host, int(port), local_host=source) as stream:
-            await stream.send(request)
-            with anyio.fail_after(5):
-                return await stream.receive()
-    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-        return b""
-
-
 async def test_a_source_whose_connections_prove_nothing_is_reset_at_accept_and_a_tracker_is_not(tmp_path: Path) -> None:
     tracker = Ed25519PrivateKey.generate()
     config = RelayConfig(port=0, trusted_tracker_keys=(public_key_text(tracker.public_key()),),
@@ -259,8 +247,7 @@ async def test_a_source_whose_connections_prove_nothing_is_reset_at_accept_and_a
     async with mesh(tmp_path, relay_config=config) as m:
         await m.wait_attached(idle=4)
         node_id, url = m.identity.node_id, m.relay_url
-        forged = f"CONNECT {node_id}:443 HTTP/1.1\r\nHost: {node_id}:443\r\nProxy-Authorization: Bearer x.y.z\r\n\r\n".encode()
-        answers = [await _answer_from(url, forged, ATTACKER_ADDRESS) for _ in range(12)]
+        answers = [await answer_from(url, forged_connect(node_id), ATTACKER_ADDRESS) for _ in range(12)]
         assert all(a.startswith(b"HTTP/1.1 407") for a in answers[:8]), answers
         assert answers[8:] == [b""] * 4  # out of tokens: reset before a byte is read, no answer
         assert m.relay.reset_at_accept == 4

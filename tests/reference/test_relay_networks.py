@@ -30,8 +30,10 @@ from meshnet_gguf.reference.relay_networks import FairShare, network_of
 from support.loopback import serve_asgi
 from support.relay_harness import (
     StreamApp,
+    answer_from,
     attach_message,
     connect_signer,
+    forged_connect,
     mesh,
     raw_tunnel,
     read_answer,
@@ -193,19 +195,6 @@ async def test_provisional_tunnels_from_16_addresses_lock_out_neither_a_new_node
                 await stream.aclose()
 
 
-async def _forged_connect_answer(relay_url: str, node_id: str, source: str) -> bytes:
-    """What a stranger at `source` gets for a CONNECT with a forged token: a 407, or b"" when reset at accept."""
-    host, port = relay_url.removeprefix("http://").rsplit(":", 1)
-    forged = f"CONNECT {node_id}:443 HTTP/1.1\r\nHost: {node_id}:443\r\nProxy-Authorization: Bearer x.y.z\r\n\r\n".encode()
-    try:
-        async with await anyio.connect_tcp(host, int(port), local_host=source) as stream:
-            await stream.send(forged)
-            with anyio.fail_after(3):
-                return await stream.receive()
-    except (anyio.BrokenResourceError, anyio.EndOfStream, OSError):
-        return b""
-
-
 async def test_strangers_from_40_networks_share_one_relay_wide_budget_and_neither_a_tracker_nor_an_admitted_node_draws_on_it(
     tmp_path: Path,
 ) -> None:
@@ -218,7 +207,7 @@ async def test_strangers_from_40_networks_share_one_relay_wide_budget_and_neithe
         node_id = m.identity.node_id
         await _tracker_reaches(m, tracker)  # admitted: the node's network is spared from now on
         spent_by_node = config.relay_stranger_connection_burst - int(m.relay.admission.relay_stranger_rate.remaining(ALL_STRANGERS))
-        answers = [await _forged_connect_answer(m.relay_url, node_id, f"127.0.3.{i + 1}") for i in range(40)]
+        answers = [await answer_from(m.relay_url, forged_connect(node_id), f"127.0.3.{i + 1}", timeout_s=3) for i in range(40)]
         let_in = sum(a.startswith(b"HTTP/1.1 407") for a in answers)
         assert let_in == config.relay_stranger_connection_burst - spent_by_node, answers
         assert answers[let_in:] == [b""] * (40 - let_in)  # reset at accept: no task, no parse, no answer
@@ -236,7 +225,7 @@ async def test_strangers_from_40_networks_share_one_relay_wide_budget_and_neithe
         assert m.relay.reset_at_accept == resets_before
         await _tracker_reaches(m, tracker)
         # A stranger from yet another network still finds the budget spent.
-        assert await _forged_connect_answer(m.relay_url, node_id, "127.0.4.1") == b""
+        assert await answer_from(m.relay_url, forged_connect(node_id), "127.0.4.1", timeout_s=3) == b""
 
 
 async def test_a_relay_restart_keeps_the_admission(tmp_path: Path) -> None:

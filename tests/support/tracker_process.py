@@ -99,5 +99,23 @@ def start_meshed_node(start_node, tracker: TrackerProcess, gguf: Path, workdir: 
     return node
 
 
+# The fake llama-server's stream for the durability-window tests: slow enough that a kill lands mid-stream.
+SLOW_FAKE_TOKENS = {"FAKE_LLAMA_TOKEN_DELAY_S": "0.5", "FAKE_LLAMA_TOKENS": "8"}
+
+
+def start_meshed_fake_node(
+    start_node, tracker: TrackerProcess, gguf: Path, fake_llama_path: Path, workdir: Path, **env: str
+) -> NodeProcess:  # type: ignore[no-untyped-def]
+    """A meshed node of `tracker` in front of the fake llama-server (`SLOW_FAKE_TOKENS`), ready and routable."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    node = start_node(
+        "--gguf", str(gguf), "--llama-server", str(fake_llama_path), "--tracker", tracker.url, "--parallel", "2",
+        env={**tracker.enrolment(), "MESHNET_TRACKER_PUBLIC_KEY": tracker.public_key(), **SLOW_FAKE_TOKENS, **env}, workdir=workdir,
+    )  # fmt: skip
+    node.wait_ready()
+    wait_for(lambda: tracker.models() == [gguf.stem], "the node to become routable", node.log_path)
+    return node
+
+
 def sdk(tracker: TrackerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=tracker.url + "/v1", api_key="unused", max_retries=0, timeout=30)
