@@ -123,7 +123,7 @@ def node_ledger(state_dir: Path) -> dict[str, dict[str, Any]]:
     return {
         row["request_id"]: {
             "reported": row["reported_at"] is not None, "settled": row["state"] == RowState.SETTLED,
-            "prompt": row["prompt"], "completion": row["completion"],
+            "prompt": row["prompt"], "completion": row["completion"], "rejected": row["rejected"],
         }
         for row in ledger_rows(state_dir)
     }  # fmt: skip
@@ -135,6 +135,15 @@ LEDGER_COLUMNS = {
     "finish_reason": "finish_reason", "has_receipt": "receipt != ''", "has_body": "prompt_body IS NOT NULL",
     "reported_at": "reported_at", "rejected": "rejected",
 }  # fmt: skip
+
+
+def billed_rows(ledger: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """`node_ledger`'s rows less those the tracker refused as never routed: a tracker killed before its forwarded row
+    was synced delivered nothing of that request and bills it to nobody (protocol §6, rule 5). Any other refusal
+    fails here."""
+    refused = {rid: r["rejected"] for rid, r in ledger.items() if r["rejected"]}
+    assert all("unknown_request" in reason or "never routed" in reason for reason in refused.values()), refused
+    return {rid: r for rid, r in ledger.items() if rid not in refused}
 
 
 def ledger_rows(state_dir: Path) -> list[dict[str, Any]]:
