@@ -191,3 +191,17 @@ def test_a_restarted_node_keeps_no_stale_estimate() -> None:
     assert nodes["a"].speed.trusted
     again, _ = registry.register(announce("a", capability=claim(1_000, 50)), nodes["a"].target)
     assert again is nodes["a"] and again.speed.samples == 0 and not again.speed.trusted
+
+
+def test_a_heartbeat_counts_this_trackers_own_requests_once_and_only_the_rest_as_traffic_from_elsewhere() -> None:
+    registry, nodes = registry_of(announce("a", slots=4), announce("b", slots=4))
+    a = nodes["a"]
+    nodes["b"].routed = 1  # on equal load a wins: what decides below is load alone
+    a.in_flight = 1  # our request to a is running when a's heartbeat is sent: a counts it busy
+    registry.heartbeat("a", "online", NodeLoad(slots_total=4, slots_busy=1))
+    assert a.busy() == 1 and registry.pick(MODEL) is nodes["b"]  # one request, not two
+    a.in_flight = 0  # it ended; the heartbeat that counted it is still the latest
+    assert a.busy() == 0 and registry.pick(MODEL) is a
+    registry.heartbeat("a", "online", NodeLoad(slots_total=4, slots_busy=2))  # two requests from another tracker
+    a.in_flight = 1
+    assert a.busy() == 3 and registry.pick(MODEL) is nodes["b"]

@@ -29,6 +29,7 @@ class NodeEntry:
     health: HealthReport | None = None
     health_misses: int = 0  # polls in a row that got no answer
     in_flight: int = 0  # requests this tracker is relaying to the node right now
+    in_flight_at_heartbeat: int = 0  # what `in_flight` was when the last heartbeat's load came in
     routed: int = 0
     # Its claimed and measured speed, for this registration only: a restarted node starts afresh.
     speed: NodeSpeed = field(default_factory=NodeSpeed)
@@ -40,9 +41,12 @@ class NodeEntry:
         return self.announcement.node_id
 
     def busy(self) -> int:
-        # Our own in-flight count is current; the heartbeat's is up to a period old but sees
-        # traffic from elsewhere. The larger of the two is the better guess.
-        return max(self.in_flight, self.load.slots_busy + self.load.queue_depth)
+        # Our own in-flight count is current; the heartbeat's is up to a period old but sees traffic
+        # from elsewhere. Its count includes what this tracker had in flight then, so only the rest is
+        # added: a heartbeat sent during our own last request must not keep the node looking busy
+        # for a period after that request ended.
+        elsewhere = self.load.slots_busy + self.load.queue_depth - self.in_flight_at_heartbeat
+        return self.in_flight + max(elsewhere, 0)
 
     def busy_fraction(self) -> float:
         return self.busy() / max(self.announcement.slots, 1)
@@ -88,7 +92,7 @@ class NodeRegistry:
         # Updated in place: relays in progress hold this entry and give their in-flight count back to it.
         entry.announcement, entry.target = announcement, target
         entry.state, entry.last_seen = announcement.state, self._clock()
-        entry.load = NodeLoad(slots_total=announcement.slots)
+        entry.load, entry.in_flight_at_heartbeat = NodeLoad(slots_total=announcement.slots), 0
         entry.healthy, entry.health_misses = False, 0  # a new announcement (new URL?) is polled afresh
         # A new registration is a restarted node (maybe on other hardware or settings): nothing measured before holds.
         entry.speed = NodeSpeed(announcement.capability)
@@ -99,6 +103,7 @@ class NodeRegistry:
         if entry is None:
             return None
         entry.state, entry.load, entry.last_seen = state, load, self._clock()
+        entry.in_flight_at_heartbeat = entry.in_flight
         return entry
 
     def remove(self, node_id: str) -> NodeEntry | None:
