@@ -202,6 +202,8 @@ def test_a_heartbeat_counts_this_trackers_own_requests_once_and_only_the_rest_as
     assert a.busy() == 1 and registry.pick(MODEL) is nodes["b"]  # one request, not two
     a.in_flight = 0  # it ended; the heartbeat that counted it is still the latest
     assert a.busy() == 0 and registry.pick(MODEL) is a
+    assert a.slots_busy() == 0  # what the tracker's page shows
     registry.heartbeat("a", "online", NodeLoad(slots_total=4, slots_busy=2))  # two requests from another tracker
     a.in_flight = 1
     assert a.busy() == 3 and registry.pick(MODEL) is nodes["b"]
+    assert a.slots_busy() == 3

@@ -45,8 +45,14 @@ class NodeEntry:
         # from elsewhere. Its count includes what this tracker had in flight then, so only the rest is
         # added: a heartbeat sent during our own last request must not keep the node looking busy
         # for a period after that request ended.
-        elsewhere = self.load.slots_busy + self.load.queue_depth - self.in_flight_at_heartbeat
-        return self.in_flight + max(elsewhere, 0)
+        return self.in_flight + self._from_elsewhere(self.load.slots_busy + self.load.queue_depth)
+
+    def slots_busy(self) -> int:
+        """Slots at work on the node now, as far as the tracker can tell (what its page shows)."""
+        return min(self.in_flight + self._from_elsewhere(self.load.slots_busy), self.announcement.slots)
+
+    def _from_elsewhere(self, reported: int) -> int:
+        return max(reported - self.in_flight_at_heartbeat, 0)
 
     def busy_fraction(self) -> float:
         return self.busy() / max(self.announcement.slots, 1)

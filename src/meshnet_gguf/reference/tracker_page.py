@@ -74,7 +74,7 @@ async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
                 "node_state": health.state if health is not None else None,
                 "healthy": entry.healthy,
                 "slots_total": announcement.slots,
-                "slots_busy": max(entry.in_flight, entry.load.slots_busy),
+                "slots_busy": entry.slots_busy(),
                 "tokens_per_s": entry.load.recent_tokens_per_s,
                 "reached": "relayed" if announcement.relay is not None else "direct",
                 "relay_url": announcement.relay.url if announcement.relay is not None else None,
