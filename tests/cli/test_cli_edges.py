@@ -14,7 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.signing import public_key_text
+from support.relay_harness import forged_connect
 from support.node_process import StartNode
 from support.tracker_process import TrackerProcess, tracker  # noqa: F401
 
@@ -90,6 +94,49 @@ def test_dev_relay_exits_0_on_sigterm_as_the_others_do() -> None:
         if relay.poll() is None:
             relay.kill()
             relay.wait()
+
+
+def _answer(port: int, request: bytes, source: str) -> bytes:
+    """What the relay says to `request` from `source`: b"" when it resets or closes without a word."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=3, source_address=(source, 0)) as sock:
+            sock.sendall(request)
+            return sock.recv(4096)
+    except OSError:
+        return b""
+
+
+def test_dev_relay_stranger_tries_per_s_sets_the_relay_wide_budget_for_strangers(tmp_path: Path) -> None:
+    # 0.5 tries a second: a burst of 4, of which the health probe below takes one (loopback is a stranger here).
+    # Twelve strangers from twelve networks (one try each, well inside their own network's bucket) then find at most
+    # what is left, plus a refill or two; on the default budget (1,024) all twelve would be answered.
+    port = free_local_port()
+    tracker_key = public_key_text(Ed25519PrivateKey.generate().public_key())
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "meshnet_gguf", "dev", "relay", "--port", str(port), "--trust-tracker-key", tracker_key,
+         "--stranger-tries-per-s", "0.5", "--state-dir", str(tmp_path / "relay")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        while _status(f"http://127.0.0.1:{port}/health") != 200:
+            assert time.monotonic() < deadline and relay.poll() is None, relay.stdout.read() if relay.stdout else ""
+            time.sleep(0.1)
+        connect = forged_connect("node-" + "a" * 26)
+        answers = [_answer(port, connect, f"127.0.9.{i + 1}") for i in range(12)]
+        answered = [a for a in answers if a]
+        assert 1 <= len(answered) <= 4, answers
+        assert all(a.startswith(b"HTTP/1.1 407") for a in answered), answered
+    finally:
+        relay.kill()
+        relay.wait()
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=1).status_code
+    except httpx.HTTPError:
+        return None
 
 
 def test_dev_mesh_on_a_taken_port_says_which_and_how_to_move_it(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from meshnet_gguf.contract.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, RELAY_PING_INTERVAL_S
+from meshnet_gguf.reference.relay_config import RELAY_STRANGER_BURST_S, RELAY_STRANGER_CONNECTIONS_PER_S
 
 # Each costs tens of milliseconds to import; none is needed to print help.
 HEAVY_MODULES = ("pydantic", "pydantic_settings", "anyio", "aiohttp", "httpx", "rich", "numpy", "gguf", "meshnet_gguf.common.settings")
@@ -44,4 +45,7 @@ def test_dev_defaults_written_as_literals_are_the_protocol_ones() -> None:
         return " ".join(CliRunner().invoke(app, [*argv, "--help"], terminal_width=200).output.split())
 
     assert f"node heartbeats [default: {DEFAULT_HEARTBEAT_INTERVAL_S}]" in help_text("dev", "tracker")
-    assert f"(at most 20) [default: {RELAY_PING_INTERVAL_S};" in help_text("dev", "relay")
+    relay_help = help_text("dev", "relay")
+    assert f"(at most 20) [default: {RELAY_PING_INTERVAL_S};" in relay_help
+    assert f"a burst of {RELAY_STRANGER_BURST_S:g} s of it" in relay_help
+    assert f"[default: {RELAY_STRANGER_CONNECTIONS_PER_S:g}]" in relay_help

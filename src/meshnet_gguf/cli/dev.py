@@ -149,6 +149,14 @@ def relay(
     ipv4_network_prefix: Annotated[
         int, typer.Option(help="Count IPv4 sources per this prefix: 32 (one address) or 24 (a hosting range); IPv6 counts per /64")
     ] = 32,  # relay_networks.DEFAULT_IPV4_NETWORK_PREFIX; RelayConfig refuses anything but 32 or 24
+    stranger_tries_per_s: Annotated[
+        Optional[float],
+        typer.Option(
+            help="Relay-wide connections a second from networks no trusted tracker or admitted node uses (new nodes and"
+            " floods alike; a burst of 8 s of it); raise it to admit many new nodes at once [default: 128]",
+            min=0.01,
+        ),
+    ] = None,
     state_dir: Annotated[
         Optional[Path], typer.Option(help="Where the relay remembers the nodes trackers admitted [default: <node state dir>/relay]")
     ] = None,
@@ -162,7 +170,7 @@ def relay(
 
     from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
     from meshnet_gguf.reference.relay import Relay
-    from meshnet_gguf.reference.relay_config import RelayConfig
+    from meshnet_gguf.reference.relay_config import RelayConfig, relay_stranger_burst
     from meshnet_gguf.common.settings import default_state_dir
     from meshnet_gguf.common.ports import is_wildcard
     from meshnet_gguf.reference.relay_networks import IPV4_NETWORK_PREFIXES
@@ -185,7 +193,10 @@ def relay(
         typer.echo(f"error: --ipv4-network-prefix must be one of {', '.join(map(str, IPV4_NETWORK_PREFIXES))}", err=True)
         raise typer.Exit(2)
     _configure_logging(log_level)
-    extra = {} if max_idle_work is None else {"max_idle_work": max_idle_work}
+    extra: dict[str, object] = {} if max_idle_work is None else {"max_idle_work": max_idle_work}
+    if stranger_tries_per_s is not None:
+        extra["relay_stranger_connections_per_s"] = stranger_tries_per_s
+        extra["relay_stranger_connection_burst"] = relay_stranger_burst(stranger_tries_per_s)
     config = RelayConfig(
         host=host, port=port, ping_interval_s=ping_interval, ping_timeout_s=ping_interval,
         trusted_tracker_keys=keys, public_url=public_url, **extra,  # type: ignore[arg-type]

@@ -59,7 +59,15 @@ STRANGER_CONNECTION_BURST = DEFAULT_MAX_PENDING_PER_NETWORK
 # flood cannot keep a tracker or an admitted node out; a new node competes with the flood for it, and its retries
 # get in at the rate the budget leaves (128 a second is ~25 new nodes a second when no one floods).
 RELAY_STRANGER_CONNECTIONS_PER_S = 128.0
-RELAY_STRANGER_CONNECTION_BURST = 1024
+# The burst is this many seconds of that rate: a relay restarted with many nodes to admit anew takes the first
+# ones at once. `dev relay --stranger-tries-per-s` sets the rate and keeps this ratio.
+RELAY_STRANGER_BURST_S = 8.0
+RELAY_STRANGER_CONNECTION_BURST = round(RELAY_STRANGER_CONNECTIONS_PER_S * RELAY_STRANGER_BURST_S)
+
+
+def relay_stranger_burst(tries_per_s: float) -> int:
+    """The relay-wide burst that goes with a rate of strangers' tries (`RELAY_STRANGER_BURST_S` of it, at least one)."""
+    return max(1, round(tries_per_s * RELAY_STRANGER_BURST_S))
 
 
 def fair_share(total: int, per_network: int, divisor: int) -> int:
