@@ -34,6 +34,8 @@ pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 # The stand-in builds in seconds; the demo model is assembled once (253 MB) before it loads.
 READY_S = 240.0
 WORKER_START_S = 30.0
+# Asked greedily (temperature 0): llama-server samples at 0.8 by default, and the 270M model then names
+# another city now and then.
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BUILD_ANNOUNCEMENT = "Building a llama-server for this machine from llama.cpp's source on PyPI"
 
@@ -106,7 +108,7 @@ def test_the_first_command_builds_once_then_serves_the_demo_and_the_second_start
     assert (installed / "llama-server").is_file() and (installed / "ggml-rpc-server").is_file()
 
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
-    answer = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=32)
+    answer = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=32, temperature=0)
     assert "Paris" in (answer.choices[0].message.content or "")
     node.signal(signal.SIGTERM)
     assert node.wait_exit() == 0
@@ -117,7 +119,7 @@ def test_the_first_command_builds_once_then_serves_the_demo_and_the_second_start
     assert BUILD_ANNOUNCEMENT not in again.log_text()  # the build is found and the probe's answer remembered
     assert time.monotonic() - started < READY_S / 2
     assert "Paris" in (openai.OpenAI(base_url=again.url + "/v1", api_key="unused").chat.completions.create(
-        model="demo", messages=QUESTION, max_tokens=32).choices[0].message.content or "")  # fmt: skip
+        model="demo", messages=QUESTION, max_tokens=32, temperature=0).choices[0].message.content or "")  # fmt: skip
 
 
 def test_no_build_stops_with_todays_message(not_our_box: dict[str, str], start_node, tiny_gguf: Path) -> None:  # type: ignore[no-untyped-def]
@@ -174,7 +176,9 @@ def test_dev_mesh_demo_builds_in_front_then_answers(not_our_box: dict[str, str],
             "state (keys, ledgers, logs) in"
         )  # before anything started
         base_url = re.search(r"OpenAI base URL: (\S+)", out).group(1)  # type: ignore[union-attr]
-        answer = openai.OpenAI(base_url=base_url, api_key="unused").chat.completions.create(model="demo", messages=QUESTION, max_tokens=32)
+        answer = openai.OpenAI(base_url=base_url, api_key="unused").chat.completions.create(
+            model="demo", messages=QUESTION, max_tokens=32, temperature=0
+        )
         assert "Paris" in (answer.choices[0].message.content or "")
         mesh.send_signal(signal.SIGINT)
         assert mesh.wait(60) == 0, out_path.read_text()
