@@ -81,13 +81,7 @@ def test_dev_relay_exits_0_on_sigterm_as_the_others_do() -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + CLI_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        _wait_relay_up(relay, port)
         relay.send_signal(signal.SIGTERM)
         assert relay.wait(timeout=30) == 0, relay.stdout.read() if relay.stdout else ""
     finally:
@@ -118,10 +112,7 @@ def test_dev_relay_stranger_tries_per_s_sets_the_relay_wide_budget_for_strangers
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + CLI_TIMEOUT_S
-        while _status(f"http://127.0.0.1:{port}/health") != 200:
-            assert time.monotonic() < deadline and relay.poll() is None, relay.stdout.read() if relay.stdout else ""
-            time.sleep(0.1)
+        _wait_relay_up(relay, port)
         connect = forged_connect("node-" + "a" * 26)
         answers = [_answer(port, connect, f"127.0.9.{i + 1}") for i in range(12)]
         answered = [a for a in answers if a]
@@ -132,11 +123,17 @@ def test_dev_relay_stranger_tries_per_s_sets_the_relay_wide_budget_for_strangers
         relay.wait()
 
 
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=1).status_code
-    except httpx.HTTPError:
-        return None
+def _wait_relay_up(relay: subprocess.Popen[str], port: int) -> None:
+    """Until the `dev relay` process answers /health on `port`; fails with its output if it exits or never does."""
+    deadline = time.monotonic() + CLI_TIMEOUT_S
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and relay.poll() is None, relay.stdout.read() if relay.stdout else ""
+        time.sleep(0.1)
 
 
 def test_dev_mesh_on_a_taken_port_says_which_and_how_to_move_it(tmp_path: Path) -> None:

@@ -172,7 +172,6 @@ class UsageLedger:
         llama-server's prefill rather than before it, and only the answer's first byte waits for
         the future. On the thread, not the loop: a synced write on the loop would hold the forward
         (and every other stream) for the whole sync."""
-        # At the loop's next turn: the caller forwards the request first, then the row goes to the thread.
         written = self._worker.submit(self.open_request_sync, record, route_expires_at, prompt_body, at_next_turn=True)
         self._checkpoints.after_call()
         return written

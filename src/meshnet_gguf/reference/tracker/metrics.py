@@ -8,6 +8,7 @@ drawn, audits dropped undecided and verifier misses count since this tracker sta
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,24 +33,29 @@ class _TrackerCollector:
         nodes.add_metric(["unhealthy"], sum(not e.healthy for e in entries))
         nodes.add_metric(["proof_blocked"], sum(e.proof_blocked for e in entries))
         yield nodes
-        records = [] if self._auditor is None else list(self._auditor.records.values())
+        auditor = self._auditor
+        if auditor is None:  # no verifier named: every audit figure is zero
+            records, drawn_n, dropped_n, misses_n, pending_n = [], 0, Counter[str](), 0, 0
+        else:
+            records = list(auditor.records.values())
+            drawn_n, dropped_n, misses_n, pending_n = auditor.drawn, auditor.dropped, auditor.verifier_misses, auditor.outstanding
         audits = CounterMetricFamily("meshnet_tracker_audits", "Audits decided by a verifier, by outcome (kept in the ledger)",
                                      labels=["outcome"])  # fmt: skip
         audits.add_metric(["passed"], sum(r.passed for r in records))
         audits.add_metric(["failed"], sum(r.failed for r in records))
         yield audits
         drawn = CounterMetricFamily("meshnet_tracker_audit_answers_drawn", "Answers drawn for audit since this tracker started")
-        drawn.add_metric([], 0 if self._auditor is None else self._auditor.drawn)
+        drawn.add_metric([], drawn_n)
         yield drawn
         dropped = CounterMetricFamily("meshnet_tracker_audits_dropped", "Audits dropped undecided, by why", labels=["reason"])
         for reason in DROP_REASONS:
-            dropped.add_metric([reason], 0 if self._auditor is None else self._auditor.dropped[reason])
+            dropped.add_metric([reason], dropped_n[reason])
         yield dropped
         misses = CounterMetricFamily("meshnet_tracker_verifier_misses", "Audits a verifier did not judge when asked (asked again later)")
-        misses.add_metric([], 0 if self._auditor is None else self._auditor.verifier_misses)
+        misses.add_metric([], misses_n)
         yield misses
         pending = GaugeMetricFamily("meshnet_tracker_audits_pending", "Audits queued or waiting for a verifier")
-        pending.add_metric([], 0 if self._auditor is None else self._auditor.outstanding)
+        pending.add_metric([], pending_n)
         yield pending
 
 
