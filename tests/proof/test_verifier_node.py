@@ -81,6 +81,13 @@ def _listed(tracker: TrackerProcess) -> dict[str, dict[str, Any]]:
     return {n["node_id"]: n for n in httpx.get(tracker.url + "/v1/nodes", timeout=5).json()}
 
 
+def _audits_settled(mesh: dict[str, Any], node: str) -> bool:
+    """No audit pending at the tracker, and `node` has no slot at work."""
+    metrics = httpx.get(mesh["tracker"].url + "/metrics", timeout=5).text
+    health = httpx.get(mesh[node].url + "/health", timeout=5).json()
+    return "\nmeshnet_tracker_audits_pending 0.0\n" in metrics and health["slots_busy"] == 0
+
+
 def _node_id(node: NodeProcess) -> str:
     return NodeIdentity.load_or_create(node.state_dir).node_id  # the key the running node made
 
@@ -138,7 +145,9 @@ def test_the_verifier_node_answers_only_audits_its_tracker_signed(mesh: dict[str
         refused = httpx.post(url, content=body, headers=headers, timeout=30)
         assert refused.status_code == 401, (what, refused.text)
     assert httpx.get(url, timeout=5).status_code == 405
-    # The tracker's own signature is answered with a verdict (scored by the node's llama-server).
+    # The tracker's own signature is answered with a verdict (scored by the node's llama-server), once the tracker's
+    # own audits (registration probes, answers drawn) leave the node's one slot free: busy, it answers 503, as designed.
+    wait_for(lambda: _audits_settled(mesh, verifier), "the tracker's audits decided and the node's slot free", mesh[verifier].log_path)
     signed = httpx.post(url, content=body, headers={AUDIT_TOKEN_HEADER: _audit(tracker_private, body)}, timeout=120)
     assert signed.status_code == 200, signed.text
     assert AuditVerdict.model_validate_json(signed.content).audit_id == "audit-test"
