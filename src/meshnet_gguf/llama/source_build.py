@@ -9,13 +9,16 @@ GitHub, which a box that reaches only PyPI and Debian cannot fetch. PyPI's
 2. gets that sdist with pip (or takes a tarball / source folder given to it),
 3. configures it with CMake for this CPU (`GGML_NATIVE`; `--portable`: every
    x86-64 CPU variant, chosen at run time), with RPC, with the web UI when npm
-   can build it, and with Vulkan when the headers, glslc and SPIRV-Headers here
-   can compile it (else for the CPU, said in one line; a Vulkan build that
-   fails anyway is built again for the CPU), nothing downloaded at build time,
+   can build it, and with the GPU backend `build_checks.choose_build` picks: CUDA
+   or ROCm for this box's own cards where their compiler is installed, else Vulkan
+   where its headers, glslc and SPIRV-Headers are (older headers patched first:
+   `source_patches`), else the CPU, said in one line; a GPU build chosen that way
+   that fails anyway is built again for the CPU. Nothing is downloaded at build time,
 4. builds only `llama-server` and `ggml-rpc-server`,
-5. installs them and a `build.json` atomically into `binary.built_binary_dir()`,
-   which the binary search order looks in, once the fresh build has run a tiny
-   model here.
+5. installs them and a `build.json` atomically into the backend's folder
+   (`binary.built_binary_dir`: the CUDA and ROCm builds beside the one for this
+   CPU), which the binary search order looks in, once the fresh build has run a
+   tiny model here.
 
 It reports its stages and its tools' lines to a `build_progress.BuildProgress`;
 the whole output is kept in `build.log` beside the install. Measured: see
@@ -37,18 +40,37 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import psutil
 
-from meshnet_gguf.llama.binary import BINARY_NAME, BUILD_INFO_FILE, BinaryInfo, BinaryNotFound, built_binary_dir, probe_binary
-from meshnet_gguf.llama.build_checks import SOURCE_PACKAGE, SOURCE_VERSION, BuildChoices, BuildError, amx_blocked, choose_build
+from meshnet_gguf.llama.binary import (
+    BINARY_NAME,
+    BUILD_INFO_FILE,
+    CUDA_INSTALL,
+    NATIVE_INSTALL,
+    ROCM_INSTALL,
+    BinaryInfo,
+    BinaryNotFound,
+    built_binary_dir,
+    probe_binary,
+)
+from meshnet_gguf.llama.build_checks import (
+    SOURCE_PACKAGE,
+    SOURCE_VERSION,
+    VULKAN_BUILD_PACKAGES,
+    BuildChoices,
+    BuildError,
+    amx_blocked,
+    choose_build,
+)
 from meshnet_gguf.llama.build_progress import BuildProgress, QuietProgress
 from meshnet_gguf.llama.child import die_with_parent, signal_group
 from meshnet_gguf.llama.features import RPC_SERVER_NAME
+from meshnet_gguf.llama.source_patches import PatchError, apply_patch
 
 SOURCE_SUBDIR = "llama.cpp"
 BUILD_TARGETS = (BINARY_NAME, RPC_SERVER_NAME)
@@ -87,6 +109,8 @@ PORTABLE_CMAKE_FLAGS = (
 WEB_UI_CMAKE_FLAG = "-DLLAMA_BUILD_UI=ON"
 NO_AMX_COMPILER_FLAGS = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 FAILURE_TAIL_LINES = 20
+# Which of the node's install folders each backend's build goes to (CPU and Vulkan builds share the CPU's).
+INSTALL_OF_BACKEND = {"cpu": NATIVE_INSTALL, "vulkan": NATIVE_INSTALL, "cuda": CUDA_INSTALL, "rocm": ROCM_INSTALL}
 _VERSION_RE = re.compile(r"^(?P<build>\d+)(?:\.\d+)*$")
 
 
@@ -94,7 +118,7 @@ _VERSION_RE = re.compile(r"^(?P<build>\d+)(?:\.\d+)*$")
 class BuildResult:
     binary: Path
     build: str  # llama.cpp's build, e.g. "b11434"
-    backend: str  # "cpu" or "vulkan"
+    backend: str  # "cpu", "vulkan", "cuda" or "rocm"
     seconds: float
     portable: bool = False
     # What the build decided on its way, one line each (no Vulkan: why; no web UI: why).
@@ -105,7 +129,9 @@ class BuildResult:
         return f"{self.binary} (llama.cpp {self.build}, {kind}, built in {self.seconds:.0f} s)"
 
 
-def cmake_flags(*, vulkan: bool, build_number: int | None, amx: bool = True, web_ui: bool = False, portable: bool = False) -> list[str]:
+def cmake_flags(
+    *, backend_flags: Sequence[str] = (), build_number: int | None, amx: bool = True, web_ui: bool = False, portable: bool = False
+) -> list[str]:
     flags = [*BASE_CMAKE_FLAGS, *(PORTABLE_CMAKE_FLAGS if portable else NATIVE_CMAKE_FLAGS)]
     if not amx and not portable:
         # GCC lets an explicit -mno-* win over -march=native, whatever the order.
@@ -113,8 +139,7 @@ def cmake_flags(*, vulkan: bool, build_number: int | None, amx: bool = True, web
         flags += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     if web_ui:
         flags.append(WEB_UI_CMAKE_FLAG)
-    if vulkan:
-        flags.append("-DGGML_VULKAN=ON")
+    flags += backend_flags
     if build_number is not None:
         # Without git metadata llama.cpp calls itself build 0; the sdist's version knows better.
         flags.append(f"-DLLAMA_BUILD_NUMBER={build_number}")
@@ -125,7 +150,7 @@ def build_llama_server(
     *,
     install_root: Path | None = None,
     source: Path | None = None,
-    vulkan: bool | None = None,
+    backend: str = "auto",
     web_ui: bool | None = None,
     portable: bool = False,
     jobs: int | None = None,
@@ -137,42 +162,50 @@ def build_llama_server(
 ) -> BuildResult:
     """Fetch (unless `source` is given), configure, build and install llama-server for this machine.
 
-    `source`: an sdist tarball, the sdist's folder, or a llama.cpp folder. `vulkan`:
-    None builds Vulkan when it can be built here (and for the CPU when that build
-    fails). `web_ui`: None builds the web UI when npm is there. `portable`: one build for any x86-64 CPU. `work_dir` keeps the build tree
+    `source`: an sdist tarball, the sdist's folder, or a llama.cpp folder. `backend`:
+    `auto` builds the first GPU backend that can be built here (and for the CPU when
+    that build fails), or one named (`cpu`, `vulkan`, `cuda`, `rocm`). `install_root`:
+    by default the backend's folder of the node's installs. `web_ui`: None builds the web UI when npm is there. `portable`: one build for any x86-64 CPU. `work_dir` keeps the build tree
     (a second run then only relinks); by default it is a temporary folder.
     `check_runs` (`run_probe`) runs the fresh binary on a tiny model before it is
     installed: a build that would die is never found. `notes` hears each decision
     the build makes on its way (no Vulkan, no web UI), in one line each.
     """
     progress = QuietProgress() if progress is None else progress
-    choices = choose_build(vulkan=vulkan, portable=portable, web_ui=web_ui)
+    choices = choose_build(backend=backend, portable=portable, web_ui=web_ui)
     for note in choices.notes:
         notes(note)
-    install_root = built_binary_dir() if install_root is None else install_root
+    chosen_root = install_root
+    install_root = built_binary_dir(install=INSTALL_OF_BACKEND[choices.backend]) if chosen_root is None else chosen_root
     install_root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with _stopped_by_sigterm(), _work_dir(work_dir) as work, (install_root / BUILD_LOG_FILE).open("w") as log:
         runner = _StepRunner(progress, log)
         tree, build_number = _source_tree(source, work, runner)
         try:
-            backend = _compile(tree, build_number, work, choices, choices.vulkan, jobs, targets, runner)
+            _compile(tree, build_number, work, choices, jobs, targets, runner)
         except BuildError as exc:
-            if not (choices.vulkan and vulkan is None):
+            if not choices.falls_back_to_cpu:
                 raise
-            notes(f"the Vulkan build failed ({str(exc).splitlines()[0]}); building for the CPU instead")
-            backend = _compile(tree, build_number, work, choices, False, jobs, targets, runner)
+            name = "Vulkan" if choices.vulkan else choices.backend.upper()
+            notes(f"the {name} build failed ({str(exc).splitlines()[0]}); building for the CPU instead")
+            choices = choices.for_cpu()
+            _compile(tree, build_number, work, choices, jobs, targets, runner)
+            if chosen_root is None:
+                install_root = built_binary_dir(install=INSTALL_OF_BACKEND["cpu"])
         build = f"b{build_number}" if build_number is not None else "unknown"
         progress.stage("checking the new binary")
-        outputs = _outputs(work / f"build-{backend}", targets, portable=portable)
+        outputs = _outputs(work / f"build-{choices.backend}", targets, portable=portable)
         progress.stage("installing")
         binary = _install(outputs, install_root, check_runs)
+        if Path(log.name).parent != install_root:  # built again for the CPU: its folder gets the whole story too
+            shutil.copyfile(log.name, install_root / BUILD_LOG_FILE)
     seconds = time.monotonic() - started
     _write_record(install_root, {
-        "build": build, "backend": backend, "portable": portable, "source": f"{SOURCE_PACKAGE} {SOURCE_VERSION}",
-        "built_at": int(time.time()), "build_seconds": round(seconds, 1),
+        "build": build, "backend": choices.backend, "portable": portable, "source": f"{SOURCE_PACKAGE} {SOURCE_VERSION}",
+        "patches": [patch.name for patch in choices.patches], "built_at": int(time.time()), "build_seconds": round(seconds, 1),
     })  # fmt: skip
-    return BuildResult(binary=binary, build=build, backend=backend, seconds=seconds, portable=portable, notes=choices.notes)
+    return BuildResult(binary=binary, build=build, backend=choices.backend, seconds=seconds, portable=portable, notes=choices.notes)
 
 
 def _compile(
@@ -180,24 +213,32 @@ def _compile(
     build_number: int | None,
     work: Path,
     choices: BuildChoices,
-    vulkan: bool,
     jobs: int | None,
     targets: Sequence[str],
     runner: _StepRunner,
-) -> str:
-    backend = "vulkan" if vulkan else "cpu"
-    build_dir = work / f"build-{backend}"
+) -> None:
+    build_dir = work / f"build-{choices.backend}"
     amx = choices.portable or not amx_blocked()
-    flags = cmake_flags(vulkan=vulkan, build_number=build_number, amx=amx, web_ui=choices.web_ui, portable=choices.portable)
+    flags = cmake_flags(
+        backend_flags=choices.backend_flags, build_number=build_number, amx=amx, web_ui=choices.web_ui, portable=choices.portable
+    )
+    for patch in choices.patches:
+        try:
+            applied = apply_patch(tree, patch)
+        except PatchError as exc:
+            raise BuildError(
+                f"patch: {exc}. Fix: newer headers ({' '.join(VULKAN_BUILD_PACKAGES)} from a newer release), or --backend cpu"
+            ) from exc
+        runner.log_line(f"patch {patch.name}: {'applied to' if applied else 'already in'} {patch.file}: {patch.why}")
     runner.progress.stage("configuring")
     if not amx:
         runner.log_line("this CPU lists AMX, but an AMX instruction dies here: building without it")
-    runner.run(["cmake", "-S", str(tree), "-B", str(build_dir), "-G", "Ninja", *flags], "configure", CONFIGURE_TIMEOUT_S)
+    configure = ["cmake", "-S", str(tree), "-B", str(build_dir), "-G", "Ninja", *flags]
+    runner.run(configure, "configure", CONFIGURE_TIMEOUT_S, env=choices.env)
     threads = jobs or os.cpu_count() or 1
     runner.progress.stage("compiling")
     # A portable build's CPU modules come with these targets: ggml depends on every backend module.
-    runner.run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(threads)], "build", BUILD_TIMEOUT_S)
-    return backend
+    runner.run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(threads)], "build", BUILD_TIMEOUT_S, env=choices.env)
 
 
 @contextlib.contextmanager
@@ -248,16 +289,16 @@ class _StepRunner:
         self._log.write(text + "\n")
         self._log.flush()
 
-    def run(self, argv: Sequence[str], step: str, timeout_s: float) -> None:
-        """Run one step; on failure the error carries its last lines and where the whole log is."""
-        self.log_line("$ " + " ".join(argv))
+    def run(self, argv: Sequence[str], step: str, timeout_s: float, env: Mapping[str, str] | None = None) -> None:
+        """Run one step (with `env` added to ours); on failure the error carries its last lines and where the whole log is."""
+        self.log_line("$ " + " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *argv]))
         tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
         try:
             # Its own process group (cmake -> ninja -> compilers), ended whole if we are; and killed by the
             # kernel if this process dies by a signal no handler sees.
             proc = subprocess.Popen(
                 list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                start_new_session=True, preexec_fn=die_with_parent(os.getpid()),
+                env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=die_with_parent(os.getpid()),
             )  # fmt: skip
         except OSError as exc:
             raise BuildError(f"{step}: cannot run {argv[0]}: {exc}") from exc
