@@ -31,7 +31,7 @@ from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
 from meshnet_gguf.llama.upstream import UpstreamClient
 from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.llama.speed_probe import DEFAULT_SPEED_PROBE
-from meshnet_gguf.llama.warmup import CPU_WARMUP, GPU_WARMUP, WarmupPolicy
+from meshnet_gguf.llama.warmup import warmup_for
 from meshnet_gguf.models.gguf_info import GGUFError
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
@@ -107,7 +107,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
     supervisor = Supervisor(
         launch.child,
         SupervisorPolicy.from_settings(
-            settings, _warmup_policy(launch) if settings.warmup else None, DEFAULT_SPEED_PROBE if settings.measure_speed else None
+            settings, warmup_for(launch.cpu_only) if settings.warmup else None, DEFAULT_SPEED_PROBE if settings.measure_speed else None
         ),
         state_dir=settings.state_dir,
         listeners=[operations, *([pool] if pool else [])],
@@ -197,6 +197,7 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
             tracker=settings.tracker,
             chat=chat,
             llama_server=f"{launch.binary.describe()}; {features.describe()}" if features else launch.binary.describe(),
+            llama_server_choice=launch.binary_choice.to_dict() if launch.binary_choice else None,
         ),  # fmt: skip
         access=PageAccess(
             api_key=settings.api_key,
@@ -337,11 +338,6 @@ def _pool_monitor(launch: PreparedLaunch, identity: NodeIdentity) -> PoolMonitor
         workers, read, interval_s=settings.pool_poll_interval_s, timeout_s=settings.pool_status_timeout_s,
         total_bytes=described.total_bytes, plan=described.plan, close_reader=close,
     )  # fmt: skip
-
-
-def _warmup_policy(launch: PreparedLaunch) -> WarmupPolicy:
-    """A GPU builds kernels per shape on first use: warm each size class there; a CPU only pages in."""
-    return GPU_WARMUP if launch.plan is not None and not launch.plan.cpu_only else CPU_WARMUP
 
 
 def node_identity(settings: NodeSettings, *, dry_run: bool = False) -> NodeIdentity | None:

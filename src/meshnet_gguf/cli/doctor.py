@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         Binary, GPUs, memory, disk, clock and port: each problem explained, with its fix.
         """
         from meshnet_gguf.common.settings import NodeSettings
+        from meshnet_gguf.doctor.binary_choice import check_binary_choice
         from meshnet_gguf.doctor.checks import DoctorEnvironment, DoctorReport, run_doctor
         from meshnet_gguf.doctor.relay import check_relay
         from meshnet_gguf.prepare.pipeline import model_size
@@ -67,7 +68,9 @@ def register(app: typer.Typer) -> None:
 
             environment.hardware = lambda binary: probe_configured(binary, fixture)
             typer.echo(f"warning: checking against the recorded machine {fixture}, not this one (MESHNET_HARDWARE_FIXTURE)", err=True)
-        report = DoctorReport(run_doctor(environment).findings + tuple(check_relay(settings, identity)))
+        report = DoctorReport(
+            run_doctor(environment).findings + tuple(check_binary_choice(settings)) + tuple(check_relay(settings, identity))
+        )
         origins = _settings_origins(settings, flags)
         if as_json:
             typer.echo(json.dumps({**report.to_dict(), "settings": origins.as_json()}, indent=2))

@@ -68,15 +68,22 @@ def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSet
     return NodeSettings(**given)
 
 
-def with_the_built_llama_server(settings: NodeSettings) -> NodeSettings:
-    """The settings with `llama_server` pinned to the build made for this machine, when that is what the node
-    would run: a service's user and environment differ from the operator's, and would otherwise fall back to
-    the bundled build that this CPU cannot run."""
+def with_the_chosen_llama_server(settings: NodeSettings, *, measure: bool = True) -> NodeSettings:
+    """The settings with `llama_server` pinned to the llama-server the node would choose for its model.
+
+    Where several installed ones run the model, the fastest by measurement (`prepare/binary_choice`): measured
+    here once if no start has measured them yet (`measure`, the model on disk), so the service neither measures
+    at boot nor switches binaries silently. Else the build made for this machine, when that is what the node would
+    run: a service's user and environment differ from the operator's, and would otherwise fall back to the bundled
+    build that this CPU cannot run."""
     from meshnet_gguf.llama.binary import BUILT_SOURCE, BinaryNotFound
     from meshnet_gguf.llama.runnable import BinaryCannotRun, runnable_llama_server
 
     if settings.llama_server is not None:
         return settings
+    measured = _measured_choice(settings, measure=measure)
+    if measured is not None:
+        return settings.model_copy(update={"llama_server": measured})
     try:
         runnable = runnable_llama_server(None, dry_run=True)
     except (BinaryNotFound, BinaryCannotRun):
@@ -84,6 +91,19 @@ def with_the_built_llama_server(settings: NodeSettings) -> NodeSettings:
     if runnable.build_needed or runnable.binary.source != BUILT_SOURCE:
         return settings
     return settings.model_copy(update={"llama_server": runnable.binary.path})
+
+
+def _measured_choice(settings: NodeSettings, *, measure: bool) -> Path | None:
+    """The fastest installed llama-server for the settings' model, by measurement; None when none was measured."""
+    from meshnet_gguf.prepare.pipeline import NodeSetupError, prepare_launch
+
+    if settings.gguf is None and not settings.demo:
+        return None
+    try:
+        choice = prepare_launch(settings, dry_run=True, measure=measure).binary_choice
+    except NodeSetupError:
+        return None
+    return choice.chosen.path if choice is not None and choice.by_measurement else None
 
 
 def _check_worker_args(ctx: typer.Context, args: Sequence[str]) -> None:
@@ -134,7 +154,7 @@ def register(app: typer.Typer) -> None:
                 _check_worker_args(ctx, ctx.args)
                 plan = plan_worker_install(ctx.args, user_mode=user, start=start)
             else:
-                settings = with_the_built_llama_server(settings_from_serve_args(ctx, ctx.args))
+                settings = with_the_chosen_llama_server(settings_from_serve_args(ctx, ctx.args), measure=not dry_run)
                 plan = plan_install(settings, user_mode=user, start=start)
         except ServeArgsError as exc:
             typer.echo(f"error: {exc}", err=True)

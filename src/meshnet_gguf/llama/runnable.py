@@ -129,6 +129,20 @@ def runnable_llama_server(
     return _build_for_this_machine(why, types, build_source, say, progress_stream, env)
 
 
+def every_runnable_installed(
+    weight_types: Iterable[str] = DEFAULT_PROBE_TYPES, *, env: Mapping[str, str] | None = None
+) -> list[RunnableBinary]:
+    """Every installed llama-server that runs a model with these weight types here, in search order (the first
+    is the one `runnable_llama_server` picks): the candidates a node measures to choose the fastest."""
+    types = tuple(weight_types)
+    found = []
+    for binary in installed_llama_servers(env):
+        probe = probe_run(binary, types)
+        if probe.runs:
+            found.append(_chosen(binary, probe))
+    return found
+
+
 def _chosen(binary: BinaryInfo, probe: RunProbe, notes: tuple[str, ...] = ()) -> RunnableBinary:
     return RunnableBinary(binary, probe, binary_features(binary, probe.web_ui), notes=notes)
 

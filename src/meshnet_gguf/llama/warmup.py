@@ -43,6 +43,11 @@ GPU_WARMUP = WarmupPolicy(prompt_words=(600, 150, 40, 12, 2), max_tokens=8)
 CPU_WARMUP = WarmupPolicy()
 
 
+def warmup_for(cpu_only: bool) -> WarmupPolicy:
+    """A GPU builds kernels per shape on first use: warm each size class there; a CPU only pages in."""
+    return CPU_WARMUP if cpu_only else GPU_WARMUP
+
+
 async def warm_up(
     proc: asyncio.subprocess.Process,
     http: UpstreamClient,

@@ -37,6 +37,7 @@ from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.features import BinaryFeatures, missing_rpc
 from meshnet_gguf.llama.run_probe import model_weight_types
 from meshnet_gguf.llama.runnable import BinaryCannotRun, RunnableBinary, quant_weight_types, runnable_llama_server
+from meshnet_gguf.llama.speed_choice import BinaryChoice
 from meshnet_gguf.models.catalog import load_catalog, model_aliases
 from meshnet_gguf.models.download import DownloadError, HubAccess, default_free_bytes
 from meshnet_gguf.models.gguf_info import GGUFError, read_gguf_info
@@ -117,6 +118,21 @@ class PreparedLaunch:
     pool_shares: tuple[PoolShare, ...] = ()
     # A dry run without --force: what serving would refuse this plan for (it is shown all the same).
     refusal: str | None = None
+    # Which installed llama-server serves and why: the fastest measured, or why nothing was measured (step 8).
+    binary_choice: BinaryChoice | None = None
+    # Steps 4 and 5's answers, so step 8 plans the other llama-servers for the very same model files.
+    quant_choice: QuantChoice | None = field(default=None, repr=False)
+    model_on_disk: ModelOnDisk | None = field(default=None, repr=False)
+
+    @property
+    def cpu_only(self) -> bool:
+        """Whether llama-server runs on the CPU alone (no plan: as good as)."""
+        return self.plan is None or self.plan.cpu_only
+
+    @property
+    def model_files(self) -> tuple[Path, ...]:
+        """The model's files on disk (every shard), or where shard 1 will be."""
+        return tuple(self.resolved.shards) if self.resolved is not None else (self.model_path,)
 
     def describe(self) -> str:
         lines = []
@@ -129,6 +145,8 @@ class PreparedLaunch:
         ]
         if self.features is not None:
             lines.append(f"features:  {self.features.describe()}")
+        if self.binary_choice is not None:
+            lines.append("chosen:    " + "\n           ".join(self.binary_choice.lines()))
         lines += [f"note:      {note}" for note in self.notes]
         if self.advice is not None:
             lines.append("quants:    " + self.advice.describe().replace("\n", "\n           "))
@@ -183,9 +201,12 @@ class NotDownloadedYet(NodeSetupError):
 # --------------------------------------------------------------------------- the pipeline
 
 
-def prepare_launch(settings: NodeSettings, *, dry_run: bool = False, pool_token: Callable[[], str] | None = None) -> PreparedLaunch:
+def prepare_launch(
+    settings: NodeSettings, *, dry_run: bool = False, pool_token: Callable[[], str] | None = None, measure: bool | None = None
+) -> PreparedLaunch:
     """Run the pipeline for `serve`. A dry run downloads nothing, and logs nothing it then prints.
-    `pool_token` gives a status token signed by the node's key, for the pool workers' check."""
+    `pool_token` gives a status token signed by the node's key, for the pool workers' check.
+    `measure` (serving's default; a dry run's is off) lets step 8 run the installed llama-servers it has no figures for."""
     request = read_request(settings)
     runnable = runnable_binary(settings, request.source, dry_run=dry_run)
     binary = runnable.binary
@@ -203,9 +224,25 @@ def prepare_launch(settings: NodeSettings, *, dry_run: bool = False, pool_token:
         launch.notes = [note for note in launch.notes if not note.startswith(FORCE_NOTE_PREFIX)]
         launch.refusal = exc.headline
     launch.notes[:0] = runnable.notes
+    launch = choose_binary(launch, request, settings, runnable, measure=not dry_run if measure is None else measure)
     if not dry_run:
         _log_launch(launch)
     return launch
+
+
+def choose_binary(
+    launch: PreparedLaunch, request: LaunchRequest, settings: NodeSettings, runnable: RunnableBinary, *, measure: bool
+) -> PreparedLaunch:
+    """Step 8: where several installed llama-servers run the model, the launch with the fastest here
+    (`prepare/binary_choice`); else `launch` as it is, saying why nothing was measured."""
+    from meshnet_gguf.prepare.binary_choice import fastest_launch
+
+    return fastest_launch(
+        launch, settings, runnable,
+        plan_for=lambda other, hardware: launch_for(request, settings, other.binary, hardware, features=other.features,
+                                                    choice=launch.quant_choice, model=launch.model_on_disk),
+        hardware_for=lambda binary: probe(binary, settings.hardware_fixture), measure=measure,
+    )  # fmt: skip
 
 
 def runnable_binary(settings: NodeSettings, source: ModelSource, *, dry_run: bool) -> RunnableBinary:
@@ -288,6 +325,23 @@ def prepare_with(
         may_write=not dry_run,
     )  # fmt: skip
     model = get_model(choice, settings.download_dir, access, hardware, may_write=not dry_run)
+    return launch_for(request, settings, binary, hardware, choice=choice, model=model, pool=pool, features=features)
+
+
+def launch_for(
+    request: LaunchRequest,
+    settings: NodeSettings,
+    binary: BinaryInfo,
+    hardware: HardwareReport,
+    *,
+    choice: QuantChoice | None,
+    model: ModelOnDisk | None,
+    pool: Sequence[PoolMember] = (),
+    features: BinaryFeatures | None = None,
+) -> PreparedLaunch:
+    """Steps 7 and on: the plan and the command for a model already chosen and found (steps 4 and 5's answers)."""
+    assert choice is not None and model is not None, "planned after the model was chosen and found"
+    force = settings.force
     plan = checked_plan(model, hardware, request.operator, binary, force=force or bool(pool))
     shares: tuple[PoolShare, ...] = ()
     if pool:
@@ -329,6 +383,8 @@ def prepare_with(
         ),  # fmt: skip
         pool=tuple(pool),
         pool_shares=shares,
+        quant_choice=choice,
+        model_on_disk=model,
     )
 
 
@@ -513,6 +569,8 @@ def _facts_of(resolved: ResolvedModel) -> ModelFacts:
 def _log_launch(launch: PreparedLaunch) -> None:
     """What a serving node says at start (a dry run prints `describe()` instead)."""
     log.info("llama-server: %s", launch.binary.describe())
+    if launch.binary_choice is not None:
+        log.info("llama-server chosen: %s", launch.binary_choice.describe())
     hardware = launch.hardware
     if hardware is not None:
         log.info("hardware: %s", hardware.summary())

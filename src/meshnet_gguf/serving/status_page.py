@@ -92,12 +92,15 @@ class StatusSource:
     tracker: str | None = None
     chat: bool = False  # whether /chat/ is served here
     llama_server: str = ""  # the binary, its build and what it can do (web UI, RPC, Vulkan)
+    # Which installed llama-server serves and why, with each one's measured figures (`BinaryChoice.to_dict`).
+    llama_server_choice: dict[str, Any] | None = None
 
     def document(self) -> dict[str, Any]:
         return {
             "health": self.health().model_dump(mode="json"),
             "plan": self.plan,
             "llama_server": self.llama_server,
+            "llama_server_choice": self.llama_server_choice,
             "tracker": self.tracker,
             "recent_requests": self.recent.latest_first(),
             "chat": self.chat,

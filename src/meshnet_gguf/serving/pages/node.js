@@ -31,6 +31,19 @@ function capabilityText(c) {
   return `prefill ${rates(c.prefill_tokens_per_s, 0)} tok/s · decode ${rates(c.decode_tokens_per_s, 1)} tok/s (@ prompt tokens)`;
 }
 
+// Which installed llama-server serves, why, and each one's figures (llama/speed_choice.BinaryChoice.to_dict).
+function choiceText(choice) {
+  if (!choice) return "–";
+  const each = (choice.candidates || []).map((c) => {
+    const mark = c.path === choice.chosen ? "chosen" : "other";
+    const figures = c.expected_request_s === null
+      ? `not measured: ${c.not_measured}`
+      : `a typical request ${c.expected_request_s.toFixed(2)} s (${capabilityText(c.capability)})`;
+    return `${mark}: ${c.path} — ${figures}`;
+  });
+  return [choice.how, ...each].join(" · ");
+}
+
 function render(doc) {
   const h = doc.health;
   $("login").hidden = true;
@@ -55,6 +68,7 @@ function render(doc) {
   }
   set("plan", doc.plan || "–");
   set("llama-server", doc.llama_server || "–");
+  set("llama-server-choice", choiceText(doc.llama_server_choice));
   set("quant", h.quant || "–");
   set("slots", `${h.slots_busy} / ${h.slots_total}`);
   set("speed", h.recent_tokens_per_s ? `${h.recent_tokens_per_s.toFixed(1)} tokens/s (last minute)` : "no requests in the last minute");
