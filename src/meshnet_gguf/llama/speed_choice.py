@@ -79,7 +79,7 @@ def expected_request_s(capability: NodeCapability | None) -> float | None:
 
 
 @dataclass(frozen=True)
-class Candidate:
+class BinaryCandidate:
     """One installed llama-server that runs the model, with its launch for it here (`child`) and its cache key;
     `child` None: it could not be planned (`unplanned` says why)."""
 
@@ -285,7 +285,7 @@ async def measure_launch(child: ChildSpec, policy: SupervisorPolicy, timeout_s: 
 
 
 def choose_fastest(
-    candidates: Sequence[Candidate],
+    candidates: Sequence[BinaryCandidate],
     *,
     measure: bool,
     cache: SpeedCache | None = None,
@@ -311,7 +311,7 @@ def choose_fastest(
     return fallback, BinaryChoice(candidates[fallback].binary, how, tuple(found))
 
 
-def _figures_of(candidate: Candidate, cache: SpeedCache, *, measure: bool, timeout_s: float) -> Measured:
+def _figures_of(candidate: BinaryCandidate, cache: SpeedCache, *, measure: bool, timeout_s: float) -> Measured:
     binary = candidate.binary
     if candidate.child is None or candidate.policy is None:
         return Measured(binary, why_not=candidate.unplanned or "it could not be planned")
@@ -340,8 +340,8 @@ __all__ = [
     "NOT_MEASURED_YET",
     "TYPICAL_ANSWER_TOKENS",
     "TYPICAL_PROMPT_TOKENS",
+    "BinaryCandidate",
     "BinaryChoice",
-    "Candidate",
     "MeasureFailed",
     "Measured",
     "SpeedCache",

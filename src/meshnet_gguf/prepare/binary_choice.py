@@ -22,7 +22,7 @@ from meshnet_gguf.hardware.report import HardwareReport
 from meshnet_gguf.llama.binary import BINARY_ENV_VAR, BinaryInfo, chosen_by_operator
 from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.runnable import RunnableBinary, every_runnable_installed
-from meshnet_gguf.llama.speed_choice import BinaryChoice, Candidate, Measured, choose_fastest, speed_key, unmeasured
+from meshnet_gguf.llama.speed_choice import BinaryCandidate, BinaryChoice, Measured, choose_fastest, speed_key, unmeasured
 from meshnet_gguf.llama.speed_probe import DEFAULT_SPEED_PROBE
 from meshnet_gguf.llama.supervisor import SupervisorPolicy
 from meshnet_gguf.llama.warmup import warmup_for
@@ -46,6 +46,8 @@ class _Planned(Protocol):
 
 
 PreparedLaunch = TypeVar("PreparedLaunch", bound=_Planned)
+# Settings read $MESHNET_LLAMA_SERVER into `llama_server` as they read --llama-server: one is as good as the other.
+OPERATORS_CHOICE = f"the operator's choice (--llama-server or ${BINARY_ENV_VAR}): nothing measured"
 ONLY_ONE = "the only installed llama-server that runs this model: nothing to measure"
 MEASURING_OFF = "not measured: measure_speed is off (MESHNET_MEASURE_SPEED)"
 NOT_PLANNED = "not measured: no plan with it here"
@@ -98,8 +100,7 @@ def fastest_launch(
 
 def _nothing_to_measure(settings: NodeSettings, runnable: RunnableBinary) -> str | None:
     if chosen_by_operator(settings.llama_server):
-        given = "--llama-server" if settings.llama_server is not None else f"${BINARY_ENV_VAR}"
-        return f"the operator's choice ({given}): nothing measured"
+        return OPERATORS_CHOICE
     if runnable.build_needed:
         return "serving builds one for this machine first: nothing measured"
     if settings.pool_workers:
@@ -113,7 +114,7 @@ def _candidate(
     binary: BinaryInfo,
     hardware: HardwareReport | None,
     unplanned: str | None = None,
-) -> Candidate:
+) -> BinaryCandidate:
     """One candidate: its launch for the model (as the supervisor runs it, with the speed probe on) and its cache key."""
     devices: list[str] = []
     if hardware is not None:
@@ -124,9 +125,9 @@ def _candidate(
         "llama_args": list(settings.llama_args), "warmup": settings.warmup,
     }  # fmt: skip
     if launch is None:
-        return Candidate(binary, None, speed_key(binary, (), devices, options), unplanned=unplanned)
+        return BinaryCandidate(binary, None, speed_key(binary, (), devices, options), unplanned=unplanned)
     policy = SupervisorPolicy.from_settings(settings, warmup_for(launch.cpu_only) if settings.warmup else None, DEFAULT_SPEED_PROBE)
-    return Candidate(binary, launch.child, speed_key(binary, launch.model_files, devices, options), policy)
+    return BinaryCandidate(binary, launch.child, speed_key(binary, launch.model_files, devices, options), policy)
 
 
-__all__ = ["MEASURING_OFF", "ONLY_ONE", "fastest_launch"]
+__all__ = ["MEASURING_OFF", "ONLY_ONE", "OPERATORS_CHOICE", "fastest_launch"]
