@@ -23,7 +23,7 @@ from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
 from meshnet_gguf.hardware.report import HardwareReport
 from meshnet_gguf.llama.run_probe import RunProbe
 from meshnet_gguf.llama.build_checks import missing_tools
-from meshnet_gguf.llama.binary import BinaryNotFound
+from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound
 from meshnet_gguf.models.tiny_model import write_tiny_model
 from meshnet_gguf.doctor.checks import (
     DoctorEnvironment,
@@ -34,7 +34,8 @@ from meshnet_gguf.doctor.checks import (
     run_doctor,
 )
 from meshnet_gguf.prepare.pipeline import ModelSize, model_size
-from support.hardware_fixtures import FIXTURES, fixture_binary, load_box
+from meshnet_gguf.hardware.unused import BUILD_CUDA, BUILD_VULKAN, GLVND_PACKAGES
+from support.hardware_fixtures import FIXTURES, fixture_binary, load_box, recorded_build
 
 GB = 1000**3
 
@@ -46,6 +47,7 @@ def _environment(
     size: ModelSize | None = None,
     free: int = 500 * GB,
     access: Callable[[Path, int], bool] = lambda path, mode: True,
+    binary: BinaryInfo | None = None,
     **settings: object,
 ) -> DoctorEnvironment:
     values: dict[str, object] = {"gguf": "some/model:Q4_K_M", "port": free_local_port()}
@@ -53,7 +55,7 @@ def _environment(
     return DoctorEnvironment(
         NodeSettings(**values),  # type: ignore[arg-type]
         root=root,
-        find_binary=lambda s: fixture_binary(),
+        find_binary=lambda s: binary or fixture_binary(),
         run_probe=lambda binary: RunProbe(runs=True, web_ui=True, types=("F16", "F32", "Q8_0")),
         hardware=lambda binary: report,
         model_size=lambda binary, hardware: size,
@@ -76,40 +78,54 @@ def _copy_root(box: str, tmp_path: Path) -> Path:
 
 
 def test_names_the_missing_libglvnd_case_and_prints_the_fix(tmp_path: Path) -> None:
-    """nvidia-smi sees the GPU, llama-server lists `(none)`, and libGLX is absent (FACTS.md)."""
+    """nvidia-smi sees the GPU, a Vulkan llama-server lists `(none)`, and libGLX is absent (FACTS.md)."""
     box = "nvidia-rtx4090"
-    report = load_box(box, list_devices="llama-server-no-vulkan.txt")
-    doctor = run_doctor(_environment(report, root=FIXTURES / box / "root"))
+    binary = recorded_build(tmp_path, "vulkan")
+    report = load_box(box, list_devices="llama-server-no-vulkan.txt", binary=binary)
+    doctor = run_doctor(_environment(report, root=FIXTURES / box / "root", binary=binary))
     nvidia = [f for f in _only(doctor, "gpu") if "RTX 4090" in f.summary]
     assert len(nvidia) == 1
     finding = nvidia[0]
     assert finding.status == "warn"
-    assert "nvidia-smi sees" in finding.summary and "no device" in finding.summary
-    assert "libglvnd" in finding.explanation and "libGLX.so.0" in finding.explanation
-    assert "apt install libglvnd0 libglx0 libegl1" in finding.fix
+    assert "Vulkan lists no device for it" in finding.summary
+    assert "libglvnd" in finding.summary and "libGLX.so.0" in finding.summary
+    assert f"apt install {GLVND_PACKAGES}" in finding.fix and BUILD_CUDA in finding.fix
     text = doctor.format_text()
     assert "fix: install the GL vendor libraries: apt install libglvnd0" in text
     assert not doctor.blocking  # it serves, on the CPU: a warning, not a stop
 
 
-def test_nvidia_with_libglvnd_but_no_icd_points_at_the_icd(tmp_path: Path) -> None:
-    root = _copy_root("nvidia-rtx4090", tmp_path)
-    libs = root / "usr/lib/x86_64-linux-gnu"
-    libs.mkdir(parents=True)
-    for name in ("libGLdispatch.so.0", "libGLX.so.0"):
-        (libs / name).write_bytes(b"")
-    (root / "usr/share/vulkan/icd.d/nvidia_icd.json").unlink()
-    report = load_box("nvidia-rtx4090", list_devices="llama-server-no-vulkan.txt")
-    report = HardwareReport(**{**report.__dict__, "vulkan_icds": ("radeon_icd.x86_64.json",)})
-    finding = next(f for f in _only(run_doctor(_environment(report, root=root)), "gpu") if "RTX 4090" in f.summary)
-    assert "nvidia_icd.json" in finding.explanation
-    assert "libglvnd" not in finding.explanation
-
-
-def test_working_gpu_is_ok() -> None:
+def test_an_nvidia_card_beside_a_cpu_build_is_named_with_the_cuda_build(tmp_path: Path) -> None:
     box = "nvidia-rtx4090"
-    doctor = run_doctor(_environment(load_box(box), root=FIXTURES / box / "root"))
-    assert any(f.status == "ok" and "Vulkan0" in f.summary for f in _only(doctor, "gpu"))
+    binary = recorded_build(tmp_path, "cpu")
+    report = load_box(box, list_devices="llama-server-no-vulkan.txt", binary=binary)
+    doctor = run_doctor(_environment(report, root=FIXTURES / box / "root", binary=binary))
+    [finding] = [f for f in _only(doctor, "gpu") if f.status == "warn"]
+    assert finding.summary.startswith("NVIDIA GeForce RTX 4090: this llama-server has no CUDA and no Vulkan")
+    assert finding.fix.startswith(f"{BUILD_CUDA} (needs the CUDA toolkit's nvcc")
+    assert "\n" not in finding.summary and "\n" not in finding.fix
+
+
+def test_debian_12_with_mesa_and_a_cpu_build_names_the_drivers_and_llvmpipe(tmp_path: Path) -> None:
+    box = "debian12-zen4-mesa"
+    binary = recorded_build(tmp_path, "cpu")
+    doctor = run_doctor(_environment(load_box(box, binary=binary), root=FIXTURES / box / "root", binary=binary))
+    gpu = _only(doctor, "gpu")
+    assert gpu[0] == Finding("gpu", "ok", "no GPU in this machine: models run on the CPU")
+    drivers = [f for f in gpu if f.status == "warn"]
+    assert [f.summary.split(" (")[0] for f in drivers] == ["radeon_icd.x86_64.json", "intel_hasvk_icd.x86_64.json, intel_icd.x86_64.json"]
+    assert all(f.fix.startswith(BUILD_VULKAN) for f in drivers)
+    [lvp] = [f for f in gpu if "llvmpipe" in f.summary]
+    assert lvp.status == "ok" and "software rasterizer, no faster than the CPU" in lvp.summary and lvp.fix == ""
+
+
+def test_working_gpu_is_ok(tmp_path: Path) -> None:
+    box = "nvidia-rtx4090"
+    binary = recorded_build(tmp_path, "vulkan")
+    doctor = run_doctor(_environment(load_box(box, binary=binary), root=FIXTURES / box / "root", binary=binary))
+    gpu = _only(doctor, "gpu")
+    assert any(f.status == "ok" and "Vulkan0" in f.summary for f in gpu)
+    assert all(f.status == "ok" and "is used by llama-server" in f.summary for f in gpu)  # nothing unused to name
 
 
 def test_amd_box_without_render_node_access(tmp_path: Path) -> None:

@@ -84,14 +84,14 @@ def test_discrete_nvidia_is_preferred_over_the_desktop_igpu() -> None:
     assert report.primary_gpu() is nvidia
 
 
-def test_nvidia_seen_by_nvidia_smi_but_not_by_llama_server_is_diagnosed() -> None:
+def test_nvidia_seen_by_nvidia_smi_but_not_by_llama_server_is_no_gpu_to_plan_for() -> None:
+    """Why it is unused and what would use it is `hardware.unused`'s line (tests/hardware/test_unused_gpus.py)."""
     report = load_box("nvidia-rtx4090", list_devices="llama-server-no-vulkan.txt")
 
     assert report.llama_devices == ()
     assert report.primary_gpu() is None
     assert report.capacity().gpu_bytes == 0
-    nvidia_note = next(n for n in report.notes if "nvidia-smi sees NVIDIA GeForce RTX 4090" in n)
-    assert "libglvnd0" in nvidia_note and "CPU" in nvidia_note
+    assert [g.name for g in report.gpus if g.vendor == "nvidia"] == ["NVIDIA GeForce RTX 4090"]
 
 
 def test_cpu_box_ignores_the_bmc_console_and_says_cpu_only() -> None:

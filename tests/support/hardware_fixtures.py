@@ -7,6 +7,7 @@ Each box holds `root/` (the sysfs and proc files the probes read) and
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from meshnet_gguf.hardware.report import HardwareReport, probe_hardware
 from meshnet_gguf.hardware.sources import RecordedCommands
-from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.llama.binary import BUILD_INFO_FILE, BinaryInfo
 from meshnet_gguf.models.catalog import load_catalog
 from meshnet_gguf.prepare.memory import ModelFacts
 from meshnet_gguf.prepare.plan import OperatorChoices
@@ -39,6 +40,15 @@ def write_recorded_llama(directory: Path) -> Path:
     )
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
+
+
+def recorded_build(directory: Path, backend: str) -> BinaryInfo:
+    """The recorded llama-server in `directory` with the build record `build-llama-server` writes beside its builds
+    (`build.json`, its "backend": cpu, vulkan, cuda or rocm): what the binary was built to drive."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = write_recorded_llama(directory)
+    (directory / BUILD_INFO_FILE).write_text(json.dumps({"build": "b11434", "backend": backend}))
+    return BinaryInfo(path=path, source="fixture", version="fixture", build="b11434", help_text=RECORDED_HELP.read_text())
 
 
 def require_software_vulkan() -> None:

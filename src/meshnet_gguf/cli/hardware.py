@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,10 +18,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show CPU, RAM, GPUs and the GPU memory budget.
 
-        Also the devices llama-server lists, and where the honest GPU memory budget comes from.
+        Also the devices llama-server lists, where the honest GPU memory budget comes from, and each GPU or Vulkan
+        driver this llama-server cannot use, with what would use it.
         """
         from meshnet_gguf.common.settings import NodeSettings
         from meshnet_gguf.hardware.report import format_table, probe_configured
+        from meshnet_gguf.hardware.unused import find_unused, format_unused
         from meshnet_gguf.llama.binary import BinaryNotFound, find_llama_server
 
         try:
@@ -38,7 +41,12 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from exc
         if fixture is not None:
             typer.echo(f"warning: showing the recorded machine {fixture}, not this one (MESHNET_HARDWARE_FIXTURE)", err=True)
+        # A recorded machine's files (its ICDs, libraries, /dev/kfd) stand in for this one's here too.
+        unused = find_unused(report, binary, fixture / "root" if fixture is not None else Path("/"))
         if as_json:
-            typer.echo(json.dumps(report.to_dict(), indent=2, default=str))
+            data = {**report.to_dict(), "unused_gpus": [{**asdict(u), "line": u.line()} for u in unused]}
+            typer.echo(json.dumps(data, indent=2, default=str))
         else:
             typer.echo(format_table(report))
+            if unused:
+                typer.echo(format_unused(unused))

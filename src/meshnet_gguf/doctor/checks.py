@@ -27,13 +27,9 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.common.units import format_bytes
 from meshnet_gguf.contract.protocol import CLOCK_SKEW_S, WELL_KNOWN_PATH
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key, public_key_text
-from meshnet_gguf.hardware.report import (
-    GLVND_PACKAGES,
-    GpuInfo,
-    HardwareReport,
-    probe_hardware,
-)
+from meshnet_gguf.hardware.report import HardwareReport, probe_hardware
 from meshnet_gguf.hardware.sources import TTM_PAGE_BYTES, CommandRunner, run_command
+from meshnet_gguf.hardware.unused import UnusedGpu, find_unused
 from meshnet_gguf.llama.binary import BUILD_TIME_TEXT, BinaryInfo, BinaryNotFound, chosen_by_operator, find_llama_server
 from meshnet_gguf.llama.features import binary_features, missing_rpc
 from meshnet_gguf.llama.run_probe import RunProbe, probe_run
@@ -56,10 +52,6 @@ CLOCK_WARN_S = 2.0
 # (the reference tracker's server) renews it once a second. A tracker on this very machine
 # sends Dates up to ~2 s old, which is no skew at all.
 DATE_LAG_MAX_S = 2.0
-# Where distributions keep the shared libraries NVIDIA's Vulkan driver needs.
-_LIBRARY_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu")
-# libglvnd: NVIDIA's Vulkan ICD loads libGLX_nvidia.so.0, which needs these (FACTS.md).
-_GLVND_LIBRARIES = ("libGLdispatch.so.0", "libGLX.so.0")
 DEVICE_GROUPS_FIX = (
     "add the user that runs the node to the render and video groups (sudo usermod -aG render,video USER, then log in "
     "again); the systemd service from `meshnet-gguf service install` gets them through SupplementaryGroups"
@@ -134,6 +126,7 @@ def run_doctor(env: DoctorEnvironment) -> DoctorReport:
     findings += found
     report = env.probe(binary)
     findings += check_gpus(report, env)
+    findings += check_unused_gpus(report, binary, env)
     size, found = _model_size(env, binary, report)
     findings += found
     findings += check_memory(report, size)
@@ -213,73 +206,20 @@ def check_gpus(report: HardwareReport, env: DoctorEnvironment) -> list[Finding]:
         elif gpu.usable_by_binary:
             devices = ", ".join(d.name for d in gpu.llama_devices)
             findings.append(Finding("gpu", "ok", f"{gpu.name} is used by llama-server as {devices}"))
-        elif gpu.vendor == "nvidia":
-            findings.append(_nvidia_without_vulkan(gpu, report, env.root))
-        elif gpu.vendor == "amd":
-            findings.append(_amd_without_vulkan(gpu, report))
-        else:
-            findings.append(
-                Finding(
-                    "gpu",
-                    "warn",
-                    f"{gpu.name} is present but llama-server lists no device for it",
-                    "models would run on the CPU",
-                    "install the GPU's Vulkan driver, or a llama-server build for it",
-                )  # fmt: skip
-            )
         if gpu.vendor == "amd":
             findings += _amd_device_access(env)
     return findings
 
 
-def _nvidia_without_vulkan(gpu: GpuInfo, report: HardwareReport, root: Path) -> Finding:
-    missing = [lib for lib in _GLVND_LIBRARIES if not _library_present(root, lib)]
-    has_icd = any("nvidia" in icd.lower() for icd in report.vulkan_icds)
-    summary = f"nvidia-smi sees {gpu.name} but llama-server lists no device: it would run on the CPU"
-    if missing:
-        return Finding(
-            "gpu",
-            "warn",
-            summary,
-            f"NVIDIA's Vulkan driver (libGLX_nvidia.so.0) needs libglvnd, and {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} missing, so the Vulkan loader drops the GPU",
-            f"install the GL vendor libraries: apt install {GLVND_PACKAGES} (Fedora: dnf install libglvnd-glx "
-            "libglvnd-egl vulkan-loader), then run doctor again",
-        )
-    if not has_icd:
-        return Finding(
-            "gpu",
-            "warn",
-            summary,
-            "no NVIDIA Vulkan ICD manifest (nvidia_icd.json) is installed, so the Vulkan loader does not know the driver",
-            "install the NVIDIA driver's Vulkan part (Debian: apt install nvidia-vulkan-icd; Ubuntu: the "
-            "libnvidia-gl package of your driver version), or use a CUDA build of llama-server (--llama-server PATH)",
-        )
-    return Finding(
-        "gpu",
-        "warn",
-        summary,
-        "libglvnd and the NVIDIA Vulkan ICD are present, yet the driver did not load; usually the user-space "
-        "libraries and the kernel module are of different driver versions",
-        "reinstall the NVIDIA driver so libnvidia-* and the kernel module match (then reboot), or use a CUDA "
-        "build of llama-server (--llama-server PATH)",
-    )
+def check_unused_gpus(report: HardwareReport, binary: BinaryInfo | None, env: DoctorEnvironment) -> list[Finding]:
+    """Each GPU or Vulkan driver here that this llama-server cannot use, with what would use it (`hardware.unused`)."""
+    return [_unused_finding(unused) for unused in find_unused(report, binary, env.root)]
 
 
-def _amd_without_vulkan(gpu: GpuInfo, report: HardwareReport) -> Finding:
-    has_icd = any("radeon" in icd.lower() or "amd" in icd.lower() for icd in report.vulkan_icds)
-    return Finding(
-        "gpu",
-        "warn",
-        f"{gpu.name} is present but llama-server lists no device for it: it would run on the CPU",
-        "the Mesa RADV Vulkan driver is " + ("installed but did not load" if has_icd else "not installed"),
-        "apt install mesa-vulkan-drivers (Fedora: dnf install mesa-vulkan-drivers), check /dev/dri access, "
-        "or use a ROCm build of llama-server",
-    )
-
-
-def _library_present(root: Path, name: str) -> bool:
-    return any((root / directory / name).exists() for directory in _LIBRARY_DIRS)
+def _unused_finding(unused: UnusedGpu) -> Finding:
+    # A real GPU or a driver for one is speed left on the table; a software rasterizer is nothing lost.
+    status: Status = "ok" if unused.kind == "software" else "warn"
+    return Finding("gpu", status, f"{unused.subject}: {unused.why}", fix=unused.fix)
 
 
 def _amd_device_access(env: DoctorEnvironment) -> list[Finding]:

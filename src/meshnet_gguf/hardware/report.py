@@ -413,36 +413,6 @@ def _build_gpu(
     )
 
 
-# NVIDIA's Vulkan ICD (libGLX_nvidia.so.0) loads through libglvnd; without these the GPU vanishes from Vulkan.
-GLVND_PACKAGES = "libglvnd0 libglx0 libegl1 libgl1 libopengl0 libgles2 libvulkan1"
-
-
-def _diagnose(report_gpus: list[GpuInfo], llama: tuple[LlamaDevice, ...] | None, icds: tuple[str, ...], log: SourceLog) -> None:
-    """Say why a GPU the machine has would not be used, and what to do."""
-    if llama is None:
-        return
-    for gpu in report_gpus:
-        if gpu.kind == "software" or gpu.usable_by_binary:
-            continue
-        if gpu.vendor == "nvidia":
-            has_icd = any("nvidia" in icd.lower() for icd in icds)
-            log.notes.append(
-                f"nvidia-smi sees {gpu.name} but llama-server lists no device for it, so it would run on the CPU. "
-                "This build has no CUDA backend and NVIDIA's Vulkan driver did not load: it needs the GL vendor "
-                f"libraries (Debian: apt install {GLVND_PACKAGES})"
-                + ("" if has_icd else " and NVIDIA's Vulkan ICD file, nvidia_icd.json, which the driver installs")
-                + f" (Vulkan ICDs found: {', '.join(icds) or 'none'}; `meshnet-gguf doctor` names the missing libraries)."
-            )
-        elif gpu.vendor == "amd":
-            log.notes.append(
-                f"{gpu.name} is present but llama-server lists no device for it, so it would run on the CPU. "
-                "Install the Mesa Vulkan driver (Debian/Ubuntu: apt install mesa-vulkan-drivers) or use a ROCm build "
-                f"(Vulkan ICDs found: {', '.join(icds) or 'none'})."
-            )
-        else:
-            log.notes.append(f"{gpu.name} is present but llama-server lists no device for it.")
-
-
 def _gtt_hint(gpus: list[GpuInfo], ttm_limit: int | None, ram_total: int, host_budget: int, log: SourceLog) -> None:
     """An APU left at the kernel's default GTT limit (half of RAM) can hold far less than the box has."""
     if any(g.kind == "discrete" for g in gpus):
@@ -520,7 +490,6 @@ def probe_hardware(
         llama or (),
     )
     gpus = [_build_gpu(g, cpu, ram_total, host_budget, ttm_limit, icd_vendors(icds), platform, log) for g in merged]
-    _diagnose(gpus, llama, icds, log)
     _gtt_hint(gpus, ttm_limit, ram_total, host_budget, log)
     return HardwareReport(
         cpu=cpu,
