@@ -111,7 +111,7 @@ class Measured:
         decode = max(self.capability.decode_tokens_per_s, key=lambda p: p.ctx_tokens)
         return (
             f"prefill {prefill.tokens_per_s:,.0f} tokens/s, decode {decode.tokens_per_s:,.1f} tokens/s (at {prefill.ctx_tokens} "
-            f"tokens), a typical request {self.expected_s:.2f} s{' (measured at an earlier start)' if self.cached else ''}"
+            f"tokens), a typical request {self.expected_s:.3g} s{' (measured at an earlier start)' if self.cached else ''}"
         )
 
     def to_dict(self) -> dict[str, Any]:
