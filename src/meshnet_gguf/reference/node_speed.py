@@ -16,6 +16,7 @@ but is only replaced, once measured. Pure arithmetic: no clock, no I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -82,6 +83,8 @@ class NodeSpeed:
         self.decode_samples = 0
         # Seconds of TTFT per prompt token on an otherwise idle node (the sample's load divided out).
         self.ttft_s_per_token: float | None = None
+        # The moving variance of those samples: how much one stream's TTFT scatters on this node.
+        self.ttft_var_per_token: float = 0.0
         # What the claim leaves out of a TTFT: the way there and back, the node's checks, its queue.
         # A claim is llama-server's prefill alone, so it is read with this added, like for like with
         # what the tracker measures of the nodes it already trusts.
@@ -110,7 +113,11 @@ class NodeSpeed:
             return
         self.samples += 1
         idle_ttft_s = sample.ttft_s / load_factor(sample.busy_before)
-        self.ttft_s_per_token = _ewma(self.ttft_s_per_token, idle_ttft_s / sample.prompt_tokens)
+        per_token = idle_ttft_s / sample.prompt_tokens
+        if self.ttft_s_per_token is not None:
+            gap = per_token - self.ttft_s_per_token
+            self.ttft_var_per_token = (1 - EWMA_WEIGHT) * (self.ttft_var_per_token + EWMA_WEIGHT * gap * gap)
+        self.ttft_s_per_token = _ewma(self.ttft_s_per_token, per_token)
         claimed_prefill = rate_at(self.claim.prefill_tokens_per_s, sample.prompt_tokens) if self.claim else None
         if claimed_prefill:
             self.overhead_s = _ewma(self.overhead_s, max(0.0, idle_ttft_s - sample.prompt_tokens / claimed_prefill))
@@ -142,6 +149,14 @@ class NodeSpeed:
         if claimed:
             return prompt_tokens / claimed + (self.overhead_s if self.overhead_s is not None else overhead_floor_s)
         return None
+
+    def ttft_spread_s(self, prompt_tokens: int) -> float:
+        """How far the measured TTFT of this prompt may be off by chance: the standard error of the moving
+        average (the scatter of one stream's TTFT times sqrt(w / (2 - w)), w = `EWMA_WEIGHT`); 0 before any
+        stream or for a claim (a claim does not scatter; it is doubted otherwise, `market`)."""
+        if self.ttft_s_per_token is None or not (self.trusted or self.claim is None):
+            return 0.0
+        return math.sqrt(self.ttft_var_per_token * EWMA_WEIGHT / (2 - EWMA_WEIGHT)) * prompt_tokens
 
     def summary(self) -> dict[str, object]:
         """What `/v1/nodes` and the tracker page show."""

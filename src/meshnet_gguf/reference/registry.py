@@ -6,13 +6,15 @@ heartbeat (404 unknown_node) and register again within one period.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
+from meshnet_gguf.reference.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, Market, Offer
 from meshnet_gguf.reference.node_address import NodeTarget
-from meshnet_gguf.reference.node_speed import NodeSpeed, expected_ttft_s, overhead_floor_s
+from meshnet_gguf.reference.node_speed import NodeSpeed, expected_ttft_s, load_factor, overhead_floor_s
 
 # The prompt length a caller that names none is ranked for: a short chat turn (metering's bound of one).
 DEFAULT_PROMPT_TOKENS = 256
@@ -60,12 +62,19 @@ class NodeEntry:
     def full(self) -> bool:
         return self.busy() >= self.announcement.slots
 
+    def free_slots(self) -> int:
+        return max(self.announcement.slots - self.busy(), 0)
+
 
 class NodeRegistry:
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    """`rng` breaks ties in the pick (seeded in tests, so a run repeats)."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
+        self._rng = rng or random.Random()
         self._nodes: dict[str, NodeEntry] = {}
+        self._markets: dict[str, Market[NodeEntry]] = {}  # by the node's own model id
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -113,14 +122,17 @@ class NodeRegistry:
         return entry
 
     def remove(self, node_id: str) -> NodeEntry | None:
-        return self._nodes.pop(node_id, None)
+        entry = self._nodes.pop(node_id, None)
+        if entry is not None:
+            self.market(entry.announcement.model_id).forget(node_id)
+        return entry
 
     def expire(self) -> list[str]:
         """Drop nodes silent for longer than the TTL; returns their ids."""
         cutoff = self._clock() - self.ttl_s
         gone = [node_id for node_id, entry in self._nodes.items() if entry.last_seen < cutoff]
         for node_id in gone:
-            del self._nodes[node_id]
+            self.remove(node_id)
         return gone
 
     def routable(self, model: str) -> list[NodeEntry]:
@@ -137,14 +149,67 @@ class NodeRegistry:
             and not entry.proof_blocked
         ]
 
+    def market(self, model_id: str) -> Market[NodeEntry]:
+        """The market of the nodes whose own model id is `model_id` (`market.Market`)."""
+        if (market := self._markets.get(model_id)) is None:
+            market = self._markets[model_id] = Market(self._rng)
+        return market
+
     def pick(self, model: str, exclude: Collection[str] = (), prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> NodeEntry | None:
-        """The routable node expected to give this prompt its first token soonest, not one in `exclude`
-        (those already tried); None when there is none (`route_rank` says how they are ordered)."""
+        """The routable node to send this prompt to, not one in `exclude` (those already tried: a
+        non-empty `exclude` is a retry); None when there is none. Docs/protocol.md, section 8.1, R1 and R5:
+
+        - every node full: the soonest by `route_rank` (it answers 503 and the client retries);
+        - else, while a measured (trusted) node has a free slot, a node not measured yet takes its
+          share (`market.UNMEASURED_SHARE`) unless its claim says it is far slower
+          (`market.CLAIM_BELIEVED_SLOWER`), and the other requests are shared by the measured nodes
+          within `market.FAIR_BAND_TOLERANCE` of the soonest expected first token, by smooth weighted
+          turns (`market.Market.take_turn`);
+        - with no measured node free, the same band among the nodes not measured yet, ranked by their
+          claims; nodes with no figure at all, least busy first, then least routed to.
+        """
         candidates = [e for e in self.routable(model) if e.node_id not in exclude]
         if not candidates:
             return None
         floor = overhead_floor_s(e.speed for e in candidates)
-        return min(candidates, key=lambda e: route_rank(e, prompt_tokens, floor))
+        free = [e for e in candidates if not e.full()]
+        if not free:
+            return min(candidates, key=lambda e: route_rank(e, prompt_tokens, floor))
+        market = self.market(free[0].announcement.model_id)
+        if not exclude:  # a client's request, not a retry of one
+            market.earn_unmeasured()
+        expected = {e.node_id: expected_ttft_s(e.speed, prompt_tokens, e.busy(), floor) for e in free}
+        measured = [e for e in free if e.speed.trusted]
+        unmeasured = [e for e in free if not e.speed.trusted]
+        if measured:
+            best = min(t for e in measured if (t := expected[e.node_id]) is not None)
+            worth_measuring = [
+                e for e in [*unmeasured, *(e for e in measured if market.stale(e.node_id))]
+                if (t := expected[e.node_id]) is None or t <= best * (1 + FAIR_BAND_TOLERANCE) * CLAIM_BELIEVED_SLOWER
+            ]  # fmt: skip
+            if worth_measuring and market.unmeasured_turn():
+                samples = {e.node_id: e.speed.samples for e in worth_measuring}
+                return market.least_measured(worth_measuring, samples, {e.node_id: e.routed for e in worth_measuring})
+            pool = measured
+        else:
+            pool = unmeasured
+        offers = [
+            Offer(e, t, e.speed.ttft_spread_s(prompt_tokens) * load_factor(e.busy()), e.busy(), e.free_slots())
+            for e in pool
+            if (t := expected[e.node_id]) is not None
+        ]
+        if not offers:  # no figure for any of them
+            return min(pool, key=lambda e: (e.busy_fraction(), e.routed))
+        return market.take_turn(market.band(offers))
+
+    def routed_to(self, entry: NodeEntry) -> None:
+        """A request was sent to `entry`: counted for it and for its model's recent shares."""
+        entry.routed += 1
+        self.market(entry.announcement.model_id).routed(entry.node_id)
+
+    def recent_share(self, entry: NodeEntry) -> tuple[int, int]:
+        """(requests of its model's last ones that went to `entry`, the last requests counted: `market.RECENT_REQUESTS`)."""
+        return self.market(entry.announcement.model_id).recent_share(entry.node_id)
 
     def serves(self, model: str) -> bool:
         """Whether some registered node answers to `model`: its id or an alias (`protocol.model_answers_to`)."""

@@ -181,7 +181,7 @@ class ForwardEndpoint:
             }
             timing = StreamTiming(node, prompt_tokens)
             node.in_flight += 1
-            node.routed += 1
+            self.registry.routed_to(node)
             try:
                 upstream = await node.target.send(self.reach.clients, "POST", path, headers, body)
             except HttpConnectError as exc:  # the node never saw the request
