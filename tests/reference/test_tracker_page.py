@@ -13,7 +13,7 @@ import pytest
 
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageCounts, UsageRecord
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, TrackerLedger
+from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, NodeEarnings, TrackerLedger
 from meshnet_gguf.reference.tracker_page import dashboard_document
 from support.browser import Browser, screenshot_target
 from support.node_process import StartNode
@@ -55,6 +55,9 @@ class _Ledger:
     async def usage_list(self, *, request_id: str | None = None, limit: int = 100) -> list[TrackerUsage]:
         return self._usage[:limit]
 
+    async def billed_by_node(self) -> dict[str, NodeEarnings]:
+        return {}
+
 
 @pytest.mark.anyio
 async def test_a_disagreement_is_flagged_on_the_page() -> None:
@@ -89,6 +92,8 @@ async def test_every_column_is_explained_and_no_figure_reads_as_a_question_mark(
         await ledger.open_request("req-going", "node-a", "tiny", path, True, max_tokens=8, prompt_ceiling=150)
         await ledger.open_request("req-refused", "node-b", "tiny", path, True, max_tokens=8, prompt_ceiling=150)
         await ledger.finish_request("req-refused", None, "refused", None)
+        # Earned: the one request with a receipt and ceilings, each figure capped (9 <= 150, 5 <= 7); the refused bills nothing.
+        assert await ledger.billed_by_node() == {"node-a": NodeEarnings(requests=1, prompt_tokens=9, completion_tokens=5)}
     finally:
         ledger.close()
 
@@ -130,6 +135,11 @@ async def test_every_column_is_explained_and_no_figure_reads_as_a_question_mark(
         ["n-failed", "FAILED 1, passed 3: not routed", "flag"],
     ]
     assert "?" not in str(cells)
+    # What each node got, beside its speed: its share of the last requests and what it was billed for.
+    assert browser.evaluate(_RENDER_MARKET) == [
+        ["n-new", "no request yet", "nothing billed yet"],
+        ["n-busy", "33 % (20 of the last 60)", "20 request(s): 1,234 prompt + 567 completion tokens"],
+    ]
 
 
 def explained_nodes(browser: Browser) -> list[str]:
@@ -147,4 +157,18 @@ _RENDER_AUDITS = """(() => {
           recent_routes: [], disagreements: 0, poll_interval_s: 2});
   const column = [...document.getElementById("nodes").closest("table").querySelectorAll("th")].findIndex(th => th.textContent === "Audits");
   return [...document.querySelectorAll("#nodes tr")].map(tr => [tr.cells[0].title, tr.cells[column].textContent, tr.cells[column].className]);
+})()"""
+
+
+_RENDER_MARKET = """(() => {
+  const node = (id, recent_share, earned) => ({node_id: id, model: "tiny", quant: null, state: "online", node_state: "ready",
+    healthy: true, slots_total: 1, slots_busy: 0, tokens_per_s: null, reached: "direct", relay_url: null,
+    advertised_url: "http://127.0.0.1:1", last_seen_s_ago: 0, health_misses: 0, routed: 0, speed: null, audits: null,
+    recent_share, earned});
+  render({nodes: [node("n-new", {requests: 0, of_last: 0, share: null}, {requests: 0, prompt_tokens: 0, completion_tokens: 0}),
+                  node("n-busy", {requests: 20, of_last: 60, share: 0.333}, {requests: 20, prompt_tokens: 1234, completion_tokens: 567})],
+          recent_routes: [], disagreements: 0, poll_interval_s: 2});
+  const headers = [...document.getElementById("nodes").closest("table").querySelectorAll("th")].map(th => th.textContent);
+  const [share, earned] = [headers.indexOf("Share"), headers.indexOf("Earned")];
+  return [...document.querySelectorAll("#nodes tr")].map(tr => [tr.cells[0].title, tr.cells[share].textContent, tr.cells[earned].textContent]);
 })()"""

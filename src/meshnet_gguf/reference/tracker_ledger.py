@@ -129,6 +129,15 @@ class AuditRecord:
 
 
 @dataclass(frozen=True)
+class NodeEarnings:
+    """A node's billed requests on this tracker, ever, and their tokens (`TrackerLedger.billed_by_node`)."""
+
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
 class AuditTotals:
     passed: int
     failed: int
@@ -366,6 +375,21 @@ class TrackerLedger:
         return inserted == 1
 
     # --- reading ------------------------------------------------------------
+    async def billed_by_node(self) -> dict[str, NodeEarnings]:
+        """What each node earned here: its requests billed and their tokens, each figure of a receipt capped
+        by the tracker's ceiling, as `billed` bills one request (a refused request bills nothing, one in
+        flight or without a receipt or ceilings not yet). One pass over the ledger, like `usage_list`'s."""
+        rows = await self._run(
+            self._read,
+            "SELECT r.node_id, count(*), SUM(MIN(c.prompt_tokens, r.prompt_ceiling)),"
+            " SUM(MIN(c.completion_tokens, r.completion_ceiling))"
+            " FROM forwarded r JOIN receipts c ON c.request_id = r.request_id"
+            " WHERE r.outcome NOT IN ('refused', 'in_flight') AND r.prompt_ceiling IS NOT NULL"
+            " AND r.completion_ceiling IS NOT NULL GROUP BY r.node_id",
+            (),
+        )
+        return {node_id: NodeEarnings(requests, prompt or 0, completion or 0) for node_id, requests, prompt, completion in rows}
+
     async def usage(self, request_id: str) -> TrackerUsage | None:
         found = await self.usage_list(request_id=request_id)
         return found[0] if found else None

@@ -2,7 +2,8 @@
 
 Static files in `pages/` (no build step, no data in them) poll `/dashboard.json`,
 which is built from the same registry and ledger as `/v1/nodes` and `/v1/usage`
-(both already public on a reference tracker; a node's audits too, where a verifier audits its model), plus what only the page wants:
+(both already public on a reference tracker; a node's audits too, where a verifier audits its model, and
+what it got: its share of the last requests and its earnings, `market_view`), plus what only the page wants:
 how long ago each node was last heard from and whether it is reached directly or
 through a relay. `routes()` is all `Tracker.app()` needs to add.
 """
@@ -19,6 +20,7 @@ from starlette.routing import Route
 
 from meshnet_gguf.common.page_files import PAGE_SECURITY_HEADERS, read_page_file, static_files
 from meshnet_gguf.contract.protocol import TrackerUsage
+from meshnet_gguf.reference.tracker_ledger import NodeEarnings
 
 PAGES_DIR = Path(__file__).parent / "pages"
 DASHBOARD_JSON_PATH = "/dashboard.json"
@@ -33,9 +35,13 @@ STATIC_FILES = static_files(PAGES_DIR, "tracker", own_stylesheet=True)
 class _Registry(Protocol):
     def all(self) -> list[Any]: ...
 
+    def recent_share(self, entry: Any) -> tuple[int, int]: ...
+
 
 class _Ledger(Protocol):
     async def usage_list(self, *, request_id: str | None = None, limit: int = 100) -> list[TrackerUsage]: ...
+
+    async def billed_by_node(self) -> dict[str, NodeEarnings]: ...
 
 
 class _Tracker(Protocol):
@@ -59,8 +65,20 @@ def routes(tracker: _Tracker) -> list[Route]:
     ]
 
 
+def market_view(registry: _Registry, entry: Any, earned: NodeEarnings | None) -> dict[str, Any]:
+    """What the node got here, shown beside its speed on the page and in `/v1/nodes`: its share of its
+    model's last requests (`market.RECENT_REQUESTS`) and what it earned (billed) on this tracker, ever."""
+    requests, of_last = registry.recent_share(entry)
+    earned = earned or NodeEarnings(0, 0, 0)
+    return {
+        "recent_share": {"requests": requests, "of_last": of_last, "share": round(requests / of_last, 3) if of_last else None},
+        "earned": {"requests": earned.requests, "prompt_tokens": earned.prompt_tokens, "completion_tokens": earned.completion_tokens},
+    }
+
+
 async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
     now = time.monotonic()
+    earnings = await tracker.ledger.billed_by_node()
     nodes = []
     for entry in tracker.registry.all():
         announcement = entry.announcement
@@ -83,6 +101,7 @@ async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
                 "health_misses": entry.health_misses,
                 "routed": entry.routed,
                 "speed": entry.speed.summary(),
+                **market_view(tracker.registry, entry, earnings.get(entry.node_id)),
                 "audits": _audits(tracker, entry),
             }
         )
@@ -104,4 +123,4 @@ def _audits(tracker: _Tracker, entry: Any) -> dict[str, Any] | None:
     return {**auditor.record(entry.node_id).summary(), "proof_blocked": entry.proof_blocked}
 
 
-__all__ = ["DASHBOARD_JSON_PATH", "dashboard_document", "routes"]
+__all__ = ["DASHBOARD_JSON_PATH", "dashboard_document", "market_view", "routes"]

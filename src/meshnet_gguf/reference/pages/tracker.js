@@ -45,6 +45,18 @@ function speedText(s) {
   return `${claimed} / ${measured}${s.claim_flagged ? " — CLAIM FLAGGED: far above what it delivers" : ""}`;
 }
 
+// What the node got: its share of its model's last requests, and what it was billed for here.
+function shareCell(r) {
+  if (!r || !r.of_last) return ["no request yet", "muted"];
+  return [`${Math.round(r.share * 100)} % (${r.requests} of the last ${r.of_last})`];
+}
+
+function earnedCell(e) {
+  if (!e || !e.requests) return ["nothing billed yet", "muted"];
+  const n = (v) => v.toLocaleString("en");
+  return [`${n(e.requests)} request(s): ${n(e.prompt_tokens)} prompt + ${n(e.completion_tokens)} completion tokens`];
+}
+
 // Proof of model, in words: a node's audits on this tracker (null: no verifier audits its model).
 function auditCell(a) {
   if (!a) return ["not audited", "muted", "no verifier is named for this model on this tracker"];
@@ -80,6 +92,8 @@ function render(doc) {
     [`${n.slots_busy} / ${n.slots_total}`],
     [n.tokens_per_s ? n.tokens_per_s.toFixed(1) : "–"],
     [speedText(n.speed), n.speed && n.speed.claim_flagged ? "flag" : ""],
+    shareCell(n.recent_share),
+    earnedCell(n.earned),
     [n.reached === "relayed" ? `relayed via ${n.relay_url}` : `direct ${n.advertised_url}`],
     [`${n.last_seen_s_ago} s ago${n.health_misses ? `, ${n.health_misses} missed` : ""}`],
     [String(n.routed)],

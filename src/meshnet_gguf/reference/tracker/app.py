@@ -174,6 +174,7 @@ class Tracker:
 
     async def _nodes(self, request: Request) -> Response:
         flags = await self.ledger.flags_by_node()
+        earnings = await self.ledger.billed_by_node()
         return JSONResponse(
             [
                 {
@@ -186,6 +187,7 @@ class Tracker:
                     "advertised_url": e.announcement.advertised_url,
                     "receipt_flags": flags.get(e.node_id, 0),
                     "speed": e.speed.summary(),
+                    **tracker_page.market_view(self.registry, e, earnings.get(e.node_id)),
                     **(
                         {}
                         if self.auditor is None
