@@ -339,6 +339,19 @@ def test_a_refused_gpu_build_gives_way_to_the_cpu_build(fresh_box: Path, site: L
     assert again.binary == fresh_box / RELEASE_INSTALL / "llama-server" and not list(fresh_box.glob(f"{STAGING_PREFIX}*"))
 
 
+def test_a_pinned_tag_is_fetched_by_its_known_names_when_the_listing_cannot_be_read(
+    fresh_box: Path, site: LoopbackReleases, fake_release: bytes
+) -> None:
+    site.releases[TAG] = {CPU_ASSET.replace(".tar.gz", ".zip"): b"", CPU_ASSET: fake_release}
+    site.no_listing = True
+    fetched = fetch_release(tag=TAG, types=FLOAT, backends=("cpu",))
+    assert fetched.asset == CPU_ASSET and fetched.binary.is_file()
+    with pytest.raises(ReleaseUnavailable, match=r"releases/latest answered HTTP 404"):
+        fetch_release(types=FLOAT)  # "latest" needs the listing to know its tag
+    with pytest.raises(ReleaseUnavailable, match=r"release b1: none of llama-b1-bin-ubuntu-x64.tar.gz, llama-b1-bin-ubuntu-x64.zip"):
+        fetch_release(tag="b1", types=FLOAT, backends=("cpu",))
+
+
 # ---------------------------------------------------------------- by hand
 
 

@@ -5,7 +5,8 @@
     GET /download/<owner>/<name>/releases/download/<tag>/<asset>
 
 `env()` gives the variables that point `llama/release_fetch` at it. With `missing`
-set, every path answers 404 (a release site without these builds). The server
+set, every path answers 404 (a release site without these builds); with
+`no_listing`, only the API does. The server
 runs in a thread of the test's process and is shut down when the `with` ends.
 """
 
@@ -32,6 +33,8 @@ class LoopbackReleases:
     # Sizes the listing claims where they differ from the bytes served (a listing and a file that disagree).
     listed_sizes: dict[str, int] = field(default_factory=dict)
     missing: bool = False
+    # The API answers 404 (GitHub's rate limit answers 403): downloads still work.
+    no_listing: bool = False
     requests: list[str] = field(default_factory=list)
     url: str = ""
 
@@ -65,6 +68,8 @@ def _handler(site: LoopbackReleases) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self) -> tuple[bytes | None, str]:
             if site.missing or not site.releases:
+                return None, ""
+            if site.no_listing and self.path.startswith(api):
                 return None, ""
             if self.path == api + "latest":
                 return json.dumps(site.listing(list(site.releases)[-1])).encode(), "application/json"

@@ -125,6 +125,8 @@ def fetch_release(
             for name in names:
                 try:
                     size, repaired = _install_asset(client, site, release, release.asset(name), backend, install_root, types, notes)
+                except OSError as exc:  # the data folder cannot be written: no other asset would install either
+                    raise ReleaseUnavailable(f"cannot install into {install_root}: {_one_line(exc)}") from exc
                 except _AssetMissing:
                     continue
                 except _AssetRefused as exc:
@@ -147,7 +149,7 @@ def _read_release(client: httpx.Client, site: ReleaseSite, tag: str, env: Mappin
     url = site.release_url(tag)
     try:
         answer = client.get(url, headers=site.api_headers(env))
-    except httpx.TransportError as exc:
+    except (httpx.RequestError, httpx.InvalidURL) as exc:
         raise ReleaseUnavailable(f"cannot reach {url}: {_one_line(exc)}") from exc
     if answer.status_code == 200 and len(answer.content) <= MAX_LISTING_BYTES:
         try:
@@ -188,6 +190,8 @@ def _install_asset(
         except ArchiveRefused as exc:
             raise _AssetRefused(str(exc)) from exc
         archive.unlink()
+        for line in repaired:
+            notes(line)
         probe = _check_runs(folder, asset.name, types)
         record = {
             "build": release.tag, "backend": backend, "source": f"llama.cpp release {asset.name}", "url": url,
@@ -213,7 +217,8 @@ def _download(client: httpx.Client, url: str, dest: Path, asset: ReleaseAsset) -
                 raise _AssetMissing(f"{asset.name} is not published")
             if answer.status_code != 200:
                 raise _AssetRefused(f"{url} answered HTTP {answer.status_code}")
-            declared = int(answer.headers.get("content-length") or 0)
+            length = answer.headers.get("content-length", "")
+            declared = int(length) if length.isdigit() else 0
             if max(declared, asset.size or 0) > MAX_ARCHIVE_BYTES:
                 raise _AssetRefused(f"{asset.name} is {max(declared, asset.size or 0) // 1024**2} MB, above the {limit_mb} MB limit")
             with dest.open("wb") as out:
@@ -225,8 +230,10 @@ def _download(client: httpx.Client, url: str, dest: Path, asset: ReleaseAsset) -
                         raise _AssetRefused(f"{asset.name} took longer than {DOWNLOAD_TIMEOUT_S:.0f} s to download")
                     out.write(chunk)
                     digest.update(chunk)
-    except httpx.TransportError as exc:
+    except (httpx.RequestError, httpx.InvalidURL) as exc:
         raise ReleaseUnavailable(f"downloading {url} failed: {_one_line(exc)}") from exc
+    except OSError as exc:  # a full disk: no other asset would fit either
+        raise ReleaseUnavailable(f"cannot write {dest}: {_one_line(exc)}") from exc
     if asset.size is not None and size != asset.size:
         raise _AssetRefused(f"{asset.name} came as {size} bytes where the release lists {asset.size} (cut short?)")
     if asset.sha256 is not None and digest.hexdigest() != asset.sha256:
