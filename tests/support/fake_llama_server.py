@@ -16,6 +16,7 @@ bottleneck it is used to measure.
     FAKE_LLAMA_EXIT_ON_START   exit with this code right after start, printing an error
     FAKE_LLAMA_TOKENS          tokens per answer (default 8; the request's max_tokens caps it)
     FAKE_LLAMA_TOKEN_DELAY_S   pause between streamed tokens (default 0)
+    FAKE_LLAMA_FIRST_TOKEN_DELAY_S pause before a stream's first token, as prefill takes (default 0)
     FAKE_LLAMA_PING_EVERY      send an SSE ": ping" comment after every N tokens
     FAKE_LLAMA_DIE_AFTER       os._exit(1) after streaming this many tokens
     FAKE_LLAMA_HANG_AFTER_S    /health stops answering this long after start (a wedged server)
@@ -73,6 +74,7 @@ class FakeLlama:
         self.hang_after = env_float("FAKE_LLAMA_HANG_AFTER_S", 0)
         self.tokens = env_int("FAKE_LLAMA_TOKENS", 8)
         self.token_delay = env_float("FAKE_LLAMA_TOKEN_DELAY_S", 0)
+        self.first_token_delay = env_float("FAKE_LLAMA_FIRST_TOKEN_DELAY_S", 0)
         self.ping_every = env_int("FAKE_LLAMA_PING_EVERY", 0)
         self.die_after = env_int("FAKE_LLAMA_DIE_AFTER", 0)
         self.per_write = max(1, env_int("FAKE_LLAMA_EVENTS_PER_WRITE", 1))
@@ -173,6 +175,8 @@ class FakeLlama:
         head = b'data: {"id":"fake-1","object":"chat.completion.chunk","model":"' + self.alias.encode() + b'","choices":[{"index":0,'
         token = head + (b'"delta":{"content":"x"},"finish_reason":null}]}\n\n' if chat else b'"text":"x","finish_reason":null}]}\n\n')
         batch: list[bytes] = []
+        if self.first_token_delay and not warmup:
+            await asyncio.sleep(self.first_token_delay)
         for i in range(n):
             batch.append(token)
             if self.ping_every and (i + 1) % self.ping_every == 0:

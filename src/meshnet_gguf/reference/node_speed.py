@@ -150,6 +150,11 @@ class NodeSpeed:
             return prompt_tokens / claimed + (self.overhead_s if self.overhead_s is not None else overhead_floor_s)
         return None
 
+    def claimed_prefill_s(self, prompt_tokens: int) -> float | None:
+        """The prefill of a prompt by the node's claim alone, before anything it delivered; None without a claim."""
+        claimed = rate_at(self.claim.prefill_tokens_per_s, prompt_tokens) if self.claim else None
+        return prompt_tokens / claimed if claimed else None
+
     def ttft_spread_s(self, prompt_tokens: int) -> float:
         """How far the measured TTFT of this prompt may be off by chance: the standard error of the moving
         average (the scatter of one stream's TTFT times sqrt(w / (2 - w)), w = `EWMA_WEIGHT`); 0 before any

@@ -183,9 +183,14 @@ class NodeRegistry:
         unmeasured = [e for e in free if not e.speed.trusted]
         if measured:
             best = min(t for e in measured if (t := expected[e.node_id]) is not None)
+            # A claim of being far slower is believed (it costs only its maker): its prefill alone, overheads
+            # left out, against the best measured TTFT. Any other is measured, and so is a measured node not
+            # sent a request for a while unless its own figures say it is far slower.
+            believed_slower = best * (1 + FAIR_BAND_TOLERANCE) * CLAIM_BELIEVED_SLOWER
             worth_measuring = [
-                e for e in [*unmeasured, *(e for e in measured if market.stale(e.node_id))]
-                if (t := expected[e.node_id]) is None or t <= best * (1 + FAIR_BAND_TOLERANCE) * CLAIM_BELIEVED_SLOWER
+                e for e in unmeasured if (t := e.speed.claimed_prefill_s(prompt_tokens)) is None or t <= believed_slower
+            ] + [
+                e for e in measured if market.stale(e.node_id) and expected[e.node_id] <= believed_slower  # type: ignore[operator]
             ]  # fmt: skip
             if worth_measuring and market.unmeasured_turn():
                 samples = {e.node_id: e.speed.samples for e in worth_measuring}
