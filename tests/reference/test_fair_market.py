@@ -1,4 +1,4 @@
-"""A fair market among equal nodes (issue 42; docs/protocol.md, section 8.1, R5-R7): the pick shares the
+"""A fair market among equal nodes (docs/protocol.md, section 8.1, R5-R7): the pick shares the
 near-best nodes' work by what each can serve, sends a bounded share to nodes not measured yet, and a
 node lying about its speed draws no more than that share before it is measured and flagged.
 
@@ -97,7 +97,7 @@ def _pick(registry: NodeRegistry) -> NodeEntry | None:
 
 
 def strict_minimum(registry: NodeRegistry) -> NodeEntry | None:
-    """The pick before issue 42: the strict minimum of `route_rank` (kept in the registry for full nodes)."""
+    """The pick before the fair market: the strict minimum of `route_rank` (kept in the registry for full nodes)."""
     candidates = registry.routable(MODEL)
     floor = overhead_floor_s(e.speed for e in candidates)
     return min(candidates, key=lambda e: route_rank(e, PROMPT, floor))
@@ -180,7 +180,7 @@ def test_a_new_equal_node_is_measured_within_its_first_share_of_requests_on_a_qu
 
 def play_the_liar(seed: int, liar_ttft_s: float, pick: Pick | None = None) -> None:
     """Two measured honest nodes; a third joins claiming 1,000x the prefill and decode rates it delivers,
-    and requests come one after another. Asserts what issue 42 asks of the pick."""
+    and requests come one after another. Asserts what the fair market promises."""
     net = Network(seed, jitter=0.2)
     for name in ("a", "b"):
         net.join(name)
@@ -217,7 +217,7 @@ def test_a_node_claiming_a_thousand_times_its_speed_draws_at_most_the_unmeasured
 
 @pytest.mark.parametrize("liar", LIARS)
 def test_the_strict_minimum_lost_to_the_liar(liar: str) -> None:
-    """The attack above against the pick before issue 42: as fast as the others, the liar took more than the
+    """The attack above against the pick before the fair market: as fast as the others, the liar took more than the
     share (its claim ranked it first until measured); slower, it drew one request and was never flagged."""
     with pytest.raises(AssertionError):
         play_the_liar(0, LIARS[liar], strict_minimum)

@@ -90,7 +90,7 @@ async def _registered(http: httpx.AsyncClient, url: str, node_id: str) -> bool:
     return any(n["node_id"] == node_id and n["healthy"] for n in (await http.get(url + "/v1/nodes")).json())
 
 
-# --- the liar, played against a real tracker (issue 42) -------------------------------------------
+# --- the liar, played against a real tracker ---------------------------------------------------
 
 # The honest nodes answer at once; the liar takes this long to its first token (a slower box) and
 # claims 1,000x the rates it delivers.
@@ -118,7 +118,7 @@ async def test_a_liar_claiming_a_thousand_times_its_speed_gets_the_unmeasured_sh
     tracker: tuple[Tracker, str], tmp_path: Path, tiny_gguf: Path
 ) -> None:
     """The attacker: a slow node that claims 1,000x what it delivers joins two measured honest nodes. Before
-    issue 42 it drew its first request (its claim beat every measured node), then none (its TTFT did not),
+    the fair market it drew its first request (its claim beat every measured node), then none (its TTFT did not),
     so its claim was never flagged."""
     service, url = tracker
     honest_llama = FakeLlama(tmp_path, FAKE_LLAMA_TOKENS=str(TOKENS), FAKE_LLAMA_TOKEN_DELAY_S="0.002")

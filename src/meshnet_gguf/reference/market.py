@@ -3,7 +3,7 @@ share of requests that goes to nodes not measured yet, and each node's share of 
 
 `registry.pick` ranks nodes by expected time to first token (`node_speed`); a strict minimum of that
 sent every quiet request to one of several equal nodes (whichever was measured a hair faster) and none
-to a node not measured yet (issue 42). Here:
+to a node not measured yet, so a new node was never measured and its operator earned nothing. Here:
 
 - **The band.** Every node whose expected first token is within `FAIR_BAND_TOLERANCE` of the best
   shares the requests, each in proportion to what it can serve now: its free slots over its expected
@@ -50,7 +50,7 @@ UNMEASURED_CREDIT_CAP = 1.0
 # A node not measured yet whose claim says it is more than this many times slower than the best
 # measured node is believed and not sent requests to measure it (it still takes the overflow). Below
 # it a claim is doubted: an honest probe's claim read against the tracker's prompt bound came out 3-6x
-# slower than what the node delivered (issue 42), and that must not hide an equal node.
+# slower than what the node delivered (a GPU node: 10,207 claimed, 61,176 measured), and that must not hide an equal node.
 CLAIM_BELIEVED_SLOWER = 8.0
 # Standard errors of two nodes' TTFT estimates by which the band is widened: at 2, two equal nodes'
 # estimates fall apart by chance about once in 40 picks, where a fixed band alone dropped one of three
@@ -77,7 +77,7 @@ C = TypeVar("C", bound=Candidate)
 
 
 @dataclass(frozen=True)
-class Offer(Generic[C]):
+class NodeOffer(Generic[C]):
     """What one node offers this request: its expected TTFT (its load included), how far that estimate
     may be off by chance (`node_speed.NodeSpeed.ttft_spread_s`, stretched alike), its requests in flight
     and its free slots."""
@@ -102,7 +102,7 @@ class Market(Generic[C]):
         self._last_sent: dict[str, int] = {}  # node id -> `_requests` when it was last sent one
 
     # --- the pick ------------------------------------------------------------------
-    def band(self, offers: Sequence[Offer[C]]) -> list[tuple[C, float]]:
+    def band(self, offers: Sequence[NodeOffer[C]]) -> list[tuple[C, float]]:
         """The nodes that share this request, each with its weight: those whose expected first token is
         within `FAIR_BAND_TOLERANCE` of the soonest, widened by `SPREAD_ALLOWANCE` standard errors of the
         two estimates (equal nodes measured on a jittery network must not fall out by chance), and of
@@ -188,5 +188,5 @@ __all__ = [
     "UNMEASURED_CREDIT_CAP",
     "UNMEASURED_SHARE",
     "Market",
-    "Offer",
+    "NodeOffer",
 ]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
-from meshnet_gguf.reference.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, Market, Offer
+from meshnet_gguf.reference.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, Market, NodeOffer
 from meshnet_gguf.reference.node_address import NodeTarget
 from meshnet_gguf.reference.node_speed import NodeSpeed, expected_ttft_s, load_factor, overhead_floor_s
 
@@ -199,7 +199,7 @@ class NodeRegistry:
         else:
             pool = unmeasured
         offers = [
-            Offer(e, t, e.speed.ttft_spread_s(prompt_tokens) * load_factor(e.busy()), e.busy(), e.free_slots())
+            NodeOffer(e, t, e.speed.ttft_spread_s(prompt_tokens) * load_factor(e.busy()), e.busy(), e.free_slots())
             for e in pool
             if (t := expected[e.node_id]) is not None
         ]
