@@ -92,12 +92,18 @@ def node_env(tracker: ServiceProcess) -> dict[str, str]:
 
 
 def relay_process(
-    workdir: Path, tracker: ServiceProcess, host: str = "127.0.0.1", port: int | None = None, name: str = "relay"
+    workdir: Path,
+    tracker: ServiceProcess,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    name: str = "relay",
+    ping_interval_s: float = 2.0,
 ) -> ServiceProcess:
     """The reference relay, trusting `tracker` (already started) and no one else; `name` its log and state dir."""
     port = port or free_local_port()
     return ServiceProcess(name, [
-        "dev", "relay", "--host", host, "--port", str(port), "--ping-interval", "2", "--trust-tracker-key", tracker_key(tracker),
+        "dev", "relay", "--host", host, "--port", str(port), "--ping-interval", str(ping_interval_s),
+        "--trust-tracker-key", tracker_key(tracker),
         "--state-dir", str(workdir / name),
     ], workdir, port=port, host=host)  # fmt: skip
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import anyio
-from anyio.abc import ByteStream
+from anyio.abc import ByteStream, SocketAttribute
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import StapledByteStream
 from anyio.streams.tls import TLSStream
@@ -70,6 +70,7 @@ from meshnet_gguf.contract.relay_framing import (
     upgrade_refusal,
     upgrade_request,
 )
+from meshnet_gguf.contract.relay_keepalive import IDLE_WORK_KEEPALIVE_S, keep_alive
 from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
 
@@ -285,6 +286,9 @@ class RelayLink(BasePart):
             # Nothing more may be read as plaintext: pause, say `ready`, and let TLS take the socket. The
             # relay splices a ClientHello only after `ready`, so it can only reach the TLS layer.
             transport = writer.transport
+            # Probed while idle, so a NAT with a short idle timer keeps its mapping (else the relay splices a
+            # tracker to a connection the NAT forgot); a probe that fails ends it, and the slot dials anew.
+            keep_alive(transport.get_extra_info("socket"), idle_s=IDLE_WORK_KEEPALIVE_S)
             transport.pause_reading()
             writer.write(message_line(RelayReady()))
             # Idle until the relay forwards a first byte (or drops the connection); renewed after a while.
@@ -293,7 +297,9 @@ class RelayLink(BasePart):
             if idle_wait.cancelled_caught or self._streams_group is None:
                 return
             # Used from here on, whoever sent that byte: the slot dials a replacement now, not after a
-            # handshake that a stranger may never finish.
+            # handshake that a stranger may never finish. A stream whose path goes silent ends within
+            # NOTICED_WITHIN_S, which frees its llama-server slot.
+            keep_alive(transport.get_extra_info("socket"))
             self._streams_group.start_soon(self._serve_stream, writer)
             handed_over = True
         except Exception as exc:  # noqa: BLE001 - the relay closed an idle connection
@@ -374,6 +380,9 @@ class RelayLink(BasePart):
         ep = self.endpoint
         with anyio.fail_after(DIAL_TIMEOUT_S):
             raw = await anyio.connect_tcp(ep.host, ep.port)
+            # A NAT that forgets the mapping drops the tunnel without a word: the kernel's probes notice it
+            # within NOTICED_WITHIN_S (the pings alone took interval + timeout, 20 s).
+            keep_alive(raw.extra(SocketAttribute.raw_socket))
             transport: ByteStream = raw
             try:
                 if ep.tls:

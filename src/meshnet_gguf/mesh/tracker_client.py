@@ -123,10 +123,10 @@ class TrackerClient:
         headers = {ENROLMENT_HEADER: self._enrolment_secret} if self._enrolment_secret else {}
         return await self._call("POST", "/v1/nodes/register", announcement, RegistrationAck, headers=headers)
 
-    async def heartbeat(self, state: MeshState, load: NodeLoad) -> HeartbeatAck:
+    async def heartbeat(self, state: MeshState, load: NodeLoad, *, timeout_s: float | None = None) -> HeartbeatAck:
         node = self.identity.node_id
         beat = Heartbeat(node_id=node, state=state, load=load)
-        return await self._call("POST", f"/v1/nodes/{node}/heartbeat", beat, HeartbeatAck)
+        return await self._call("POST", f"/v1/nodes/{node}/heartbeat", beat, HeartbeatAck, timeout_s=timeout_s)
 
     async def deregister(self, reason: str = "shutdown", timeout_s: float = DEREGISTER_TIMEOUT_S) -> None:
         node = self.identity.node_id
@@ -313,7 +313,10 @@ class NodePresence:
             if state == reported_state and self._clock() - last_beat < period:
                 continue
             try:
-                await self._client.heartbeat(state, load)
+                # A heartbeat that outlasts its period is late anyway: the next one goes out on a fresh connection.
+                # A kept connection a NAT forgot answers nothing, and waiting TRACKER_CALL_TIMEOUT_S on it let a
+                # tracker with a short period (its TTL is three of them) drop a node that was there all along.
+                await self._client.heartbeat(state, load, timeout_s=min(TRACKER_CALL_TIMEOUT_S, period))
             except NodeUnknown:
                 log.warning("tracker %s forgot this node; registering again", self._client.base_url)
                 self.registered = False

@@ -63,6 +63,7 @@ from meshnet_gguf.contract.relay_framing import (
     receive_line,
     send_message,
 )
+from meshnet_gguf.contract.relay_keepalive import keep_alive
 from meshnet_gguf.reference.relay_admission import PendingSlot, RelayAdmission, RelayRefusal
 from meshnet_gguf.reference.relay_admitted import SAVE_INTERVAL_S
 from meshnet_gguf.reference.relay_config import RelayConfig
@@ -442,6 +443,9 @@ class Relay:
             previous.close()
         else:
             log.info("node %s attached", tunnel.node_id)
+        # A node behind a NAT that forgot its mapping goes silent without a FIN: its kernel stops answering the
+        # probes, and the tunnel is dropped within NOTICED_WITHIN_S instead of the pings' interval + timeout.
+        keep_alive(stream.extra(anyio.abc.SocketAttribute.raw_socket, None))
         try:
             await send_message(stream, attached)
             async with anyio.create_task_group() as tg:
@@ -524,8 +528,11 @@ async def _splice(a: ByteStream, b: ByteStream, *, first_bytes_timeout_s: float 
     """Copy both ways as bytes arrive, until either side ends; then close both.
 
     With `first_bytes_timeout_s`, each side must have sent its first bytes within that time of the
-    splice's start, or the splice ends.
+    splice's start, or the splice ends. Either side gone silent (a node whose NAT forgot it, a tracker's
+    host gone) ends it within NOTICED_WITHIN_S, so the tracker's client hears of a cut stream in seconds.
     """
+    for side in (a, b):
+        keep_alive(side.extra(anyio.abc.SocketAttribute.raw_socket, None))
     started = anyio.current_time()
     async with anyio.create_task_group() as tg:
 
