@@ -1,5 +1,5 @@
-"""The node measures itself after the warm-up and before `ready` (never while serving), from
-llama-server's own timings, in a bounded time."""
+"""The node measures itself after the warm-up and before `ready` (never while serving), as a client
+and the tracker will see it (streamed, each size warmed, the prompt read by its ceiling), in a bounded time."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from meshnet_gguf.llama.child import ChildSpec
-from meshnet_gguf.llama.speed_probe import SpeedProbePolicy, rates_of
+from meshnet_gguf.contract.prompt_ceiling import prompt_ceiling
+from meshnet_gguf.llama.speed_probe import RUNS_PER_SIZE, SpeedProbePolicy, measured_rates, probe_request, rates_of
 from meshnet_gguf.llama.supervisor import Supervisor
 from meshnet_gguf.llama.warmup import WarmupPolicy
 from support.supervisor_policies import QUICK, ReadyClock
@@ -37,13 +38,24 @@ async def test_the_probe_runs_after_the_warmup_and_before_ready_and_its_figures_
         await supervisor.stop()
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     warmup, *probes = entries
-    assert warmup["body"]["stream"] is True and len(probes) == 2
-    # Non-streamed, every prompt token prefilled and every decode token produced, all before ready.
-    assert all(p["body"]["cache_prompt"] is False and p["body"]["ignore_eos"] is True and not p["body"].get("stream") for p in probes)
+    assert warmup["body"]["stream"] is True and len(probes) == 2 * RUNS_PER_SIZE
+    # Streamed as clients stream, each size twice (warmed, then timed), every prompt token prefilled and every
+    # decode token produced, all before ready.
+    assert all(p["body"]["stream"] is True and p["body"]["cache_prompt"] is False and p["body"]["ignore_eos"] is True for p in probes)
+    assert [p["body"] for p in probes] == [probe_request(4, 16)] * RUNS_PER_SIZE + [probe_request(40, 16)] * RUNS_PER_SIZE
     assert clock.ready_at is not None and all(e["at"] <= clock.ready_at for e in entries)
     assert capability is not None
-    assert [(p.ctx_tokens, p.tokens_per_s) for p in capability.prefill_tokens_per_s] == [(7, 5000.0), (7, 5000.0)]
-    assert [p.tokens_per_s for p in capability.decode_tokens_per_s] == [1000.0, 1000.0]
+    # Read by the prompt's ceiling, as the tracker reads a request (its bound on the prompt's tokens, from its bytes).
+    ceilings = [prompt_ceiling(probe_request(words, 16)) for words in (4, 40)]
+    assert [p.ctx_tokens for p in capability.prefill_tokens_per_s] == [p.ctx_tokens for p in capability.decode_tokens_per_s] == ceilings
+    assert all(p.tokens_per_s > 0 for p in [*capability.prefill_tokens_per_s, *capability.decode_tokens_per_s])
+
+
+def test_a_stream_gives_its_prompt_ceiling_over_its_first_token_time_and_its_events_over_the_decode_time() -> None:
+    measured = measured_rates(ceiling=400, ttft_s=0.1, events=17, decode_s=0.2, words=10)
+    assert measured is not None and (measured.prefill, measured.decode) == (4000.0, 80.0)
+    # One event alone times no decode, and a stream with none times nothing.
+    assert measured_rates(400, 0.1, 1, 0.0, 10) is None and measured_rates(400, 0.0, 0, 0.0, 10) is None
 
 
 def test_only_usable_timings_make_a_figure() -> None:

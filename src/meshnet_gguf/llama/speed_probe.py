@@ -1,10 +1,22 @@
 """The node measures itself: prefill and decode rates at a few prompt sizes, after warm-up and before
 `ready`, so never while it serves.
 
-The figures are llama-server's own `timings` (`prompt_per_second`, `predicted_per_second`) of a few
-generations through the very llama-server that will serve (a pooled one included: its RPC workers
-take part as they will for clients). They become the node's `NodeCapability`: what it announces to
-its tracker and shows on its page, a claim the tracker checks against what it forwards.
+It measures what a client will get, as the tracker will time it (docs/protocol.md, section 8.1): each
+prompt size is one streamed chat request through the very llama-server that will serve, with its
+settings (a pooled one included: its RPC workers take part as they will for clients), sent twice, the
+first to warm that size (a GPU backend builds its kernels for a new batch shape) and the second timed,
+on the node's own clock:
+
+- prefill: the prompt's ceiling (`contract.prompt_ceiling`, the tracker's bound on a prompt's tokens
+  from its bytes, which it reads claims against) over the time from sending the request to its first
+  content event: llama-server's queue, template, tokenizer and prefill, as a client waits for them;
+- decode: content events after the first over the time from the first to the last, one stream alone.
+
+llama-server's own `timings` count real tokens and prefill alone, so a claim made of them read 3-6x
+below what the tracker then measured (a GPU node claimed 10,207 prefill tokens/s, the tracker saw
+61,176 on its prompt bound). Decode is claimed for one stream, not a batch: the tracker measures a
+node's sequential streams, and a claim above what those deliver by `CLAIM_FLAG_FACTOR` is flagged.
+The figures become the node's `NodeCapability`: what it announces to its tracker and shows on its page.
 """
 
 from __future__ import annotations
@@ -20,23 +32,24 @@ from typing import Any
 
 import anyio
 
+from meshnet_gguf.contract.prompt_ceiling import prompt_ceiling
 from meshnet_gguf.contract.protocol import MAX_CAPABILITY_POINTS, NodeCapability, RatePoint
 from meshnet_gguf.llama.child_loop import Outcome
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
-from meshnet_gguf.llama.warmup import WARMUP_WORD, before_ready, own_chat_completion
+from meshnet_gguf.llama.warmup import WARMUP_HEADER, WARMUP_WORD, before_ready
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SpeedProbePolicy:
-    """One non-streamed generation per prompt size, smallest first, while the budget lasts.
+    """Two streamed generations per prompt size (one to warm it, one timed), smallest first, while the budget lasts.
 
     A size whose predicted cost (from the rates measured so far) would overrun `budget_s` is not
     run: on a slow box the probe stays a few seconds and measures fewer sizes."""
 
     prompt_words: tuple[int, ...] = (16, 128, 512)
-    # Enough tokens that llama-server's decode rate is an average, not one step's time.
+    # Enough tokens that the decode rate is an average over the stream, not one step's time.
     max_tokens: int = 16
     budget_s: float = 4.0
     # One answer that never comes must not hold `ready` back for long.
@@ -44,6 +57,8 @@ class SpeedProbePolicy:
 
 
 DEFAULT_SPEED_PROBE = SpeedProbePolicy()
+# Runs of each prompt size: the first warms it (not kept), the last is timed.
+RUNS_PER_SIZE = 2
 
 
 async def measure_speed(
@@ -55,7 +70,7 @@ async def measure_speed(
     policy: SpeedProbePolicy,
 ) -> tuple[Outcome, NodeCapability | None]:
     """Measure the loaded llama-server; the outcome as the warm-up's (READY, EXITED, STOPPING), and
-    the figures (None when no generation gave usable timings: an embedding model, an old build)."""
+    the figures (None when no generation streamed usable content: an embedding model, say)."""
     found: list[_Measured] = []
     started = time.monotonic()
 
@@ -63,25 +78,29 @@ async def measure_speed(
         with anyio.move_on_after(policy.timeout_s):
             for words in policy.prompt_words[:MAX_CAPABILITY_POINTS]:
                 left_s = policy.budget_s - (time.monotonic() - started)
-                if found and _predicted_s(found[-1], words, policy.max_tokens) > left_s:
+                if found and RUNS_PER_SIZE * _predicted_s(found[-1], words, policy.max_tokens) > left_s:
                     break
-                point = await _measure_once(http, base_url, api_key, words, policy.max_tokens)
+                point = None
+                for _ in range(RUNS_PER_SIZE):
+                    point = await _measure_once(http, base_url, api_key, words, policy.max_tokens)
+                    if point is None:
+                        break
                 if point is None:
-                    break  # the next, longer prompt fares no better (too long for a slot, no timings)
-                found.append(_Measured(*point, words=words))
+                    break  # the next, longer prompt fares no better (too long for a slot, no content)
+                found.append(point)
 
     outcome = await before_ready(proc, stop_requested, probe)
     spent = time.monotonic() - started
     if not found:
-        log.info("llama-server gave no usable timings; this node announces no speed figures")
+        log.info("llama-server streamed no usable answer to the speed probe; this node announces no speed figures")
         return outcome, None
     capability = NodeCapability(
-        prefill_tokens_per_s=[RatePoint(ctx_tokens=m.ctx, tokens_per_s=m.prefill) for m in found],
-        decode_tokens_per_s=[RatePoint(ctx_tokens=m.ctx, tokens_per_s=m.decode) for m in found],
+        prefill_tokens_per_s=[RatePoint(ctx_tokens=m.ceiling, tokens_per_s=m.prefill) for m in found],
+        decode_tokens_per_s=[RatePoint(ctx_tokens=m.ceiling, tokens_per_s=m.decode) for m in found],
         measured_in_s=round(spent, 3),
     )
     log.info(
-        "measured in %.1f s: prefill %s, decode %s tokens/s", spent,
+        "measured in %.1f s: prefill %s, decode %s tokens/s (prompt-bound tokens, as the tracker reads them)", spent,
         ", ".join(f"{p.tokens_per_s:.0f} at {p.ctx_tokens}" for p in capability.prefill_tokens_per_s),
         ", ".join(f"{p.tokens_per_s:.1f} at {p.ctx_tokens}" for p in capability.decode_tokens_per_s),
     )  # fmt: skip
@@ -90,41 +109,69 @@ async def measure_speed(
 
 @dataclass(frozen=True)
 class _Measured:
-    ctx: int
-    prefill: float
-    decode: float
+    ceiling: int  # the request's prompt ceiling
+    prefill: float  # ceiling tokens per second of time to the first content event
+    decode: float  # content events per second after the first
     words: int
 
 
 def _predicted_s(last: _Measured, words: int, max_tokens: int) -> float:
-    """What a generation with `words` prompt words should cost, at the rates of the last one measured."""
-    tokens = last.ctx * words / max(last.words, 1)  # context tokens scale with the words (plus the template's few)
-    return tokens / last.prefill + max_tokens / last.decode
+    """What one generation with `words` prompt words should cost, at the rates of the last one measured."""
+    ceiling = last.ceiling * words / max(last.words, 1)  # a word is a few bytes; the allowances are the same
+    return ceiling / last.prefill + max_tokens / last.decode
 
 
-async def _measure_once(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> tuple[int, float, float] | None:
-    """(prompt tokens, prefill tokens/s, decode tokens/s) of one generation, or None."""
-    fields = {
+def probe_request(words: int, max_tokens: int) -> dict[str, Any]:
+    """The body of one measurement: a chat turn of `words` words, streamed as clients stream."""
+    return {
         "messages": [{"role": "user", "content": WARMUP_WORD * words}],
         "max_tokens": max_tokens,
         "temperature": 0,
+        "stream": True,
         # Every prompt token prefilled (no cache hit), every decode token produced (no early end).
         "cache_prompt": False,
         "ignore_eos": True,
     }
+
+
+async def _measure_once(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> _Measured | None:
+    """One streamed generation, timed from the request to its first and last content event; None when unusable."""
+    fields = probe_request(words, max_tokens)
+    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", WARMUP_HEADER: "1"}
+    sent = time.perf_counter()
+    first = last = 0.0
+    events = 0
     try:
-        status, answer = await own_chat_completion(http, base_url, api_key, fields)
+        response = await http.send("POST", f"{base_url}/v1/chat/completions", headers, json.dumps(fields).encode())
+        try:
+            if response.status != 200:
+                log.info("speed measurement with %d words answered %s; stopping there", words, response.status)
+                return None
+            buffer = b""
+            async for chunk in response.iter_chunks():
+                buffer += chunk
+                *whole, buffer = buffer.split(b"\n\n")
+                for event in whole:
+                    if b'"content":"' in event and not event.startswith(b":"):
+                        last = time.perf_counter()
+                        first = first or last
+                        events += 1
+        finally:
+            await response.aclose()
     except UpstreamError as exc:
         log.info("speed measurement request failed (%s)", exc)
         return None
-    if status != 200:
-        log.info("speed measurement with %d words answered %s; stopping there", words, status)
+    return measured_rates(prompt_ceiling(fields), first - sent if events else 0.0, events, last - first, words)
+
+
+def measured_rates(ceiling: int, ttft_s: float, events: int, decode_s: float, words: int) -> _Measured | None:
+    """The figures of one stream, when all are usable: a first content event, and one more at least after it."""
+    if events < 2 or ttft_s <= 0 or decode_s <= 0:
         return None
-    try:
-        timings = json.loads(answer).get("timings")
-    except (ValueError, AttributeError):
+    prefill, decode = ceiling / ttft_s, (events - 1) / decode_s
+    if not (math.isfinite(prefill) and math.isfinite(decode)):
         return None
-    return rates_of(timings)
+    return _Measured(ceiling=ceiling, prefill=prefill, decode=decode, words=words)
 
 
 def rates_of(timings: Any) -> tuple[int, float, float] | None:
@@ -140,4 +187,4 @@ def rates_of(timings: Any) -> tuple[int, float, float] | None:
     return ctx, float(prefill), float(decode)
 
 
-__all__ = ["DEFAULT_SPEED_PROBE", "SpeedProbePolicy", "measure_speed", "rates_of"]
+__all__ = ["DEFAULT_SPEED_PROBE", "RUNS_PER_SIZE", "SpeedProbePolicy", "measure_speed", "measured_rates", "probe_request", "rates_of"]

@@ -31,6 +31,11 @@ import json
 import re
 from typing import Any
 
+# The tracker's prompt bound lives in the contract, shared with the node's speed probe; read here as before.
+from meshnet_gguf.contract.prompt_ceiling import PROMPT_BASE_ALLOWANCE_TOKENS as PROMPT_BASE_ALLOWANCE_TOKENS
+from meshnet_gguf.contract.prompt_ceiling import PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS as PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS
+from meshnet_gguf.contract.prompt_ceiling import prompt_ceiling as prompt_ceiling
+from meshnet_gguf.contract.prompt_ceiling import text_size
 from meshnet_gguf.contract.protocol import UsageCounts
 from meshnet_gguf.contract.sse import DONE_DATA, event_data, is_comment
 
@@ -75,10 +80,6 @@ class BoundedEventSplitter:
 
 # A whole answer is read for its generated text only up to this size; past it, the route's cap bounds it.
 MAX_METERED_BODY_BYTES = 16 * 1024 * 1024
-# What a chat template adds around a prompt: BOS, a default system prompt, the generation prompt.
-PROMPT_BASE_ALLOWANCE_TOKENS = 128
-# Role markers and separators a template puts around each message (or each embeddings input).
-PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS = 16
 # Tokens an honest node counts that add no byte to the text the client gets, per choice. llama-server counts
 # every sampled token (`timings.predicted_n`); a token's text is its piece, never empty except:
 # - the end-of-generation token (EOS, <end_of_turn>): a control token, rendered empty, sampled once at the end;
@@ -105,45 +106,6 @@ RESPONSE_FORMAT_STRIPPED_TOKENS = 4 * GRAMMAR_SPACE_MAX_BYTES + len("```json") +
 # longest stop string. (A tool call's markup is covered by its id, which llama-server makes up and sends:
 # 32 bytes no token produced, counted with the call's name and arguments.)
 # A node that lies is billed at most this slack above the bytes it sent: `completion_slack` sums it.
-
-# The request fields a prompt is made of; every string leaf counts its bytes, every number one token.
-_PROMPT_FIELDS = ("messages", "prompt", "input", "tools", "functions", "system")
-# Bounds the walk over a request's JSON (it is already depth-limited by the parser).
-_MAX_WALK_ITEMS = 1_000_000
-
-
-def prompt_ceiling(payload: dict[str, Any]) -> int:
-    """The most prompt tokens the request can hold, whatever the tokenizer."""
-    pieces = 0
-    for field in ("messages", "input", "prompt"):
-        value = payload.get(field)
-        if isinstance(value, list):
-            pieces += len(value)
-        elif value is not None:
-            pieces += 1
-    return (
-        PROMPT_BASE_ALLOWANCE_TOKENS
-        + PROMPT_PER_MESSAGE_ALLOWANCE_TOKENS * pieces
-        + sum(_text_size(payload[f]) for f in _PROMPT_FIELDS if f in payload)
-    )
-
-
-def _text_size(value: Any) -> int:
-    size, stack, seen = 0, [value], 0
-    while stack and seen < _MAX_WALK_ITEMS:
-        item = stack.pop()
-        seen += 1
-        if isinstance(item, str):
-            size += len(item.encode("utf-8", "surrogatepass"))
-        elif isinstance(item, bool) or item is None:
-            continue
-        elif isinstance(item, (int, float)):
-            size += 1
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return size
 
 
 def completion_slack(request: dict[str, Any], *, reasoning: bool = False) -> int:
@@ -260,8 +222,8 @@ def _generated_text_bytes(answer: Any) -> int:
             continue
         message = choice.get("message")
         if isinstance(message, dict):
-            total += _text_size([message.get("content"), message.get("reasoning_content"), message.get("tool_calls")])
-        total += _text_size(choice.get("text"))
+            total += text_size([message.get("content"), message.get("reasoning_content"), message.get("tool_calls")])
+        total += text_size(choice.get("text"))
     return total
 
 
@@ -273,8 +235,8 @@ def _delta_text_bytes(chunk: dict[str, Any]) -> int:
             continue
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            total += _text_size([delta.get("content"), delta.get("reasoning_content"), delta.get("tool_calls")])
-        total += _text_size(choice.get("text"))
+            total += text_size([delta.get("content"), delta.get("reasoning_content"), delta.get("tool_calls")])
+        total += text_size(choice.get("text"))
     return total
 
 
