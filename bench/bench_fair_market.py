@@ -67,7 +67,8 @@ MODEL = "model"  # the gguf's file stem: every node serves this name
 SLOTS = 2
 # The fake llama-server's pace: a first token after this (a node's prefill), then 8 tokens 5 ms apart.
 FIRST_TOKEN_S, TOKEN_S, TOKENS = 0.02, 0.005, 8
-WARM_REQUESTS = 15  # before each round's counted requests: every node measured, as on a tracker that ran a while
+# Before each round's counted requests, sent until every node is measured (a tracker that ran a while), at most these.
+WARM_LIMIT = 60
 READY_TIMEOUT_S = 120.0
 NEWCOMER_LIMIT_S = 90.0
 Pick = Callable[[NodeRegistry, str, Collection[str], int], "NodeEntry | None"]
@@ -201,9 +202,14 @@ def pct(values: list[float], q: float) -> float:
 def sequential_round(tracker: TrackerThread, rule: str, requests: int, names: dict[str, str]) -> dict[str, Any]:
     use(tracker, rule)
     counter = iter(range(10**9))
+    registry = tracker.tracker.registry
+    warm = 0
     with httpx.Client(timeout=60) as http:
-        for _ in range(WARM_REQUESTS):
+        # Until every node is measured (trusted), as on a tracker that ran a while; the strict minimum never
+        # measures them all, so it stops at the limit.
+        while warm < WARM_LIMIT and not all(e.speed.trusted for e in registry.all()):
             one(http, tracker.url, next(counter))
+            warm += 1
         served = [one(http, tracker.url, next(counter)) for _ in range(requests)]
     by_id = {v: k for k, v in names.items()}
     shares = Counter(by_id.get(node, node) for _, node in served)
@@ -214,6 +220,7 @@ def sequential_round(tracker: TrackerThread, rule: str, requests: int, names: di
         "worst_share_off_a_fair_one": round(max(abs(shares.get(n, 0) - fair) / fair for n in names), 3),
         "ttft_p50_ms": pct(ttfts, 0.5),
         "ttft_p95_ms": pct(ttfts, 0.95),
+        "warm_requests": warm,
     }
 
 

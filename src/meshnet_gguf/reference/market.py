@@ -60,6 +60,10 @@ SPREAD_ALLOWANCE = 2.0
 # unmeasured share: a node out of the band is sent nothing, so without this a single unlucky stream
 # (a hiccup on its box) would keep its estimate, and it, out for good.
 REMEASURE_AFTER_REQUESTS = 20
+# ...unless its own figures put it more than this many times past the band's edge: one unlucky stream moves
+# a moving average by well under this, and a node that far behind is slower, not unlucky (measured again
+# every 20 requests, a node 5x slower cost 5 % of the requests a slow answer: the p95 of bench/RESULTS.md).
+REMEASURE_WITHIN = 2.0
 # The requests each node's share is counted over, per model: enough that one request moves a share by
 # a point, few enough that an operator sees a change within minutes.
 RECENT_REQUESTS = 100
@@ -185,6 +189,7 @@ __all__ = [
     "RECENT_REQUESTS",
     "SPREAD_ALLOWANCE",
     "REMEASURE_AFTER_REQUESTS",
+    "REMEASURE_WITHIN",
     "UNMEASURED_CREDIT_CAP",
     "UNMEASURED_SHARE",
     "Market",

@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
-from meshnet_gguf.reference.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, Market, NodeOffer
+from meshnet_gguf.reference.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, REMEASURE_WITHIN, Market, NodeOffer
 from meshnet_gguf.reference.node_address import NodeTarget
 from meshnet_gguf.reference.node_speed import NodeSpeed, expected_ttft_s, load_factor, overhead_floor_s
 
@@ -185,12 +185,13 @@ class NodeRegistry:
             best = min(t for e in measured if (t := expected[e.node_id]) is not None)
             # A claim of being far slower is believed (it costs only its maker): its prefill alone, overheads
             # left out, against the best measured TTFT. Any other is measured, and so is a measured node not
-            # sent a request for a while unless its own figures say it is far slower.
+            # sent a request for a while unless its own figures put it well past the band.
             believed_slower = best * (1 + FAIR_BAND_TOLERANCE) * CLAIM_BELIEVED_SLOWER
             worth_measuring = [
                 e for e in unmeasured if (t := e.speed.claimed_prefill_s(prompt_tokens)) is None or t <= believed_slower
             ] + [
-                e for e in measured if market.stale(e.node_id) and expected[e.node_id] <= believed_slower  # type: ignore[operator]
+                e for e in measured
+                if market.stale(e.node_id) and expected[e.node_id] <= best * (1 + FAIR_BAND_TOLERANCE) * REMEASURE_WITHIN  # type: ignore[operator]
             ]  # fmt: skip
             if worth_measuring and market.unmeasured_turn():
                 samples = {e.node_id: e.speed.samples for e in worth_measuring}
