@@ -71,6 +71,10 @@ FIRST_TOKEN_S, TOKEN_S, TOKENS = 0.02, 0.005, 8
 WARM_LIMIT = 60
 READY_TIMEOUT_S = 120.0
 NEWCOMER_LIMIT_S = 90.0
+# claims: chat turns of a line to half a page; the longest is ~1,200 tokens with a byte-level tokenizer (the generated
+# test models), ~300 with a real one, within any model's trained context.
+CLAIMS_PROMPT_WORDS = (25, 75, 150, 300)
+CLAIMS_CTX_PER_SLOT = 2048
 Pick = Callable[[NodeRegistry, str, Collection[str], int], "NodeEntry | None"]
 
 
@@ -312,7 +316,7 @@ def wait_gone(tracker: TrackerThread, node_id: str) -> None:
 def scenario_claims(args: argparse.Namespace, work: Path, tracker: TrackerThread) -> dict[str, Any]:
     """One real node on the model: what it claims, and what the tracker measures of its first streams."""
     model = Path(args.model).resolve()
-    serve = ["--gguf", str(model), "--parallel", str(args.parallel), "--ctx-size", "4096"]
+    serve = ["--gguf", str(model), "--parallel", str(args.parallel), "--ctx-size", str(CLAIMS_CTX_PER_SLOT * args.parallel)]
     if args.llama_server:
         serve += ["--llama-server", args.llama_server]
     if args.n_gpu_layers is not None:
@@ -326,7 +330,7 @@ def scenario_claims(args: argparse.Namespace, work: Path, tracker: TrackerThread
         ttfts = []
         with httpx.Client(timeout=300) as http:
             for n in range(args.requests):
-                words = rng.choice((50, 150, 300, 600))  # chat turns of a few lines to a page
+                words = rng.choice(CLAIMS_PROMPT_WORDS)
                 body = {"model": model_name, "messages": [{"role": "user", "content": f"{n}" + " the" * words}],
                         "max_tokens": 64, "stream": True, "ignore_eos": True}  # fmt: skip
                 started_at = time.perf_counter()
