@@ -169,10 +169,10 @@ def test_on_a_slow_lossy_link_streams_arrive_byte_identical_the_relay_adds_one_r
     added_fresh = (_median(slow_fresh) - _median(clean_fresh)) / rtt
     print(f"round trips of the node's link before the first token: {added_kept:.2f} on a kept tunnel, {added_fresh:.2f} on a new one")
     # A kept tunnel: the request and its first bytes, one round trip, the least any path to the node can take.
-    assert 0.8 < added_kept < 1.4, (clean_kept, slow_kept)
+    assert 0.7 < added_kept < 1.5, (clean_kept, slow_kept)
     # A new tunnel: the node's TLS handshake, one more (the work connection waits at the relay already, so no
     # TCP handshake to the node and no attach is on this path).
-    assert 1.8 < added_fresh < 2.4, (clean_fresh, slow_fresh)
+    assert 1.6 < added_fresh < 2.5, (clean_fresh, slow_fresh)
 
     # Both links as a home user's: slow, lossy, reordered. Streams come through whole, byte for byte.
     mesh.net.node_link.set(**HOME_LINK)

@@ -5,7 +5,10 @@ way round) and keeps there:
 
 - one **control connection**: it proves the node key by signing the relay's
   challenge, then pings; a relay silent for ping interval + timeout is dead,
-  and the link reconnects with backoff and jitter;
+  and the link reconnects with backoff and jitter. A NAT that forgot the
+  tunnel says nothing to either end: TCP keep-alive notices it sooner, within
+  `NOTICED_WITHIN_S` (`contract/relay_keepalive`), on this connection and on
+  every stream's;
 - a small pool of **idle work connections**, each proved the same way. When a
   tracker CONNECTs to this node, the relay splices it to one of them; the node
   terminates TLS on it with its identity-bound certificate (`node_tls`) and
