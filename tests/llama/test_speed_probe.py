@@ -48,14 +48,19 @@ async def test_the_probe_runs_after_the_warmup_and_before_ready_and_its_figures_
     # Read by the prompt's ceiling, as the tracker reads a request (its bound on the prompt's tokens, from its bytes).
     ceilings = [prompt_ceiling(probe_request(words, 16)) for words in (4, 40)]
     assert [p.ctx_tokens for p in capability.prefill_tokens_per_s] == [p.ctx_tokens for p in capability.decode_tokens_per_s] == ceilings
-    assert all(p.tokens_per_s > 0 for p in [*capability.prefill_tokens_per_s, *capability.decode_tokens_per_s])
+    assert all(p.tokens_per_s > 0 for p in capability.prefill_tokens_per_s)
+    # Decode as llama-server timed the stream (the fake says 1,000 tokens/s), not the spacing of its events.
+    assert [p.tokens_per_s for p in capability.decode_tokens_per_s] == [1000.0, 1000.0]
 
 
-def test_a_stream_gives_its_prompt_ceiling_over_its_first_token_time_and_its_events_over_the_decode_time() -> None:
+def test_a_stream_gives_its_prompt_ceiling_over_its_first_token_time_and_its_decode_rate() -> None:
     measured = measured_rates(ceiling=400, ttft_s=0.1, events=17, decode_s=0.2, words=10)
     assert measured is not None and (measured.prefill, measured.decode) == (4000.0, 80.0)
     # One event alone times no decode, and a stream with none times nothing.
     assert measured_rates(400, 0.1, 1, 0.0, 10) is None and measured_rates(400, 0.0, 0, 0.0, 10) is None
+    # llama-server's own decode rate for the stream, where it gave one: events may arrive several to a read.
+    timed = measured_rates(ceiling=400, ttft_s=0.1, events=17, decode_s=0.002, words=10, timed_decode=120.0)
+    assert timed is not None and timed.decode == 120.0
 
 
 def test_only_usable_timings_make_a_figure() -> None:

@@ -10,7 +10,8 @@ on the node's own clock:
 - prefill: the prompt's ceiling (`contract.prompt_ceiling`, the tracker's bound on a prompt's tokens
   from its bytes, which it reads claims against) over the time from sending the request to its first
   content event: llama-server's queue, template, tokenizer and prefill, as a client waits for them;
-- decode: content events after the first over the time from the first to the last, one stream alone.
+- decode: llama-server's own rate for the stream (`timings.predicted_per_second`), else the content
+  events after the first over the time from the first to the last; one stream alone.
 
 llama-server's own `timings` count real tokens and prefill alone, so a claim made of them read 3-6x
 below what the tracker then measured (a GPU node claimed 10,207 prefill tokens/s, the tracker saw
@@ -141,6 +142,7 @@ async def _measure_once(http: UpstreamClient, base_url: str, api_key: str, words
     sent = time.perf_counter()
     first = last = 0.0
     events = 0
+    timed_decode: float | None = None
     try:
         response = await http.send("POST", f"{base_url}/v1/chat/completions", headers, json.dumps(fields).encode())
         try:
@@ -152,26 +154,48 @@ async def _measure_once(http: UpstreamClient, base_url: str, api_key: str, words
                 buffer += chunk
                 *whole, buffer = buffer.split(b"\n\n")
                 for event in whole:
-                    if b'"content":"' in event and not event.startswith(b":"):
+                    if event.startswith(b":"):
+                        continue
+                    if b'"content":"' in event:
                         last = time.perf_counter()
                         first = first or last
                         events += 1
+                    if b'"timings"' in event:
+                        timed_decode = _timed_decode(event)
         finally:
             await response.aclose()
     except UpstreamError as exc:
         log.info("speed measurement request failed (%s)", exc)
         return None
-    return measured_rates(prompt_ceiling(fields), first - sent if events else 0.0, events, last - first, words)
+    return measured_rates(prompt_ceiling(fields), first - sent if events else 0.0, events, last - first, words, timed_decode)
 
 
-def measured_rates(ceiling: int, ttft_s: float, events: int, decode_s: float, words: int) -> _Measured | None:
-    """The figures of one stream, when all are usable: a first content event, and one more at least after it."""
+def measured_rates(
+    ceiling: int, ttft_s: float, events: int, decode_s: float, words: int, timed_decode: float | None = None
+) -> _Measured | None:
+    """The figures of one stream, when all are usable: a first content event, and one more at least after it.
+
+    Decode is llama-server's own rate for the stream where it gave one (`timed_decode`): events that come
+    faster than it writes them arrive several to a read, so their spacing overstates the rate (a tiny model
+    read 7,286 tokens/s that way where llama-server timed 1,509, and the tracker, further on, 2,002)."""
     if events < 2 or ttft_s <= 0 or decode_s <= 0:
         return None
-    prefill, decode = ceiling / ttft_s, (events - 1) / decode_s
+    prefill, decode = ceiling / ttft_s, timed_decode or (events - 1) / decode_s
     if not (math.isfinite(prefill) and math.isfinite(decode)):
         return None
     return _Measured(ceiling=ceiling, prefill=prefill, decode=decode, words=words)
+
+
+def _timed_decode(event: bytes) -> float | None:
+    """llama-server's `timings.predicted_per_second` in one stream event, when usable."""
+    try:
+        timings = json.loads(event.partition(b"data:")[2]).get("timings")
+    except (ValueError, AttributeError):
+        return None
+    rate = timings.get("predicted_per_second") if isinstance(timings, Mapping) else None
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not math.isfinite(rate) or rate <= 0:
+        return None
+    return float(rate)
 
 
 def rates_of(timings: Any) -> tuple[int, float, float] | None:
