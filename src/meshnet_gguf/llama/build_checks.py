@@ -196,12 +196,12 @@ def _backend(name: str, *, portable: bool) -> BuildChoices | str:
             return blocker
         return BuildChoices(backend="vulkan", web_ui=False, portable=portable, notes=(), backend_flags=("-DGGML_VULKAN=ON",),
                             patches=vulkan_patches())  # fmt: skip
-    if portable:
-        # A portable build is copied across a fleet; a CUDA or ROCm build is for the cards of the box that made it.
-        return f"--portable builds for any x86-64 CPU and leaves {name.upper()} out: build {name} on each box"
     toolchain: GpuToolchain | str = cuda_toolchain() if name == "cuda" else rocm_toolchain()
     if isinstance(toolchain, str):
         return toolchain
+    if portable:
+        # A portable build is copied across a fleet; a CUDA or ROCm build is for the cards of the box that made it.
+        return f"--portable builds for any x86-64 CPU and leaves {name.upper()} out: build {name} on each box"
     return BuildChoices(backend=name, web_ui=False, portable=portable, notes=(), backend_flags=toolchain.cmake_flags,
                         env=dict(toolchain.env))  # fmt: skip
 
