@@ -46,6 +46,11 @@ CLIENT_REQUEST_TIMEOUT_S = 30.0
 # A client whose request was refused (a 503 while no node is routable, the tracker down) tries again after this
 # pause, as SDK clients back off: the count of requests then says how many were tried, not how fast a loop spins.
 REFUSED_PAUSE_S = 0.5
+# A node's supervisor gives up on a llama-server that crashes 5 times before it was up this long
+# (NodeSettings.restart_stable_after_s, max_quick_crashes), on purpose: a crash loop is a failed node. The driver
+# kills a llama-server only once it has been up this long since its last kill, so what it tests is the restart, not
+# the give-up (a 30-minute run that killed more often lost its spared node to it after 8 minutes).
+LLAMA_STABLE_S = 125.0
 # A killed service waits this long before its restart (a crash, then the supervisor's restart).
 RESTART_PAUSE_S = (0.5, 2.5)
 # After the chaos: every component back, ready and routable within this (a node's restart, its registration,
@@ -123,6 +128,7 @@ class ChaosReport:
     billed_twice: int
     completed_not_billed: int
     rejected_unknown: int
+    self_exits: int
     samples: list[dict[str, Any]]
     problems: list[str]
 
@@ -142,6 +148,8 @@ class Chaos:
         self._events = events_log.open("a")
         self.samples: dict[tuple[str, int], Sample] = {}
         self._started_at: dict[tuple[str, int], float] = {}
+        self._llama_killed_at: dict[str, float] = {}
+        self.self_exits: list[str] = []
 
     # --- the run -----------------------------------------------------------------------------------------
     def run(self) -> ChaosReport:
@@ -192,9 +200,21 @@ class Chaos:
             time.sleep(max(0.0, min(pause, until - time.monotonic())))
             if time.monotonic() >= until:
                 break
+            self._restart_exited_nodes()
             action = self.rng.choices(names, weights)[0]
             self.actions[action] = self.actions.get(action, 0) + 1
             getattr(self, "_" + action)()
+
+    def _restart_exited_nodes(self) -> None:
+        """A node that ended by itself is started again, as its service manager would (systemd's Restart=on-failure),
+        and counted: nothing the driver does should end one."""
+        for node in self.mesh.nodes:
+            if node.proc is not None and node.proc.poll() is not None:
+                code = node.proc.returncode
+                self.self_exits.append(f"{node.name} (pid {node.proc.pid}) exited by itself with {code}")
+                self._log(f"{node.name} exited by itself", code=code)
+                node.start()
+                self._born(self._node_name(node), node.proc.pid if node.proc else 0)
 
     # --- the actions -------------------------------------------------------------------------------------
     def _kill_tracker(self) -> None:
@@ -230,15 +250,21 @@ class Chaos:
         return None
 
     def _kill_llama(self) -> None:
-        node = self.rng.choice(self.mesh.nodes)
+        now = time.monotonic()
+        stable = [n for n in self.mesh.nodes if now - self._llama_killed_at.get(n.name, -LLAMA_STABLE_S) >= LLAMA_STABLE_S]
+        if not stable:
+            return self._flush_nat()
+        node = self.rng.choice(stable)
+        self._llama_killed_at[node.name] = now
         pid = node.llama_pid()
         if pid is None:
-            return
+            return None
         try:
             os.kill(pid, 9)  # by the PID the node's pidfile names; the node's supervisor restarts it
         except ProcessLookupError:
-            return
+            return None
         self._log(f"killed {node.name}'s llama-server", pid=pid)
+        return None
 
     def _flush_nat(self) -> None:
         self.mesh.net.flush_nat()
@@ -253,6 +279,7 @@ class Chaos:
     # --- bringing it back, and the verdict ---------------------------------------------------------------
     def recover(self) -> int:
         """Links clean, every component running, ready and routable; then FINAL_REQUESTS that must succeed."""
+        self._restart_exited_nodes()
         clean = NETEM_PRESETS[0]
         self.mesh.net.node_link.set(**clean)
         self.mesh.net.client_link.set(**clean)
@@ -273,8 +300,8 @@ class Chaos:
         return ok
 
     def verify(self, duration_s: float) -> ChaosReport:
-        problems: list[str] = []
         final_ok = self.recover()
+        problems: list[str] = list(self.self_exits)
         if final_ok != FINAL_REQUESTS:
             problems.append(f"only {final_ok} of {FINAL_REQUESTS} requests succeeded once everything was back")
         self._wait_receipts(problems)
@@ -344,7 +371,8 @@ class Chaos:
             duration_s=duration_s, actions=dict(self.actions), sent=len(self.sent), completed=len(completed), refused=len(refused),
             error_events=len(events), broken_with_tracker_dead=len(excused), final_requests_ok=final_ok,
             node_rows=sum(len(ledger) for ledger in ledgers.values()), tracker_rows=len(usage), ledger_disagreements=disagreements,
-            billed_twice=len(billed_twice), completed_not_billed=len(not_billed), rejected_unknown=rejected_unknown, samples=samples,
+            billed_twice=len(billed_twice), completed_not_billed=len(not_billed), rejected_unknown=rejected_unknown,
+            self_exits=len(self.self_exits), samples=samples,
             problems=problems,
         )  # fmt: skip
         self._log("report", **{k: v for k, v in asdict(report).items() if k != "samples"})
