@@ -12,7 +12,9 @@ claimed weights (`proof/`) and compares.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -126,6 +128,102 @@ class AuditVerdict(WireModel):
     # How far the answer stayed inside the tolerance (> 0, nats) or fell outside it (< 0).
     margin_nats: float
     positions_checked: int = Field(ge=0)
+    # The whole-answer statistic (`proof.drift`) of a greedy answer it judged: the sum of its tokens' gaps below the
+    # claimed model's best, each capped at DRIFT_GAP_CAP_NATS, over `drift_tokens` tokens. 0 tokens: not judged by it
+    # (sampled, too short): such a verdict adds nothing to the node's CUSUM (`NodeDrift`).
+    drift_gap_nats: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    drift_tokens: int = Field(0, ge=0)
+
+
+# --- The whole-answer and node-level verdict (proof of quant: a cheaper quant of the claimed weights) ---
+# A tracker judges a node's judged audits in a row by a one-sided CUSUM on the per-token gap (`NodeDrift`), so the
+# rule and its bounds are the protocol's: here, beside the verdict that carries the figures (a tracker needs only the
+# contract). `proof.drift` computes an answer's figures; bench/RESULTS.md ("Proof of quant") has the measurements.
+#
+# Each token's gap counts at most this much (= proof.tolerance.GREEDY_TIE_NATS, held equal by tests/proof): one past
+# it is the per-token check's refusal, and one token must not carry a whole answer's drift.
+DRIFT_GAP_CAP_NATS = 0.3
+# The allowance per judged token (nats). Measured (bench/RESULTS.md, "Proof of quant"; greedy answers against a CPU
+# verifier): the claimed file on another thread count and batch on the CPU 0 exactly; on lavapipe Vulkan the tiny
+# model 0.00001 a token (9 near-ties in 1,024 tokens), the demo's Q8_0 0.0038 a token (9 near-ties in 240 tokens, up
+# to 0.168 nats each), 0.0094 in its worst answer. 0.01 is 2.6x the real model's honest mean, above its worst answer:
+# an honest node's S steps up rarely, by little, and falls back at 0.006 nats a token. Cheaper quants above it are
+# caught (the table beside these figures); a quant whose rounding moves the answers less than lavapipe does (its
+# mean under 0.01) cannot be told from an honest node on such a backend, and is not refused.
+DRIFT_ALLOWANCE_NATS_PER_TOKEN = 0.01
+# A node is refused when its S passes this (nats): five of the largest honest near-ties measured (0.20 nats, demo
+# Q8_0 on lavapipe) beyond the allowance in a row. No measured honest answer stepped S above 0 at all (its gaps were
+# all under the allowance), so no honest node in the measurements came within this bound; see RESULTS for the
+# false-refusal rate that implies.
+DRIFT_REFUSE_NATS = 1.0
+# An answer with fewer judged tokens adds nothing to S and gets no whole-answer verdict (the per-token check still
+# judges it): below it one near-tie is the whole answer.
+DRIFT_MIN_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class AnswerGaps:
+    """What one greedy answer adds to the statistic: the sum of its tokens' gaps below the claimed model's best
+    (each capped at DRIFT_GAP_CAP_NATS) over `tokens` judged tokens; `tie_broken`: a token past the cap, or the
+    answer not scored to its end (the per-token check refuses it)."""
+
+    gap_nats: float
+    tokens: int
+    tie_broken: bool = False
+
+    @classmethod
+    def of(cls, gaps: list[float] | tuple[float, ...], answer_tokens: int | None = None) -> AnswerGaps:
+        capped = [min(max(g, 0.0), DRIFT_GAP_CAP_NATS) for g in gaps]
+        broken = any(g > DRIFT_GAP_CAP_NATS for g in gaps) or (answer_tokens is not None and len(gaps) < answer_tokens)
+        return cls(sum(capped), len(capped), broken)
+
+    def excess(self) -> float:
+        """The answer's step of the CUSUM: its gaps less the allowance over its tokens (nats)."""
+        return self.gap_nats - DRIFT_ALLOWANCE_NATS_PER_TOKEN * self.tokens
+
+    def judged(self) -> bool:
+        return self.tokens >= DRIFT_MIN_TOKENS
+
+    def bounded(self, most_tokens: int) -> AnswerGaps | None:
+        """These figures as a tracker may count them, or None when they cannot be: finite, not negative, the tokens
+        at most `most_tokens` (what the audited answer's text can hold: a verdict claiming more tokens would buy
+        allowance, and so lower a node's CUSUM, with tokens the answer never had), the gaps at most the cap a token."""
+        if not math.isfinite(self.gap_nats) or self.gap_nats < 0 or self.tokens < 0:
+            return None
+        tokens = min(self.tokens, max(most_tokens, 0))
+        return AnswerGaps(min(self.gap_nats, DRIFT_GAP_CAP_NATS * tokens), tokens, self.tie_broken)
+
+
+def answer_refused(gaps: AnswerGaps) -> bool:
+    """One answer alone: a token past the tie, or its drift alone past the bound (the CUSUM's first step)."""
+    return gaps.tie_broken or (gaps.judged() and gaps.excess() > DRIFT_REFUSE_NATS)
+
+
+@dataclass
+class NodeDrift:
+    """A node's CUSUM over its judged audits in the order they were decided: S <- max(0, S + excess), refused past
+    DRIFT_REFUSE_NATS. `started_at`: the issue time of the first audited answer of the run S is in (0 when S is 0),
+    so a refusal flags the answers since the drift began."""
+
+    s: float = 0.0
+    answers: int = 0
+    started_at: float = 0.0
+
+    def add(self, gaps: AnswerGaps, issued_at: float = 0.0) -> bool:
+        """Count one judged answer's figures; whether the node is now past the bound. Unjudged figures change nothing."""
+        if not gaps.judged():
+            return self.refused()
+        before = self.s
+        self.s = max(0.0, self.s + gaps.excess())
+        self.answers += 1
+        if self.s == 0.0:
+            self.started_at = 0.0
+        elif before == 0.0:
+            self.started_at = issued_at
+        return self.refused()
+
+    def refused(self) -> bool:
+        return self.s > DRIFT_REFUSE_NATS
 
 
 # Request fields that steer a sampler's pick beyond the model's own log-probabilities (a bias, a grammar, a schema,

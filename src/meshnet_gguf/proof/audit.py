@@ -23,11 +23,16 @@ from meshnet_gguf.proof.check import (
     check_greedy,
     check_sampled,
 )
+from meshnet_gguf.proof.drift import answer_gaps, check_drift
 from meshnet_gguf.proof.scoring import ScoringFailed, score_answer
 from meshnet_gguf.proof.tolerance import GREEDY_TIE_NATS, VERIFIER_TOP_K_FACTOR
 
 # Wide enough for the sampled test: llama.cpp's default sampler chain keeps the top 40.
 SAMPLED_TOP_K = 40
+# An answer longer than this many tokens is not scored (no verdict, never a refusal): the verifier's cost grows with
+# it (one decode of the answer, more per divergence), and its llama-server's context (the node's may be larger)
+# must hold the prompt and the answer. Far above the tracker's bound on a captured answer's text, in tokens.
+MAX_SCORED_TOKENS = 8192
 # A verdict the checks call certain (evidence that does not cover the answer, say) has an infinite margin; the
 # wire carries finite numbers only, so it goes as this many nats, beyond any measured margin.
 CERTAIN_MARGIN_NATS = 1e6
@@ -71,10 +76,10 @@ async def answer_tokens(client: httpx.AsyncClient, request: AuditRequest) -> lis
     return tokens
 
 
-def _verdict(request: AuditRequest, verdict: Verdict) -> AuditVerdict:
+def _verdict(request: AuditRequest, verdict: Verdict, drift: tuple[float, int] = (0.0, 0)) -> AuditVerdict:
     outcome = "no_verdict" if verdict.passed is None else "passed" if verdict.passed else "failed"
-    return AuditVerdict(audit_id=request.audit_id, outcome=outcome, reason=verdict.reason,
-                        margin_nats=wire_margin(verdict.margin), positions_checked=verdict.positions)  # fmt: skip
+    return AuditVerdict(audit_id=request.audit_id, outcome=outcome, reason=verdict.reason, margin_nats=wire_margin(verdict.margin),
+                        positions_checked=verdict.positions, drift_gap_nats=drift[0], drift_tokens=drift[1])  # fmt: skip
 
 
 def wire_margin(margin: float) -> float:
@@ -97,6 +102,10 @@ async def audit(client: httpx.AsyncClient, request: AuditRequest) -> AuditVerdic
             return _verdict(request, Verdict(False, answer, float("-inf"), 0))
         if not answer:
             return _verdict(request, Verdict(None, "an empty answer proves nothing", 0.0, 0))
+        if len(answer) > MAX_SCORED_TOKENS:
+            return _verdict(
+                request, Verdict(None, f"no verdict: {len(answer)} tokens, more than {MAX_SCORED_TOKENS} are not scored", 0.0, 0)
+            )
         greedy = request.temperature == 0.0
         top_k = EVIDENCE_TOP_K * VERIFIER_TOP_K_FACTOR if greedy or request.evidence else SAMPLED_TOP_K
         # A request with ignore_eos (llama-server's own field) let the node go on past the model's end.
@@ -106,7 +115,16 @@ async def audit(client: httpx.AsyncClient, request: AuditRequest) -> AuditVerdic
     except (ScoringFailed, ValueError) as exc:
         return _verdict(request, Verdict(None, f"no verdict: {exc}", 0.0, 0))
     verdicts = [check_greedy(scored) if greedy else check_sampled(scored, request.temperature)]
+    drift = (0.0, 0)
+    if greedy:
+        # The whole answer (proof.drift): its figures go to the tracker, which adds them to the node's CUSUM.
+        gaps = answer_gaps(scored, len(answer))
+        verdicts.append(check_drift(gaps))
+        if verdicts[-1].passed is not None:
+            drift = (gaps.gap_nats, gaps.tokens)
     if request.evidence is not None:
         verdicts.append(check_evidence(scored, request.evidence))
     failed = [v for v in verdicts if v.passed is False]
-    return _verdict(request, min(failed or verdicts, key=lambda v: v.margin))
+    # A check that could not judge (the whole-answer test on a short answer) neither passes nor refuses the answer.
+    judged = [v for v in verdicts if v.passed is not None] or verdicts
+    return _verdict(request, min(failed or judged, key=lambda v: v.margin), drift)

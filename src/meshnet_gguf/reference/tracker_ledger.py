@@ -67,7 +67,11 @@ CREATE TABLE IF NOT EXISTS audits (
     reason      TEXT NOT NULL,
     margin_nats REAL NOT NULL,
     issued_at   REAL NOT NULL,
-    decided_at  REAL NOT NULL
+    decided_at  REAL NOT NULL,
+    -- The whole-answer figures a greedy audit carried (contract/model_proof.AnswerGaps), as the tracker counted them
+    -- in the node's CUSUM: read back in order when the tracker starts, so a restart does not reset a node's drift.
+    drift_gap_nats REAL NOT NULL DEFAULT 0,
+    drift_tokens   INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS audits_by_node ON audits (node_id, decided_at);
 CREATE TABLE IF NOT EXISTS receipts (
@@ -83,6 +87,8 @@ CREATE TABLE IF NOT EXISTS receipts (
 """
 
 # Columns added after the first schema; a ledger from an older run gets them on open.
+# Columns added to `audits` after it first shipped (proof of quant): a ledger written before gets them, zero.
+_ADDED_AUDIT_COLUMNS = {"drift_gap_nats": "REAL NOT NULL DEFAULT 0", "drift_tokens": "INTEGER NOT NULL DEFAULT 0"}
 _ADDED_COLUMNS = {
     "max_tokens": "INTEGER",
     "choices": "INTEGER NOT NULL DEFAULT 1",
@@ -126,6 +132,8 @@ class AuditRecord:
     margin_nats: float
     issued_at: float
     decided_at: float
+    drift_gap_nats: float = 0.0  # the whole-answer figures counted in the node's CUSUM (0 tokens: none)
+    drift_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,10 @@ class TrackerLedger:
             for column, kind in _ADDED_COLUMNS.items():
                 if column not in have:
                     self._db.execute(f"ALTER TABLE forwarded ADD COLUMN {column} {kind}")
+            have = {row[1] for row in self._db.execute("PRAGMA table_info(audits)")}
+            for column, kind in _ADDED_AUDIT_COLUMNS.items():
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE audits ADD COLUMN {column} {kind}")
         # Rows go in on the event loop when quick: no commit there may be the one that checkpoints.
         self._checkpoints = WalCheckpoints(self._db, self._lock, self._worker)
 
@@ -310,10 +322,10 @@ class TrackerLedger:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     self._db.execute(
-                        "INSERT OR IGNORE INTO audits (audit_id, node_id, model, outcome, reason, margin_nats, issued_at, decided_at)"
-                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        "INSERT OR IGNORE INTO audits (audit_id, node_id, model, outcome, reason, margin_nats, issued_at, decided_at,"
+                        " drift_gap_nats, drift_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (audit.audit_id, audit.node_id, audit.model, audit.outcome, audit.reason, audit.margin_nats,
-                         audit.issued_at, audit.decided_at),
+                         audit.issued_at, audit.decided_at, audit.drift_gap_nats, audit.drift_tokens),
                     )  # fmt: skip
                     changed = 0 if flag_unproven_since is None else self._flag_unproven(audit.node_id, flag_unproven_since)
                 except BaseException:
@@ -341,6 +353,19 @@ class TrackerLedger:
             }
 
         return await self._run(read)
+
+    async def audit_drifts(self) -> dict[str, list[tuple[float, int, float]]]:
+        """Per node, the whole-answer figures of its audits that carried some, in the order they were decided:
+        (gap nats, tokens, issue time), for the tracker to count its CUSUM again when it starts."""
+        rows = await self._run(
+            self._read,
+            "SELECT node_id, drift_gap_nats, drift_tokens, issued_at FROM audits WHERE drift_tokens > 0 ORDER BY decided_at, rowid",
+            (),
+        )
+        out: dict[str, list[tuple[float, int, float]]] = {}
+        for node_id, gap, tokens, issued_at in rows:
+            out.setdefault(node_id, []).append((float(gap), int(tokens), float(issued_at)))
+        return out
 
     async def recent_audits(self, node_id: str | None = None, limit: int = 10) -> list[AuditRecord]:
         """The latest decided audits, newest first: of one node, or `limit` of each node."""

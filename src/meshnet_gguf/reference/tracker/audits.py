@@ -33,7 +33,17 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
-from meshnet_gguf.contract.model_proof import AUDIT_PATH, AUDIT_TOKEN_HEADER, AUDIT_TOKEN_SUBJECT, AuditRequest, AuditVerdict, unscoreable
+from meshnet_gguf.contract.model_proof import (
+    AUDIT_PATH,
+    AUDIT_TOKEN_HEADER,
+    AUDIT_TOKEN_SUBJECT,
+    DRIFT_REFUSE_NATS,
+    AnswerGaps,
+    AuditRequest,
+    AuditVerdict,
+    NodeDrift,
+    unscoreable,
+)
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token
 from meshnet_gguf.contract.sse import event_data
@@ -53,7 +63,16 @@ RETRY_MAX_S = 60.0
 # A verifier that answers but cannot score an answer (too short for the sampled test) is asked this
 # many times, then the audit is dropped: it proves nothing either way.
 MAX_NO_VERDICT_ANSWERS = 3
-# Audits waiting for a verifier, at most; past it the oldest is dropped (the node was still drawn at random).
+# When the verifier falls behind (its throughput is bench/RESULTS.md's "Proof of quant: the audit's cost"), drawn
+# audits wait. Two bounds, and one policy: no node can choose which of its drawn answers go unaudited, or push
+# another node's audits out.
+# - A node's queued audits, at most: past it, its draws are a reservoir sample (a new draw is kept with probability
+#   share/seen, in place of one of its queued audits picked at random), so a node that floods the tracker with
+#   answers of its own cannot flush an earlier audited answer out by order: each of its draws stays with the same
+#   chance. 32 covers a new node's probe (3) and its first 50 answers at the new-node rate (12.5 expected) twice over.
+MAX_QUEUED_AUDITS_PER_NODE = 32
+# - All queued audits, at most (many nodes, each under its share): past it, one queued audit of the node with the most
+#   queued is dropped, picked at random. A registration probe's audits are never dropped (a new node waits on them).
 MAX_QUEUED_AUDITS = 1000
 # How long an audit token lives: one post to the verifier.
 AUDIT_TOKEN_LIFETIME_S = 60
@@ -95,11 +114,14 @@ class NodeAudits:
     answers: int = 0  # settled answers seen, for the new-node rate
     last_passed_at: float = 0.0  # wall clock; receipts since then are flagged on a failure
     pending: int = 0  # drawn and queued, not decided yet (not kept across a restart)
+    # The CUSUM of its judged greedy audits (proof of quant), counted again from the ledger when the tracker starts.
+    drift: NodeDrift = field(default_factory=NodeDrift)
     recent: deque[AuditRecord] = field(default_factory=lambda: deque(maxlen=RECENT_AUDITS_SHOWN))  # newest first
 
     def summary(self) -> dict[str, Any]:
         last = self.last_verdict
         return {"passed": self.passed, "failed": self.failed, "pending": self.pending,
+                "drift": {"cusum_nats": round(self.drift.s, 4), "refuse_at_nats": DRIFT_REFUSE_NATS, "answers": self.drift.answers},
                 "last_verdict": None if last is None else {"outcome": last.outcome, "reason": last.reason},
                 "recent": [{"audit_id": a.audit_id, "outcome": a.outcome, "reason": a.reason, "margin_nats": a.margin_nats,
                             "decided_at": a.decided_at} for a in self.recent]}  # fmt: skip
@@ -165,6 +187,7 @@ class _Job:
     issued_at: float  # when the audited answer's route was issued
     retry_s: float = RETRY_FIRST_S
     no_verdicts: int = 0
+    probe: bool = False  # a registration probe's: never dropped
     done: anyio.Event = field(default_factory=anyio.Event)
     verdict: AuditVerdict | None = None
 
@@ -179,6 +202,8 @@ class Auditor:
         self.ledger, self.routes, self._send = ledger, routes, send
         self.records: dict[str, NodeAudits] = {}
         self._queue: deque[_Job] = deque()
+        # Per node whose share of the queue is full: its draws seen since (the reservoir's count).
+        self._overflow_seen: dict[str, int] = {}
         self.outstanding = 0  # audits queued or waiting for a retry, not yet decided or dropped
         # Since this tracker started (its metrics): answers drawn, audits dropped undecided by why, verifier misses.
         self.drawn = 0
@@ -209,6 +234,10 @@ class Auditor:
             if record.last_verdict is None:
                 record.last_verdict = AuditVerdict(audit_id=audit.audit_id, outcome=audit.outcome, reason=audit.reason,  # type: ignore[arg-type]
                                                    margin_nats=audit.margin_nats, positions_checked=0)  # fmt: skip
+        for node_id, figures in (await self.ledger.audit_drifts()).items():
+            drift = self.record(node_id).drift
+            for gap, tokens, issued_at in figures:
+                drift.add(AnswerGaps(gap, tokens), issued_at)
         if totals:
             failed = sorted(node_id for node_id, kept in totals.items() if kept.failed)
             log.info("audit history of %d node(s) read from the ledger; %d failed and stay unroutable", len(totals), len(failed))
@@ -239,19 +268,43 @@ class Auditor:
         return AuditRequest(audit_id=f"audit-{uuid.uuid4().hex}", model=entry.announcement.model_id, path=path,
                             body=body.decode("utf-8", "replace"), answer_text=text, temperature=temperature)  # fmt: skip
 
-    def _enqueue(self, node_id: str, request: AuditRequest, issued_at: float) -> _Job:
-        job = _Job(node_id, request, issued_at)
-        if len(self._queue) >= MAX_QUEUED_AUDITS:
-            dropped = self._queue.popleft()
-            self.outstanding -= 1
-            self.record(dropped.node_id).pending -= 1
-            self.dropped["queue_full"] += 1
-            log.warning("audit queue full: audit %s of %s dropped", dropped.request.audit_id, dropped.node_id)
+    def _enqueue(self, node_id: str, request: AuditRequest, issued_at: float, *, probe: bool = False) -> _Job:
+        job = _Job(node_id, request, issued_at, probe=probe)
+        if not probe:
+            mine = [j for j in self._queue if j.node_id == node_id and not j.probe]
+            if len(mine) >= MAX_QUEUED_AUDITS_PER_NODE:
+                # Reservoir sampling over the node's draws while its share is full: the new one is kept with
+                # probability share/seen, in place of one of its queued audits picked at random.
+                seen = self._overflow_seen[node_id] = self._overflow_seen.get(node_id, len(mine)) + 1
+                self.dropped["node_share_full"] += 1
+                if secrets.randbelow(seen) >= MAX_QUEUED_AUDITS_PER_NODE:
+                    log.info("audit of an answer from %s not queued: its share of the queue is full", node_id)
+                    return job
+                self._drop(mine[secrets.randbelow(len(mine))])
+            else:
+                self._overflow_seen.pop(node_id, None)
+            if len(self._queue) >= MAX_QUEUED_AUDITS:
+                counts = Counter(j.node_id for j in self._queue if not j.probe)
+                if counts:
+                    heaviest = max(counts, key=lambda n: counts[n])
+                    theirs = [j for j in self._queue if j.node_id == heaviest and not j.probe]
+                    self.dropped["queue_full"] += 1
+                    self._drop(theirs[secrets.randbelow(len(theirs))])
         self._queue.append(job)
         self.outstanding += 1
         self.record(node_id).pending += 1
         self._wake.set()
         return job
+
+    def _drop(self, job: _Job) -> None:
+        self._queue.remove(job)
+        self.outstanding -= 1
+        self.record(job.node_id).pending -= 1
+        log.warning("audit queue: audit %s of %s dropped undecided", job.request.audit_id, job.node_id)
+
+    def queued(self, node_id: str | None = None) -> int:
+        """Audits waiting in the queue (not those waiting for a retry), of one node or of all."""
+        return len(self._queue) if node_id is None else sum(j.node_id == node_id for j in self._queue)
 
     # --- the owner task -----------------------------------------------------
     async def run(self, registry: Any) -> None:
@@ -318,12 +371,37 @@ class Auditor:
             return None
         return verdict
 
+    @staticmethod
+    def counted_gaps(job: _Job, verdict: AuditVerdict) -> AnswerGaps | None:
+        """The verdict's whole-answer figures as this tracker counts them, or None: only a greedy answer's, and
+        bounded by what the audited answer can hold (`AnswerGaps.bounded`), so no verdict, however it was made,
+        can lower a node's CUSUM with tokens its answer never had or with a negative drift."""
+        if job.request.temperature != 0.0 or verdict.outcome == "no_verdict" or verdict.drift_tokens <= 0:
+            return None
+        # Every token of an answer spells at least one byte of its text.
+        return AnswerGaps(verdict.drift_gap_nats, verdict.drift_tokens).bounded(len(job.request.answer_text.encode("utf-8")))
+
     async def _apply(self, job: _Job, verdict: AuditVerdict) -> None:
         node_id = job.node_id
         record = self.record(node_id)
+        gaps = self.counted_gaps(job, verdict)
+        flag_since = record.last_passed_at
+        if gaps is not None:
+            started_at = record.drift.started_at or job.issued_at
+            if record.drift.add(gaps, job.issued_at) and verdict.outcome == "passed":
+                # No token far below the best, but the node's audits in a row fall below it too often: a cheaper
+                # quant of the claimed weights. The answers since the drift began are flagged with this one.
+                flag_since = min(flag_since, started_at) if flag_since else started_at
+                verdict = verdict.model_copy(update={
+                    "outcome": "failed",
+                    "reason": f"the node's audits in a row fall {record.drift.s:.3f} nats below the claimed model's best past "
+                              f"their allowance (bound {DRIFT_REFUSE_NATS}) over {record.drift.answers} judged answers: "
+                              f"a cheaper quant of the claimed model? (this answer: {verdict.reason})",
+                })  # fmt: skip
         record.last_verdict = verdict
         kept = AuditRecord(audit_id=verdict.audit_id, node_id=node_id, model=job.request.model, outcome=verdict.outcome,
-                           reason=verdict.reason, margin_nats=verdict.margin_nats, issued_at=job.issued_at, decided_at=time.time())  # fmt: skip
+                           reason=verdict.reason, margin_nats=verdict.margin_nats, issued_at=job.issued_at, decided_at=time.time(),
+                           drift_gap_nats=gaps.gap_nats if gaps else 0.0, drift_tokens=gaps.tokens if gaps else 0)  # fmt: skip
         record.recent.appendleft(kept)
         if verdict.outcome == "passed":
             record.passed += 1
@@ -336,7 +414,7 @@ class Auditor:
         if entry is not None:
             entry.proof_blocked = True
         # Kept with its flags in one transaction: a restart finds the node failed, and its answers flagged.
-        flagged = await self.ledger.record_audit(kept, flag_unproven_since=record.last_passed_at)
+        flagged = await self.ledger.record_audit(kept, flag_unproven_since=flag_since)
         log.warning("node %s failed an audit (%s): no longer routed, %d receipts since its last passed audit flagged",
                     node_id, verdict.reason, flagged)  # fmt: skip
 
@@ -368,7 +446,7 @@ class Auditor:
             if text is None:
                 log.warning("probe of %s got no answer; it stays unroutable until it registers again", entry.node_id)
                 return
-            jobs.append(self._enqueue(entry.node_id, self._request(entry, PROBE_PATH, body, text, 0.0), issued_at))
+            jobs.append(self._enqueue(entry.node_id, self._request(entry, PROBE_PATH, body, text, 0.0), issued_at, probe=True))
         for job in jobs:
             await job.done.wait()
         # A node that ever failed an audit on this tracker stays refused, whatever a later probe says:

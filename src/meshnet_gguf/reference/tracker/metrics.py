@@ -18,8 +18,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from starlette.requests import Request
 from starlette.responses import Response
 
-# Why an audit ends without a verdict: the verifier could not judge it enough times, or the queue was full.
-DROP_REASONS = ("no_verdict", "queue_full")
+# Why an audit ends without a verdict: the verifier could not judge it enough times, the node's share of the queue
+# was full (a draw kept or not by the reservoir: counted per draw past the share), or the whole queue was full.
+DROP_REASONS = ("no_verdict", "node_share_full", "queue_full")
 
 
 class _TrackerCollector:
