@@ -20,7 +20,10 @@ from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F
 
 pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 
-# The slow node's model: same architecture and vocabulary, wider and deeper.
+# The fast node's model is wide enough that its decode stays within what the node's and the tracker's hops carry
+# (~2,500 events/s on a 2-core box): the 64-wide tiny model decodes 4,000-8,000 tokens/s here, above that, so the
+# tracker saw its honest claim 3x above delivery and flagged it in 2 runs of 9. The slow node's: wider and deeper.
+FAST_SPEC = TinyModelSpec(n_layers=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512)
 SLOW_SPEC = TinyModelSpec(n_layers=4, n_embd=384, n_head=4, n_head_kv=2, n_ff=1536)
 SLOTS = 2
 PROMPT = [{"role": "user", "content": "Say hello to the mesh."}]
@@ -75,7 +78,7 @@ def test_requests_go_to_the_faster_node_and_spill_to_the_slower_only_while_it_is
     real_llama, tracker, start_node, tmp_path
 ) -> None:
     # The same file name, so both serve the same model id.
-    fast_gguf = write_tiny_model(tmp_path / "fast-model" / "model.gguf")
+    fast_gguf = write_tiny_model(tmp_path / "fast-model" / "model.gguf", FAST_SPEC)
     slow_gguf = write_tiny_model(tmp_path / "slow-model" / "model.gguf", SLOW_SPEC)
     fast = start(start_node, tracker, fast_gguf, tmp_path / "fast")
     slow = start(start_node, tracker, slow_gguf, tmp_path / "slow")
