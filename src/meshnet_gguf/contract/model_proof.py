@@ -151,11 +151,14 @@ DRIFT_GAP_CAP_NATS = 0.3
 # caught (the table beside these figures); a quant whose rounding moves the answers less than lavapipe does (its
 # mean under 0.01) cannot be told from an honest node on such a backend, and is not refused.
 DRIFT_ALLOWANCE_NATS_PER_TOKEN = 0.01
-# A node is refused when its S passes this (nats): five of the largest honest near-ties measured (0.20 nats, demo
-# Q8_0 on lavapipe) beyond the allowance in a row. No measured honest answer stepped S above 0 at all (its gaps were
-# all under the allowance), so no honest node in the measurements came within this bound; see RESULTS for the
-# false-refusal rate that implies.
-DRIFT_REFUSE_NATS = 1.0
+# A node is refused when its S passes this (nats). No measured honest answer stepped S above 0 (each answer's gaps
+# stayed under its allowance), so the bound is set by a bootstrap of the widest honest spread (demo Q8_0 on lavapipe:
+# its 240 measured tokens, 9 near-ties, drawn token by token into 32-token answers; 100,000 nodes x 1,000 audits in a
+# row each): S passed 0.75 for 0.5 % of them, 1.0 for 0.02 %, 1.25 for 0.001 %, 1.5 for none; the tail falls ~20x
+# per 0.25 nats, so at 2.0 an honest node on such a backend is refused ~1e-9 of the time per 1,000 audits (33,000
+# answers at the default rate). A cheaper quant whose answers drift 0.005 nats a token past the allowance needs
+# ~13 audited answers of 32 tokens to pass it.
+DRIFT_REFUSE_NATS = 2.0
 # An answer with fewer judged tokens adds nothing to S and gets no whole-answer verdict (the per-token check still
 # judges it): below it one near-tie is the whole answer.
 DRIFT_MIN_TOKENS = 8
