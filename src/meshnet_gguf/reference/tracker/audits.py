@@ -391,12 +391,12 @@ class Auditor:
             if record.drift.add(gaps, job.issued_at) and verdict.outcome == "passed":
                 # No token far below the best, but the node's audits in a row fall below it too often: a cheaper
                 # quant of the claimed weights. The answers since the drift began are flagged with this one.
-                flag_since = min(flag_since, started_at) if flag_since else started_at
+                flag_since = min(flag_since, started_at)
                 verdict = verdict.model_copy(update={
                     "outcome": "failed",
-                    "reason": f"the node's audits in a row fall {record.drift.s:.3f} nats below the claimed model's best past "
-                              f"their allowance (bound {DRIFT_REFUSE_NATS}) over {record.drift.answers} judged answers: "
-                              f"a cheaper quant of the claimed model? (this answer: {verdict.reason})",
+                    "reason": f"the node's audited answers in a row fall below the claimed model's best past their allowance: "
+                              f"CUSUM {record.drift.s:.3f} nats, bound {DRIFT_REFUSE_NATS} ({record.drift.answers} judged answers "
+                              f"so far): a cheaper quant of the claimed model? (this answer: {verdict.reason})",
                 })  # fmt: skip
         record.last_verdict = verdict
         kept = AuditRecord(audit_id=verdict.audit_id, node_id=node_id, model=job.request.model, outcome=verdict.outcome,
