@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 from support.billing_harness import LLAMA_KEY, LlamaChild, serve_front, wait_records
 
 pytestmark = [pytest.mark.anyio, pytest.mark.real_llama]
@@ -27,11 +28,22 @@ KILLS = int(os.environ.get("FAULT_KILLS", "3"))
 ERROR_EVENT_WITHIN_S = 1.0
 # Ready again after a llama-server crash within its own load time plus this (restart backoff included).
 READY_AGAIN_MARGIN_S = 2.0
+# A stream the tests leave or kill must still be generating then, on any CPU: the tiny model writes several
+# thousand tokens a second on a fast one, so a 400-token answer (or the 548 a 2,048-token slot leaves after the
+# prompt) could end before the client left or the node's prompt counts landed. 6,000 tokens take seconds anywhere.
+LONG_ANSWER_TOKENS = 6000
+LONG_SLOT_TOKENS = 8192
 
 
 @pytest.fixture(scope="module")
-def llama(real_llama: BinaryInfo, tiny_gguf: Path):  # type: ignore[no-untyped-def]
-    child = LlamaChild(real_llama, tiny_gguf, slots=2)
+def long_context_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with room for a long answer: llama-server caps a slot at the model's trained context."""
+    return write_tiny_model(tmp_path_factory.mktemp("long-context") / "tiny.gguf", TinyModelSpec(context_length=LONG_SLOT_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def llama(real_llama: BinaryInfo, long_context_gguf: Path):  # type: ignore[no-untyped-def]
+    child = LlamaChild(real_llama, long_context_gguf, slots=2, ctx_size=2 * LONG_SLOT_TOKENS)
     yield child
     child.close()
 
@@ -75,7 +87,7 @@ async def test_chat_streams_keep_llama_timings_and_are_billed_from_them(llama: L
 
 
 async def test_a_client_that_leaves_after_three_events_pays_for_its_prompt(llama: LlamaChild) -> None:
-    body = {"prompt": LONG_PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    body = {"prompt": LONG_PROMPT, "max_tokens": LONG_ANSWER_TOKENS, "stream": True, "ignore_eos": True}
     async with serve_front(llama.url) as front:
         async with httpx.AsyncClient(base_url=front.url, timeout=30) as client:
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -160,16 +172,16 @@ def counts_landing(app: Any, expected: int) -> anyio.Event:
 
 
 async def test_llama_server_killed_mid_stream_ends_every_stream_with_an_error_and_bills_it(
-    real_llama: BinaryInfo, tiny_gguf: Path, tmp_path: Path
+    real_llama: BinaryInfo, long_context_gguf: Path, tmp_path: Path
 ) -> None:
     """kill -9 of llama-server under two streams, KILLS times: each stream ends with an error event
     within a second, and each record carries the real prompt and the partial completion."""
     figures: list[float] = []
     for round_ in range(KILLS):
-        child = LlamaChild(real_llama, tiny_gguf, slots=2)
+        child = LlamaChild(real_llama, long_context_gguf, slots=2, ctx_size=2 * LONG_SLOT_TOKENS)
         try:
             async with serve_front(child.url) as front, httpx.AsyncClient(base_url=front.url, timeout=30) as client:
-                body = {"prompt": LONG_PROMPT, "max_tokens": 1800, "stream": True, "ignore_eos": True}
+                body = {"prompt": LONG_PROMPT, "max_tokens": LONG_ANSWER_TOKENS, "stream": True, "ignore_eos": True}
                 ends: list[tuple[float, bytes]] = []
                 going = [anyio.Event(), anyio.Event()]
                 counted = counts_landing(front.app, 2)
@@ -205,7 +217,7 @@ async def test_llama_server_killed_mid_stream_ends_every_stream_with_an_error_an
                 assert b'"llama-server stopped mid-answer"' in tail and tail.endswith(b"data: [DONE]\n\n")
             for record in records:
                 assert record.finish_reason == "error" and record.prompt_tokens >= 1500
-                assert 0 < record.completion_tokens < 1800
+                assert 0 < record.completion_tokens < LONG_ANSWER_TOKENS
         finally:
             child.close()
     print(f"llama-server kill -9 x{KILLS}: error event after {max(figures) * 1000:.0f} ms at most")

@@ -52,12 +52,19 @@ class LlamaChild:
     """llama-server (real or fake) as a child of the test, on a loopback port, stopped by its PID."""
 
     def __init__(
-        self, binary: BinaryInfo, model: Path, *, slots: int = 2, env: dict[str, str] | None = None, log: Path | None = None
+        self,
+        binary: BinaryInfo,
+        model: Path,
+        *,
+        slots: int = 2,
+        ctx_size: int = 4096,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
     ) -> None:
         self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(binary.path), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                "-c", "4096", "-np", str(slots), "--alias", MODEL_ID]  # fmt: skip
+                "-c", str(ctx_size), "-np", str(slots), "--alias", MODEL_ID]  # fmt: skip
         full_env = {**binary.environment(), "LLAMA_API_KEY": LLAMA_KEY, **(env or {})}
         self._log = (log or Path(os.devnull)).open("ab")
         self.proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
