@@ -84,13 +84,20 @@ def relayed(real_llama, tiny_gguf, start_node, tmp_path) -> Iterator[RelayedMesh
             print(f"----- {log.name}\n{log.read_text(errors='replace')[-4000:]}")
 
 
-def _assert_billed_exactly_once(mesh: RelayedMesh, count: int) -> None:
+# A request written on the tracker's kept tunnel through a relay as it died reaches no node; the tracker never resends
+# it (protocol 9.7) and bills it to nobody. Only the request in flight at the kill can be that one.
+LOST_WITH_A_DEAD_RELAY = 1
+
+
+def _assert_billed_exactly_once(mesh: RelayedMesh, count: int, lost_at_most: int = 0) -> None:
     ledger = mesh.wait_billed(count)
     usage = tracker_usage(mesh.tracker)
     # Requests the tracker could not get through (relay down) never reached the node: nothing to bill.
-    served = [u for u in usage if u["outcome"] != "refused"]
-    assert sorted(u["request_id"] for u in served) == sorted(ledger), (usage, ledger)  # each once, none lost
-    assert all(u["node"] is not None for u in served), served  # and the node's receipt arrived for each
+    receipted = [u for u in usage if u["node"] is not None]
+    assert sorted(u["request_id"] for u in receipted) == sorted(ledger), (usage, ledger)  # each once, none lost
+    lost = [u for u in usage if u["node"] is None and u["outcome"] != "refused"]
+    assert all(u["billed"] is None and u["request_id"] not in ledger for u in lost), lost  # billed by neither side
+    assert len(lost) <= lost_at_most, lost
 
 
 def test_openai_sdk_streams_through_tracker_relay_and_node(relayed: RelayedMesh) -> None:
@@ -178,7 +185,7 @@ def test_a_relay_down_for_a_minute_loses_and_doubles_no_billing(relayed: Relayed
     relayed.wait_routable(timeout=10)
     for _ in range(2):
         client.chat.completions.create(model=relayed.model, messages=MESSAGES, max_tokens=4, **EXACT)
-    _assert_billed_exactly_once(relayed, 4)
+    _assert_billed_exactly_once(relayed, 4, lost_at_most=LOST_WITH_A_DEAD_RELAY)
 
 
 def test_a_client_that_goes_away_frees_the_slot_through_the_relay(relayed: RelayedMesh) -> None:
