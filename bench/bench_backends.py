@@ -134,18 +134,7 @@ def run_node(model: Path, work: Path, llama_args: list[str]) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     try:
         started = time.monotonic()
-        deadline = started + NODE_READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"node exited:\n{log.read_text(errors='replace')[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"node not ready after {NODE_READY_TIMEOUT_S:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.5)
+        wait_health(url, proc, log, "node", NODE_READY_TIMEOUT_S)
         ready_s = time.monotonic() - started
         status = httpx.get(url + "/status.json", timeout=10).json()
         figures: dict[str, Any] = measure(url)

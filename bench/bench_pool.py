@@ -69,9 +69,9 @@ def wait_log(log: Path, marker: str, proc: subprocess.Popen[bytes]) -> None:
     raise SystemExit(f"{log.name}: no {marker!r} after {START_TIMEOUT_S} s")
 
 
-def wait_health(url: str, proc: subprocess.Popen[bytes], log: Path, what: str = "llama-server") -> None:
+def wait_health(url: str, proc: subprocess.Popen[bytes], log: Path, what: str = "llama-server", timeout_s: float = START_TIMEOUT_S) -> None:
     """Until `url`/health answers 200; exits the bench, with `log`'s tail, when `what` died or never got there."""
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"{what} exited:\n{log.read_text(errors='replace')[-3000:]}")
@@ -81,7 +81,7 @@ def wait_health(url: str, proc: subprocess.Popen[bytes], log: Path, what: str = 
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise SystemExit(f"{what} not ready after {START_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-3000:]}")
+    raise SystemExit(f"{what} not ready after {timeout_s:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 def long_prompt(url: str, tokens: int = PREFILL_TOKENS, salt: int = 0) -> str:

@@ -122,11 +122,6 @@ def vulkan_patches(include_dir: Path | None = None) -> tuple[SourcePatch, ...]:
     return (VULKAN_LAYER_SETTINGS,) if version is not None and version < UNPATCHED_VULKAN_HEADER else ()
 
 
-def vulkan_buildable() -> bool:
-    """Whether the Vulkan backend can be compiled here: its headers (new enough), glslc and SPIRV-Headers."""
-    return vulkan_blocker() is None
-
-
 def web_ui_blocker() -> str | None:
     """Why the web UI cannot be built here (npm missing); None when npm is there to build it."""
     if shutil.which("npm") is None:

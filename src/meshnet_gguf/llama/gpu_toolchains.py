@@ -149,10 +149,11 @@ def rocm_toolchain(env: Mapping[str, str] | None = None, architectures: Sequence
         return f"an AMD GPU ({', '.join(architectures)}) is here but no HIP compiler (hipcc): {ROCM_INSTALL_HINT}"
     # llama.cpp's build docs: HIPCXX is ROCm's clang (`hipconfig -l`), HIP_PATH its root (`hipconfig -R`).
     # hipconfig sits beside the real hipcc (distributions link /usr/bin/hipcc to ROCm's own).
-    hipconfig = hipcc.resolve().with_name("hipconfig")
+    real_hipcc = hipcc.resolve()
+    hipconfig = real_hipcc.with_name("hipconfig")
     clang_dir = _run([str(hipconfig), "-l"]) if hipconfig.is_file() else None
     rocm_root = _run([str(hipconfig), "-R"]) if hipconfig.is_file() else None
-    rocm_home = Path(rocm_root.strip()) if rocm_root else hipcc.resolve().parent.parent
+    rocm_home = Path(rocm_root.strip()) if rocm_root else real_hipcc.parent.parent
     clang = Path(clang_dir.strip()) / "clang" if clang_dir else rocm_home / "llvm" / "bin" / "clang"
     build_env = {"HIPCXX": str(clang), "HIP_PATH": str(rocm_home)}
     flags = ("-DGGML_HIP=ON", f"-DGPU_TARGETS={';'.join(architectures)}")
