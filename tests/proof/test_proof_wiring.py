@@ -190,7 +190,10 @@ async def test_a_node_that_failed_stays_refused_with_its_audits_listed_after_a_t
             node = MeshNode(tmp_path / "node", llamas["gguf"], SwitchableLlama(llamas["other"]), tracker_url=url, tracker_key=key,
                             enrolment_secret=SECRET)  # fmt: skip
             async with node.running():
-                await wait_until(lambda: _async(_audits(tracker, node).failed > 0 and tracker.auditor.outstanding == 0), timeout=60)
+                # Every probe answer decided: the probe asks its prompts one after another, so the queue is empty
+                # between a verdict and the next prompt's answer.
+                decided = lambda: _audits(tracker, node).passed + _audits(tracker, node).failed  # noqa: E731
+                await wait_until(lambda: _async(decided() >= len(PROBE_PROMPTS) and tracker.auditor.outstanding == 0), timeout=60)
                 before = (await http.get(url + "/v1/nodes")).json()[0]["audits"]
                 flagged_before = [u["request_id"] for u in (await http.get(url + "/v1/usage?limit=100")).json() if u["flagged"]]
         assert before["failed"] >= 1 and before["recent"][0]["outcome"] == "failed" and flagged_before
