@@ -192,7 +192,7 @@ async def test_a_node_that_failed_stays_refused_with_its_audits_listed_after_a_t
             async with node.running():
                 # Every probe answer decided: the probe asks its prompts one after another, so the queue is empty
                 # between a verdict and the next prompt's answer.
-                decided = lambda: _audits(tracker, node).passed + _audits(tracker, node).failed  # noqa: E731
+                decided = lambda: _audits(tracker, node).passed + _audits(tracker, node).failed
                 await wait_until(lambda: _async(decided() >= len(PROBE_PROMPTS) and tracker.auditor.outstanding == 0), timeout=60)
                 before = (await http.get(url + "/v1/nodes")).json()[0]["audits"]
                 flagged_before = [u["request_id"] for u in (await http.get(url + "/v1/usage?limit=100")).json() if u["flagged"]]
