@@ -34,7 +34,7 @@ import httpx
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.llama.runnable import runnable_llama_server
-from meshnet_gguf.reference.metering import ForwardMeter
+from meshnet_gguf.reference.tracker.metering import ForwardMeter
 
 OLD_SLACK_TOKENS = 2  # the slack of the ceiling that counted content events (events + 2)
 TEMPERATURE = 1.0  # sampled, not greedy: a seed per answer gives varied text (greedy repeats itself)

@@ -58,9 +58,9 @@ from bench_routing import TrackerThread  # noqa: E402
 from support.node_process import NodeProcess  # noqa: E402
 
 from meshnet_gguf.models.tiny_model import write_tiny_model  # noqa: E402
-from meshnet_gguf.reference.market import Market  # noqa: E402
-from meshnet_gguf.reference.node_speed import NodeSpeed, overhead_floor_s  # noqa: E402
-from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry, route_rank  # noqa: E402
+from meshnet_gguf.reference.tracker.market import Market  # noqa: E402
+from meshnet_gguf.reference.tracker.node_speed import NodeSpeed, overhead_floor_s  # noqa: E402
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry, route_rank  # noqa: E402
 
 FAKE_LLAMA = HERE.parent / "tests" / "support" / "fake_llama_server.py"
 MODEL = "model"  # the gguf's file stem: every node serves this name

@@ -63,9 +63,9 @@ from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_
 from meshnet_gguf.contract.protocol import ROUTE_HEADER, WELL_KNOWN_PATH  # noqa: E402
 from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for  # noqa: E402
 from meshnet_gguf.models.tiny_model import write_tiny_model  # noqa: E402
-from meshnet_gguf.reference.node_address import AddressPolicy, pin_node_url  # noqa: E402
-from meshnet_gguf.reference.relay_dialer import RelayTunnel, new_connect_claims  # noqa: E402
-from meshnet_gguf.reference.relay_failover import RelayOrder  # noqa: E402
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy, pin_node_url  # noqa: E402
+from meshnet_gguf.reference.tracker.relay_dialer import RelayTunnel, new_connect_claims  # noqa: E402
+from meshnet_gguf.reference.tracker.relay_failover import RelayOrder  # noqa: E402
 
 SERVICE_START_TIMEOUT_S = 30.0
 ROUTABLE_TIMEOUT_S = 120.0

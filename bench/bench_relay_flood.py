@@ -57,8 +57,8 @@ from meshnet_gguf.contract.protocol import NodeAnnouncement, relay_audience
 from meshnet_gguf.contract.signing import encode_token, public_key_text, tracker_issuer_for
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
-from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.relay_dialer import NodeDialer, new_connect_claims
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy
+from meshnet_gguf.reference.tracker.relay_dialer import NodeDialer, new_connect_claims
 
 HONEST_STREAMS = 8
 ROUNDS = 5

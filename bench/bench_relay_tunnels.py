@@ -88,7 +88,7 @@ async def client_main(port: int, key_hex: str, first: int, count: int, status_fi
 
     from meshnet_gguf.contract.protocol import relay_audience
     from meshnet_gguf.contract.signing import encode_token, node_id_for, public_key_text, tracker_issuer_for
-    from meshnet_gguf.reference.relay_dialer import new_connect_claims
+    from meshnet_gguf.reference.tracker.relay_dialer import new_connect_claims
 
     tracker_key = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(key_hex))
     issuer = tracker_issuer_for(tracker_key.public_key())
@@ -322,8 +322,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from meshnet_gguf.contract.signing import encode_token, public_key_text, tracker_issuer_for
     from meshnet_gguf.mesh.identity import NodeIdentity
     from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
-    from meshnet_gguf.reference.node_address import AddressPolicy
-    from meshnet_gguf.reference.relay_dialer import NodeDialer, new_connect_claims
+    from meshnet_gguf.reference.tracker.node_address import AddressPolicy
+    from meshnet_gguf.reference.tracker.relay_dialer import NodeDialer, new_connect_claims
 
     tracker_key = Ed25519PrivateKey.generate()
     key_hex = tracker_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()).hex()

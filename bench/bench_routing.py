@@ -46,9 +46,9 @@ import uvicorn
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
-from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.node_speed import NodeSpeed, overhead_floor_s
-from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry, route_rank
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy
+from meshnet_gguf.reference.tracker.node_speed import NodeSpeed, overhead_floor_s
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry, route_rank
 from meshnet_gguf.reference.tracker.app import Tracker
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 

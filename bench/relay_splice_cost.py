@@ -37,7 +37,7 @@ async def _splice_anyio(a: socket.socket, b: socket.socket, chunk: int) -> None:
     """The relay's own splice, as it runs between a tracker's CONNECT and a node's work connection."""
     from anyio.abc import SocketStream
 
-    from meshnet_gguf.reference import relay
+    from meshnet_gguf.reference.relay import server as relay
 
     relay.SPLICE_CHUNK_BYTES = chunk
     await relay._splice(await SocketStream.from_socket(a), await SocketStream.from_socket(b))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from meshnet_gguf.contract.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, RELAY_PING_INTERVAL_S
-from meshnet_gguf.reference.relay_config import RELAY_STRANGER_BURST_S, RELAY_STRANGER_CONNECTIONS_PER_S
+from meshnet_gguf.reference.relay.config import RELAY_STRANGER_BURST_S, RELAY_STRANGER_CONNECTIONS_PER_S
 
 # Each costs tens of milliseconds to import; none is needed to print help.
 HEAVY_MODULES = ("pydantic", "pydantic_settings", "anyio", "aiohttp", "httpx", "rich", "numpy", "gguf", "meshnet_gguf.common.settings")

@@ -231,7 +231,7 @@ async def test_the_log_is_checkpointed_on_the_writer_thread_never_in_a_commit_on
     (~10 ms here, far longer on a slow disk). A row committed on the event loop must never be that
     commit, so the connection must never checkpoint by itself: the writer thread does, and the log stays small."""
     from meshnet_gguf.common import sqlite_wal
-    from meshnet_gguf.reference.tracker_ledger import TrackerLedger
+    from meshnet_gguf.reference.tracker.ledger import TrackerLedger
 
     body = b'{"messages":[{"role":"user","content":"' + b"the quick brown fox " * 300 + b'"}]}'  # ~6 KB: two pages
     path = tmp_path / f"{which}.sqlite3"

@@ -27,7 +27,7 @@ import pytest
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_create_private_key, tracker_issuer_for
 from meshnet_gguf.reference.tracker.app import TRACKER_KEY_FILE
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE
 from support.relay_processes import ledger_rows
 from support.tracker_process import TrackerProcess, start_meshed_fake_node, tracker, wait_for  # noqa: F401
 

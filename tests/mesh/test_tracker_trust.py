@@ -38,8 +38,8 @@ from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.tracker_link import MeshSetupError, TrackerLink
 from meshnet_gguf.mesh.tracker_client import NodePresence, TrackerClient, TrackerRefused
-from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS, MAX_METERED_EVENT_BYTES, BoundedEventSplitter
-from meshnet_gguf.reference.node_address import AddressPolicy, UnsafeNodeURL, pin_node_url
+from meshnet_gguf.reference.tracker.metering import COMPLETION_SLACK_TOKENS, MAX_METERED_EVENT_BYTES, BoundedEventSplitter
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.tracker.app import Tracker
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.enrolment import load_or_create_enrolment_secret
@@ -629,7 +629,7 @@ async def test_doctor_names_a_tracker_key_mismatch_and_an_unsafe_first_contact(t
 
 async def test_a_lying_node_is_billed_only_what_went_by_and_flagged(tracker, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from meshnet_gguf.contract.protocol import USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
-    from meshnet_gguf.reference.metering import prompt_ceiling
+    from meshnet_gguf.reference.tracker.metering import prompt_ceiling
 
     service, url = tracker
     node = HostileNode(tmp_path / "h", service, url)
@@ -672,7 +672,7 @@ async def test_a_lying_node_is_billed_only_what_went_by_and_flagged(tracker, tmp
 async def test_a_request_in_flight_when_the_tracker_died_is_settled_at_start_and_billed_within_its_route(tmp_path: Path) -> None:
     import sqlite3
 
-    from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+    from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE
 
     async with start_tracker(tmp_path) as (service, url):
         node = HostileNode(tmp_path / "h", service, url)
@@ -707,8 +707,8 @@ async def test_failed_registrations_relayed_or_not_leave_the_tracker_flat(tracke
 
     from meshnet_gguf.contract.node_tls import certificate_text, node_certificate
     from meshnet_gguf.contract.protocol import RelayAttachment
-    from meshnet_gguf.reference.relay import Relay
-    from meshnet_gguf.reference.relay_config import RelayConfig
+    from meshnet_gguf.reference.relay.server import Relay
+    from meshnet_gguf.reference.relay.config import RelayConfig
     from support.relay_harness import running_relay
 
     service, url = tracker
@@ -755,7 +755,7 @@ def test_state_dirs_ledgers_and_keys_are_their_owners_only(tmp_path: Path) -> No
 
     from meshnet_gguf.mesh.ledger import LEDGER_FILE, UsageLedger
     from meshnet_gguf.ops.state_lock import StateDirLock
-    from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+    from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE
 
     def mode(path: Path) -> int:
         return stat.S_IMODE(path.stat().st_mode)

@@ -32,7 +32,7 @@ from meshnet_gguf.proof.drift import answer_gaps, check_drift
 from meshnet_gguf.proof.scoring import Position, Scored
 from meshnet_gguf.proof.tolerance import GREEDY_TIE_NATS
 from meshnet_gguf.reference.tracker.audits import MAX_QUEUED_AUDITS, MAX_QUEUED_AUDITS_PER_NODE, Auditor, AuditPolicy, _Job
-from meshnet_gguf.reference.tracker_ledger import TrackerLedger
+from meshnet_gguf.reference.tracker.ledger import TrackerLedger
 
 pytestmark = pytest.mark.anyio
 

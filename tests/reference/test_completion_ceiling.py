@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from meshnet_gguf.reference.metering import (
+from meshnet_gguf.reference.tracker.metering import (
     COMPLETION_SLACK_TOKENS,
     REASONING_MARKUP_TOKENS,
     RESPONSE_FORMAT_STRIPPED_TOKENS,

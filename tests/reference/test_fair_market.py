@@ -16,7 +16,7 @@ from ipaddress import ip_address
 import pytest
 
 from meshnet_gguf.contract.protocol import NodeAnnouncement, NodeCapability, RatePoint
-from meshnet_gguf.reference.market import (
+from meshnet_gguf.reference.tracker.market import (
     CLAIM_BELIEVED_SLOWER,
     FAIR_BAND_TOLERANCE,
     RECENT_REQUESTS,
@@ -24,9 +24,9 @@ from meshnet_gguf.reference.market import (
     UNMEASURED_CREDIT_CAP,
     UNMEASURED_SHARE,
 )
-from meshnet_gguf.reference.node_address import NodeTarget
-from meshnet_gguf.reference.node_speed import BUSY_SLOT_PENALTY, TRUST_AFTER_SAMPLES, StreamSample, overhead_floor_s
-from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry, route_rank
+from meshnet_gguf.reference.tracker.node_address import NodeTarget
+from meshnet_gguf.reference.tracker.node_speed import BUSY_SLOT_PENALTY, TRUST_AFTER_SAMPLES, StreamSample, overhead_floor_s
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry, route_rank
 
 MODEL = "tiny"
 PROMPT = 100

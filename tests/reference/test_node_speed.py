@@ -7,8 +7,8 @@ from ipaddress import ip_address
 import pytest
 
 from meshnet_gguf.contract.protocol import NodeAnnouncement, NodeCapability, NodeLoad, RatePoint
-from meshnet_gguf.reference.node_address import NodeTarget
-from meshnet_gguf.reference.node_speed import (
+from meshnet_gguf.reference.tracker.node_address import NodeTarget
+from meshnet_gguf.reference.tracker.node_speed import (
     BUSY_SLOT_PENALTY,
     CLAIM_FLAG_FACTOR,
     TRUST_AFTER_SAMPLES,
@@ -17,7 +17,7 @@ from meshnet_gguf.reference.node_speed import (
     expected_ttft_s,
     rate_at,
 )
-from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
 
 MODEL = "tiny"
 

@@ -20,12 +20,12 @@ from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH, NodeAnnouncement, No
 from meshnet_gguf.contract.signing import parse_public_key
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.tracker_client import NodeUnknown, TrackerClient, TrackerRefused
-from meshnet_gguf.reference.metering import COMPLETION_SLACK_TOKENS
-from meshnet_gguf.reference.node_address import NodeTarget
-from meshnet_gguf.reference.registry import NodeRegistry
-from meshnet_gguf.reference.relay import Relay
-from meshnet_gguf.reference.relay_config import RelayConfig
-from meshnet_gguf.reference.relay_dialer import RelayedNodeTarget
+from meshnet_gguf.reference.tracker.metering import COMPLETION_SLACK_TOKENS
+from meshnet_gguf.reference.tracker.node_address import NodeTarget
+from meshnet_gguf.reference.tracker.registry import NodeRegistry
+from meshnet_gguf.reference.relay.server import Relay
+from meshnet_gguf.reference.relay.config import RelayConfig
+from meshnet_gguf.reference.tracker.relay_dialer import RelayedNodeTarget
 from meshnet_gguf.reference.tracker.app import Tracker
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from support.loopback import serve_asgi

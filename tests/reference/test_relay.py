@@ -33,8 +33,8 @@ async def test_streams_and_plain_answers_pass_through_the_relay_unchanged(tmp_pa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
-from meshnet_gguf.reference.relay import Relay
-from meshnet_gguf.reference.relay_config import RelayConfig
+from meshnet_gguf.reference.relay.server import Relay
+from meshnet_gguf.reference.relay.config import RelayConfig
 from support.relay_harness import attach_message, raw_tunnel, read_answer, running_relay
 
 
@@ -390,8 +390,8 @@ async def test_a_connect_that_never_starts_tls_releases_the_nodes_connection(tmp
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.node_tls import certificate_text
 from meshnet_gguf.contract.protocol import NodeAnnouncement, RelayAttachment
-from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.relay_dialer import NodeDialer
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy
+from meshnet_gguf.reference.tracker.relay_dialer import NodeDialer
 
 
 def _announcement(identity: NodeIdentity, relay: RelayAttachment) -> NodeAnnouncement:

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 import meshnet_gguf.mesh.relay_link as relay_link_module
-from meshnet_gguf.reference.relay_config import RelayConfig
+from meshnet_gguf.reference.relay.config import RelayConfig
 from support.relay_harness import mesh
 
 pytestmark = pytest.mark.anyio
@@ -82,7 +82,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.mesh.identity import NodeIdentity
-from meshnet_gguf.reference.relay import Relay
+from meshnet_gguf.reference.relay.server import Relay
 from support.relay_harness import attach_message, raw_tunnel, read_answer, running_relay
 
 ATTACKER_ADDRESS = "127.0.0.2"  # another loopback source: the honest client's own quota is untouched
@@ -138,8 +138,8 @@ async def test_half_sent_heads_from_one_address_are_bounded_and_others_are_serve
 
 _LOW_FD_RELAY = """
 import resource, sys, anyio
-from meshnet_gguf.reference.relay import Relay
-from meshnet_gguf.reference.relay_config import RelayConfig
+from meshnet_gguf.reference.relay.server import Relay
+from meshnet_gguf.reference.relay.config import RelayConfig
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
 anyio.run(Relay(RelayConfig(port=int(sys.argv[1]), max_pending_per_network=100_000, max_pending=100_000,
                             stranger_connection_burst=100_000)).serve)
@@ -196,8 +196,8 @@ import httpx
 from meshnet_gguf.common.http1_client import HttpConnectError
 from meshnet_gguf.contract.protocol import relay_audience
 from meshnet_gguf.contract.signing import public_key_text
-from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.relay_dialer import TLS_IN_TLS, NodeDialer
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy
+from meshnet_gguf.reference.tracker.relay_dialer import TLS_IN_TLS, NodeDialer
 from support.relay_harness import answer_from, connect_signer, forged_connect, tunnel_announcement
 
 

@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from meshnet_gguf.common.http1_client import HttpConnectError
 from meshnet_gguf.contract.protocol import MAX_NODE_RELAYS, NodeAnnouncement, RelayAttachment
-from meshnet_gguf.reference.relay_dialer import ConnectRefused
-from meshnet_gguf.reference.relay_failover import RelayOrder, dial_in_order
+from meshnet_gguf.reference.tracker.relay_dialer import ConnectRefused
+from meshnet_gguf.reference.tracker.relay_failover import RelayOrder, dial_in_order
 
 pytestmark = pytest.mark.anyio
 

@@ -16,9 +16,9 @@ from meshnet_gguf.common.http1_client import Http1Client, HttpClientError, HttpC
 from meshnet_gguf.contract.node_tls import node_certificate, pinned_client_context
 from meshnet_gguf.contract.protocol import NodeAnnouncement, RelayAttachment
 from meshnet_gguf.mesh.identity import NodeIdentity
-from meshnet_gguf.reference.node_address import AddressPolicy, pin_node_url
-from meshnet_gguf.reference.relay_dialer import ConnectRefused, NodeDialer, RelayedNodeTarget, RelayTunnel
-from meshnet_gguf.reference.relay_failover import RelayOrder
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy, pin_node_url
+from meshnet_gguf.reference.tracker.relay_dialer import ConnectRefused, NodeDialer, RelayedNodeTarget, RelayTunnel
+from meshnet_gguf.reference.tracker.relay_failover import RelayOrder
 from support.relay_harness import Mesh, mesh, reading_relay, tampering_relay
 
 pytestmark = pytest.mark.anyio

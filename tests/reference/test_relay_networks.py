@@ -20,13 +20,13 @@ from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.contract.signing import public_key_text
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
-from meshnet_gguf.reference.node_address import AddressPolicy
-from meshnet_gguf.reference.relay import Relay
-from meshnet_gguf.reference.relay_admission import ALL_STRANGERS, TrustedNetworks
-from meshnet_gguf.reference.relay_admitted import STATE_FILE_NAME
-from meshnet_gguf.reference.relay_config import RelayConfig
-from meshnet_gguf.reference.relay_dialer import NodeDialer
-from meshnet_gguf.reference.relay_networks import FairShare, network_of
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy
+from meshnet_gguf.reference.relay.server import Relay
+from meshnet_gguf.reference.relay.admission import ALL_STRANGERS, TrustedNetworks
+from meshnet_gguf.reference.relay.admitted import STATE_FILE_NAME
+from meshnet_gguf.reference.relay.config import RelayConfig
+from meshnet_gguf.reference.tracker.relay_dialer import NodeDialer
+from meshnet_gguf.reference.relay.networks import FairShare, network_of
 from support.loopback import serve_asgi
 from support.relay_harness import (
     StreamApp,

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from meshnet_gguf.contract.protocol import NodeCapability, RatePoint
-from meshnet_gguf.reference.market import RECENT_REQUESTS, REMEASURE_AFTER_REQUESTS, UNMEASURED_CREDIT_CAP, UNMEASURED_SHARE
-from meshnet_gguf.reference.node_speed import TRUST_AFTER_SAMPLES
+from meshnet_gguf.reference.tracker.market import RECENT_REQUESTS, REMEASURE_AFTER_REQUESTS, UNMEASURED_CREDIT_CAP, UNMEASURED_SHARE
+from meshnet_gguf.reference.tracker.node_speed import TRUST_AFTER_SAMPLES
 from meshnet_gguf.reference.tracker.app import Tracker
 from support.mesh_node import MODEL, FakeLlama, MeshNode
 from support.mesh_tracker import SECRET, start_tracker, wait_until

@@ -13,8 +13,8 @@ import pytest
 
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageCounts, UsageRecord
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE, NodeEarnings, TrackerLedger
-from meshnet_gguf.reference.tracker_page import dashboard_document
+from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE, NodeEarnings, TrackerLedger
+from meshnet_gguf.reference.tracker.page import dashboard_document
 from support.browser import Browser, screenshot_target
 from support.node_process import StartNode
 from support.tracker_process import MESSAGES, TrackerProcess, sdk, start_meshed_node, tracker  # noqa: F401

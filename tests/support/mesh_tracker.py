@@ -11,7 +11,7 @@ import anyio
 import httpx
 
 from meshnet_gguf.common.ports import free_local_port
-from meshnet_gguf.reference.node_address import AddressPolicy
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy
 from meshnet_gguf.reference.tracker.app import Tracker
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from support.loopback import serve_asgi

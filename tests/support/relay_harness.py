@@ -23,9 +23,9 @@ from meshnet_gguf.contract.signing import encode_token, parse_public_key, tracke
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
 from meshnet_gguf.serving.access import MetricsAccess
-from meshnet_gguf.reference.relay import Relay
-from meshnet_gguf.reference.relay_config import RelayConfig
-from meshnet_gguf.reference.relay_dialer import new_connect_claims
+from meshnet_gguf.reference.relay.server import Relay
+from meshnet_gguf.reference.relay.config import RelayConfig
+from meshnet_gguf.reference.tracker.relay_dialer import new_connect_claims
 from support.loopback import serve_asgi
 
 WAIT_S = 10.0
@@ -166,7 +166,7 @@ class _SpliceSide:
 
 def reading_relay(monkeypatch: Any, seen: bytearray) -> None:
     """The reference relay, made to copy every byte it splices (both ways) into `seen`."""
-    import meshnet_gguf.reference.relay as relay_module
+    import meshnet_gguf.reference.relay.server as relay_module
 
     original = relay_module._splice
 
@@ -183,7 +183,7 @@ def reading_relay(monkeypatch: Any, seen: bytearray) -> None:
 def tampering_relay(monkeypatch: Any) -> None:
     """The reference relay, made to flip one bit in the tracker's first application-data record
     (its third read: ClientHello, then Finished, then the request)."""
-    import meshnet_gguf.reference.relay as relay_module
+    import meshnet_gguf.reference.relay.server as relay_module
 
     original = relay_module._splice
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE
 from support.node_process import NodeProcess, free_port
 from support.relay_processes import HEARTBEAT_S, WAIT_S, ServiceProcess
 

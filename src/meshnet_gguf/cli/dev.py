@@ -61,7 +61,7 @@ def tracker(
 
     from meshnet_gguf.common.settings import default_state_dir
     from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
-    from meshnet_gguf.reference.node_address import AddressPolicy
+    from meshnet_gguf.reference.tracker.node_address import AddressPolicy
     from meshnet_gguf.reference.tracker.app import Tracker
     from meshnet_gguf.reference.tracker.config import TrackerConfig
     from meshnet_gguf.reference.tracker.enrolment import ENROLMENT_SECRET_FILE, load_or_create_enrolment_secret
@@ -169,11 +169,11 @@ def relay(
     import anyio
 
     from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
-    from meshnet_gguf.reference.relay import Relay
-    from meshnet_gguf.reference.relay_config import RelayConfig, relay_stranger_burst
+    from meshnet_gguf.reference.relay.server import Relay
+    from meshnet_gguf.reference.relay.config import RelayConfig, relay_stranger_burst
     from meshnet_gguf.common.settings import default_state_dir
     from meshnet_gguf.common.ports import is_wildcard
-    from meshnet_gguf.reference.relay_networks import IPV4_NETWORK_PREFIXES
+    from meshnet_gguf.reference.relay.networks import IPV4_NETWORK_PREFIXES
 
     keys = tuple(trust_tracker_key or ())
     if bool(keys) == open_relay:

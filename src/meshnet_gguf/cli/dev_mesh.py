@@ -25,7 +25,7 @@ import httpx
 from meshnet_gguf.common.ports import free_local_port, local_port_taken
 from meshnet_gguf.common.private_files import private_dir
 from meshnet_gguf.contract.protocol import WELL_KNOWN_PATH
-from meshnet_gguf.reference.tracker_ledger import TRACKER_LEDGER_FILE
+from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE
 
 # Tracker and relay start in about a second; the margin covers a loaded machine.
 SERVICE_START_TIMEOUT_S = 30.0

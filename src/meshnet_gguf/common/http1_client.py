@@ -10,7 +10,7 @@ arrived since the last read, so a slow reader gets fewer, larger pieces.
 Servers are reached over a UNIX socket (`http+unix://<percent-encoded socket path>` URLs, see
 `unix_socket_url`) or TCP (`http://host:port`). A client given an `open_connection` reaches
 its server however that says (the reference tracker's: CONNECT through a relay, then TLS
-pinned to the node's certificate; `reference/relay_dialer`), and then takes `https://` URLs;
+pinned to the node's certificate; `reference/tracker/relay_dialer`), and then takes `https://` URLs;
 it speaks no TLS of its own.
 """
 

@@ -1,6 +1,6 @@
 """The prompt ceiling (docs/protocol.md, section 11, T13): the most prompt tokens a request can hold, whatever
-the tokenizer, from its bytes. The tracker bills and times prompts by it (`reference/metering`,
-`reference/node_speed`); a node states its prefill speed in it (`llama/speed_probe`), so both read a prompt's
+the tokenizer, from its bytes. The tracker bills and times prompts by it (`reference/tracker/metering`,
+`reference/tracker/node_speed`); a node states its prefill speed in it (`llama/speed_probe`), so both read a prompt's
 length alike.
 """
 

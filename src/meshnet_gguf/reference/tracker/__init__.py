@@ -13,6 +13,12 @@ works inside. Run it with `meshnet-gguf dev tracker`.
 - `reach`: the clients that reach nodes while the app runs.
 - `node_calls`: a node's signed calls checked, each token once.
 - `request_io`: bounded bodies and headers, parsing, JSON answers.
+- `registry`: the nodes registered, their health and load; `market`: the fair share among equal nodes;
+  `node_speed`: a node's speed claim and the tracker's measurements of it.
+- `metering`: the tracker's own count of a request's tokens, from what it forwarded and the request.
+- `ledger`: the tracker's SQLite ledger (routes, usage, audits); `page`: the tracker's page and `pages/`.
+- `node_address`, `node_answer`: how a node is reached and its answer read; `relay_dialer` and
+  `relay_failover`: the tracker's way to a node through a relay.
 
 Each name lives in one of these modules and is imported from there.
 """

@@ -47,9 +47,9 @@ from meshnet_gguf.contract.model_proof import (
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, encode_token
 from meshnet_gguf.contract.sse import event_data
-from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling, requested_choices
-from meshnet_gguf.reference.registry import NodeEntry
-from meshnet_gguf.reference.tracker_ledger import AuditRecord
+from meshnet_gguf.reference.tracker.metering import ForwardMeter, prompt_ceiling, requested_choices
+from meshnet_gguf.reference.tracker.registry import NodeEntry
+from meshnet_gguf.reference.tracker.ledger import AuditRecord
 
 log = logging.getLogger(__name__)
 

@@ -41,14 +41,14 @@ from meshnet_gguf.contract.protocol import (
     RegistrationAck,
 )
 from meshnet_gguf.contract.signing import KeyFormatError, decode_token, node_id_for, parse_public_key
-from meshnet_gguf.reference.node_address import NodeTarget, UnsafeNodeURL, pin_node_url
-from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
-from meshnet_gguf.reference.relay_dialer import RelayedNodeTarget
+from meshnet_gguf.reference.tracker.node_address import NodeTarget, UnsafeNodeURL, pin_node_url
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker.relay_dialer import RelayedNodeTarget
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.node_calls import NodeCalls
 from meshnet_gguf.reference.tracker.reach import NodeReach
 from meshnet_gguf.reference.tracker.request_io import control_body, error_response, model_response, parse_body
-from meshnet_gguf.reference.tracker_ledger import TrackerLedger
+from meshnet_gguf.reference.tracker.ledger import TrackerLedger
 
 log = logging.getLogger(__name__)
 

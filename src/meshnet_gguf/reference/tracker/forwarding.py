@@ -25,16 +25,16 @@ from starlette.requests import Request
 from meshnet_gguf.common.http1_client import HttpClientError, HttpConnectError
 from meshnet_gguf.contract.errors import ApiError, openai_error_body
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER, USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
-from meshnet_gguf.reference.metering import ForwardMeter, prompt_ceiling, requested_choices
-from meshnet_gguf.reference.node_answer import NodeAnswer
-from meshnet_gguf.reference.node_speed import StreamSample
-from meshnet_gguf.reference.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker.metering import ForwardMeter, prompt_ceiling, requested_choices
+from meshnet_gguf.reference.tracker.node_answer import NodeAnswer
+from meshnet_gguf.reference.tracker.node_speed import StreamSample
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
 from meshnet_gguf.reference.tracker.audits import AnswerCapture, Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.reach import NodeReach
 from meshnet_gguf.reference.tracker.request_io import error_response, json_object, limited_body
 from meshnet_gguf.reference.tracker.routing import RouteSigner
-from meshnet_gguf.reference.tracker_ledger import Outcome, TrackerLedger
+from meshnet_gguf.reference.tracker.ledger import Outcome, TrackerLedger
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import anyio
 import httpx
 
 from meshnet_gguf.common.http1_client import Http1Client
-from meshnet_gguf.reference.node_address import NodeTarget
-from meshnet_gguf.reference.node_answer import NodeClients
-from meshnet_gguf.reference.registry import NodeEntry
-from meshnet_gguf.reference.relay_dialer import STANDBY_VISIT_INTERVAL_S, ConnectSigner, NodeDialer
+from meshnet_gguf.reference.tracker.node_address import NodeTarget
+from meshnet_gguf.reference.tracker.node_answer import NodeClients
+from meshnet_gguf.reference.tracker.registry import NodeEntry
+from meshnet_gguf.reference.tracker.relay_dialer import STANDBY_VISIT_INTERVAL_S, ConnectSigner, NodeDialer
 
 FORWARD_CONNECT_TIMEOUT_S = 5.0
 # Between two chunks of an answer: a 100 GB model may prefill a long prompt for minutes.

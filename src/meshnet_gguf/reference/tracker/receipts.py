@@ -31,7 +31,7 @@ from meshnet_gguf.contract.protocol import (
 from meshnet_gguf.contract.signing import decode_token, parse_public_key, unverified_claims
 from meshnet_gguf.reference.tracker.node_calls import NodeCalls
 from meshnet_gguf.reference.tracker.request_io import control_body, error_response, model_response, parse_body
-from meshnet_gguf.reference.tracker_ledger import ForwardedRequest, TrackerLedger
+from meshnet_gguf.reference.tracker.ledger import ForwardedRequest, TrackerLedger
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshnet_gguf.contract.protocol import RouteClaims, RouteHop
 from meshnet_gguf.contract.signing import body_sha256, encode_token
-from meshnet_gguf.reference.registry import NodeEntry
-from meshnet_gguf.reference.relay_dialer import new_connect_claims
+from meshnet_gguf.reference.tracker.registry import NodeEntry
+from meshnet_gguf.reference.tracker.relay_dialer import new_connect_claims
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 
 GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions")

@@ -22,7 +22,7 @@ from meshnet_gguf.contract.protocol import (
     RelayAttach,
 )
 from meshnet_gguf.contract.signing import KeyFormatError, decode_token, node_id_for, parse_public_key, tracker_issuer_for
-from meshnet_gguf.reference.relay_admission import RelayRefusal
+from meshnet_gguf.reference.relay.admission import RelayRefusal
 
 # CONNECT token ids remembered before the expired ones are swept out.
 SEEN_TOKENS_BEFORE_SWEEP = 1024

@@ -51,9 +51,9 @@ from meshnet_gguf.contract.node_tls import NodeCertificateError, certificate_fro
 from meshnet_gguf.contract.protocol import MAX_RELAY_HEAD_BYTES, NodeAnnouncement, RelayConnectClaims, relay_audience
 from meshnet_gguf.contract.relay_framing import HEAD_END, connect_refusal, connect_request
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
-from meshnet_gguf.reference.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
-from meshnet_gguf.reference.node_answer import NodeAnswer, NodeClients, send_through_httpx
-from meshnet_gguf.reference.relay_failover import RelayOrder, dial_in_order
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
+from meshnet_gguf.reference.tracker.node_answer import NodeAnswer, NodeClients, send_through_httpx
+from meshnet_gguf.reference.tracker.relay_failover import RelayOrder, dial_in_order
 
 log = logging.getLogger(__name__)
 

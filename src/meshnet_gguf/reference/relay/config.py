@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshnet_gguf.contract.protocol import RELAY_PING_INTERVAL_S, RELAY_PING_TIMEOUT_S
-from meshnet_gguf.reference.relay_admitted import ADMITTED_REMEMBERED_S
-from meshnet_gguf.reference.relay_networks import DEFAULT_IPV4_NETWORK_PREFIX, IPV4_NETWORK_PREFIXES
+from meshnet_gguf.reference.relay.admitted import ADMITTED_REMEMBERED_S
+from meshnet_gguf.reference.relay.networks import DEFAULT_IPV4_NETWORK_PREFIX, IPV4_NETWORK_PREFIXES
 
 # Idle work connections kept per node: enough for a burst of requests to start without a
 # round trip to the node; each costs one socket and ~2 kB here.

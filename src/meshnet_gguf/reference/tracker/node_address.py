@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import anyio
 import httpx
 
-from meshnet_gguf.reference.node_answer import NodeAnswer, NodeClients, send_through_httpx
+from meshnet_gguf.reference.tracker.node_answer import NodeAnswer, NodeClients, send_through_httpx
 
 # Cloud metadata services that are not link-local (AWS's IPv6 one sits in a private range).
 METADATA_ADDRESSES = frozenset({ipaddress.ip_address("fd00:ec2::254")})

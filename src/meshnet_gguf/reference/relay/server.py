@@ -64,10 +64,10 @@ from meshnet_gguf.contract.relay_framing import (
     send_message,
 )
 from meshnet_gguf.contract.relay_keepalive import keep_alive
-from meshnet_gguf.reference.relay_admission import PendingSlot, RelayAdmission, RelayRefusal
-from meshnet_gguf.reference.relay_admitted import SAVE_INTERVAL_S
-from meshnet_gguf.reference.relay_config import RelayConfig
-from meshnet_gguf.reference.relay_proofs import ConnectTokens, verify_attach
+from meshnet_gguf.reference.relay.admission import PendingSlot, RelayAdmission, RelayRefusal
+from meshnet_gguf.reference.relay.admitted import SAVE_INTERVAL_S
+from meshnet_gguf.reference.relay.config import RelayConfig
+from meshnet_gguf.reference.relay.proofs import ConnectTokens, verify_attach
 
 log = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from meshnet_gguf.reference.relay_admitted import STATE_FILE_NAME, AdmittedNodes
-from meshnet_gguf.reference.relay_config import RelayConfig
-from meshnet_gguf.reference.relay_networks import FairShare, network_of
+from meshnet_gguf.reference.relay.admitted import STATE_FILE_NAME, AdmittedNodes
+from meshnet_gguf.reference.relay.config import RelayConfig
+from meshnet_gguf.reference.relay.networks import FairShare, network_of
 
 log = logging.getLogger(__name__)
 

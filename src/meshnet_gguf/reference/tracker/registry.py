@@ -12,9 +12,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
-from meshnet_gguf.reference.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, REMEASURE_WITHIN, Market, NodeOffer
-from meshnet_gguf.reference.node_address import NodeTarget
-from meshnet_gguf.reference.node_speed import NodeSpeed, expected_ttft_s, load_factor, overhead_floor_s
+from meshnet_gguf.reference.tracker.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, REMEASURE_WITHIN, Market, NodeOffer
+from meshnet_gguf.reference.tracker.node_address import NodeTarget
+from meshnet_gguf.reference.tracker.node_speed import NodeSpeed, expected_ttft_s, load_factor, overhead_floor_s
 
 # The prompt length a caller that names none is ranked for: a short chat turn (metering's bound of one).
 DEFAULT_PROMPT_TOKENS = 256

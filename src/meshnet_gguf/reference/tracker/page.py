@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from meshnet_gguf.common.page_files import PAGE_SECURITY_HEADERS, read_page_file, static_files
 from meshnet_gguf.contract.protocol import TrackerUsage
-from meshnet_gguf.reference.tracker_ledger import NodeEarnings
+from meshnet_gguf.reference.tracker.ledger import NodeEarnings
 
 PAGES_DIR = Path(__file__).parent / "pages"
 DASHBOARD_JSON_PATH = "/dashboard.json"
