@@ -157,6 +157,29 @@ def _import_edges(path: Path, modules: dict[str, Path], package: Path = PACKAGE)
     return found
 
 
+def test_the_tracker_and_the_relay_never_import_each_other() -> None:
+    """Two services in two folders of `reference`: each speaks to the other only through the contract."""
+    modules = _all_modules()
+    services = {"reference.tracker": "reference.relay", "reference.relay": "reference.tracker"}
+    for service, other in services.items():
+        mine = {name: path for name, path in modules.items() if name == service or name.startswith(service + ".")}
+        assert mine, f"{service}: no modules"
+        for name, path in mine.items():
+            crossing = {t for t in _import_edges(path, modules) if t == other or t.startswith(other + ".")}
+            assert not crossing, f"{name} imports {sorted(crossing)}: the tracker and the relay share only the contract"
+
+
+def test_the_service_check_sees_a_crossing(tmp_path: Path) -> None:
+    fake = tmp_path / "meshnet_gguf"
+    (fake / "reference" / "relay").mkdir(parents=True)
+    (fake / "reference" / "tracker").mkdir(parents=True)
+    (fake / "reference" / "relay" / "server.py").write_text("")
+    (fake / "reference" / "tracker" / "app.py").write_text("def f():\n    from ..relay import server\n")
+    modules = {"reference.relay.server": fake / "reference" / "relay" / "server.py",
+               "reference.tracker.app": fake / "reference" / "tracker" / "app.py"}  # fmt: skip
+    assert _import_edges(fake / "reference" / "tracker" / "app.py", modules, fake) == {"reference.relay.server"}
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module, or a module importing itself (Tarjan)."""
     index: dict[str, int] = {}
