@@ -10,6 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from meshnet_gguf.common.asgi import Receive, Scope, Send, respond
 from meshnet_gguf.contract.bearer import bearer_matches, bearer_token
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.serving.access import (
@@ -21,7 +22,6 @@ from meshnet_gguf.serving.access import (
     local_and_not_relayed,
     open_to_the_network,
 )
-from meshnet_gguf.serving.asgi import Receive, Scope, Send, respond
 
 KEY = "s3cret-operator-key"
 LOOPBACK = ("127.0.0.1", 40000)

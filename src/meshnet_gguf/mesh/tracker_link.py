@@ -28,6 +28,7 @@ import anyio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from meshnet_gguf import __version__
+from meshnet_gguf.common.asgi import QueryRoute
 from meshnet_gguf.common.atomic_file import write_atomically
 from meshnet_gguf.common.retry import Backoff
 from meshnet_gguf.common.settings import NodeSettings
@@ -70,7 +71,6 @@ from meshnet_gguf.mesh.tracker_client import (
     TrackerUnavailable,
     first_contact_problem,
 )
-from meshnet_gguf.serving.asgi import QueryRoute
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Serving a request: the public HTTP listener, its front door (`asgi`: types, headers, answers and
-errors; `access`: who may call, each rule once), the OpenAI proxy app, the node's pages, admission
+"""Serving a request: the public HTTP listener, its front door (`access`: who may call, each rule
+once; the ASGI types are `common/asgi`), the OpenAI proxy app, the node's pages, admission
 (`admission_modes`), the request slots (`slots`), request validation, the stream meter and usage
 statistics.
 

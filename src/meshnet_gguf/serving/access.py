@@ -19,9 +19,9 @@ import ipaddress
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from meshnet_gguf.common.asgi import JSON_HEADER, AsgiApp, Receive, Scope, Send, request_headers, respond
 from meshnet_gguf.contract.bearer import bearer_matches
 from meshnet_gguf.contract.errors import ApiError, openai_error_body
-from meshnet_gguf.serving.asgi import JSON_HEADER, AsgiApp, Receive, Scope, Send, request_headers, respond
 
 # Host names the node always answers to; any IP literal is accepted too (DNS rebinding
 # needs a name that resolves to this machine, and a literal is not one).

@@ -27,7 +27,20 @@ from urllib.parse import parse_qsl
 
 import anyio
 
+from meshnet_gguf.common.asgi import (
+    CLIENT_CLOSED_STATUS,
+    JSON_HEADER,
+    ExtraRoute,
+    QueryRoute,
+    Receive,
+    Scope,
+    Send,
+    forwardable,
+    request_headers,
+    respond,
+)
 from meshnet_gguf.common.logs import request_id_var
+from meshnet_gguf.contract.error_answer import send_error
 from meshnet_gguf.contract.errors import ApiError, openai_error_body
 from meshnet_gguf.contract.protocol import (
     REQUEST_ID_HEADER,
@@ -41,19 +54,6 @@ from meshnet_gguf.contract.sse import DONE_DATA, data_event
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.admission_modes import AdmissionMode, Recording, RouteGrant, unavailable
-from meshnet_gguf.serving.asgi import (
-    CLIENT_CLOSED_STATUS,
-    JSON_HEADER,
-    ExtraRoute,
-    QueryRoute,
-    Receive,
-    Scope,
-    Send,
-    forwardable,
-    request_headers,
-    respond,
-    send_error,
-)
 from meshnet_gguf.serving.meter import RequestMeter, StreamMeter, meter_whole_body
 from meshnet_gguf.serving.prompt_count import PromptCount, PromptCounter
 from meshnet_gguf.serving.request_validation import parse_json_object, rewrite_top_level, validate_request

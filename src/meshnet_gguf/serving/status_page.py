@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshnet_gguf.common.asgi import JSON_HEADER, AsgiApp, Receive, Scope, Send, forwardable, request_headers, respond
 from meshnet_gguf.common.page_files import PAGE_SECURITY_HEADERS, read_page_file, static_files
+from meshnet_gguf.contract.error_answer import send_error
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 from meshnet_gguf.serving.access import PageAccess
-from meshnet_gguf.serving.asgi import JSON_HEADER, AsgiApp, Receive, Scope, Send, forwardable, request_headers, respond, send_error
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 
 PAGES_DIR = Path(__file__).parent / "pages"

@@ -1,17 +1,17 @@
-"""The ASGI plumbing every app of the node's listener shares: the types, request headers, the
-headers never passed on from llama-server, and the one way an answer or an OpenAI error is sent.
+"""The ASGI plumbing every web app of the package shares (the node's listener, the reference tracker,
+the relay's pages): the types, request headers, the upstream headers never passed on, and the one way
+a whole answer is sent.
 
-The proxy, the node's pages and the `/metrics` guard (`serving/access`) all answer through
-`respond` and `send_error`, so an answer's framing (content-length, content-type) and an
-error's JSON (`contract/errors`) are spelt once.
+The node's proxy, its pages, the `/metrics` guard and the tracker's forwarding all answer through
+`respond`, so an answer's framing (content-length) is spelt once. An OpenAI error answer is
+`contract/error_answer.send_error`: it renders `contract/errors.ApiError`, and `common` imports
+nothing else of the package.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
-
-from meshnet_gguf.contract.errors import ApiError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -25,8 +25,8 @@ ExtraRoute = Callable[[], Awaitable[tuple[int, bytes, str]]]
 QueryRoute = Callable[[Mapping[str, str]], Awaitable[tuple[int, bytes, str]]]
 
 JSON_HEADER = (b"content-type", b"application/json")
-# llama-server's response headers that are never passed on: they describe its hop, not ours
-# (connection, framing, its server and date), or grant what the node never grants (CORS).
+# An upstream's response headers that are never passed on: they describe its hop, not ours
+# (connection, framing, its server and date), or grant what we never grant (CORS).
 NOT_FORWARDED = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date", "access-control-allow-origin"}
 )
@@ -40,7 +40,7 @@ def request_headers(scope: Scope) -> dict[str, str]:
 
 
 def forwardable(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    """llama-server's response headers that may reach our client, as ASGI header pairs."""
+    """An upstream's response headers that may reach our client, as ASGI header pairs."""
     return [(k.lower().encode(), v.encode()) for k, v in headers if k.lower() not in NOT_FORWARDED]
 
 
@@ -49,14 +49,6 @@ async def respond(send: Send, status: int, body: bytes, headers: Iterable[tuple[
     all_headers = [*headers, (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def send_error(send: Send, error: ApiError, extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    """`error` as OpenAI's error JSON, with its own headers (Retry-After) and `extra_headers`."""
-    headers = [JSON_HEADER, *[(k.lower().encode(), v.encode()) for k, v in error.headers.items()], *extra_headers]
-    # 499 is log-only (the client is gone anyway); anything sent says 400.
-    status = 400 if error.status == CLIENT_CLOSED_STATUS else error.status
-    await respond(send, status, error.body(), headers)
 
 
 __all__ = [
@@ -73,5 +65,4 @@ __all__ = [
     "forwardable",
     "request_headers",
     "respond",
-    "send_error",
 ]
