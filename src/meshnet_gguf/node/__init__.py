@@ -1,10 +1,12 @@
-"""Composition root: every part a running node has, built in one place and run together.
+"""The node: the composition root, where every part a running node has is built in one place and run together.
 
 `prepare/pipeline.prepare_launch()` has decided everything that can fail before a port
 opens, and `node_identity()` has loaded the node's key. `build_node()` reads top to
 bottom: each part is built with what it needs passed in, nothing is attached afterwards. `Node.run()` runs the parts in
 one task group until a signal, drains, closes them in order and returns the
-exit code.
+exit code. `listener.py` builds the node's one listener.
+
+May import: common, contract, models, llama, hardware, prepare, serving, mesh, ops, proof.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
@@ -27,28 +29,23 @@ from meshnet_gguf.contract.protocol import HardwareSummary, HealthReport, PoolDe
 from meshnet_gguf.hardware.report import probe_hardware
 from meshnet_gguf.llama.load_progress import model_file_bytes
 from meshnet_gguf.llama.pool_monitor import PoolMonitor, WatchedWorker, http_status_reader
-from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
-from meshnet_gguf.llama.upstream import UpstreamClient
-from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.llama.speed_probe import DEFAULT_SPEED_PROBE
+from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
+from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.llama.warmup import warmup_for
 from meshnet_gguf.models.gguf_info import GGUFError
+from meshnet_gguf.models.in_use import ModelFilesHeld
+from meshnet_gguf.node.listener import build_listener, build_proxy
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
 from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
 from meshnet_gguf.prepare.announcement import ModelFactsError, hardware_summary, model_layout, shard_digests
 from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
-from meshnet_gguf.serving.slots import Slots
-from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
-from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
 from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
-from meshnet_gguf.serving.access import MetricsAccess, PageAccess
-from meshnet_gguf.serving.asgi import AsgiApp, ExtraRoute, QueryRoute
-from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UsageSink
-from meshnet_gguf.serving.status_page import ChatUi, NodePages, RecentRequests, StatusSource, plan_line
+from meshnet_gguf.serving.slots import Slots
+from meshnet_gguf.serving.status_page import RecentRequests
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
-from meshnet_gguf.models.in_use import ModelFilesHeld
 from meshnet_gguf.serving.usage_journal import UsageJournal
 from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
@@ -57,14 +54,13 @@ if TYPE_CHECKING:
 
     from meshnet_gguf.contract.protocol import RelayAttachment
     from meshnet_gguf.mesh.identity import NodeIdentity
-    from meshnet_gguf.mesh.tracker_link import DescribeModel, ServedModel, TrackerLink
     from meshnet_gguf.mesh.relay_link import RelayLink
+    from meshnet_gguf.mesh.tracker_link import DescribeModel, ServedModel, TrackerLink
 
 log = logging.getLogger(__name__)
 
 # Polling in-flight during drain; small, the drain is rare.
 DRAIN_POLL_S = 0.05
-METRICS_PATH = "/metrics"
 # llama-server's own /metrics exists only when it was started with this flag.
 LLAMA_METRICS_FLAG = "--metrics"
 
@@ -160,14 +156,12 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
     if relays:
         metrics.registry.register(_relay_metrics(relays))
 
-    proxy = build_proxy(
-        settings,
+    http = build_listener(
+        launch,
         upstream=upstream,
         client=upstream_client,
         slots=slots,
         prompt_counter=prompt_counter,
-        model_name=launch.model_name,
-        model_aliases=launch.model_aliases,
         health=health,
         usage_sinks=[
             usage_stats,
@@ -177,43 +171,11 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
             *([tracker_link.usage_sink] if tracker_link else []),
             *([journal] if journal else []),
         ],  # fmt: skip
-        mode=tracker_link.admission_mode if tracker_link else None,
-        extra_get_routes={METRICS_PATH: metrics.scrape},
-        query_get_routes=dict([tracker_link.control_route]) if tracker_link else None,
-        on_rejected=metrics.count_request,
+        recent_requests=recent_requests,
+        metrics=metrics,
+        tracker_link=tracker_link,
+        is_relayed=is_relayed,
     )
-    # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
-    guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=is_relayed, operator_key=settings.metrics_key)
-    # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the
-    # tracker's), and only where llama-server has its web UI (a build without npm has none).
-    features = launch.features
-    chat = tracker_link is None and (features is None or features.web_ui is not False)
-    pages = NodePages(
-        guarded,
-        status=StatusSource(
-            health,
-            recent_requests,
-            plan_line(launch.plan.describe(with_argv=False) if launch.plan else None, settings.parallel),
-            tracker=settings.tracker,
-            chat=chat,
-            llama_server=f"{launch.binary.describe()}; {features.describe()}" if features else launch.binary.describe(),
-            llama_server_choice=launch.binary_choice.to_dict() if launch.binary_choice else None,
-        ),  # fmt: skip
-        access=PageAccess(
-            api_key=settings.api_key,
-            meshed=tracker_link is not None,
-            remote=settings.status_page_remote,
-            host_names=(settings.host, *settings.allowed_hosts),
-            relayed=is_relayed,
-        ),  # fmt: skip
-        chat=ChatUi(upstream, upstream_client) if chat else None,
-    )
-    # serve --verifier: the tracker's audits of this model, on this listener, scored by this node's llama-server.
-    app = _verifier_route(pages, settings, upstream, slots, tracker_link, is_relayed) if settings.verifier else pages
-    try:
-        http = HttpServerPart(app, settings.host, settings.port)
-    except ListenError as exc:
-        raise NodeSetupError(str(exc)) from exc
 
     node = Node(
         launch=launch,
@@ -238,78 +200,6 @@ def build_node(launch: PreparedLaunch, identity: NodeIdentity | None) -> Node:
         on_close=upstream_client.aclose,
     )
     return node
-
-
-def _verifier_route(
-    app: AsgiApp,
-    settings: NodeSettings,
-    upstream: Callable[[], UpstreamTarget | None],
-    slots: Slots,
-    tracker_link: TrackerLink | None,
-    is_relayed: Callable[[tuple[str, int]], bool] | None,
-) -> AsgiApp:
-    """`POST /v1/proof/audit` in front of the node's app. Audits are signed by the tracker this node trusts:
-    a meshed node's route key (configured, pinned, or learnt on first contact), else `tracker_public_key`.
-    Each takes one of the node's slots, as a request does; the relay's callers never see the path."""
-    from meshnet_gguf.contract.model_proof import AUDIT_PATH
-    from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
-    from meshnet_gguf.proof.verifier_endpoint import AuditEndpoint, VerifierRoute
-
-    if tracker_link is not None:
-        gate = tracker_link.route_gate
-        key = lambda: gate.tracker_key  # noqa: E731
-    else:
-        try:
-            fixed = parse_public_key(settings.tracker_public_key or "")
-        except KeyFormatError as exc:
-            raise NodeSetupError(f"--verifier trusts tracker_public_key, which is not a key: {exc}") from exc
-        key = lambda: fixed  # noqa: E731
-
-    def scorer() -> tuple[str, str | None] | None:
-        target = upstream()
-        return None if target is None else (target.base_url, target.api_key)
-
-    endpoint = AuditEndpoint(scorer, key, acquire_slot=lambda: None if slots.draining else slots.try_acquire())
-    log.info("verifier: this node answers the tracker's audits at %s", AUDIT_PATH)
-    return VerifierRoute(app, endpoint, hidden=is_relayed)
-
-
-def build_proxy(
-    settings: NodeSettings,
-    *,
-    upstream: Callable[[], UpstreamTarget | None],
-    client: UpstreamClient,
-    slots: Slots,
-    prompt_counter: PromptCounter,
-    model_name: str,
-    health: Callable[[], HealthReport],
-    model_aliases: Sequence[str] = (),
-    usage_sinks: Sequence[UsageSink] = (),
-    mode: AdmissionMode | None = None,
-    extra_get_routes: Mapping[str, ExtraRoute] | None = None,
-    query_get_routes: Mapping[str, QueryRoute] | None = None,
-    on_rejected: Callable[[str, int], None] | None = None,
-) -> ProxyApp:
-    """The proxy as a node wires it: its limits from the settings, and standalone (the settings'
-    API key and host) unless given another admission mode (the tracker link's)."""
-    limits = ProxyLimits(
-        max_body_bytes=settings.max_body_bytes, retry_after_s=settings.retry_after_s, max_tokens_cap=settings.max_tokens_cap
-    )
-    return ProxyApp(
-        upstream=upstream,
-        client=client,
-        slots=slots,
-        prompt_counter=prompt_counter,
-        limits=limits,
-        model_name=model_name,
-        model_aliases=model_aliases,
-        health=health,
-        mode=mode or StandaloneMode(api_key=settings.api_key, allowed_hosts=[settings.host, *settings.allowed_hosts]),
-        usage_sinks=usage_sinks,
-        extra_get_routes=extra_get_routes,
-        query_get_routes=query_get_routes,
-        on_rejected=on_rejected,
-    )
 
 
 def pool_description(launch: PreparedLaunch) -> PoolDescription | None:
@@ -409,10 +299,10 @@ def build_tracker_link(
     ledger has seen, and rows a crash left open are settled into receipts.
     """
     from meshnet_gguf.mesh.ledger import UsageLedger
-    from meshnet_gguf.mesh.tracker_link import TrackerLink, check_first_contact, configured_tracker_key, seed_replay_cache
     from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
     from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter, settle_interrupted
     from meshnet_gguf.mesh.tracker_client import TrackerClient
+    from meshnet_gguf.mesh.tracker_link import TrackerLink, check_first_contact, configured_tracker_key, seed_replay_cache
 
     pinned = configured_tracker_key(settings)
     check_first_contact(settings, pinned)
