@@ -41,6 +41,14 @@ MAX_ROUTE_LIFETIME_S = 60
 CLOCK_SKEW_S = 5
 # Node request tokens only need to outlive one HTTP call.
 NODE_AUTH_LIFETIME_S = 60
+# An audit token carries one post to a verifier (its body read within half a minute), like a route.
+MAX_AUDIT_TOKEN_LIFETIME_S = 60
+# A pool status token is good for one status read; the node signs a fresh one for each.
+MAX_STATUS_TOKEN_LIFETIME_S = 60
+# Pool workers are boxes on one desk, not always on NTP: their clocks may disagree this much.
+POOL_CLOCK_SKEW_S = 30
+# The audience of a pool status token: a token for a worker's status is good for nothing else.
+STATUS_AUDIENCE = "meshnet-pool-worker-status"
 # Keeps one receipts call small (each receipt is ~1 kB) and quick to verify.
 MAX_RECEIPTS_PER_BATCH = 100
 

@@ -1,8 +1,11 @@
 """Ed25519 keys and EdDSA JWTs: the one signature format on the Meshnet wire.
 
 Shared by the node and the reference tracker (floor 1), so both sides pin the
-same algorithm and key encodings. Each token kind (route, node auth, usage
-receipt) is built and checked by its user; this module only knows keys and JWS.
+same algorithm and key encodings. Every signed token is checked by `verify`
+against its kind's `TokenPolicy` (the constants are in `contract.token_policies`):
+issuer, audience or subject, longest life, clock window, required claims and
+body binding are decided once per kind; what only one kind means (a route's
+hops, a node call's method and path) stays with its user.
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ import base64
 import binascii
 import functools
 import hashlib
+import hmac
 import json
+import time
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jwt
 import nacl.exceptions
@@ -244,3 +251,153 @@ def _b64url(text: bytes) -> bytes:
 def unverified_claims(token: str) -> dict[str, Any]:
     """Claims without checking the signature: only to find *which* key should verify it."""
     return jwt.decode(token, options={"verify_signature": False})
+
+
+# --- one check for every signed token ----------------------------------------------------------
+
+
+class Given(Enum):
+    """A claim the policy checks against a value only the call knows (a node id, a tracker's issuer)."""
+
+    BY_CALLER = "given by the caller"
+
+
+BY_CALLER = Given.BY_CALLER
+
+
+class BodyLater(Enum):
+    """`verify(..., body=BODY_CHECKED_LATER)`: the caller checks the signed body with `check_body` once it
+    has read it (a route is checked on its headers, before its body costs the node anything)."""
+
+    BODY_CHECKED_LATER = "checked later"
+
+
+BODY_CHECKED_LATER = BodyLater.BODY_CHECKED_LATER
+
+# Why a token was refused: users map these onto their own error codes.
+TokenFault = Literal[
+    "malformed", "bad_signature", "missing_claim", "wrong_issuer", "wrong_audience", "wrong_subject",
+    "life_too_long", "not_yet_valid", "expired", "body_mismatch",
+]  # fmt: skip
+
+
+class TokenRefused(ValueError):
+    """A token `verify` refuses; `fault` says why. `claims` are set only when the signature checked out
+    (a receipt signed by a clock running ahead is left for a resend, not refused for good)."""
+
+    def __init__(self, fault: TokenFault, message: str, claims: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.fault: TokenFault = fault
+        self.claims = claims
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPolicy:
+    """What one kind of token must be. `issuer`, `audience`, `subject`: a fixed value, `BY_CALLER`
+    (the call passes the value), or None (the kind does not carry the claim, nothing to match).
+    `max_life_s`: the longest `exp - iat` accepted; None for a kind with no `exp` (its freshness is
+    a nonce's or its replay is stopped by its id). `required` lists every claim that must be present."""
+
+    kind: str
+    required: frozenset[str]
+    clock_window_s: int
+    max_life_s: int | None
+    issuer: str | Given | None = None
+    audience: str | Given | None = None
+    subject: str | Given | None = None
+    binds_body: bool = False
+
+    def __post_init__(self) -> None:
+        # A policy that matches a claim or bounds a life must also require it, so a token cannot skip
+        # the check by leaving the claim out.
+        must = {name for name, rule in (("iss", self.issuer), ("aud", self.audience), ("sub", self.subject)) if rule is not None}
+        if self.max_life_s is not None:
+            must |= {"iat", "exp"}
+        if self.binds_body:
+            must.add("body_sha256")
+        if not must <= self.required:
+            raise ValueError(f"the {self.kind} policy checks {sorted(must - self.required)} without requiring them")
+
+
+def verify(
+    token: str,
+    key: Ed25519PublicKey | HotVerifyKey,
+    policy: TokenPolicy,
+    *,
+    issuer: str | None = None,
+    audience: str | None = None,
+    subject: str | None = None,
+    body: bytes | BodyLater | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """The claims of `token` when `key` signed it and it meets `policy`; else `TokenRefused`.
+
+    One pass for every kind: the hand-assembled compact JWS check (`verify_eddsa_claims`, EdDSA
+    pinned), then the required claims, issuer, audience, subject, life, clock window and body.
+    Pass `key` as a `HotVerifyKey` where one key checks many tokens (libsodium, the fastest);
+    an `Ed25519PublicKey` is checked by OpenSSL, with no conversion per call.
+    """
+    try:
+        claims = verify_eddsa_claims(token, key)
+    except BadTokenSignature as exc:
+        raise TokenRefused("bad_signature", f"{policy.kind} token: {exc}") from None
+    except CompactTokenError as exc:
+        raise TokenRefused("malformed", f"{policy.kind} token: {exc}") from None
+    missing = policy.required.difference(claims)
+    if missing:
+        raise TokenRefused("missing_claim", f"{policy.kind} token lacks {', '.join(sorted(missing))}")
+    _match(claims, "iss", policy.issuer, issuer, "wrong_issuer", policy.kind)
+    _match(claims, "aud", policy.audience, audience, "wrong_audience", policy.kind)
+    _match(claims, "sub", policy.subject, subject, "wrong_subject", policy.kind)
+    _check_times(claims, policy, time.time() if now is None else now)
+    if policy.binds_body:
+        if body is None:
+            raise TypeError(f"the {policy.kind} policy binds the body: pass body= (or BODY_CHECKED_LATER)")
+        if body is not BODY_CHECKED_LATER:
+            check_body(claims, body, policy)  # type: ignore[arg-type]
+    elif body is not None:
+        raise TypeError(f"the {policy.kind} policy binds no body")
+    return claims
+
+
+def check_body(claims: dict[str, Any], body: bytes, policy: TokenPolicy) -> None:
+    """The body's sha256 is the one the token signed (compared in constant time)."""
+    signed = claims.get("body_sha256")
+    if not isinstance(signed, str) or not hmac.compare_digest(body_sha256(body), signed):
+        raise TokenRefused("body_mismatch", f"the body differs from the one the {policy.kind} token signed")
+
+
+def _match(claims: dict[str, Any], name: str, rule: str | Given | None, given: str | None, fault: TokenFault, kind: str) -> None:
+    if rule is None:
+        if given is not None:
+            raise TypeError(f"the {kind} policy matches no {name}")
+        return
+    if rule is BY_CALLER:
+        if given is None:
+            raise TypeError(f"the {kind} policy matches {name} against a value the call must give")
+        expected = given
+    else:
+        if given is not None:
+            raise TypeError(f"the {kind} policy fixes {name}")
+        expected = rule  # type: ignore[assignment]
+    if claims[name] != expected:
+        raise TokenRefused(fault, f"{kind} token has {name} {claims[name]!r}, expected {expected!r}")
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_times(claims: dict[str, Any], policy: TokenPolicy, now: float) -> None:
+    """Life, then the clock window: a token from too far ahead, or expired beyond the window, is refused."""
+    iat, exp, nbf = claims.get("iat"), claims.get("exp"), claims.get("nbf")
+    for name, value in (("iat", iat), ("exp", exp), ("nbf", nbf)):
+        if value is not None and not _is_time(value):
+            raise TokenRefused("malformed", f"{policy.kind} token's {name} is not a time")
+    window = policy.clock_window_s
+    if policy.max_life_s is not None and exp - iat > policy.max_life_s:
+        raise TokenRefused("life_too_long", f"{policy.kind} token lives {exp - iat:.0f} s; at most {policy.max_life_s} s allowed")
+    if (iat is not None and iat > now + window) or (nbf is not None and nbf > now + window):
+        raise TokenRefused("not_yet_valid", f"{policy.kind} token is not valid yet; check both clocks (NTP)", claims)
+    if exp is not None and exp <= now - window:
+        raise TokenRefused("expired", f"{policy.kind} token expired {now - exp:.0f} s ago")

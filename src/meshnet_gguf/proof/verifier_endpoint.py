@@ -12,7 +12,6 @@ on untouched, and a caller the node names hidden (one that came through its rela
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,14 +23,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from meshnet_gguf.common.http1_client import split_url
-from meshnet_gguf.contract.model_proof import AUDIT_PATH, AUDIT_TOKEN_HEADER, AUDIT_TOKEN_SUBJECT, AuditRequest
-from meshnet_gguf.contract.signing import CompactTokenError, body_sha256, parse_public_key, tracker_issuer_for, verify_eddsa_claims
+from meshnet_gguf.contract.model_proof import AUDIT_PATH, AUDIT_TOKEN_HEADER, AuditRequest
+from meshnet_gguf.contract.signing import TokenRefused, parse_public_key, tracker_issuer_for, verify
+from meshnet_gguf.contract.token_policies import AUDIT_TOKEN
 from meshnet_gguf.proof.audit import audit
 
 # An audit carries a request body and its answer: a chat turn and up to a few thousand tokens.
 MAX_AUDIT_BODY_BYTES = 16 * 1024 * 1024
-# Clocks of the tracker and the verifier may differ this much (as for route tokens).
-CLOCK_SKEW_S = 30
 # A verifier that cannot take an audit now (llama-server not ready, every slot busy) says when to ask again;
 # the tracker retries with its own backoff either way.
 RETRY_AFTER_S = 5
@@ -72,17 +70,9 @@ class AuditEndpoint:
         if not token:
             return "no audit token"
         try:
-            claims = verify_eddsa_claims(token, key)
-        except CompactTokenError as exc:
+            verify(token, key, AUDIT_TOKEN, issuer=tracker_issuer_for(key), body=body)
+        except TokenRefused as exc:
             return f"audit token refused: {exc}"
-        now = time.time()
-        if claims.get("iss") != tracker_issuer_for(key) or claims.get("sub") != AUDIT_TOKEN_SUBJECT:
-            return "the audit token is not this verifier's tracker's"
-        exp, iat = claims.get("exp"), claims.get("iat")
-        if not isinstance(exp, (int, float)) or not isinstance(iat, (int, float)) or exp < now - CLOCK_SKEW_S or iat > now + CLOCK_SKEW_S:
-            return "the audit token has expired or is not valid yet"
-        if claims.get("body_sha256") != body_sha256(body):
-            return "the audit token was signed for another body"
         return None
 
     async def handle(self, request: Request) -> Response:
