@@ -15,7 +15,6 @@ import pytest
 from huggingface_hub import constants as hf_constants
 
 from meshnet_gguf.devtools.hf_server import LocalHub
-from meshnet_gguf.models import download
 from meshnet_gguf.models.download import (
     DISK_FREE_MARGIN_BYTES,
     META_DIR,
@@ -30,6 +29,8 @@ from meshnet_gguf.models.download import (
     RepoListing,
     fetch_files,
     list_repo,
+    progress,
+    verified,
 )
 from meshnet_gguf.models.quants import group_quants, select_quant
 from support.local_hub_fixtures import GATED, GOOD_TOKEN, ROOT_SPLIT, access, hub, hub_root  # noqa: F401
@@ -48,13 +49,13 @@ def _sha256(path: Path) -> str:
 
 def _count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     hashed: list[Path] = []
-    real = download.sha256_of
+    real = verified.sha256_of
 
     def counting(path: Path, **kwargs):  # type: ignore[no-untyped-def]
         hashed.append(Path(path))
         return real(path, **kwargs)
 
-    monkeypatch.setattr(download, "sha256_of", counting)
+    monkeypatch.setattr(verified, "sha256_of", counting)
     return hashed
 
 
@@ -308,7 +309,7 @@ def test_a_server_that_ignores_range_still_yields_a_verified_file(hub: LocalHub,
 
 
 def test_progress_bars_are_quiet_when_not_a_tty(capsys: pytest.CaptureFixture[str]) -> None:
-    with download._progress_bar(total=10, initial=0, desc="x", enabled=True) as bar:
+    with progress.progress_bar(total=10, initial=0, desc="x", enabled=True) as bar:
         bar.update(10)
     assert bar.disable  # pytest's captured stderr is not a TTY
     assert capsys.readouterr().err == ""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from meshnet_gguf.devtools.hf_server import LocalHub
-from meshnet_gguf.models import download
+from meshnet_gguf.models.download import transfer
 from meshnet_gguf.models.download import PART_SUFFIX, DownloadError, HubAccess, MissingOffline, fetch_files, list_repo
 from support.local_hub_fixtures import ROOT_SPLIT, access, hub, hub_root  # noqa: F401
 
@@ -26,7 +26,7 @@ def test_disk_full_mid_shard_is_a_clear_error_and_leaves_no_final_file(
     hub: LocalHub, access: HubAccess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     listing, shards = _q8(access)
-    real_write = download._write_all
+    real_write = transfer._write_all
     budget = {"bytes": shards[0].size + shards[1].size // 2}  # the disk fills halfway through shard 2
 
     def filling_disk(out, data: bytes) -> None:  # type: ignore[no-untyped-def]
@@ -35,7 +35,7 @@ def test_disk_full_mid_shard_is_a_clear_error_and_leaves_no_final_file(
         budget["bytes"] -= len(data)
         real_write(out, data)
 
-    monkeypatch.setattr(download, "_write_all", filling_disk)
+    monkeypatch.setattr(transfer, "_write_all", filling_disk)
     with pytest.raises(DownloadError) as failed:
         fetch_files(listing, shards, tmp_path, access, progress=False)
     message = str(failed.value)
@@ -45,7 +45,7 @@ def test_disk_full_mid_shard_is_a_clear_error_and_leaves_no_final_file(
     assert not (repo / shards[1].path).exists() and not (repo / shards[2].path).exists()  # never a half file under its name
     assert (repo / (shards[1].path + PART_SUFFIX)).exists()
 
-    monkeypatch.setattr(download, "_write_all", real_write)  # space freed: the next run resumes and verifies
+    monkeypatch.setattr(transfer, "_write_all", real_write)  # space freed: the next run resumes and verifies
     hub.reset_counters()
     paths = fetch_files(listing, shards, tmp_path, access, progress=False)
     assert [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths] == [f.sha256 for f in shards]

@@ -256,7 +256,7 @@ def test_packaged_demo_is_assembled_once_and_then_trusted(
     assert len(fake_demo_package.assembled) == 1
 
     hashed: list[Path] = []
-    monkeypatch.setattr(download, "sha256_of", lambda path, **kw: hashed.append(path))
+    monkeypatch.setattr(download.verified, "sha256_of", lambda path, **kw: hashed.append(path))
     again = resolve_model(_settings(tmp_path, "demo"), progress=False, access=access, catalog=catalog, budget=machine_budget_bytes)
     assert again.first_shard == resolved.first_shard
     assert len(fake_demo_package.assembled) == 1 and hashed == []
