@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -57,9 +58,11 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from bench_routing import TrackerThread  # noqa: E402
 from support.node_process import NodeProcess  # noqa: E402
 
+from meshnet_gguf.contract.prompt_ceiling import prompt_ceiling  # noqa: E402
+from meshnet_gguf.contract.protocol import RatePoint  # noqa: E402
 from meshnet_gguf.models.tiny_model import write_tiny_model  # noqa: E402
 from meshnet_gguf.reference.tracker.market import Market  # noqa: E402
-from meshnet_gguf.reference.tracker.node_speed import NodeSpeed, overhead_floor_s  # noqa: E402
+from meshnet_gguf.reference.tracker.node_speed import NodeSpeed, overhead_floor_s, rate_at  # noqa: E402
 from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry, route_rank  # noqa: E402
 
 FAKE_LLAMA = HERE.parent / "tests" / "support" / "fake_llama_server.py"
@@ -327,12 +330,13 @@ def scenario_claims(args: argparse.Namespace, work: Path, tracker: TrackerThread
         assert entry is not None
         model_name = entry.announcement.model_id
         rng = random.Random(1)
-        ttfts = []
+        ttfts, ceilings = [], []
         with httpx.Client(timeout=300) as http:
             for n in range(args.requests):
                 words = rng.choice(CLAIMS_PROMPT_WORDS)
                 body = {"model": model_name, "messages": [{"role": "user", "content": f"{n}" + " the" * words}],
                         "max_tokens": 64, "stream": True, "ignore_eos": True}  # fmt: skip
+                ceilings.append(prompt_ceiling(body))
                 started_at = time.perf_counter()
                 with http.stream("POST", tracker.url + "/v1/chat/completions", json=body) as response:
                     assert response.status_code == 200, response.read()
@@ -354,7 +358,32 @@ def scenario_claims(args: argparse.Namespace, work: Path, tracker: TrackerThread
             "prefill": ratio(speed["claimed_prefill_tokens_per_s"], speed["measured_prefill_tokens_per_s"]),
             "decode": ratio(speed["claimed_decode_tokens_per_s"], speed["measured_decode_tokens_per_s"]),
         },
+        "prefill_at_each_size": claim_at_each_size(health.get("capability"), ceilings, ttfts),
         "client_ttft_p50_ms": pct(ttfts, 0.5),
+    }
+
+
+def claim_at_each_size(capability: dict[str, Any] | None, ceilings: list[int], ttfts: list[float]) -> dict[str, Any] | None:
+    """Each request's prefill as claimed at its own prompt size (the claim's points interpolated, as the tracker reads a
+    claim for a prompt) beside what the client measured of it (its prompt ceiling over its TTFT): the summary's one
+    figure sets the claim at the smallest size against the tracker's average over every size, which a fixed cost in
+    the TTFT (a GPU's: milliseconds whatever the prompt) moves by the sizes' ratio."""
+    if not capability or not capability.get("prefill_tokens_per_s"):
+        return None
+    points = [RatePoint(**p) for p in capability["prefill_tokens_per_s"]]
+    rows = []
+    for ceiling, ttft in zip(ceilings, ttfts):
+        claimed = rate_at(points, ceiling)
+        if claimed and math.isfinite(ttft) and ttft > 0:  # NaN: no content came
+            rows.append({"ceiling": ceiling, "claimed": round(claimed), "measured": round(ceiling / ttft), "claimed_over_measured": round(claimed * ttft / ceiling, 3)})  # fmt: skip
+    ratios = sorted(r["claimed_over_measured"] for r in rows)
+    later = sorted(r["claimed_over_measured"] for r in rows[1:])  # the first stream of a size can be cold
+    return {
+        "median_claimed_over_measured": statistics.median(ratios) if ratios else None,
+        "range": [ratios[0], ratios[-1]] if ratios else None,
+        "within_30_percent": sum(1 / 1.3 <= r <= 1.3 for r in ratios),
+        "median_after_the_first": statistics.median(later) if later else None,
+        "requests": rows,
     }
 
 

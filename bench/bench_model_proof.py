@@ -46,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -286,7 +286,9 @@ async def _score_records(url: str, prompts: list[list[int]], answers: dict[str, 
                     f.write(json.dumps({"family": family, "claimed": claimed, "served": served, "temperature": temperature,
                                         "answer_tokens": len(answer), "gaps": [round(p.gap(), 5) for p in scored.positions],
                                         "z": sampled_z(scored, temperature) if temperature else None}) + "\n")  # fmt: skip
-            print(f"  {family} claimed {claimed} served {served}: scored in {time.monotonic() - t0:.0f} s", flush=True)
+            took, count = time.monotonic() - t0, len(answers[served])
+            print(f"  {family} claimed {claimed} served {served}: {count} answers scored in {took:.1f} s "
+                  f"({count / max(took, 1e-9):.2f} answers/s)", flush=True)  # fmt: skip
 
 
 def detection_table(records: Path, seed: int = 44) -> list[str]:
@@ -322,20 +324,26 @@ def detection_table(records: Path, seed: int = 44) -> list[str]:
     return rows
 
 
-def honest_records(binary, model: Path, name: str, other: Backend, texts: list[str], tokens: int, temperature: float,  # type: ignore[no-untyped-def]
+def honest_records(binary, model: Path, name: str, run: HonestRun, texts: list[str], tokens: int, temperature: float,  # type: ignore[no-untyped-def]
                    log: Path, out: Path, family: str, stop_at: float | None) -> None:  # fmt: skip
-    """The claimed file answers `texts` on the CPU (1 thread) and on `other` (asked until `stop_at`); the verifier (CPU,
-    2 threads) scores every answer as an audit does. JSON lines in `out`, `served` naming the node's backend."""
+    """The claimed file answers `texts` on the CPU (1 thread) and on `run.other` (asked until `stop_at`); the verifier (CPU,
+    2 threads) scores every answer as an audit does. JSON lines in `out`, `served` naming the node's backend; with
+    `run.also_verifier`, the same answers scored again there, into `out`'s sibling named after its device."""
     with llama_instance(binary, model, CPU2, log) as url:
         prompts = [httpx.post(url + "/tokenize", json={"content": t, "add_special": True}).json()["tokens"] for t in texts]
     answers: dict[str, list[list[int]]] = {}
-    for backend in (CPU1, other):
+    for backend in run.node_backends():
         where = "CPU" if backend.name == "cpu" else backend.device
         with llama_instance(binary, model, backend, log) as url:
             results = generate(url, prompts, tokens, temperature, None if backend.name == "cpu" else stop_at)
         answers[where] = [[int(e["id"]) for e in r["completion_probabilities"]] for r in results]
-    with llama_instance(binary, model, CPU2, log) as url:
-        asyncio.run(_score_records(url, prompts, answers, name, tuple(answers), out, family, temperature))
+    verifiers = [(CPU2, out)]
+    if run.also_verifier is not None:
+        verifiers.append((run.also_verifier, out.with_name(f"{out.stem}-verifier-{run.also_verifier.device}{out.suffix}")))
+    for verifier, records in verifiers:
+        print(f"  verifier {label(name, verifier)}:", flush=True)
+        with llama_instance(binary, model, verifier, log) as url:
+            asyncio.run(_score_records(url, prompts, answers, name, tuple(answers), records, family, temperature))
 
 
 def honest_table(records: Path) -> list[str]:
@@ -418,25 +426,40 @@ def honest_bootstrap(groups: dict[tuple[str, str, str, float, int], list[dict]],
     return rows
 
 
-def honest_quant(binary, work: Path, other: Backend, n: int, n_sampled: int, first: int, lengths: tuple[int, ...], n_demo: int,  # type: ignore[no-untyped-def]
-                 log: Path, out: Path, budget_s: float, skip_gemma: bool) -> None:  # fmt: skip
-    """Honest nodes never refused: n_demo of the demo's Q8_0 (greedy and sampled), `other` asked until `budget_s`; the tiny
-    model's prompts `first`..n greedily at each of `lengths`, and n_sampled sampled, short and long; on the CPU and on
-    `other`. A CPU verifier judges every answer as an audit does."""
+@dataclass(frozen=True)
+class HonestRun:
+    """Who answers and who judges in --honest-quant: the node's backends (the CPU's 1 thread unless `skip_cpu`, and
+    `other`), the CPU verifier (2 threads), and `also_verifier`: a second verifier on a device that scores the same
+    answers again, timed (its verdicts in a file of their own), for what an audit costs there."""
+
+    other: Backend
+    skip_cpu: bool = False
+    also_verifier: Backend | None = None
+
+    def node_backends(self) -> tuple[Backend, ...]:
+        return (self.other,) if self.skip_cpu else (CPU1, self.other)
+
+
+def honest_quant(binary, work: Path, run: HonestRun, n: int, n_sampled: int, first: int, lengths: tuple[int, ...],  # type: ignore[no-untyped-def]
+                 sampled_lengths: tuple[int, ...], n_demo: int, demo_quant: str, log: Path, out: Path, budget_s: float,
+                 skip_gemma: bool) -> None:  # fmt: skip
+    """Honest nodes never refused: n_demo of the demo's `demo_quant` file in --work (greedy and sampled), the other backend
+    asked until `budget_s`; the tiny model's prompts `first`..n greedily at each of `lengths`, and n_sampled sampled at each
+    of `sampled_lengths`; on the CPU and on `run.other`. A CPU verifier judges every answer as an audit does."""
     t0 = time.monotonic()
     if not skip_gemma and n_demo:
-        demo, stop_at = work / "demo-Q8_0.gguf", time.monotonic() + budget_s
+        demo, stop_at = work / f"demo-{demo_quant}.gguf", time.monotonic() + budget_s
         for temperature in (0.0, SAMPLED_T):
-            honest_records(binary, demo, "Q8_0", other, honest_prompts(n_demo), HONEST_DEMO_TOKENS, temperature, log, out,
+            honest_records(binary, demo, demo_quant, run, honest_prompts(n_demo), HONEST_DEMO_TOKENS, temperature, log, out,
                            "honest-demo", stop_at)  # fmt: skip
             print(f"honest demo T={temperature}: {time.monotonic() - t0:.0f} s", flush=True)
     spec = TinyModelSpec(n_layers=4, n_embd=256, n_head=8, n_head_kv=4, n_ff=512)
     tiny = write_tiny_model(work / "tiny-F16.gguf", replace(spec, weight_type="F16"))
     runs = [(0.0, tokens, honest_prompts(n)[first:]) for tokens in lengths]
-    runs += [(SAMPLED_T, tokens, honest_prompts(n_sampled)) for tokens in (HONEST_SHORT_TOKENS, HONEST_LONG_TOKENS)]
+    runs += [(SAMPLED_T, tokens, honest_prompts(n_sampled)) for tokens in sampled_lengths]
     for temperature, tokens, prompts in runs:
         if prompts:
-            honest_records(binary, tiny, "F16", other, prompts, tokens, temperature, log, out, "honest-tiny", None)
+            honest_records(binary, tiny, "F16", run, prompts, tokens, temperature, log, out, "honest-tiny", None)
             print(f"honest tiny T={temperature} {tokens} tokens: {time.monotonic() - t0:.0f} s", flush=True)
 
 
@@ -532,6 +555,15 @@ def main() -> int:
     parser.add_argument("--honest-quant-from", type=int, default=0, metavar="K", help="with --honest-quant: greedy prompts from the K-th")
     parser.add_argument("--honest-quant-lengths", default=f"{HONEST_SHORT_TOKENS},{HONEST_LONG_TOKENS}",
                         help="with --honest-quant: the greedy answers' lengths in tokens [default: %(default)s]")  # fmt: skip
+    parser.add_argument("--honest-quant-sampled-lengths", default=f"{HONEST_SHORT_TOKENS},{HONEST_LONG_TOKENS}",
+                        help="with --honest-quant: the sampled answers' lengths in tokens [default: %(default)s]")  # fmt: skip
+    parser.add_argument("--honest-quant-demo-quant", default="Q8_0", metavar="TYPE",
+                        help="with --honest-quant-demo: the demo file answering, --work's demo-TYPE.gguf [default: %(default)s]")  # fmt: skip
+    parser.add_argument(
+        "--skip-cpu-node", action="store_true", help="with --honest-quant: only the other backend answers (the CPU's measured)"
+    )
+    parser.add_argument("--also-verify-on", default=None, metavar="DEVICE",
+                        help="with --honest-quant: score the same answers again with a verifier on DEVICE (CUDA0), timed")  # fmt: skip
     parser.add_argument(
         "--honest-quant-demo", type=int, default=0, metavar="N", help="with --honest-quant: the demo Q8_0's answers (--work holds it)"
     )
@@ -555,9 +587,11 @@ def main() -> int:
     other = replace(VULKAN, device=args.device, vk_visible_devices=args.vk_visible_devices or None)
     if args.honest_quant:
         records = args.records or work / "honest-records.jsonl"
-        honest_quant(binary, work, other, args.honest_quant, args.honest_quant_sampled, args.honest_quant_from,
-                     tuple(int(x) for x in args.honest_quant_lengths.split(",") if x), args.honest_quant_demo,
-                     log, records, args.budget * 60, args.skip_gemma)  # fmt: skip
+        also = replace(other, device=args.also_verify_on) if args.also_verify_on else None
+        lengths = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
+        honest_quant(binary, work, HonestRun(other, args.skip_cpu_node, also), args.honest_quant, args.honest_quant_sampled,
+                     args.honest_quant_from, lengths(args.honest_quant_lengths), lengths(args.honest_quant_sampled_lengths),
+                     args.honest_quant_demo, args.honest_quant_demo_quant, log, records, args.budget * 60, args.skip_gemma)  # fmt: skip
         print("\n".join(["", "== honest =="] + honest_table(records)))
         return 0
     if args.quants:
