@@ -3,7 +3,8 @@
 RPC port itself disturbs ggml-rpc-server (one client at a time; a client that dies can kill it).
 
 Only the node may read it: each request carries a short-lived EdDSA token signed by the node's
-key (`status_token`), checked against the public key the worker was started with.
+key (`status_token`), checked against the public key the worker was started with by the pool
+status policy (`contract.token_policies.POOL_STATUS_TOKEN`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jwt
 import psutil
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from starlette.applications import Starlette
@@ -22,32 +22,23 @@ from starlette.routing import Route
 
 from meshnet_gguf import __version__
 from meshnet_gguf.contract.bearer import bearer_token
-from meshnet_gguf.contract.signing import decode_token, encode_token
+from meshnet_gguf.contract.protocol import STATUS_AUDIENCE
+from meshnet_gguf.contract.signing import TokenRefused, issue, verify
+from meshnet_gguf.contract.token_policies import POOL_STATUS_TOKEN
 from meshnet_gguf.llama.rpc_worker import RpcWorker, cache_bytes
 
 STATUS_PATH = "/status"
-STATUS_AUDIENCE = "meshnet-pool-worker-status"
-# A token lives this long: long enough for one check, short enough that a copied one soon goes stale.
-STATUS_TOKEN_TTL_S = 60
-# Clocks of two boxes on one desk may disagree this much.
-STATUS_CLOCK_LEEWAY_S = 30
-# A token claiming a longer life than this is refused, whatever its signature.
-STATUS_TOKEN_MAX_LIFE_S = 300
+__all__ = ["STATUS_AUDIENCE", "STATUS_PATH", "check_status_token", "status_app", "status_token", "worker_status"]
 
 
 def status_token(key: Ed25519PrivateKey, now: float | None = None) -> str:
-    """The bearer token the node sends to a worker's status endpoint."""
-    issued = int(time.time() if now is None else now)
-    return encode_token({"aud": STATUS_AUDIENCE, "iat": issued, "exp": issued + STATUS_TOKEN_TTL_S}, key)
+    """The bearer token the node sends to a worker's status endpoint (the policy's longest life)."""
+    return issue(POOL_STATUS_TOKEN, key, now=now)
 
 
 def check_status_token(token: str, node_key: Ed25519PublicKey) -> None:
-    """Raises `jwt.InvalidTokenError` unless the node's key signed this fresh, short-lived status token."""
-    claims = decode_token(token, node_key, required=["aud", "iat", "exp"], audience=STATUS_AUDIENCE, leeway=STATUS_CLOCK_LEEWAY_S)
-    if int(claims["exp"]) - int(claims["iat"]) > STATUS_TOKEN_MAX_LIFE_S:
-        raise jwt.InvalidTokenError(f"a status token may live at most {STATUS_TOKEN_MAX_LIFE_S} s")
-    if int(claims["iat"]) > time.time() + STATUS_CLOCK_LEEWAY_S:
-        raise jwt.ImmatureSignatureError("status token issued in the future")
+    """Raises `TokenRefused` unless the node's key signed this fresh, short-lived status token."""
+    verify(token, node_key, POOL_STATUS_TOKEN)
 
 
 def worker_status(worker: RpcWorker) -> dict[str, Any]:
@@ -84,7 +75,7 @@ def status_app(
             return JSONResponse({"error": "a status token signed by the node's key is required"}, status_code=401)
         try:
             check_status_token(token, node_key)
-        except jwt.InvalidTokenError as exc:
+        except TokenRefused as exc:
             return JSONResponse({"error": f"status token refused: {exc}"}, status_code=401)
         return JSONResponse(status(worker))
 

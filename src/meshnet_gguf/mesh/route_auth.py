@@ -8,7 +8,6 @@ forwards nothing to llama-server.
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -16,15 +15,24 @@ from collections.abc import Callable, Mapping
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
-from meshnet_gguf.contract.protocol import CLOCK_SKEW_S, MAX_ROUTE_LIFETIME_S, ROUTE_ERRORS, ROUTE_HEADER, RouteClaims
-from meshnet_gguf.contract.signing import (
-    BadTokenSignature,
-    CompactTokenError,
-    HotVerifyKey,
-    body_sha256,
-    tracker_issuer_for,
-    verify_eddsa_claims,
-)
+from meshnet_gguf.contract.protocol import CLOCK_SKEW_S, ROUTE_ERRORS, ROUTE_HEADER, RouteClaims
+from meshnet_gguf.contract.signing import BODY_CHECKED_LATER, HotVerifyKey, TokenFault, TokenRefused, tracker_issuer_for, verify
+from meshnet_gguf.contract.signing import check_body as check_signed_body
+from meshnet_gguf.contract.token_policies import ROUTE_TOKEN
+
+# What `verify` refuses, as the node answers it (`ROUTE_ERRORS`).
+_ROUTE_CODES: dict[TokenFault, str] = {
+    "malformed": "route_malformed",
+    "missing_claim": "route_malformed",
+    "bad_signature": "route_bad_signature",
+    "wrong_issuer": "route_wrong_issuer",
+    "wrong_subject": "route_wrong_node",
+    "wrong_audience": "route_malformed",  # a route names no audience; the policy never refuses for one
+    "life_too_long": "route_lifetime_too_long",
+    "not_yet_valid": "route_not_yet_valid",
+    "expired": "route_expired",
+    "body_mismatch": "route_body_mismatch",
+}
 
 # With routes living at most 60 s this holds > 1,600 requests/s, far above what
 # one llama-server node serves; reaching it means abuse, so we refuse rather than evict.
@@ -56,7 +64,7 @@ class ReplayCache:
 
     def _prune(self, now: float) -> None:
         while self._expiry:
-            request_id, expires = next(iter(self._expiry.items()))
+            _, expires = next(iter(self._expiry.items()))
             if expires > now:
                 break
             self._expiry.popitem(last=False)
@@ -115,7 +123,7 @@ class RouteVerifier:
         return claims
 
     def check_token(self, headers: Mapping[str, str], path: str) -> RouteClaims:
-        """Signature, issuer, lifetime, node, model, hops and path: everything but the body.
+        """The route policy (signature, issuer, node, life, clocks), then model, hops and path: everything but the body.
 
         Runs before the body is read, so a forged or stale route costs the node no more
         than its headers. The caller enforces `claims.max_tokens` on the body it forwards.
@@ -127,9 +135,6 @@ class RouteVerifier:
                 f"this node serves only requests routed by its tracker; send them through the tracker ({ROUTE_HEADER} missing)",
             )
         claims = self._decode(token)
-        self._check_lifetime(claims)
-        if claims.sub != self.node_id:
-            raise RouteRejected("route_wrong_node", f"route is for node {claims.sub}, this is {self.node_id}")
         if claims.model != self.model_id:
             raise RouteRejected("route_wrong_model", f"route is for model {claims.model!r}, this node serves {self.model_id!r}")
         self._check_hops(claims)
@@ -143,8 +148,10 @@ class RouteVerifier:
 
     @staticmethod
     def check_body(signed_sha256: str, body: bytes) -> None:
-        if not hmac.compare_digest(body_sha256(body), signed_sha256):
-            raise RouteRejected("route_body_mismatch", "request body differs from the one the tracker signed")
+        try:
+            check_signed_body(signed_sha256, body, ROUTE_TOKEN)
+        except TokenRefused:
+            raise RouteRejected("route_body_mismatch", "request body differs from the one the tracker signed") from None
 
     def claim(self, request_id: str, expires_at: float) -> None:
         """Use the route's request id up; a second use raises `route_replayed`. Call last, just
@@ -152,35 +159,17 @@ class RouteVerifier:
         self._replay.remember(request_id, expires_at, self._clock())
 
     def _decode(self, token: str) -> RouteClaims:
-        # One pass over the token (signature, then claims); the time claims are checked below
-        # against this node's own clock, so nothing PyJWT's generic decode adds is needed here.
+        # The route policy against this node's own (injectable) clock; the body is checked once it is read.
         try:
-            raw = verify_eddsa_claims(token, self._key)
-        except BadTokenSignature:
-            raise RouteRejected("route_bad_signature", "route signature does not match the pinned tracker key") from None
-        except CompactTokenError as exc:
-            raise RouteRejected("route_malformed", f"route token is not valid: {exc}") from None
-        if raw.get("iss") != self._issuer:
-            raise RouteRejected("route_wrong_issuer", f"route issued by {raw.get('iss')!r}, expected {self._issuer!r}")
-        nbf = raw.get("nbf")
-        if nbf is not None and (not isinstance(nbf, (int, float)) or nbf > self._clock() + CLOCK_SKEW_S):
-            raise RouteRejected("route_not_yet_valid", "route not valid yet; check both clocks (NTP)")
+            raw = verify(
+                token, self._key, ROUTE_TOKEN, issuer=self._issuer, subject=self.node_id, body=BODY_CHECKED_LATER, now=self._clock()
+            )
+        except TokenRefused as exc:
+            raise RouteRejected(_ROUTE_CODES[exc.fault], f"route refused: {exc}") from None
         try:
             return RouteClaims.model_validate(raw)
         except ValidationError as exc:
             raise RouteRejected("route_malformed", f"route claims are malformed: {_first_error(exc)}") from None
-
-    def _check_lifetime(self, claims: RouteClaims) -> None:
-        # Checked here rather than by PyJWT so the node's injectable clock governs every time check.
-        now = self._clock()
-        if claims.exp - claims.iat > MAX_ROUTE_LIFETIME_S:
-            raise RouteRejected(
-                "route_lifetime_too_long", f"route lives {claims.exp - claims.iat} s; at most {MAX_ROUTE_LIFETIME_S} s allowed"
-            )
-        if claims.iat > now + CLOCK_SKEW_S:
-            raise RouteRejected("route_not_yet_valid", "route issued in the future; check both clocks (NTP)")
-        if claims.exp <= now - CLOCK_SKEW_S:
-            raise RouteRejected("route_expired", f"route expired {now - claims.exp:.0f} s ago; ask the tracker for a new one")
 
     def _check_hops(self, claims: RouteClaims) -> None:
         if len(claims.hops) != 1:

@@ -36,7 +36,6 @@ from pydantic import ValidationError
 from meshnet_gguf.contract.model_proof import (
     AUDIT_PATH,
     AUDIT_TOKEN_HEADER,
-    AUDIT_TOKEN_SUBJECT,
     DRIFT_REFUSE_NATS,
     AnswerGaps,
     AuditRequest,
@@ -45,8 +44,9 @@ from meshnet_gguf.contract.model_proof import (
     unscoreable,
 )
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER
-from meshnet_gguf.contract.signing import body_sha256, encode_token
+from meshnet_gguf.contract.signing import body_sha256, issue
 from meshnet_gguf.contract.sse import event_data
+from meshnet_gguf.contract.token_policies import AUDIT_TOKEN
 from meshnet_gguf.reference.tracker.metering import ForwardMeter, prompt_ceiling, requested_choices
 from meshnet_gguf.reference.tracker.registry import NodeEntry
 from meshnet_gguf.reference.tracker.ledger import AuditRecord
@@ -74,8 +74,6 @@ MAX_QUEUED_AUDITS_PER_NODE = 32
 # - All queued audits, at most (many nodes, each under its share): past it, one queued audit of the node with the most
 #   queued is dropped, picked at random. A registration probe's audits are never dropped (a new node waits on them).
 MAX_QUEUED_AUDITS = 1000
-# How long an audit token lives: one post to the verifier.
-AUDIT_TOKEN_LIFETIME_S = 60
 VERIFIER_TIMEOUT_S = 300.0
 # The registration probe: a few greedy prompts, long enough that another model diverges (tests/proof).
 PROBE_PROMPTS = ("hello world, this is a test of", "Once upon a time, in a land far away,", "The capital of France is")
@@ -349,10 +347,8 @@ class Auditor:
         self._wake.set()
 
     def _token(self, audit_id: str, body: bytes) -> str:
-        now = int(time.time())
-        claims = {"iss": self.issuer, "sub": AUDIT_TOKEN_SUBJECT, "jti": audit_id, "iat": now,
-                  "exp": now + AUDIT_TOKEN_LIFETIME_S, "body_sha256": body_sha256(body)}  # fmt: skip
-        return encode_token(claims, self._key)
+        # The audit policy fixes the subject and the life (its longest: one post, body read included).
+        return issue(AUDIT_TOKEN, self._key, {"iss": self.issuer, "jti": audit_id, "body_sha256": body_sha256(body)})
 
     async def _post(self, job: _Job) -> AuditVerdict | None:
         url = self.verifiers.get(job.request.model)

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import anyio
 import httpx
-import jwt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -27,7 +26,6 @@ from starlette.responses import JSONResponse, Response
 
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import (
-    CLOCK_SKEW_S,
     ENROLMENT_HEADER,
     NODE_CONTROL_NONCE_PARAM,
     NODE_CONTROL_PATH,
@@ -40,15 +38,16 @@ from meshnet_gguf.contract.protocol import (
     NodeControlProof,
     RegistrationAck,
 )
-from meshnet_gguf.contract.signing import KeyFormatError, decode_token, node_id_for, parse_public_key
-from meshnet_gguf.reference.tracker.node_address import NodeTarget, UnsafeNodeURL, pin_node_url
-from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
-from meshnet_gguf.reference.tracker.relay_dialer import RelayedNodeTarget
+from meshnet_gguf.contract.signing import KeyFormatError, TokenRefused, node_id_for, parse_public_key, verify
+from meshnet_gguf.contract.token_policies import NODE_CONTROL_TOKEN
 from meshnet_gguf.reference.tracker.config import TrackerConfig
+from meshnet_gguf.reference.tracker.ledger import TrackerLedger
+from meshnet_gguf.reference.tracker.node_address import NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.tracker.node_calls import NodeCalls
 from meshnet_gguf.reference.tracker.reach import NodeReach
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker.relay_dialer import RelayedNodeTarget
 from meshnet_gguf.reference.tracker.request_io import control_body, error_response, model_response, parse_body
-from meshnet_gguf.reference.tracker.ledger import TrackerLedger
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +168,11 @@ class Enrolment:
         try:
             proof = NodeControlProof.model_validate_json(bytes(raw))
             claims = NodeControlClaims.model_validate(
-                decode_token(proof.token, key, required=["iss", "aud", "nonce", "iat"], leeway=CLOCK_SKEW_S, audience=self.calls.issuer)
+                verify(proof.token, key, NODE_CONTROL_TOKEN, issuer=node_id, audience=self.calls.issuer)
             )
-        except (ValidationError, jwt.InvalidTokenError) as exc:
+        except (ValidationError, TokenRefused) as exc:
             raise ApiError(422, "control_unproven", f"{unproven}: {exc}") from None
-        if claims.iss != node_id or not hmac.compare_digest(claims.nonce, nonce):
+        if not hmac.compare_digest(claims.nonce, nonce):
             raise ApiError(422, "control_unproven", f"{unproven}: the answer is for another node or another challenge")
 
     def _check_enrolment(self, request: Request) -> None:

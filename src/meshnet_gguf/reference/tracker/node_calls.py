@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 
-import jwt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from starlette.requests import Request
 
 from meshnet_gguf.contract.errors import ApiError
-from meshnet_gguf.contract.protocol import CLOCK_SKEW_S, NODE_AUTH_LIFETIME_S
-from meshnet_gguf.contract.signing import body_sha256, decode_token
+from meshnet_gguf.contract.protocol import CLOCK_SKEW_S
+from meshnet_gguf.contract.signing import TokenRefused, verify
+from meshnet_gguf.contract.token_policies import NODE_CALL_TOKEN
 
 # Node tokens remembered at once (each for its lifetime, at most a minute): far more calls a minute than
 # a fleet's heartbeats and receipts make, and a few MB at most.
@@ -56,21 +56,9 @@ class NodeCalls:
         if not auth.startswith("Bearer "):
             raise ApiError(401, "missing_node_auth", "node calls need Authorization: Bearer <node token>")
         try:
-            claims = decode_token(
-                auth[len("Bearer ") :],
-                key,
-                required=["iss", "aud", "iat", "exp", "htm", "htu", "body_sha256", "jti"],
-                leeway=CLOCK_SKEW_S,
-                audience=self.issuer,
-            )
-        except jwt.InvalidTokenError as exc:
+            claims = verify(auth[len("Bearer ") :], key, NODE_CALL_TOKEN, issuer=node_id, audience=self.issuer, body=body)
+        except TokenRefused as exc:
             raise ApiError(401, "bad_node_auth", f"node token is not valid: {exc}") from None
-        if claims["exp"] - claims["iat"] > NODE_AUTH_LIFETIME_S:
-            raise ApiError(401, "bad_node_auth", "node token lives too long")
-        if claims["iss"] != node_id:
-            raise ApiError(401, "bad_node_auth", "node token is for another node")
         if (claims["htm"], claims["htu"]) != (request.method, request.url.path):
             raise ApiError(401, "bad_node_auth", "node token is for another call")
-        if claims["body_sha256"] != body_sha256(body):
-            raise ApiError(401, "bad_node_auth", "body differs from the one the node signed")
         self.used.use(str(claims["jti"]), float(claims["exp"]))

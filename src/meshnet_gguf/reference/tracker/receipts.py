@@ -13,25 +13,18 @@ import logging
 import time
 from typing import Any
 
-import jwt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from meshnet_gguf.contract.errors import ApiError
-from meshnet_gguf.contract.protocol import (
-    CLOCK_SKEW_S,
-    ReceiptAck,
-    ReceiptBatch,
-    ReceiptClaims,
-    ReceiptRejection,
-    UsageReceipt,
-)
-from meshnet_gguf.contract.signing import decode_token, parse_public_key, unverified_claims
+from meshnet_gguf.contract.protocol import ReceiptAck, ReceiptBatch, ReceiptClaims, ReceiptRejection, UsageReceipt
+from meshnet_gguf.contract.signing import TokenRefused, parse_public_key, verify
+from meshnet_gguf.contract.token_policies import RECEIPT_TOKEN
+from meshnet_gguf.reference.tracker.ledger import ForwardedRequest, TrackerLedger
 from meshnet_gguf.reference.tracker.node_calls import NodeCalls
 from meshnet_gguf.reference.tracker.request_io import control_body, error_response, model_response, parse_body
-from meshnet_gguf.reference.tracker.ledger import ForwardedRequest, TrackerLedger
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +80,11 @@ class Receipts:
 
     async def _accept(self, node_id: str, key: Ed25519PublicKey, receipt: UsageReceipt) -> None:
         try:
-            raw = decode_token(receipt.token, key, required=["iss", "jti", "iat", "usage"], leeway=CLOCK_SKEW_S)
-            claims = ReceiptClaims.model_validate(raw)
-        except jwt.InvalidSignatureError:
-            raise ApiError(400, "bad_signature", "receipt signature does not match the node key") from None
-        except jwt.ImmatureSignatureError:
-            # The signature checked out; only the node's clock runs ahead. Within the window it is
-            # left unsettled, so the node sends it again once our clock has caught up.
-            ahead = int(unverified_claims(receipt.token).get("iat", 0)) - time.time()
-            if ahead <= FUTURE_RECEIPT_RETRY_WINDOW_S:
-                raise _NotYet(f"signed {ahead:.0f} s in the future; check the node's clock (NTP)") from None
-            raise ApiError(400, "from_the_future", f"receipt signed {ahead:.0f} s in the future") from None
-        except (jwt.InvalidTokenError, ValidationError) as exc:
+            claims = ReceiptClaims.model_validate(verify(receipt.token, key, RECEIPT_TOKEN, issuer=node_id))
+        except TokenRefused as exc:
+            raise _refusal(exc) from None
+        except ValidationError as exc:
             raise ApiError(400, "malformed", f"receipt is not valid: {exc}") from None
-        if claims.iss != node_id:
-            raise ApiError(400, "wrong_node", f"receipt signed for node {claims.iss}")
         if not (claims.jti == claims.usage.request_id == receipt.request_id):
             raise ApiError(400, "malformed", "receipt request ids disagree")
         forwarded = await self.ledger.forwarded(receipt.request_id)
@@ -135,6 +118,21 @@ class Receipts:
         if not given.isdigit() or not 1 <= int(given) <= MAX_USAGE_LIST_LIMIT:
             return error_response(ApiError(400, "bad_limit", f"limit must be a whole number from 1 to {MAX_USAGE_LIST_LIMIT}"))
         return JSONResponse([u.model_dump() for u in await self.ledger.usage_list(limit=int(given))])
+
+
+def _refusal(refused: TokenRefused) -> Exception:
+    if refused.fault == "bad_signature":
+        return ApiError(400, "bad_signature", "receipt signature does not match the node key")
+    if refused.fault == "wrong_issuer":
+        return ApiError(400, "wrong_node", f"receipt is not signed for this node: {refused}")
+    if refused.fault == "not_yet_valid" and refused.claims is not None:
+        # The signature checked out; only the node's clock runs ahead. Within the window it is
+        # left unsettled, so the node sends it again once our clock has caught up.
+        ahead = float(refused.claims.get("iat", 0)) - time.time()
+        if ahead <= FUTURE_RECEIPT_RETRY_WINDOW_S:
+            return _NotYet(f"signed {ahead:.0f} s in the future; check the node's clock (NTP)")
+        return ApiError(400, "from_the_future", f"receipt signed {ahead:.0f} s in the future")
+    return ApiError(400, "malformed", f"receipt is not valid: {refused}")
 
 
 def check_plausible(usage: Any, forwarded: ForwardedRequest) -> None:
