@@ -16,10 +16,11 @@ import pytest
 from meshnet_gguf.contract import bearer
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import ROUTE_HEADER
+from meshnet_gguf.contract.strict_json import MAX_JSON_DEPTH, parse_json_object
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.child import child_environment
 from meshnet_gguf.serving import access, http_server, proxy
-from meshnet_gguf.serving.request_validation import MAX_JSON_DEPTH, parse_json_object, rewrite_top_level, validate_request
+from meshnet_gguf.serving.request_validation import rewrite_top_level, validate_request
 from support.billing_harness import LlamaChild, Tracker, serve_front
 
 pytestmark = pytest.mark.anyio

@@ -1,11 +1,10 @@
-"""The ASGI plumbing every web app of the package shares (the node's listener, the reference tracker,
-the relay's pages): the types, request headers, the upstream headers never passed on, and the one way
-a whole answer is sent.
+"""The ASGI plumbing every web app of the package shares (the node's listener, the reference
+tracker): the types, request headers, the upstream headers never passed on, and the one way an
+answer is sent: `respond` whole, or `start_answer` then `send_body` as it streams, so the ASGI
+messages are spelt once.
 
-The node's proxy, its pages, the `/metrics` guard and the tracker's forwarding all answer through
-`respond`, so an answer's framing (content-length) is spelt once. An OpenAI error answer is
-`contract/error_answer.send_error`: it renders `contract/errors.ApiError`, and `common` imports
-nothing else of the package.
+An OpenAI error answer is `contract/error_answer.send_error`: it renders `contract/errors.ApiError`,
+and `common` imports nothing else of the package.
 """
 
 from __future__ import annotations
@@ -46,9 +45,18 @@ def forwardable(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]
 
 async def respond(send: Send, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]) -> None:
     """A whole answer, with its content-length."""
-    all_headers = [*headers, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": all_headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await start_answer(send, status, [*headers, (b"content-length", str(len(body)).encode())])
+    await send_body(send, body, more=False)
+
+
+async def start_answer(send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    """An answer's head; its body follows in `send_body` calls, the last with `more=False`."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+
+
+async def send_body(send: Send, body: bytes, *, more: bool) -> None:
+    """A part of an answer's body; `more=False` ends the answer."""
+    await send({"type": "http.response.body", "body": body, "more_body": more})
 
 
 __all__ = [
@@ -65,4 +73,6 @@ __all__ = [
     "forwardable",
     "request_headers",
     "respond",
+    "send_body",
+    "start_answer",
 ]

@@ -21,7 +21,7 @@ import errno
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 from urllib.parse import quote, unquote
 
 import httptools
@@ -273,8 +273,25 @@ class _Connection(asyncio.Protocol):
         return "content-length" not in names and "transfer-encoding" not in names
 
 
+class HttpAnswer(Protocol):
+    """An answer whose head has arrived, whichever client fetched it: the one shape the node's proxy
+    reads llama-server's answers in and the reference tracker its nodes'. Its body is read with
+    `iter_chunks` (or whole with `read`), which raise HttpClientError when the connection breaks; it is
+    closed once. `Http1Response` is one as it is (the hot paths adapt nothing); `httpx_answer` adapts
+    httpx's."""
+
+    status: int
+    headers: list[tuple[str, str]]
+
+    def iter_chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
 class Http1Response:
-    """An answer whose head has arrived; its body is read with `iter_chunks` or `read`."""
+    """An answer whose head has arrived (an `HttpAnswer`); its body is read with `iter_chunks` or `read`."""
 
     def __init__(self, connection: _Connection, pool: Http1Client, address: Address) -> None:
         self._connection = connection

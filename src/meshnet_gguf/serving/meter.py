@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from meshnet_gguf.contract.openai_paths import EMBEDDINGS_PATH
 from meshnet_gguf.contract.protocol import USAGE_COMMENT_PREFIX, FinishReason, UsageRecord
 from meshnet_gguf.contract.sse import SSESplitter, comment_event
 
@@ -273,7 +274,7 @@ def meter_whole_body(meter: RequestMeter, body: bytes) -> None:
     choices = answer.get("choices") or []
     if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
         meter.finish_reason = _finish_reason(str(choices[0]["finish_reason"]))
-    elif meter.path == "/v1/embeddings":
+    elif meter.path == EMBEDDINGS_PATH:
         meter.finish_reason = "stop"
 
 

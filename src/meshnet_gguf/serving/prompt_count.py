@@ -17,9 +17,11 @@ from typing import Any
 import anyio
 
 from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.openai_paths import CHAT_COMPLETIONS_PATH
+from meshnet_gguf.contract.strict_json import parse_json_object
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 from meshnet_gguf.serving.admission_modes import unavailable
-from meshnet_gguf.serving.request_validation import parse_json_object, single_prompt
+from meshnet_gguf.serving.request_validation import single_prompt
 from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_headers
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class PromptCounter:
         parser throws on shapes the node does not check, such as a tool list it cannot
         read); nothing ran, so the client gets a 400 with llama-server's reason.
         """
-        if path == "/v1/chat/completions":
+        if path == CHAT_COMPLETIONS_PATH:
             rendered = await self._ask_upstream(target, "/apply-template", body)
             prompt: Any = rendered.get("prompt")
             if not isinstance(prompt, str):

@@ -1,15 +1,10 @@
-"""Strict checks of a client's request body, before anything reaches llama-server.
+"""Checks of a client's request body past its JSON, before anything reaches llama-server.
 
-llama-server answers 500 for bodies it cannot parse (lone surrogate escapes,
-`NaN`, numbers that overflow a double, bytes that are not UTF-8, UTF-16
-bodies) and for some known keys with the wrong type (`"tools": false`). A
-client error must get a 400 that says what is wrong, so the node refuses such
-bodies itself:
+The body is parsed by `contract/strict_json.parse_json_object` (the tracker's parser too: RFC 8259 in
+UTF-8, no duplicate key, no `NaN`, bounded nesting). llama-server also answers 500 for some known keys
+with the wrong type (`"tools": false`); a client error must get a 400 that says what is wrong, so the
+node refuses such bodies itself:
 
-- RFC 8259 JSON in UTF-8: no `NaN` / `Infinity`, no number a double cannot
-  hold, no lone surrogate escape, no duplicate key in the top-level object
-  (a repeated key would let the node's reading and llama-server's differ);
-- nesting at most `MAX_JSON_DEPTH` levels (never a RecursionError);
 - the types of the keys llama-server does not check itself;
 - one completion per request: `n` / `n_cmpl` above 1 and lists of prompts are
   refused, since each would run several generations on one slot.
@@ -22,101 +17,19 @@ its way upstream.
 from __future__ import annotations
 
 import json
-import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.openai_paths import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH
 
-# Deep enough for any real tool schema or content list; far below Python's recursion limit.
-MAX_JSON_DEPTH = 64
 # Keys whose value asks llama-server for several completions at once.
 MULTIPLIER_KEYS = ("n", "n_cmpl")
-# A surrogate escape (\uD800-\uDFFF) anywhere in the text; only then are strings walked.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _DECODER = json.JSONDecoder()
 
 
 def _refuse(code: str, message: str) -> ApiError:
     return ApiError(400, code, message)
-
-
-def _no_constants(name: str) -> Any:
-    raise _refuse("invalid_json", f"Request body is not valid JSON: {name} is not a JSON value (RFC 8259)")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise _refuse("invalid_json", f"Number {text[:40]} is out of range for a double")
-    return value
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _refuse("duplicate_key", f"Key {key!r} appears twice in one JSON object")
-            seen.add(key)
-    return out
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or `ApiError(400)` saying why it is not one."""
-    try:
-        text = body.decode("utf-8")  # strict: refuses encoded surrogates and UTF-16/32 bodies
-    except UnicodeDecodeError as exc:
-        raise _refuse("invalid_encoding", f"Request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        payload = json.loads(text, parse_constant=_no_constants, parse_float=_finite_float, object_pairs_hook=_unique_pairs)
-    except ApiError:
-        raise
-    except RecursionError:  # the C scanner's own guard, far deeper than MAX_JSON_DEPTH
-        raise _refuse("json_too_deep", f"JSON nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:
-        raise _refuse("invalid_json", f"Request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise _refuse("invalid_json", "Request body must be a JSON object")
-    _check_values(payload, check_strings=_SURROGATE_ESCAPE.search(text) is not None)
-    return payload
-
-
-# llama-server reads integers as 64-bit; a larger one overflows its parser (a 500).
-_INT_MIN, _INT_END = -(2**63), 2**64
-
-
-def _check_values(payload: dict[str, Any], *, check_strings: bool) -> None:
-    """One iterative walk: nesting depth, integer range, and (when the text has surrogate
-    escapes) strings that hold a lone surrogate, which has no UTF-8 form."""
-    stack: list[tuple[Any, int]] = [(payload, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            if depth > MAX_JSON_DEPTH:
-                raise _refuse("json_too_deep", f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
-            for key, sub in item.items():
-                if check_strings:
-                    _encodable(key)
-                stack.append((sub, depth + 1))
-        elif isinstance(item, list):
-            if depth > MAX_JSON_DEPTH:
-                raise _refuse("json_too_deep", f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
-            stack.extend((sub, depth + 1) for sub in item)
-        elif isinstance(item, str):
-            if check_strings:
-                _encodable(item)
-        elif isinstance(item, int) and not isinstance(item, bool) and not _INT_MIN <= item < _INT_END:
-            raise _refuse("invalid_json", "An integer is out of the 64-bit range")
-
-
-def _encodable(text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _refuse("invalid_unicode", "A string holds a lone surrogate escape (\\ud800-\\udfff without its pair)") from None
 
 
 # --- known keys -------------------------------------------------------------------
@@ -144,12 +57,12 @@ def validate_request(path: str, payload: Mapping[str, Any]) -> None:
     for key in ("max_tokens", "max_completion_tokens", "n_predict"):
         if key in payload and payload[key] is not None and not _is_int(payload[key]):
             raise _refuse("invalid_type", f"'{key}' must be an integer")
-    if path == "/v1/chat/completions":
+    if path == CHAT_COMPLETIONS_PATH:
         _check_messages(payload.get("messages"))
         _check_tools(payload)
-    elif path == "/v1/completions":
+    elif path == COMPLETIONS_PATH:
         _check_prompt(payload.get("prompt"))
-    elif path == "/v1/embeddings":
+    elif path == EMBEDDINGS_PATH:
         _check_input(payload.get("input"))
 
 
@@ -211,7 +124,7 @@ def _check_input(value: Any) -> None:
 
 def single_prompt(path: str, payload: Mapping[str, Any]) -> Any:
     """What llama-server tokenizes as the prompt of a completion or embedding (after `validate_request`)."""
-    value = payload.get("prompt" if path == "/v1/completions" else "input")
+    value = payload.get("prompt" if path == COMPLETIONS_PATH else "input")
     if isinstance(value, list) and len(value) == 1 and not _is_int(value[0]):
         return value[0]
     return value
@@ -220,7 +133,7 @@ def single_prompt(path: str, payload: Mapping[str, Any]) -> Any:
 # --- rewriting without re-serialising -------------------------------------------
 def rewrite_top_level(body: bytes, changes: Mapping[str, Any]) -> bytes:
     """The body with the top-level keys in `changes` set (added or replaced), every other value
-    kept byte for byte. The body must have passed `parse_json_object` (valid, no duplicate keys)."""
+    kept byte for byte. The body must have passed `contract/strict_json.parse_json_object` (valid, no duplicate keys)."""
     text = body.decode("utf-8")
     members: list[tuple[str, str]] = []
     i = _skip_ws(text, 0)
@@ -253,9 +166,7 @@ def _skip_ws(text: str, i: int) -> int:
 
 
 __all__ = [
-    "MAX_JSON_DEPTH",
     "MULTIPLIER_KEYS",
-    "parse_json_object",
     "rewrite_top_level",
     "single_prompt",
     "validate_request",

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 from meshnet_gguf.contract.errors import openai_error_body
+from meshnet_gguf.contract.openai_paths import EMBEDDINGS_PATH
 
-EMBEDDINGS_PATH = "/v1/embeddings"
 # llama-server's status for a route its flags turned off (501 Not Implemented, "not_supported_error").
 NOT_SUPPORTED_STATUS = 501
 LLAMA_EMBEDDINGS_FLAG = "--embeddings"

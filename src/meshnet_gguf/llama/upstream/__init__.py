@@ -18,10 +18,9 @@ over loopback TCP (`http://127.0.0.1:PORT`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Literal, Protocol
 
-from meshnet_gguf.common.http1_client import HttpClientError
+from meshnet_gguf.common.http1_client import HttpAnswer, HttpClientError
 
 # Per-connection read buffer of the aiohttp hop (its StreamReader stops reading from the
 # socket at twice this). aiohttp's 64 KiB default lets 256 streams whose clients read
@@ -35,13 +34,9 @@ UpstreamClientKind = Literal["raw", "aiohttp", "httpx"]
 UpstreamError = HttpClientError
 
 
-class UpstreamResponse(Protocol):
-    status: int
-    headers: list[tuple[str, str]]
-
-    def iter_chunks(self) -> AsyncIterator[bytes]: ...
-    async def read(self) -> bytes: ...
-    async def aclose(self) -> None: ...
+# llama-server's answer: the package's one answer shape (`common/http1_client.HttpAnswer`), which the
+# lean client's response is as it is and `common/httpx_answer` adapts httpx's to.
+UpstreamResponse = HttpAnswer
 
 
 class UpstreamClient(Protocol):

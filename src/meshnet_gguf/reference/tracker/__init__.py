@@ -17,7 +17,7 @@ works inside. Run it with `meshnet-gguf dev tracker`.
   `node_speed`: a node's speed claim and the tracker's measurements of it.
 - `metering`: the tracker's own count of a request's tokens, from what it forwarded and the request.
 - `ledger`: the tracker's SQLite ledger (routes, usage, audits); `page`: the tracker's page and `pages/`.
-- `node_address`, `node_answer`: how a node is reached and its answer read; `relay_dialer` and
+- `node_address`, `node_clients`: how a node is reached, and the clients that reach it; `relay_dialer` and
   `relay_failover`: the tracker's way to a node through a relay.
 
 Each name lives in one of these modules and is imported from there.

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshnet_gguf.common.private_files import private_dir
+from meshnet_gguf.contract.openai_paths import INFERENCE_PATHS, MODELS_PATH
 from meshnet_gguf.contract.protocol import PROTOCOL_VERSION, WELL_KNOWN_PATH, HealthReport, TrackerInfo
 from meshnet_gguf.contract.signing import load_or_create_private_key, public_key_text, tracker_issuer_for
 from meshnet_gguf.reference.tracker import page as tracker_page
@@ -32,7 +33,7 @@ from meshnet_gguf.reference.tracker.relay_dialer import NodeDialer
 from meshnet_gguf.reference.tracker.audits import Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.enrolment import Enrolment
-from meshnet_gguf.reference.tracker.forwarding import INFERENCE_PATHS, ForwardEndpoint
+from meshnet_gguf.reference.tracker.forwarding import ForwardEndpoint
 from meshnet_gguf.reference.tracker.metrics import TrackerMetrics
 from meshnet_gguf.reference.tracker.node_calls import NodeCalls
 from meshnet_gguf.reference.tracker.reach import NodeReach
@@ -106,7 +107,7 @@ class Tracker:
             Route("/v1/nodes/{node_id}/heartbeat", enrolment.heartbeat, methods=["POST"]),
             Route("/v1/nodes/{node_id}/deregister", enrolment.deregister, methods=["POST"]),
             Route("/v1/nodes/{node_id}/receipts", receipts.receive, methods=["POST"]),
-            Route("/v1/models", self._models, methods=["GET"]),
+            Route(MODELS_PATH, self._models, methods=["GET"]),
             Route("/v1/usage", receipts.usage_list, methods=["GET"]),
             Route("/v1/usage/{request_id}", receipts.usage, methods=["GET"]),
             *(Route(path, self.forward, methods=["POST"]) for path in INFERENCE_PATHS),

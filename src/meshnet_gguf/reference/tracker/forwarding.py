@@ -22,23 +22,24 @@ from typing import Any
 import anyio
 from starlette.requests import Request
 
-from meshnet_gguf.common.http1_client import HttpClientError, HttpConnectError
+from meshnet_gguf.common.asgi import Receive, Scope, Send, send_body, start_answer
+from meshnet_gguf.common.http1_client import HttpAnswer, HttpClientError, HttpConnectError
+from meshnet_gguf.contract.error_answer import send_error
 from meshnet_gguf.contract.errors import ApiError, openai_error_body
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER, USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
-from meshnet_gguf.reference.tracker.metering import ForwardMeter, prompt_ceiling, requested_choices
-from meshnet_gguf.reference.tracker.node_answer import NodeAnswer
-from meshnet_gguf.reference.tracker.node_speed import StreamSample
-from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.contract.strict_json import parse_json_object
 from meshnet_gguf.reference.tracker.audits import AnswerCapture, Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
-from meshnet_gguf.reference.tracker.reach import NodeReach
-from meshnet_gguf.reference.tracker.request_io import error_response, json_object, limited_body
-from meshnet_gguf.reference.tracker.routing import RouteSigner
 from meshnet_gguf.reference.tracker.ledger import Outcome, TrackerLedger
+from meshnet_gguf.reference.tracker.metering import ForwardMeter, prompt_ceiling, requested_choices
+from meshnet_gguf.reference.tracker.node_speed import StreamSample
+from meshnet_gguf.reference.tracker.reach import NodeReach
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker.request_io import limited_body
+from meshnet_gguf.reference.tracker.routing import RouteSigner
 
 log = logging.getLogger(__name__)
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # A node that refuses the connection never saw the request, so one more node may be tried.
 MAX_ROUTE_ATTEMPTS = 2
 # Retry-After when the ledger could not record a request: a disk problem outlasts a heartbeat or two.
@@ -71,11 +72,12 @@ class ForwardEndpoint:
         self.poll_soon, self.flag_mismatch = poll_soon, flag_mismatch
         self.auditor = auditor  # proof of model; None when no verifier is named
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One of `contract/openai_paths.INFERENCE_PATHS`, forwarded to a node."""
         request = Request(scope, receive)
         try:
             body = await limited_body(request, self.config.max_body_bytes)
-            payload = json_object(body)
+            payload = parse_json_object(body)  # the node's parser: what it would refuse is refused here
             model = payload.get("model")
             if not isinstance(model, str) or not model:
                 raise ApiError(400, "missing_model", "'model' is required")
@@ -88,14 +90,14 @@ class ForwardEndpoint:
             if opening.cancelled_caught:
                 raise ApiError(504, "node_timeout", "no node answered in time")
         except ApiError as refusal:
-            await error_response(refusal)(scope, receive, send)
+            await send_error(send, refusal)
             return
         # The forwarded row was synced while the node worked; the client's first byte waits for it.
         if (unrecorded := await _unrecorded(written, request_id)) is not None:
             node.in_flight -= 1
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()  # the node's receipt for it, if any, names a request never routed here
-            await error_response(unrecorded)(scope, receive, send)
+            await send_error(send, unrecorded)
             return
         content_type = next((value for name, value in upstream.headers if name.lower() == "content-type"), "")
         meter = ForwardMeter(content_type.startswith("text/event-stream"), payload)
@@ -106,7 +108,7 @@ class ForwardEndpoint:
         delivery = _Delivery()
         try:
             headers = forwarded_headers(upstream.headers)
-            await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            await start_answer(send, upstream.status, headers)
             with anyio.CancelScope() as forward:
 
                 async def watch_disconnect() -> None:
@@ -123,7 +125,7 @@ class ForwardEndpoint:
                     if forwarding.cancelled_caught:
                         outcome = "timed_out"
                         log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.config.forward_total_timeout_s)
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                        await send_body(send, b"", more=False)
                 finally:
                     watcher.cancel()
         except OSError:
@@ -154,7 +156,7 @@ class ForwardEndpoint:
 
     async def _open(
         self, path: str, model: str, payload: dict[str, Any], body: bytes, prompt_tokens: int
-    ) -> tuple[NodeAnswer, NodeEntry, str, StreamTiming, asyncio.Future[int]]:
+    ) -> tuple[HttpAnswer, NodeEntry, str, StreamTiming, asyncio.Future[int]]:
         if not self.registry.serves(model):
             raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
         stream = payload.get("stream") is True
@@ -206,7 +208,7 @@ class ForwardEndpoint:
         )
 
     async def _pump(
-        self, upstream: NodeAnswer, meter: ForwardMeter, send: Any, timing: StreamTiming, delivery: _Delivery,
+        self, upstream: HttpAnswer, meter: ForwardMeter, send: Send, timing: StreamTiming, delivery: _Delivery,
         capture: AnswerCapture | None = None,
     ) -> Outcome:  # fmt: skip
         try:
@@ -217,15 +219,15 @@ class ForwardEndpoint:
                     capture.feed(chunk)
                 if meter.content_events != events:
                     timing.tokens(meter.content_events)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send_body(send, chunk, more=True)
                 delivery.terminal_sent = meter.done
         except HttpClientError as exc:
             log.warning("forward from node broke: %s", exc)
             # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
             tail = _stream_error_event(f"the node's answer broke off: {exc}") if meter.event_stream else b""
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            await send_body(send, tail, more=False)
             return "upstream_error"
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send_body(send, b"", more=False)
         if meter.error or (meter.event_stream and not meter.done):
             return "upstream_error"
         return "complete"

@@ -25,7 +25,9 @@ from urllib.parse import urlsplit
 import anyio
 import httpx
 
-from meshnet_gguf.reference.tracker.node_answer import NodeAnswer, NodeClients, send_through_httpx
+from meshnet_gguf.common.http1_client import HttpAnswer
+from meshnet_gguf.common.httpx_answer import send_through_httpx
+from meshnet_gguf.reference.tracker.node_clients import NODE_PEER, NodeClients
 
 # Cloud metadata services that are not link-local (AWS's IPv6 one sits in a private range).
 METADATA_ADDRESSES = frozenset({ipaddress.ip_address("fd00:ec2::254")})
@@ -79,13 +81,14 @@ class NodeTarget:
             extensions=extensions,
         )
 
-    async def send(self, clients: NodeClients, method: str, path: str, headers: dict[str, str], body: bytes) -> NodeAnswer:
+    async def send(self, clients: NodeClients, method: str, path: str, headers: dict[str, str], body: bytes) -> HttpAnswer:
         """`path` on this node; its answer's head has arrived, its body is not read. Over plain http with the
         lean client: ~0.1 ms a streamed request to its first chunk against httpx's 0.8-1.0 ms
         (bench/http_client_cost.py); over https through httpx."""
         if self.scheme == "http":
             return await clients.lean.send(method, self.pinned_url(path), {**headers, "host": self.host_header}, body)
-        return await send_through_httpx(clients.http, self.request(clients.http, method, path, headers=headers, content=body))
+        request = self.request(clients.http, method, path, headers=headers, content=body)
+        return await send_through_httpx(clients.http, request, peer=NODE_PEER)
 
     def pinned_url(self, path: str) -> str:
         """`path` on this node at the address it was pinned to (the name goes in `host_header`)."""

@@ -19,7 +19,7 @@ import httpx
 
 from meshnet_gguf.common.http1_client import Http1Client
 from meshnet_gguf.reference.tracker.node_address import NodeTarget
-from meshnet_gguf.reference.tracker.node_answer import NodeClients
+from meshnet_gguf.reference.tracker.node_clients import NodeClients
 from meshnet_gguf.reference.tracker.registry import NodeEntry
 from meshnet_gguf.reference.tracker.relay_dialer import STANDBY_VISIT_INTERVAL_S, ConnectSigner, NodeDialer
 

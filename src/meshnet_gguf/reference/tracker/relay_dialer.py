@@ -45,14 +45,15 @@ import anyio
 import httpcore
 import httpx
 
-from meshnet_gguf.common.http1_client import Http1Client, HttpConnectError
+from meshnet_gguf.common.http1_client import Http1Client, HttpAnswer, HttpConnectError
+from meshnet_gguf.common.httpx_answer import send_through_httpx
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.node_tls import NodeCertificateError, certificate_from_text, pinned_client_context
 from meshnet_gguf.contract.protocol import MAX_RELAY_HEAD_BYTES, NodeAnnouncement, RelayConnectClaims, relay_audience
 from meshnet_gguf.contract.relay_framing import HEAD_END, connect_refusal, connect_request
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
 from meshnet_gguf.reference.tracker.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
-from meshnet_gguf.reference.tracker.node_answer import NodeAnswer, NodeClients, send_through_httpx
+from meshnet_gguf.reference.tracker.node_clients import NODE_PEER, NodeClients
 from meshnet_gguf.reference.tracker.relay_failover import RelayOrder, dial_in_order
 
 log = logging.getLogger(__name__)
@@ -302,12 +303,13 @@ class RelayedNodeTarget:
             extensions={_TRANSPORT_EXTENSION: self.transport},
         )  # fmt: skip
 
-    async def send(self, clients: NodeClients, method: str, path: str, headers: dict[str, str], body: bytes) -> NodeAnswer:
+    async def send(self, clients: NodeClients, method: str, path: str, headers: dict[str, str], body: bytes) -> HttpAnswer:
         """As `NodeTarget.send`: with this target's own lean client, whose connections are tunnels through
         the relay, or through httpx where it has none (TLS_IN_TLS)."""
         if self.client is not None:
             return await self.client.send(method, self.forward_url(path), headers, body)
-        return await send_through_httpx(clients.http, self.request(clients.http, method, path, headers=headers, content=body))
+        request = self.request(clients.http, method, path, headers=headers, content=body)
+        return await send_through_httpx(clients.http, request, peer=NODE_PEER)
 
 
 class NodeDialer(httpx.AsyncBaseTransport):

@@ -2,18 +2,21 @@
 
 A body past its limit is a 413, headers past MAX_REQUEST_HEADER_BYTES a 431 (whatever server runs
 the app), a body that is no JSON object or not the wire model expected a 400; each refusal is an
-`ApiError`, answered as OpenAI spells errors.
+`ApiError`, answered as OpenAI spells errors. A client's request body is read by the node's own strict
+parser (`contract/strict_json`): a body the node would refuse (a duplicate key, `NaN`) is refused here,
+before it is routed, metered or billed.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from meshnet_gguf.common.asgi import AsgiApp, Receive, Scope, Send
+from meshnet_gguf.contract.error_answer import send_error
 from meshnet_gguf.contract.errors import ApiError
 
 # Registration bodies are small; anything bigger is not a node talking.
@@ -26,18 +29,19 @@ MAX_REQUEST_HEADER_BYTES = 32 * 1024
 class BoundedHeaders:
     """Refuse requests whose headers together exceed MAX_REQUEST_HEADER_BYTES (431), whatever server runs us."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: AsgiApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_REQUEST_HEADER_BYTES:
             refusal = ApiError(431, "headers_too_large", f"request headers exceed {MAX_REQUEST_HEADER_BYTES} bytes")
-            await error_response(refusal)(scope, receive, send)
+            await send_error(send, refusal)
             return
         await self.app(scope, receive, send)
 
 
 def error_response(error: ApiError) -> Response:
+    """`error` as a Starlette route's answer (an ASGI app answers with `contract/error_answer.send_error`)."""
     return Response(error.body(), error.status, headers=error.headers, media_type="application/json")
 
 
@@ -51,18 +55,6 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
     except ValidationError as exc:
         err = exc.errors()[0]
         raise ApiError(400, "malformed", f"{model.__name__}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-
-
-def json_object(body: bytes) -> dict[str, Any]:
-    try:
-        payload = json.loads(body)
-    except ValueError as exc:
-        raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "invalid_json", "request body is nested too deeply") from None
-    if not isinstance(payload, dict):
-        raise ApiError(400, "invalid_json", "request body must be a JSON object")
-    return payload
 
 
 async def limited_body(request: Request, limit: int) -> bytes:
