@@ -20,7 +20,7 @@ from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.load_progress import (
     TENSORS_END,
     TENSORS_START,
-    LoadProgressTracker,
+    LoadProgressReader,
 )
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "llama_logs"
@@ -34,10 +34,10 @@ class FakeClock:
         return self.now
 
 
-def _replay(name: str, tracker: LoadProgressTracker) -> list[tuple[str, float | None]]:
+def _replay(name: str, reader: LoadProgressReader) -> list[tuple[str, float | None]]:
     seen: list[tuple[str, float | None]] = []
     for line in (FIXTURES / name).read_text().splitlines():
-        progress = tracker.feed(line)
+        progress = reader.feed(line)
         if progress is not None:
             seen.append((progress.phase, progress.fraction))
     return seen
@@ -49,25 +49,25 @@ def _fractions_never_fall(seen: list[tuple[str, float | None]]) -> bool:
 
 
 def test_default_verbosity_shows_phases_and_finishes_at_one() -> None:
-    tracker = LoadProgressTracker()
-    seen = _replay("tiny_default.log", tracker)
+    reader = LoadProgressReader()
+    seen = _replay("tiny_default.log", reader)
     assert [phase for phase, _ in seen] == ["metadata", "context", "slots", "ready"]
     # Nothing measurable before the tensors are in: no made-up number.
     assert seen[0][1] is None
-    assert tracker.done and tracker.current.fraction == 1.0
+    assert reader.done and reader.current.fraction == 1.0
     assert _fractions_never_fall(seen)
 
 
 def test_verbose_log_gives_tensor_count_size_and_buffers() -> None:
-    tracker = LoadProgressTracker()
-    seen = _replay("gemma_lv4_none.log", tracker)
+    reader = LoadProgressReader()
+    seen = _replay("gemma_lv4_none.log", reader)
     phases = [phase for phase, _ in seen]
     for phase in ("metadata", "fitting", "tensors", "context", "warmup"):
         assert phase in phases
     assert _fractions_never_fall(seen)
-    progress = tracker.current
+    progress = reader.current
     assert progress.phase == "warmup"
-    assert not tracker.done
+    assert not reader.done
     # The honest GPU signal: which buffers the weights went to (here the CPU).
     assert "CPU model buffer size" not in progress.detail
     assert "CPU 222.51 MiB" in progress.detail
@@ -76,19 +76,19 @@ def test_verbose_log_gives_tensor_count_size_and_buffers() -> None:
 
 def test_tensor_phase_reports_bytes_against_the_size_from_the_log() -> None:
     clock = FakeClock()
-    tracker = LoadProgressTracker(clock=clock)
-    tracker.observe_io(read_chars=6 * 2**20, mapped_bytes=61 * 2**20)  # baseline: libraries mapped
+    reader = LoadProgressReader(clock=clock)
+    reader.observe_io(read_chars=6 * 2**20, mapped_bytes=61 * 2**20)  # baseline: libraries mapped
     for line in (FIXTURES / "gemma_lv4_none.log").read_text().splitlines():
-        tracker.feed(line)
+        reader.feed(line)
         if "load_tensors: loading model tensors" in line:
             break
-    progress = tracker.current
+    progress = reader.current
     assert progress.phase == "tensors"
     assert "236 tensors" in progress.detail
     assert "235.2 MiB" in progress.detail  # print_info: file size = 235.16 MiB
 
     clock.now += 12
-    moved = tracker.observe_io(read_chars=(6 + 120) * 2**20, mapped_bytes=61 * 2**20)
+    moved = reader.observe_io(read_chars=(6 + 120) * 2**20, mapped_bytes=61 * 2**20)
     assert moved is not None
     expected = TENSORS_START + (120 / 235.16) * (TENSORS_END - TENSORS_START)
     assert moved.fraction == pytest.approx(expected, abs=0.01)
@@ -97,41 +97,41 @@ def test_tensor_phase_reports_bytes_against_the_size_from_the_log() -> None:
     assert f"{expected * 100:.0f}%" in moved.describe()
 
     # Counters that overshoot the file never claim the next phase has begun.
-    tracker.observe_io(read_chars=10 * 2**30, mapped_bytes=0)
-    assert tracker.current.fraction is not None and tracker.current.fraction < TENSORS_END
+    reader.observe_io(read_chars=10 * 2**30, mapped_bytes=0)
+    assert reader.current.fraction is not None and reader.current.fraction < TENSORS_END
 
 
 def test_mapped_bytes_count_for_mmap_loads() -> None:
-    tracker = LoadProgressTracker(model_bytes=100 * 2**20)
-    tracker.observe_io(read_chars=0, mapped_bytes=60 * 2**20)
-    tracker.feed("0.00.9 I load_tensors: loading model tensors, this can take a while... (load_mode = mmap)")
-    progress = tracker.observe_io(read_chars=2**20, mapped_bytes=110 * 2**20)
+    reader = LoadProgressReader(model_bytes=100 * 2**20)
+    reader.observe_io(read_chars=0, mapped_bytes=60 * 2**20)
+    reader.feed("0.00.9 I load_tensors: loading model tensors, this can take a while... (load_mode = mmap)")
+    progress = reader.observe_io(read_chars=2**20, mapped_bytes=110 * 2**20)
     assert progress is not None and progress.fraction is not None
     assert progress.fraction == pytest.approx(TENSORS_START + 0.5 * (TENSORS_END - TENSORS_START), abs=0.01)
 
 
 def test_late_lines_do_not_move_backwards_and_dots_count() -> None:
-    tracker = LoadProgressTracker()
-    tracker.feed("llama_model_load: load_tensors: loading model tensors, this can take a while...")
-    assert tracker.feed("." * 50) is not None
-    half = tracker.current.fraction
+    reader = LoadProgressReader()
+    reader.feed("llama_model_load: load_tensors: loading model tensors, this can take a while...")
+    assert reader.feed("." * 50) is not None
+    half = reader.current.fraction
     assert half == pytest.approx(TENSORS_START + 0.5 * (TENSORS_END - TENSORS_START))
-    tracker.feed("I cmn init: llama threadpool init, n_threads = 2")
-    tracker.feed("I srv load_model: loading model '/models/x.gguf'")  # a stray repeat
-    assert tracker.current.phase == "context"
-    assert tracker.current.fraction is not None and tracker.current.fraction > half
+    reader.feed("I cmn init: llama threadpool init, n_threads = 2")
+    reader.feed("I srv load_model: loading model '/models/x.gguf'")  # a stray repeat
+    assert reader.current.phase == "context"
+    assert reader.current.fraction is not None and reader.current.fraction > half
 
 
 def test_unrelated_lines_are_not_progress() -> None:
-    tracker = LoadProgressTracker()
-    assert tracker.feed("0.00.027 W srv  llama_server: CORS is set to allow all origins") is None
-    assert tracker.current.phase == "starting"
+    reader = LoadProgressReader()
+    assert reader.feed("0.00.027 W srv  llama_server: CORS is set to allow all origins") is None
+    assert reader.current.phase == "starting"
 
 
 def test_split_model_log() -> None:
-    tracker = LoadProgressTracker()
-    seen = _replay("split_lv4_none.log", tracker)
-    assert tracker.done
+    reader = LoadProgressReader()
+    seen = _replay("split_lv4_none.log", reader)
+    assert reader.done
     assert _fractions_never_fall(seen)
 
 
@@ -142,29 +142,29 @@ def test_observe_process_reads_real_counters(tmp_path: Path) -> None:
     blob = tmp_path / "weights.bin"
     blob.write_bytes(os.urandom(size))
     script = "import sys; sys.stdin.readline(); open(sys.argv[1], 'rb').read(); print('done', flush=True); sys.stdin.readline()"
-    reader = subprocess.Popen([sys.executable, "-c", script, blob], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert reader.stdin is not None and reader.stdout is not None
+    child = subprocess.Popen([sys.executable, "-c", script, blob], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
     try:
-        tracker = LoadProgressTracker(model_bytes=size)
-        tracker.observe_process(reader.pid)  # baseline
-        tracker.feed("load_tensors: loading model tensors, this can take a while... (load_mode = none)")
-        assert tracker.current.fraction is None
-        reader.stdin.write("go\n")
-        reader.stdin.flush()
-        assert reader.stdout.readline().strip() == "done"
-        progress = tracker.observe_process(reader.pid)
+        reader = LoadProgressReader(model_bytes=size)
+        reader.observe_process(child.pid)  # baseline
+        reader.feed("load_tensors: loading model tensors, this can take a while... (load_mode = none)")
+        assert reader.current.fraction is None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
+        progress = reader.observe_process(child.pid)
         assert progress is not None
         assert progress.fraction == pytest.approx(TENSORS_END - 0.01, abs=0.001)
         assert "8.0 MiB of 8.0 MiB" in progress.detail
     finally:
-        reader.kill()
-        reader.wait()
+        child.kill()
+        child.wait()
 
 
 def test_observe_process_of_a_gone_process_is_none() -> None:
     child = subprocess.Popen(["true"])
     child.wait()
-    assert LoadProgressTracker(model_bytes=1).observe_process(child.pid) is None
+    assert LoadProgressReader(model_bytes=1).observe_process(child.pid) is None
 
 
 @pytest.mark.real_llama
@@ -182,19 +182,19 @@ def test_real_llama_server_load_is_tracked_to_ready(real_llama: BinaryInfo, tiny
         errors="replace",
     )
     assert child.stdout is not None
-    tracker = LoadProgressTracker()
+    reader = LoadProgressReader()
     phases: list[str] = []
     try:
-        tracker.observe_process(child.pid)
+        reader.observe_process(child.pid)
         for line in child.stdout:
-            if (progress := tracker.feed(line)) is not None:
+            if (progress := reader.feed(line)) is not None:
                 phases.append(progress.phase)
-            if tracker.done:
+            if reader.done:
                 break
     finally:
         child.terminate()
         child.wait(timeout=30)
-    assert tracker.done, "llama-server never said the model was loaded"
-    assert tracker.current.fraction == 1.0
+    assert reader.done, "llama-server never said the model was loaded"
+    assert reader.current.fraction == 1.0
     assert phases[0] == "metadata" and phases[-1] == "ready"
     assert "tensors" in phases

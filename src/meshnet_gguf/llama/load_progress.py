@@ -92,7 +92,7 @@ def model_file_bytes(first_shard: Path) -> int | None:
         return None
 
 
-class LoadProgressTracker:
+class LoadProgressReader:
     """Feed it every child log line (and, when you can, the child's I/O counters)."""
 
     def __init__(self, model_bytes: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:

@@ -24,7 +24,7 @@ import anyio
 from meshnet_gguf.common.ports import wildcard_loopback
 from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.contract.protocol import HealthReport, NodeState
-from meshnet_gguf.llama.load_progress import LoadProgress, LoadProgressTracker
+from meshnet_gguf.llama.load_progress import LoadProgress, LoadProgressReader
 from meshnet_gguf.ops.sd_notify import WATCHDOG_PING_FRACTION, SystemdNotifier
 from meshnet_gguf.serving.slots import Slots
 
@@ -80,7 +80,7 @@ class OperationsPart(BasePart):
         self.notifier = notifier
         self._watchdog_s = watchdog_s
         self._health = health
-        self._load: LoadProgressTracker | None = None
+        self._load: LoadProgressReader | None = None
         self._child_state: NodeState = "starting"
         self._child_pid: int | None = None
         self._logged_step = -1.0
@@ -93,7 +93,7 @@ class OperationsPart(BasePart):
         name = self._served.model_name
         if state in _LOADING_STATES:
             if self._load is None or self._load.done:
-                self._load = LoadProgressTracker(self._model_bytes)
+                self._load = LoadProgressReader(self._model_bytes)
                 self._logged_step = -1.0
             if state == "loading" and pid is not None:
                 self._load.observe_process(pid)  # baseline: the child just started
