@@ -25,7 +25,7 @@ def dequantize_to_f16(source: Path, target: Path) -> Path:
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     with replaced_on_success(target) as partial:
-        _write_f16(reader, arch, partial)
+        _write_rewritten(reader, arch, partial)
     return target
 
 
@@ -37,11 +37,11 @@ def requantize(source: Path, target: Path, type_name: str) -> Path:
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     with replaced_on_success(target) as partial:
-        _write_f16(reader, arch, partial, qtype)
+        _write_rewritten(reader, arch, partial, qtype)
     return target
 
 
-def _write_f16(reader: gguf.GGUFReader, arch: str, partial: Path, qtype: gguf.GGMLQuantizationType | None = None) -> None:
+def _write_rewritten(reader: gguf.GGUFReader, arch: str, partial: Path, qtype: gguf.GGMLQuantizationType | None = None) -> None:
     writer = gguf.GGUFWriter(str(partial), arch)
     block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 0
     for key, field in reader.fields.items():
