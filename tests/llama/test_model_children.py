@@ -1,0 +1,169 @@
+"""Several models on one node, on the real llama-server: one supervised child per loaded model, each on its
+private socket; loads on demand, unloads that free the child, room made from idle models only (never a pinned
+one), and a model that fails to load refused with its reason while the others keep serving."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+import psutil
+import pytest
+from support.supervisor_policies import FAST
+
+from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.llama.child import ChildSpec
+from meshnet_gguf.llama.model_children import ModelChildren, ModelFailed, ModelUnknown, NoRoom
+from meshnet_gguf.llama.model_set import MIN_IDLE_UNLOAD_S, ModelSet, ModelToServe
+from meshnet_gguf.llama.supervisor import Supervisor
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
+
+pytestmark = [pytest.mark.anyio, pytest.mark.real_llama]
+CONTEXT = 512
+
+
+def _tiny(tmp_path: Path, alias: str, seed: int, **kw: object) -> ModelToServe:
+    path = write_tiny_model(tmp_path / f"{alias}.gguf", TinyModelSpec(seed=seed, name=alias))
+    return ModelToServe(path=path, alias=alias, context=CONTEXT, **kw)  # type: ignore[arg-type]
+
+
+def _children(binary: BinaryInfo, tmp_path: Path, models: list[ModelToServe], **kw: object) -> ModelChildren:
+    return ModelChildren(
+        ModelSet.checked(models),
+        lambda m: ChildSpec(binary, m.llama_args()),
+        FAST,
+        tmp_path / "state",
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@asynccontextmanager
+async def running(children: ModelChildren) -> AsyncIterator[ModelChildren]:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(children.run)
+        try:
+            yield children
+        finally:
+            await children.close()
+
+
+async def ask(children: ModelChildren, alias: str) -> httpx.Response:
+    async with children.using(alias) as llama:
+        return await _chat(llama, alias)
+
+
+async def _chat(llama: Supervisor, alias: str) -> httpx.Response:
+    transport = httpx.AsyncHTTPTransport(uds=str(llama.socket_path)) if llama.socket_path else None
+    base = "http://llama" if llama.socket_path else str(llama.base_url)
+    async with httpx.AsyncClient(transport=transport, base_url=base, timeout=30) as client:
+        body = {"model": alias, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        return await client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {llama.api_key}"})
+
+
+def _states(children: ModelChildren) -> dict[str, str]:
+    return {s.alias: s.state for s in children.status()}
+
+
+def _pid(children: ModelChildren, alias: str) -> int | None:
+    return next(s.pid for s in children.status() if s.alias == alias)
+
+
+async def test_two_models_answer_each_on_a_private_socket_and_an_unload_frees_its_child(real_llama: BinaryInfo, tmp_path: Path) -> None:
+    children = _children(real_llama, tmp_path, [_tiny(tmp_path, "tiny-a", 1), _tiny(tmp_path, "tiny-b", 2)])
+    async with running(children):
+        assert _states(children) == {"tiny-a": "unloaded", "tiny-b": "unloaded"}
+        for alias in ("tiny-a", "tiny-b"):
+            answer = await ask(children, alias)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == alias
+        assert _states(children) == {"tiny-a": "loaded", "tiny-b": "loaded"}
+        pid_a, pid_b = _pid(children, "tiny-a"), _pid(children, "tiny-b")
+        assert pid_a and pid_b and pid_a != pid_b
+        for pid in (pid_a, pid_b):
+            # llama-server's router mode puts its children on loopback TCP ports; these listen on none.
+            assert [c for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN] == []
+        first = next(s for s in children.status() if s.alias == "tiny-a")
+        assert first.loads == 1 and first.requests == 1 and first.expected_load_s is not None and first.expected_load_s > 0
+
+        await children.unload("tiny-a")
+        assert not psutil.pid_exists(pid_a)
+        assert _states(children) == {"tiny-a": "unloaded", "tiny-b": "loaded"}
+        assert (await ask(children, "tiny-b")).status_code == 200
+        # A request for an unloaded model loads it again (a new child), and its first load time is kept.
+        assert (await ask(children, "tiny-a")).status_code == 200
+        again = next(s for s in children.status() if s.alias == "tiny-a")
+        assert again.loads == 2 and again.pid not in (None, pid_a) and again.expected_load_s == first.expected_load_s
+        with pytest.raises(ModelUnknown, match="served: tiny-a, tiny-b"):
+            await ask(children, "other")
+    assert not psutil.pid_exists(_pid(children, "tiny-b") or pid_b)
+
+
+async def test_a_model_that_fails_to_load_is_refused_with_its_reason_and_the_other_keeps_serving(
+    real_llama: BinaryInfo, tmp_path: Path
+) -> None:
+    good = _tiny(tmp_path, "good", 1)
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(good.path.read_bytes()[:1000])
+    children = _children(real_llama, tmp_path, [good, ModelToServe(path=corrupt, alias="corrupt", context=CONTEXT)])
+    async with running(children):
+        assert (await ask(children, "good")).status_code == 200
+        pid_good = _pid(children, "good")
+        with pytest.raises(ModelFailed, match="model corrupt failed to load: llama-server exited with code 1") as failed:
+            await ask(children, "corrupt")
+        assert "gguf" in str(failed.value).lower()  # its own log lines say what is wrong with the file
+        status = {s.alias: s for s in children.status()}
+        assert status["corrupt"].state == "failed" and status["corrupt"].pid is None and status["corrupt"].error
+        # Its next request is refused at once, without a new child (llama-server's router spawns one per request)...
+        started = time.monotonic()
+        with pytest.raises(ModelFailed):
+            await ask(children, "corrupt")
+        assert time.monotonic() - started < 0.5 and next(s for s in children.status() if s.alias == "corrupt").pid is None
+        # ...and the healthy model was neither evicted nor restarted.
+        assert _pid(children, "good") == pid_good
+        assert (await ask(children, "good")).status_code == 200
+        # Loading it again on purpose tries again (and fails the same way).
+        with pytest.raises(ModelFailed):
+            await children.load("corrupt", retry_failed=True)
+
+
+async def test_room_is_made_from_idle_models_never_from_a_pinned_one(real_llama: BinaryInfo, tmp_path: Path) -> None:
+    pinned = _children(real_llama, tmp_path / "pinned", [_tiny(tmp_path, "big", 1, pinned=True), _tiny(tmp_path, "small", 2)], max_loaded=1)
+    async with running(pinned):
+        await pinned.load("big")  # run() loads it at start; this waits for that
+        with pytest.raises(NoRoom, match=r"no room to load model small: it would need unloading big \(pinned\)"):
+            await ask(pinned, "small")
+        assert _states(pinned) == {"big": "loaded", "small": "unloaded"}
+
+    evicting = _children(real_llama, tmp_path / "lru", [_tiny(tmp_path, "one", 1), _tiny(tmp_path, "two", 2)], max_loaded=1)
+    async with running(evicting):
+        assert (await ask(evicting, "one")).status_code == 200
+        pid_one = _pid(evicting, "one")
+        assert (await ask(evicting, "two")).status_code == 200
+        assert _states(evicting) == {"one": "unloaded", "two": "loaded"}
+        assert pid_one is not None and not psutil.pid_exists(pid_one)
+
+        # A busy model is not evicted: while a request holds "two", "one" cannot load.
+        async with evicting.using("two"):
+            with pytest.raises(NoRoom, match=r"two \(busy\)"):
+                await evicting.load("one")
+
+
+async def test_idle_models_are_unloaded_after_their_time_and_a_pinned_one_stays(real_llama: BinaryInfo, tmp_path: Path) -> None:
+    offset = [0.0]
+    models = [_tiny(tmp_path, "big", 1, pinned=True), _tiny(tmp_path, "small", 2, idle_unload_s=MIN_IDLE_UNLOAD_S)]
+    children = _children(real_llama, tmp_path, models, clock=lambda: time.monotonic() + offset[0])
+    async with running(children):
+        for alias in ("big", "small"):
+            assert (await ask(children, alias)).status_code == 200
+        assert await children.unload_idle() == []
+        pid_small = _pid(children, "small")
+        offset[0] += MIN_IDLE_UNLOAD_S + 1
+        assert await children.unload_idle() == ["small"]
+        assert _states(children) == {"big": "loaded", "small": "unloaded"}
+        assert pid_small is not None and not psutil.pid_exists(pid_small)
+        idle = next(s for s in children.status() if s.alias == "big").idle_s
+        assert idle is not None and idle >= MIN_IDLE_UNLOAD_S
