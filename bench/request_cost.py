@@ -46,7 +46,8 @@ from meshnet_gguf.node import build_proxy
 from meshnet_gguf.ops.metrics import NodeMetrics
 from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.prompt_count import PromptCounter
-from meshnet_gguf.serving.proxy import ProxyApp
+from meshnet_gguf.serving.node_surface import NodeDoors, node_table
+from meshnet_gguf.serving.routes import RouteTable
 from meshnet_gguf.serving.status_page import RecentRequests
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from meshnet_gguf.serving.usage_journal import UsageJournal
@@ -115,7 +116,7 @@ class InstantUpstream:
 
 def build(
     mode_name: str, state_dir: Path, upstream: InstantUpstream, body: bytes
-) -> tuple[ProxyApp, Callable[[], dict[str, str]], UsageLedger | None]:
+) -> tuple[RouteTable, Callable[[], dict[str, str]], UsageLedger | None]:
     slots = Slots(total=8)
     target = UpstreamTarget("http://127.0.0.1:1", "llama-key")
     sinks: list[Any] = [UsageStats(), RecentRequests(), UsageLog(), NodeMetrics(in_flight=lambda: slots.in_flight)]
@@ -148,21 +149,23 @@ def build(
 
         headers = routed
     settings = NodeSettings()
-    app = build_proxy(
+    health = lambda: HealthReport(state="ready", model=MODEL, slots_total=8, slots_busy=slots.in_flight)  # noqa: E731
+    proxy = build_proxy(
         settings,
         upstream=lambda: target,
         client=upstream,  # type: ignore[arg-type]
         slots=slots,
         prompt_counter=PromptCounter(upstream, settings.retry_after_s),  # type: ignore[arg-type]
         model_name=MODEL,
-        health=lambda: HealthReport(state="ready", model=MODEL, slots_total=8, slots_busy=slots.in_flight),
+        health=health,
         usage_sinks=sinks,
         mode=mode,
     )
-    return app, headers, ledger
+    # As the listener serves it: the node's table in front of the proxy.
+    return node_table(NodeDoors(proxy, health)), headers, ledger
 
 
-async def one_request(app: ProxyApp, extra_headers: dict[str, str], body: bytes) -> tuple[float, int]:
+async def one_request(app: RouteTable, extra_headers: dict[str, str], body: bytes) -> tuple[float, int]:
     """(when the app was called, the status it answered)."""
     headers = [(b"host", b"127.0.0.1:8080"), (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in extra_headers.items()]

@@ -5,7 +5,7 @@
     $MESHNET_BENCH_TRACE_OUT: per-segment p50/p90 in microseconds, from uvicorn seeing
     the request to the first body bytes written back to the client.
 
-It wraps internals (uvicorn's httptools protocol, `ProxyApp.__call__`, the upstream
+It wraps internals (uvicorn's httptools protocol, the listener's `RouteTable.__call__`, the upstream
 clients' `send`), so it fails loudly if they are renamed. The wrappers cost a few
 microseconds, so `bench_proxy.py` runs it as a separate pass from its measurements.
 Only `/v1/chat/completions` requests are traced; the first `SKIP` are warm-up.
@@ -27,7 +27,7 @@ from meshnet_gguf.llama.upstream.httpx_client import HttpxUpstream
 from meshnet_gguf.llama.upstream.raw import RawUpstream
 from meshnet_gguf.mesh.ledger import UsageLedger
 from meshnet_gguf.mesh.meshed_mode import MeshedMode
-from meshnet_gguf.serving import proxy
+from meshnet_gguf.serving import routes
 from meshnet_gguf.serving.admission_modes import StandaloneMode
 
 # Warm-up requests left out of the summary (MESHNET_BENCH_TRACE_SKIP overrides).
@@ -46,7 +46,7 @@ def on_message_begin(self: Any) -> None:
 
 httptools_impl.HttpToolsProtocol.on_message_begin = on_message_begin  # type: ignore[method-assign]
 
-_call = proxy.ProxyApp.__call__
+_call = routes.RouteTable.__call__
 
 
 async def traced_call(self: Any, scope: dict, receive: Any, send: Any) -> None:
@@ -70,7 +70,7 @@ async def traced_call(self: Any, scope: dict, receive: Any, send: Any) -> None:
     rows.append(row)
 
 
-proxy.ProxyApp.__call__ = traced_call  # type: ignore[method-assign]
+routes.RouteTable.__call__ = traced_call  # type: ignore[method-assign]
 
 
 def _wrap(cls: type) -> None:
@@ -124,7 +124,7 @@ for _mode in (StandaloneMode, MeshedMode):
     _time_call(_mode, "admit", False)
     _time_call(_mode, "check_body", False)
     _time_call(_mode, "commit", False)
-_time_call(proxy.ProxyApp, "_read_body", True)
+_time_call(routes.Request, "body", True)
 _time_call(UsageLedger, "open_request_soon", False)  # handing the row to the writer thread
 # The synced row itself, on the writer thread (forwarding does not wait for it: only the first byte does).
 _time_call(UsageLedger, "open_request_sync", False)

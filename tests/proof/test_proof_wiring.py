@@ -13,8 +13,6 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.routing import Route
 from support.llama_instance import Backend, llama_instance
 from support.loopback import serve_asgi
 from support.mesh_node import MODEL, MeshNode
@@ -24,7 +22,9 @@ from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.contract.model_proof import AUDIT_PATH, AUDIT_TOKEN_HEADER
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
-from meshnet_gguf.proof.verifier_endpoint import AuditEndpoint
+from meshnet_gguf.proof.audit import audit
+from meshnet_gguf.serving.audit_door import AuditDoor, audit_route
+from meshnet_gguf.serving.routes import RouteTable
 from meshnet_gguf.reference.tracker.audits import PROBE_PROMPTS, AuditPolicy
 
 pytestmark = pytest.mark.anyio
@@ -57,8 +57,7 @@ def llamas(real_llama: BinaryInfo, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @asynccontextmanager
 async def verifier_at(port: int, llama_url: str, key: str) -> AsyncIterator[None]:
-    endpoint = AuditEndpoint(llama_url, key)
-    async with serve_asgi(Starlette(routes=[Route(AUDIT_PATH, endpoint.handle, methods=["POST"])]), port):
+    async with serve_asgi(RouteTable([audit_route(AuditDoor(audit, llama_url, key))]), port):
         yield
 
 

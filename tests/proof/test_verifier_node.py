@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from starlette.applications import Starlette
 from support.mesh_tracker import tracker_key
 from support.node_process import NodeProcess
 from support.tracker_process import MESSAGES, TrackerProcess, sdk, wait_for
@@ -28,7 +27,9 @@ from meshnet_gguf.contract.signing import body_sha256, encode_token, load_or_cre
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
-from meshnet_gguf.proof.verifier_endpoint import AuditEndpoint, VerifierRoute
+from meshnet_gguf.proof.audit import audit
+from meshnet_gguf.serving.audit_door import AuditDoor, audit_route
+from meshnet_gguf.serving.routes import RouteTable
 from meshnet_gguf.reference.tracker.app import TRACKER_KEY_FILE
 from meshnet_gguf.reference.tracker.audits import PROBE_PROMPTS
 
@@ -144,7 +145,9 @@ def test_the_verifier_node_answers_only_audits_its_tracker_signed(mesh: dict[str
         headers = {"content-type": "application/json", **({} if token is None else {AUDIT_TOKEN_HEADER: token})}
         refused = httpx.post(url, content=body, headers=headers, timeout=30)
         assert refused.status_code == 401, (what, refused.text)
-    assert httpx.get(url, timeout=5).status_code == 405
+        assert refused.json()["error"]["code"] == "invalid_audit_token", (what, refused.text)  # OpenAI's shape, as every door
+    wrong_method = httpx.get(url, timeout=5)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     # The tracker's own signature is answered with a verdict (scored by the node's llama-server), once the tracker's
     # own audits (registration probes, answers drawn) leave the node's one slot free: busy, it answers 503, as designed.
     wait_for(lambda: _audits_settled(mesh, verifier), "the tracker's audits decided and the node's slot free", mesh[verifier].log_path)
@@ -173,11 +176,11 @@ def test_verifier_without_a_tracker_key_is_refused_before_anything_starts(monkey
 @pytest.mark.anyio
 async def test_a_caller_through_the_relay_meets_the_nodes_own_404() -> None:
     """A relayed stream arrives on loopback like the tracker's post; the node names it (its relay link does) and the
-    audit path is then passed on to the node's own routes, which have none: the relay's clients never spend its llama-server."""
+    audit row answers it as a path the node does not serve: the relay's clients never spend its llama-server."""
     key = Ed25519PrivateKey.generate()
-    endpoint = AuditEndpoint("http://127.0.0.1:9", public_key_text(key.public_key()))
+    door = AuditDoor(audit, "http://127.0.0.1:9", public_key_text(key.public_key()))
     relayed = {("127.0.0.1", 40001)}
-    app = VerifierRoute(Starlette(), endpoint, hidden=lambda peer: peer in relayed)
+    app = RouteTable([audit_route(door, lambda peer: peer in relayed)])
     body = _request_body()
     headers = {AUDIT_TOKEN_HEADER: _audit(key, body)}
     for peer, status in ((("127.0.0.1", 40001), 404), (("127.0.0.1", 40002), 200)):

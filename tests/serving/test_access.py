@@ -10,11 +10,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from meshnet_gguf.common.asgi import Receive, Scope, Send, respond
+from meshnet_gguf.common.asgi import Scope, respond
 from meshnet_gguf.contract.bearer import bearer_matches, bearer_token
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.serving.access import (
-    MetricsAccess,
+    LocalOrKey,
     PageAccess,
     answered_hosts,
     check_api_key,
@@ -22,6 +22,7 @@ from meshnet_gguf.serving.access import (
     local_and_not_relayed,
     open_to_the_network,
 )
+from meshnet_gguf.serving.routes import Request, Route, RouteTable
 
 KEY = "s3cret-operator-key"
 LOOPBACK = ("127.0.0.1", 40000)
@@ -104,13 +105,13 @@ def test_the_pages_refuse_the_relay_a_remote_caller_of_a_meshed_node_a_foreign_h
     assert _page_refusal(keyed, RELAYED, authorization=f"Bearer {KEY}") == 404  # the key does not open the relay
 
 
-async def _metrics(scope: Scope, receive: Receive, send: Send) -> None:
-    await respond(send, 200, b"meshnet_up 1\n", [(b"content-type", b"text/plain")])
+async def _metrics(request: Request) -> None:
+    await respond(request.send, 200, b"meshnet_up 1\n", [(b"content-type", b"text/plain")])
 
 
 @pytest.mark.anyio
 async def test_metrics_are_refused_to_a_stranger_a_relayed_caller_and_a_wrong_key_as_an_unknown_path() -> None:
-    guard = MetricsAccess(_metrics, "/metrics", is_relayed=_relayed, operator_key=KEY)
+    guard = RouteTable([Route("GET", "/metrics", LocalOrKey(_relayed, KEY), _metrics)])
 
     async def get(client: tuple[str, int], **headers: str) -> httpx.Response:
         transport = httpx.ASGITransport(app=guard, client=client)  # type: ignore[arg-type]

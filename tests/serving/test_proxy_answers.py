@@ -95,11 +95,11 @@ async def test_one_broken_usage_sink_does_not_take_the_request_or_the_other_sink
     assert len(proxy.sink.records) == 1
 
 
-async def test_extra_get_routes_are_served_and_health_reports_without_reaching_llama_server() -> None:
+async def test_metrics_and_health_are_served_without_reaching_llama_server() -> None:
     async def metrics() -> tuple[int, bytes, str]:
         return 200, b"meshnet_up 1\n", "text/plain; version=0.0.4"
 
-    proxy = build_proxy(extra_get_routes={"/metrics": metrics})
+    proxy = build_proxy(metrics=metrics)
     async with proxy.client() as client:
         scraped = await client.get("/metrics")
         posted = await client.post("/metrics")
@@ -107,7 +107,7 @@ async def test_extra_get_routes_are_served_and_health_reports_without_reaching_l
         head = await client.head("/health")
     assert scraped.status_code == 200 and scraped.text == "meshnet_up 1\n"
     assert scraped.headers["content-type"] == "text/plain; version=0.0.4"
-    assert posted.status_code == 404
+    assert posted.status_code == 405 and posted.json()["error"]["code"] == "method_not_allowed"
     assert health.status_code == 200 and health.json()["state"] == "ready" and health.json()["model"] == ALIAS
     assert health.headers["cache-control"] == "no-cache"
     assert head.status_code == 200

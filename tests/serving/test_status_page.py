@@ -12,6 +12,8 @@ import pytest
 
 from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
 from meshnet_gguf.serving.access import PageAccess
+from meshnet_gguf.serving.node_surface import NodeDoors, node_table
+from meshnet_gguf.serving.routes import RouteTable
 from meshnet_gguf.serving.status_page import (
     STATIC_FILES,
     ChatUi,
@@ -32,7 +34,7 @@ REMOTE_CLIENT = ("192.0.2.7", 40000)
 RELAYED_CLIENT = ("127.0.0.1", 45555)
 
 
-def _pages(proxy: ProxyUnderTest, access: PageAccess, *, chat: bool = True) -> NodePages:
+def _pages(proxy: ProxyUnderTest, access: PageAccess, *, chat: bool = True) -> RouteTable:
     recent = RecentRequests()
     status = StatusSource(
         health=lambda: HealthReport(state="ready", model=ALIAS, slots_total=2),
@@ -40,11 +42,12 @@ def _pages(proxy: ProxyUnderTest, access: PageAccess, *, chat: bool = True) -> N
         plan="CPU only; context 1024 tokens over 2 slots",
         chat=chat,
     )
-    target = proxy.app._upstream  # the same "where is llama-server" the proxy is given
-    return NodePages(proxy.app, status=status, access=access, chat=ChatUi(target, proxy.upstream) if chat else None)
+    target = proxy.proxy_app._upstream  # the same "where is llama-server" the proxy is given
+    pages = NodePages(status=status, access=access, chat=ChatUi(target, proxy.upstream) if chat else None)
+    return node_table(NodeDoors(proxy.proxy_app, status.health, pages))
 
 
-def _client(app: NodePages, client: tuple[str, int] = LOOPBACK_CLIENT) -> httpx.AsyncClient:
+def _client(app: RouteTable, client: tuple[str, int] = LOOPBACK_CLIENT) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=client), base_url=f"http://{NODE_HOST}")
 
 

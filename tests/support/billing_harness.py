@@ -37,6 +37,7 @@ from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.admission_modes import StandaloneMode
 from meshnet_gguf.serving.http_server import HttpServerPart
 from meshnet_gguf.serving.prompt_count import PromptCounter, stored_prompt_counter
+from meshnet_gguf.serving.node_surface import NodeDoors, node_table
 from meshnet_gguf.serving.proxy import ProxyApp
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 from support.recording_sink import RecordingSink
@@ -164,6 +165,7 @@ async def serve_front(
         mode = MeshedMode(gate, journal, retry_after_s=RETRY_AFTER_S, api_key=api_key)
         sinks.append(journal)
     node_slots = Slots(total=slots)
+    health = lambda: HealthReport(state="ready", model=MODEL_ID, slots_total=slots, slots_busy=node_slots.in_flight)  # noqa: E731
     app = build_proxy(
         NodeSettings(max_body_bytes=max_body_bytes, retry_after_s=RETRY_AFTER_S),
         upstream=target,
@@ -171,11 +173,11 @@ async def serve_front(
         slots=node_slots,
         prompt_counter=prompt_counter,
         model_name=MODEL_ID,
-        health=lambda: HealthReport(state="ready", model=MODEL_ID, slots_total=slots, slots_busy=node_slots.in_flight),
+        health=health,
         usage_sinks=sinks,
         mode=mode,
     )
-    http = HttpServerPart(app, "127.0.0.1", free_local_port())
+    http = HttpServerPart(node_table(NodeDoors(app, health)), "127.0.0.1", free_local_port())
     async with anyio.create_task_group() as tg:
         tg.start_soon(http.run)
         front = FrontUnderTest(f"http://127.0.0.1:{http.port}", app, sink, gate, ledger, identity, upstream)

@@ -28,6 +28,7 @@ from meshnet_gguf.mesh.tracker_link import ServedModel, TrackerLink
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
 from meshnet_gguf.node import build_proxy, build_tracker_link
 from meshnet_gguf.prepare.announcement import model_layout, shard_digests
+from meshnet_gguf.serving.node_surface import NodeDoors, node_table
 from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
@@ -134,9 +135,8 @@ class MeshNode:
             health=self.health,
             usage_sinks=[self.link.usage_sink],
             mode=self.link.admission_mode,
-            query_get_routes=dict([self.link.control_route]),
         )
-        self.app = self.proxy
+        self.app = node_table(NodeDoors(self.proxy, self.health, control=self.link.control_route))
 
     def health(self) -> HealthReport:
         busy = self.slots.in_flight if hasattr(self, "slots") else 0

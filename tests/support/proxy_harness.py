@@ -1,4 +1,5 @@
-"""The proxy under test, in process: a `ProxyApp` built as the node builds it, over `FakeLlamaUpstream`.
+"""The proxy under test, in process: a `ProxyApp` built as the node builds it, over `FakeLlamaUpstream`,
+served by the node's table (`serving/node_surface`) as the listener serves it.
 
 Two ways in, both through the public ASGI interface:
 - `ProxyUnderTest.client()`: an `httpx.AsyncClient` whose transport runs each request as an
@@ -26,6 +27,9 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport, NodeState
 from meshnet_gguf.llama.upstream import UpstreamClient
 from meshnet_gguf.node import build_proxy as build_node_proxy
+from meshnet_gguf.common.asgi import ExtraRoute
+from meshnet_gguf.serving.node_surface import NodeDoors, node_table
+from meshnet_gguf.serving.routes import RouteTable
 from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.proxy import ProxyApp
@@ -49,7 +53,8 @@ CHAT_PROMPT_TOKENS = 8
 
 @dataclass
 class ProxyUnderTest:
-    app: ProxyApp
+    app: RouteTable  # the listener's table: the health, inference and models rows (and /metrics when given)
+    proxy_app: ProxyApp
     upstream: FakeLlamaUpstream
     slots: Slots
     sink: RecordingSink
@@ -71,7 +76,7 @@ def build_proxy(
     real_client: UpstreamClient | None = None,
     upstream_url: str = UPSTREAM_URL,
     extra_sinks: tuple[Any, ...] = (),
-    extra_get_routes: dict[str, Any] | None = None,
+    metrics: ExtraRoute | None = None,
 ) -> ProxyUnderTest:
     """The proxy as the node builds it. It talks to `upstream` (the in-process fake) unless
     given a `real_client`, which it sends to `upstream_url` with the internal key."""
@@ -99,10 +104,9 @@ def build_proxy(
         model_name=ALIAS,
         health=health,
         usage_sinks=[*extra_sinks, sink],
-        extra_get_routes=extra_get_routes,
         on_rejected=lambda path, status: rejected.append((path, status)),
     )
-    holder["proxy"] = ProxyUnderTest(app, fake, node_slots, sink, rejected)
+    holder["proxy"] = ProxyUnderTest(node_table(NodeDoors(app, health, metrics=metrics)), app, fake, node_slots, sink, rejected)
     return holder["proxy"]
 
 

@@ -22,7 +22,10 @@ from meshnet_gguf.contract.protocol import NodeAnnouncement
 from meshnet_gguf.contract.signing import encode_token, parse_public_key, tracker_issuer_for
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
-from meshnet_gguf.serving.access import MetricsAccess
+from meshnet_gguf.contract.error_answer import send_error
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.serving.access import LocalOrKey
+from meshnet_gguf.serving.routes import Request
 from meshnet_gguf.reference.relay.server import Relay
 from meshnet_gguf.reference.relay.config import RelayConfig
 from meshnet_gguf.reference.tracker.relay_dialer import new_connect_claims
@@ -126,7 +129,18 @@ async def mesh(
     app_port = free_local_port()
     relay = relay or Relay(relay_config or RelayConfig(port=0))
     links: list[RelayLink] = []
-    guarded = MetricsAccess(app, "/metrics", is_relayed=lambda peer: any(link.is_relayed(peer) for link in links), operator_key=metrics_key)
+    metrics_access = LocalOrKey(lambda peer: any(link.is_relayed(peer) for link in links), metrics_key)
+
+    async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        # The node's `/metrics` row's guard, in front of the stand-in's own answer.
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            try:
+                metrics_access(Request(scope, receive, send, None))
+            except ApiError as exc:
+                await send_error(send, exc)
+                return
+        await app(scope, receive, send)
+
     async with serve_asgi(guarded, app_port), running_relay(relay) as relay_url:
         link = build_relay_link(
             relay_url, NodeIdentity.load_or_create(tmp_path / "node"), tmp_path / "node", local_address_for("127.0.0.1", app_port)

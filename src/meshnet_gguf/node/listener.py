@@ -1,22 +1,23 @@
-"""The node's listener: the app chain a request meets (verifier route, pages, `/metrics` guard, proxy)
-on the one HTTP server part, and the extra routes the node hands the proxy (`/metrics`, the tracker's
-control proof)."""
+"""The node's listener: one table of rows (`serving/node_surface`) on the one HTTP server part. The node
+supplies the handlers: the proxy (inference and models), the pages, the metrics, the tracker link's
+control proof and, with `serve --verifier`, the audit door scored by `proof/audit`."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from meshnet_gguf.common.asgi import AsgiApp, ExtraRoute, QueryRoute
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport
 from meshnet_gguf.llama.upstream import UpstreamClient
 from meshnet_gguf.ops.metrics import NodeMetrics
 from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
-from meshnet_gguf.serving.access import MetricsAccess, PageAccess
+from meshnet_gguf.serving.access import LocalOrKey, PageAccess
 from meshnet_gguf.serving.admission_modes import AdmissionMode, StandaloneMode
+from meshnet_gguf.serving.audit_door import AuditDoor
 from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
+from meshnet_gguf.serving.node_surface import METRICS_PATH, NodeDoors, node_table
 from meshnet_gguf.serving.prompt_count import PromptCounter
 from meshnet_gguf.serving.proxy import ProxyApp, ProxyLimits, UsageSink
 from meshnet_gguf.serving.slots import Slots
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
     from meshnet_gguf.mesh.tracker_link import TrackerLink
 
 log = logging.getLogger(__name__)
-
-METRICS_PATH = "/metrics"
 
 
 def build_listener(
@@ -45,8 +44,7 @@ def build_listener(
     tracker_link: TrackerLink | None,
     is_relayed: Callable[[tuple[str, int]], bool] | None,
 ) -> HttpServerPart:
-    """The node's one listener, its app chain in the order a request meets it: the verifier route
-    (with --verifier), the operator's pages, the `/metrics` guard, the proxy."""
+    """The node's one listener: its table, every row's handler supplied here."""
     settings = launch.settings
     proxy = build_proxy(
         settings,
@@ -59,18 +57,13 @@ def build_listener(
         health=health,
         usage_sinks=usage_sinks,
         mode=tracker_link.admission_mode if tracker_link else None,
-        extra_get_routes={METRICS_PATH: metrics.scrape},
-        query_get_routes=dict([tracker_link.control_route]) if tracker_link else None,
         on_rejected=metrics.count_request,
     )
-    # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
-    guarded = MetricsAccess(proxy, METRICS_PATH, is_relayed=is_relayed, operator_key=settings.metrics_key)
-    # The operator's pages in front of the proxy; the chat only standalone (a meshed node's slots are the
+    # The operator's pages; the chat only standalone (a meshed node's slots are the
     # tracker's), and only where llama-server has its web UI (a build without npm has none).
     features = launch.features
     chat = tracker_link is None and (features is None or features.web_ui is not False)
     pages = NodePages(
-        guarded,
         status=StatusSource(
             health,
             recent_requests,
@@ -89,28 +82,34 @@ def build_listener(
         ),  # fmt: skip
         chat=ChatUi(upstream, client) if chat else None,
     )
-    # serve --verifier: the tracker's audits of this model, on this listener, scored by this node's llama-server.
-    app = _verifier_route(pages, settings, upstream, slots, tracker_link, is_relayed) if settings.verifier else pages
+    table = node_table(
+        NodeDoors(
+            proxy,
+            health,
+            pages,
+            metrics=metrics.scrape,
+            # /metrics for local scrapes and the operator's key only: not for relayed or remote callers.
+            metrics_access=LocalOrKey(is_relayed, settings.metrics_key),
+            control=tracker_link.control_route if tracker_link else None,
+            # serve --verifier: the tracker's audits of this model, on this listener, scored by this node's llama-server.
+            audit=_audit_door(settings, upstream, slots, tracker_link) if settings.verifier else None,
+        )
+    )
     try:
-        return HttpServerPart(app, settings.host, settings.port)
+        return HttpServerPart(table, settings.host, settings.port)
     except ListenError as exc:
         raise NodeSetupError(str(exc)) from exc
 
 
-def _verifier_route(
-    app: AsgiApp,
-    settings: NodeSettings,
-    upstream: Callable[[], UpstreamTarget | None],
-    slots: Slots,
-    tracker_link: TrackerLink | None,
-    is_relayed: Callable[[tuple[str, int]], bool] | None,
-) -> AsgiApp:
-    """`POST /v1/proof/audit` in front of the node's app. Audits are signed by the tracker this node trusts:
+def _audit_door(
+    settings: NodeSettings, upstream: Callable[[], UpstreamTarget | None], slots: Slots, tracker_link: TrackerLink | None
+) -> AuditDoor:
+    """`POST /v1/proof/audit`, scored by `proof/audit`. Audits are signed by the tracker this node trusts:
     a meshed node's route key (configured, pinned, or learnt on first contact), else `tracker_public_key`.
-    Each takes one of the node's slots, as a request does; the relay's callers never see the path."""
+    Each takes one of the node's slots, as a request does; the relay's callers never see the path (its row)."""
     from meshnet_gguf.contract.model_proof import AUDIT_PATH
     from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
-    from meshnet_gguf.proof.verifier_endpoint import AuditEndpoint, VerifierRoute
+    from meshnet_gguf.proof.audit import audit
 
     if tracker_link is not None:
         gate = tracker_link.route_gate
@@ -126,9 +125,8 @@ def _verifier_route(
         target = upstream()
         return None if target is None else (target.base_url, target.api_key)
 
-    endpoint = AuditEndpoint(scorer, key, acquire_slot=lambda: None if slots.draining else slots.try_acquire())
     log.info("verifier: this node answers the tracker's audits at %s", AUDIT_PATH)
-    return VerifierRoute(app, endpoint, hidden=is_relayed)
+    return AuditDoor(audit, scorer, key, acquire_slot=lambda: None if slots.draining else slots.try_acquire())
 
 
 def build_proxy(
@@ -143,8 +141,6 @@ def build_proxy(
     model_aliases: Sequence[str] = (),
     usage_sinks: Sequence[UsageSink] = (),
     mode: AdmissionMode | None = None,
-    extra_get_routes: Mapping[str, ExtraRoute] | None = None,
-    query_get_routes: Mapping[str, QueryRoute] | None = None,
     on_rejected: Callable[[str, int], None] | None = None,
 ) -> ProxyApp:
     """The proxy as a node wires it: its limits from the settings, and standalone (the settings'
@@ -163,8 +159,6 @@ def build_proxy(
         health=health,
         mode=mode or StandaloneMode(api_key=settings.api_key, allowed_hosts=[settings.host, *settings.allowed_hosts]),
         usage_sinks=usage_sinks,
-        extra_get_routes=extra_get_routes,
-        query_get_routes=query_get_routes,
         on_rejected=on_rejected,
     )
 

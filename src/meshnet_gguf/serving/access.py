@@ -6,10 +6,11 @@
 - the Host header (`check_host`): a web page in the operator's browser reaches loopback
   through a DNS name rebound to this machine, and then the Host header carries that name;
 - `PageAccess`, who may read `/status.json` and the chat's `props`;
-- `MetricsAccess`, the ASGI guard of `/metrics`.
+- the guards of the listener's rows (`serving/routes`): `PageAccess`, `LocalOrKey` (`/metrics`) and
+  `NotRelayed` (the audit path).
 
 The proxy's standalone admission (`serving/admission_modes`), the meshed one
-(`mesh/meshed_mode`), the pages and the guard use these; `tests/serving/test_access.py`
+(`mesh/meshed_mode`) and the listener's table (`serving/node_surface`) use these; `tests/serving/test_access.py`
 plays the attacker against each rule.
 """
 
@@ -19,9 +20,10 @@ import ipaddress
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from meshnet_gguf.common.asgi import JSON_HEADER, AsgiApp, Receive, Scope, Send, request_headers, respond
+from meshnet_gguf.common.asgi import Scope
 from meshnet_gguf.contract.bearer import bearer_matches
-from meshnet_gguf.contract.errors import ApiError, openai_error_body
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.serving.routes import Request, no_route
 
 # Host names the node always answers to; any IP literal is accepted too (DNS rebinding
 # needs a name that resolves to this machine, and a literal is not one).
@@ -118,6 +120,10 @@ class PageAccess:
     host_names: tuple[str, ...] = ()  # besides loopback's: the names the node listens under
     relayed: Relayed | None = None
 
+    def __call__(self, request: Request) -> None:
+        """The guard of the rows this rule keeps (`/status.json`, the chat's `props`)."""
+        self.check(request.scope, request.headers)
+
     def check(self, scope: Scope, headers: Mapping[str, str]) -> None:
         address = client_address(scope)
         if address is not None and self.relayed is not None and self.relayed(address):
@@ -128,38 +134,43 @@ class PageAccess:
         check_api_key(headers, self.api_key)
 
 
-# The answer a refused /metrics caller gets: the same as for a path the node does not serve, so nothing is learnt.
-_METRICS_NOT_FOUND = openai_error_body("No route GET /metrics on this node", "invalid_request_error", "not_found")
+@dataclass(frozen=True)
+class LocalOrKey:
+    """Guard: callers on this machine that are not relayed pass, and anyone with the operator's key.
 
-
-class MetricsAccess:
-    """ASGI guard: `<path>` passes only for callers on this machine that are not relayed, or with the key.
-
-    The counters say how busy the node is and what it served; a stranger who reaches the node
-    (directly, or through its relay) must not read them (docs/protocol.md, 9.5: through the
-    relay a client without a route reaches only `/health` and `/v1/models`).
+    For `/metrics`: the counters say how busy the node is and what it served; a stranger who reaches
+    the node (directly, or through its relay) must not read them (docs/protocol.md, 9.5: through the
+    relay a client without a route reaches only `/health` and `/v1/models`). A refused caller meets
+    the answer of a path the node does not serve, so nothing is learnt.
     """
 
-    def __init__(self, app: AsgiApp, path: str, *, is_relayed: Relayed | None = None, operator_key: str | None = None) -> None:
-        self.app, self.path, self.is_relayed, self.operator_key = app, path, is_relayed, operator_key
+    relayed: Relayed | None = None
+    operator_key: str | None = None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == self.path and not self._allowed(scope):
-            await respond(send, 404, _METRICS_NOT_FOUND, [JSON_HEADER])
+    def __call__(self, request: Request) -> None:
+        if self.operator_key and bearer_matches(request.headers.get("authorization", "").encode("latin-1"), self.operator_key):
             return
-        await self.app(scope, receive, send)
+        if not local_and_not_relayed(request.client, self.relayed):
+            raise no_route(request.method, request.path)
 
-    def _allowed(self, scope: Scope) -> bool:
-        if self.operator_key:
-            given = request_headers(scope).get("authorization", "").encode("latin-1")
-            if bearer_matches(given, self.operator_key):
-                return True
-        return local_and_not_relayed(client_address(scope), self.is_relayed)
+
+@dataclass(frozen=True)
+class NotRelayed:
+    """Guard: refuses a caller whose connection the relay link opened, as if the path were not served
+    (the audit path is for the tracker, which reaches a node at its own address)."""
+
+    relayed: Relayed | None = None
+
+    def __call__(self, request: Request) -> None:
+        address = request.client
+        if self.relayed is not None and address is not None and self.relayed(address):
+            raise no_route(request.method, request.path)
 
 
 __all__ = [
     "LOOPBACK_HOST_NAMES",
-    "MetricsAccess",
+    "LocalOrKey",
+    "NotRelayed",
     "PageAccess",
     "Relayed",
     "answered_hosts",

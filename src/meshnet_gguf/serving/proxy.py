@@ -1,6 +1,6 @@
-"""The node's public face: a pure-ASGI OpenAI-compatible reverse proxy in front of llama-server.
+"""The node's inference forwarding: OpenAI's routes answered by llama-server, behind the node's admission.
 
-It admits a request (through its admission mode: standalone or meshed; size and
+The listener's table (`serving/node_surface`) hands it the requests of its rows. It admits a request (through its admission mode: standalone or meshed; size and
 JSON checks; one of its slots per request), forwards it to llama-server with the internal key, streams the answer
 back byte for byte as it arrives, meters a copy, and hands one `UsageRecord`
 per request to the usage sinks. It knows nothing about the child process: it is
@@ -23,25 +23,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
-from urllib.parse import parse_qsl
 
 import anyio
 
-from meshnet_gguf.common.asgi import (
-    CLIENT_CLOSED_STATUS,
-    JSON_HEADER,
-    ExtraRoute,
-    QueryRoute,
-    Receive,
-    Scope,
-    Send,
-    forwardable,
-    request_headers,
-    respond,
-)
+from meshnet_gguf.common.asgi import CLIENT_CLOSED_STATUS, JSON_HEADER, Receive, Send, forwardable, respond
 from meshnet_gguf.common.logs import request_id_var
 from meshnet_gguf.contract.error_answer import send_error
 from meshnet_gguf.contract.errors import ApiError, openai_error_body
+from meshnet_gguf.contract.openai_paths import GENERATING_PATHS as STREAMING_ROUTES  # the node's name: they may stream
+from meshnet_gguf.contract.openai_paths import INFERENCE_PATHS as INFERENCE_ROUTES
+from meshnet_gguf.contract.openai_paths import MODEL_PATH_PREFIX, MODELS_PATH
 from meshnet_gguf.contract.protocol import (
     REQUEST_ID_HEADER,
     USAGE_COMPLETION_TOKENS_HEADER,
@@ -51,12 +42,14 @@ from meshnet_gguf.contract.protocol import (
     model_answers_to,
 )
 from meshnet_gguf.contract.sse import DONE_DATA, data_event
+from meshnet_gguf.contract.strict_json import parse_json_object
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.admission_modes import AdmissionMode, Recording, RouteGrant, unavailable
 from meshnet_gguf.serving.meter import RequestMeter, StreamMeter, meter_whole_body
 from meshnet_gguf.serving.prompt_count import PromptCount, PromptCounter
-from meshnet_gguf.serving.request_validation import parse_json_object, rewrite_top_level, validate_request
+from meshnet_gguf.serving.request_validation import rewrite_top_level, validate_request
+from meshnet_gguf.serving.routes import Request
 from meshnet_gguf.serving.upstream_hints import node_hint
 from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_headers
 
@@ -70,18 +63,6 @@ _COMPLETION_TOKENS_KEY = USAGE_COMPLETION_TOKENS_HEADER.lower().encode()
 # A client-chosen request id is echoed back and logged: keep it short and printable.
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 
-# Which JSON field each inference route must carry (the minimum llama-server needs).
-INFERENCE_ROUTES: dict[str, str] = {
-    "/v1/chat/completions": "messages",
-    "/v1/completions": "prompt",
-    "/v1/embeddings": "input",
-}
-STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
-MODELS_PATH = "/v1/models"
-# `GET /v1/models/{id}` (the openai SDK's `models.retrieve`): the id may hold slashes (`owner/name:Q4_K_M`).
-MODEL_PATH_PREFIX = MODELS_PATH + "/"
-# A client that trickles its body this slowly is holding a slot's worth of memory for nothing.
-BODY_READ_TIMEOUT_S = 30.0
 _STREAM_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -102,7 +83,7 @@ class ProxyLimits:
 
 
 class ProxyApp:
-    """The ASGI app. Everything a request goes through is given here, once, at construction."""
+    """The handlers of the node's OpenAI rows. Everything a request goes through is given here, once, at construction."""
 
     def __init__(
         self,
@@ -117,8 +98,6 @@ class ProxyApp:
         model_aliases: Sequence[str] = (),
         mode: AdmissionMode,
         usage_sinks: Sequence[UsageSink] = (),
-        extra_get_routes: Mapping[str, ExtraRoute] | None = None,
-        query_get_routes: Mapping[str, QueryRoute] | None = None,
         on_rejected: Callable[[str, int], None] | None = None,
     ) -> None:
         self._upstream = upstream
@@ -131,53 +110,18 @@ class ProxyApp:
         self._usage_sinks = tuple(usage_sinks)
         self._mode = mode
         self._counter = prompt_counter
-        self._extra_get_routes = dict(extra_get_routes or {})
-        self._query_get_routes = dict(query_get_routes or {})
         # Told (path, status) of each request refused before reaching llama-server: such
         # requests yield no usage record (nothing was used, and nothing is billed).
         self._on_rejected = on_rejected
 
-    # --- ASGI entry -------------------------------------------------------
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _refuse_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        path: str = scope["path"]
-        method: str = scope["method"]
-        if path == "/health" and method in ("GET", "HEAD"):
-            await self._serve_health(send)
-        elif path in INFERENCE_ROUTES and method == "POST":
-            await self._serve_inference(scope, receive, send)
-        elif path == MODELS_PATH and method == "GET":
-            await self._serve_models(scope, send)
-        elif path.startswith(MODEL_PATH_PREFIX) and method == "GET":
-            await self._serve_models(scope, send, model_id=path.removeprefix(MODEL_PATH_PREFIX))
-        elif path in self._extra_get_routes and method == "GET":
-            status, body, content_type = await self._extra_get_routes[path]()
-            await respond(send, status, body, [(b"content-type", content_type.encode())])
-        elif path in self._query_get_routes and method == "GET":
-            query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
-            status, body, content_type = await self._query_get_routes[path](query)
-            await respond(send, status, body, [(b"content-type", content_type.encode())])
-        elif path in INFERENCE_ROUTES or path == MODELS_PATH or path.startswith(MODEL_PATH_PREFIX) or path == "/health":
-            await _send_error(send, ApiError(405, "method_not_allowed", f"{method} is not allowed on {path}"))
-        else:
-            await _send_error(send, ApiError(404, "not_found", f"No route {method} {path} on this node"))
+    # --- models --------------------------------------------------
+    async def serve_model(self, request: Request) -> None:
+        """`GET /v1/models/{id}`: the one model object, as OpenAI answers it."""
+        await self.serve_models(request, model_id=request.path.removeprefix(MODEL_PATH_PREFIX))
 
-    # --- health & models --------------------------------------------------
-    async def _serve_health(self, send: Send) -> None:
-        report = self._health()
-        ready = report.state == "ready"
-        headers = [JSON_HEADER, (b"cache-control", b"no-cache")]
-        if not ready:
-            headers.append((b"retry-after", str(self.limits.retry_after_s).encode()))
-        await respond(send, 200 if ready else 503, report.model_dump_json().encode(), headers)
-
-    async def _serve_models(self, scope: Scope, send: Send, *, model_id: str | None = None) -> None:
+    async def serve_models(self, request: Request, *, model_id: str | None = None) -> None:
         """llama-server's model list; with `model_id`, the one model object, as OpenAI answers `GET /v1/models/{id}`."""
-        headers = request_headers(scope)
+        headers, send = request.headers, request.send
         request_id = _client_request_id(headers)
         try:
             self._mode.admit_listing(headers)
@@ -219,9 +163,9 @@ class ProxyApp:
         return json.dumps({**entry, "id": self.model_name}).encode()
 
     # --- inference --------------------------------------------------------
-    async def _serve_inference(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path: str = scope["path"]
-        headers = request_headers(scope)
+    async def serve_inference(self, request: Request, path: str) -> None:
+        """`path` (one of `INFERENCE_ROUTES`) forwarded to llama-server, once admitted."""
+        headers, receive, send = request.headers, request.receive, request.send
         request_id = _client_request_id(headers)
         # Each request runs in its own task, so the id stays with this request's log lines.
         request_id_var.set(request_id)
@@ -234,7 +178,7 @@ class ProxyApp:
             if grant.request_id is not None:  # a route names the id the request is billed under
                 request_id = grant.request_id
                 request_id_var.set(request_id)
-            body = await self._read_body(headers, receive)
+            body = await request.body()
             self._mode.check_body(grant, body)
             payload = parse_json_object(body)
             required = INFERENCE_ROUTES[path]
@@ -426,27 +370,6 @@ class ProxyApp:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # --- admission helpers --------------------------------------------------
-    async def _read_body(self, headers: Mapping[str, str], receive: Receive) -> bytes:
-        limit = self.limits.max_body_bytes
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, "body_too_large", f"Request body of {declared} bytes exceeds this node's limit of {limit}")
-        chunks: list[bytes] = []
-        size = 0
-        with anyio.move_on_after(BODY_READ_TIMEOUT_S):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ApiError(499, "client_closed", "Client closed the connection")
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, "body_too_large", f"Request body exceeds this node's limit of {limit} bytes")
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return b"".join(chunks)
-        raise ApiError(408, "body_timeout", f"Request body not received within {BODY_READ_TIMEOUT_S:.0f} s")
-
     def _check_model(self, requested: object) -> None:
         """A request naming a model this node does not serve gets OpenAI's 404, not another model's answer."""
         if requested is None or requested == "":
@@ -556,17 +479,6 @@ def _client_request_id(headers: Mapping[str, str]) -> str:
 # --- ASGI plumbing ------------------------------------------------------------
 async def _send_error(send: Send, error: ApiError, request_id: str | None = None) -> None:
     await send_error(send, error, [(_REQUEST_ID_KEY, request_id.encode())] if request_id else ())
-
-
-async def _refuse_lifespan(receive: Receive, send: Send) -> None:
-    # The node runs uvicorn with lifespan off; answer politely if someone turns it on.
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 __all__ = ["ProxyApp", "ProxyLimits", "UsageSink"]

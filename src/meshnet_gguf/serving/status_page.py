@@ -1,8 +1,7 @@
 """The node's own pages: a status page at `/`, the JSON it polls, and llama-server's chat UI at `/chat/`.
 
-`NodePages` is an ASGI app in front of the proxy. It answers its own few paths
-and hands every other request to the proxy unchanged, so the OpenAI routes,
-`/health` and `/metrics` behave exactly as without it.
+`NodePages` gives the listener's table (`serving/node_surface`) its rows for these
+few paths; the OpenAI routes, `/health` and `/metrics` are other rows of that table.
 
 - `/` (with `/node.js`, `/node.css`): static files shipped in `pages/`. They
   carry no data, so a browser may load them without a key; the page's script
@@ -12,9 +11,9 @@ and hands every other request to the proxy unchanged, so the OpenAI routes,
   plan, the last requests). `/health` stays public for trackers and load
   balancers, so this lives beside it, under the node's rules (`PageAccess`).
 - `/chat/...`: llama-server's web UI. Its static files come from llama-server
-  (which serves them gzipped only); its chat and model calls are rewritten to
-  the proxy's own routes, so they pass admission, the API key and metering
-  like any client's. Standalone nodes only: a meshed node's slots are the
+  (which serves them gzipped only); its chat and model calls are rows of the
+  table answered by the proxy's own handlers, so they pass admission, the API
+  key and metering like any client's. Standalone nodes only: a meshed node's slots are the
   tracker's to fill.
 """
 
@@ -28,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshnet_gguf.common.asgi import JSON_HEADER, AsgiApp, Receive, Scope, Send, forwardable, request_headers, respond
+from meshnet_gguf.common.asgi import JSON_HEADER, Send, forwardable, respond
 from meshnet_gguf.common.page_files import PAGE_SECURITY_HEADERS, read_page_file, static_files
-from meshnet_gguf.contract.error_answer import send_error
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.protocol import HealthReport, UsageRecord
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 from meshnet_gguf.serving.access import PageAccess
+from meshnet_gguf.serving.routes import Request, Route, no_route, open_to_all
 from meshnet_gguf.serving.upstream_target import UpstreamTarget
 
 PAGES_DIR = Path(__file__).parent / "pages"
@@ -51,10 +50,8 @@ _PAGE_SECURITY_HEADERS = [(name.encode(), value.encode()) for name, value in PAG
 # Paths under /chat/ that are llama-server's web UI files (no data in them): its index,
 # its bundle and its icons. Anything else of llama-server's (slots, metrics, props) is not.
 _CHAT_STATIC = re.compile(r"^(|_app/[A-Za-z0-9_./-]+|[A-Za-z0-9_-]+\.(?:ico|svg|png|webmanifest)|(?:build|_app/version)\.json)$")
-# The web UI's own API calls, each answered by the proxy route of the same name (after the prefix).
-_CHAT_PROXIED = {"v1/chat/completions": "POST", "v1/models": "GET"}
 # The web UI's read-only look at the server (model, context size, modalities), behind the key.
-_CHAT_PROPS = "props"
+CHAT_PROPS_PATH = CHAT_PREFIX + "props"
 
 
 class RecentRequests:
@@ -139,52 +136,44 @@ class ChatUi:
 
 
 class NodePages:
-    """The ASGI app the listener serves: the node's pages, then everything else to the proxy."""
+    """The node's pages as rows of the listener's table: the static files, `/status.json` and, with a
+    chat, llama-server's web UI under `/chat/` (its API calls are the proxy's rows: `serving/node_surface`)."""
 
-    def __init__(self, proxy: AsgiApp, *, status: StatusSource, access: PageAccess, chat: ChatUi | None = None) -> None:
-        self._proxy = proxy
+    def __init__(self, *, status: StatusSource, access: PageAccess, chat: ChatUi | None = None) -> None:
         self._status = status
-        self._access = access
-        self._chat = chat
+        self.access = access
+        self.chat = chat
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self._proxy(scope, receive, send)
-            return
-        path: str = scope["path"]
-        method: str = scope["method"]
-        try:
-            if path in STATIC_FILES and method in ("GET", "HEAD"):
-                file, content_type = STATIC_FILES[path]
-                await respond(send, 200, read_page_file(file), [(b"content-type", content_type.encode()), *_PAGE_SECURITY_HEADERS])
-            elif path == STATUS_JSON_PATH and method == "GET":
-                self._access.check(scope, request_headers(scope))
-                body = json.dumps(self._status.document()).encode()
-                await respond(send, 200, body, [JSON_HEADER, (b"cache-control", b"no-store")])
-            elif path == CHAT_PREFIX.rstrip("/") and self._chat is not None:
-                await respond(send, 308, b"", [(b"location", CHAT_PREFIX.encode())])
-            elif path.startswith(CHAT_PREFIX) and self._chat is not None:
-                await self._serve_chat(scope, receive, send, path.removeprefix(CHAT_PREFIX))
-            else:
-                await self._proxy(scope, receive, send)
-        except ApiError as exc:
-            await send_error(send, exc)
+    def rows(self) -> list[Route]:
+        rows = [Route(method, path, open_to_all, self._serve_file) for path in STATIC_FILES for method in ("GET", "HEAD")]
+        rows.append(Route("GET", STATUS_JSON_PATH, self.access, self._serve_status))
+        if self.chat is not None:
+            rows += [
+                Route("GET", CHAT_PREFIX.rstrip("/"), open_to_all, _redirect_to_chat),
+                Route("GET", CHAT_PROPS_PATH, self.access, self._serve_chat_file),
+                # Only llama-server's web UI files pass (no data in them); anything else of its own is not served.
+                Route("GET", CHAT_PREFIX, open_to_all, self._serve_chat_file, prefix=True),
+            ]
+        return rows
 
-    async def _serve_chat(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
-        assert self._chat is not None
-        method: str = scope["method"]
-        if _CHAT_PROXIED.get(rest) == method:
-            # The proxy's own route: admission, key, validation and metering as for any client.
-            await self._proxy({**scope, "path": "/" + rest, "raw_path": ("/" + rest).encode()}, receive, send)
-            return
-        if method != "GET":
-            raise ApiError(404, "not_found", f"No route {method} {scope['path']} on this node")
-        headers = request_headers(scope)
-        if rest == _CHAT_PROPS:
-            self._access.check(scope, headers)
-        elif not _CHAT_STATIC.match(rest) or ".." in rest:
-            raise ApiError(404, "not_found", f"No route GET {scope['path']} on this node")
-        await self._chat.serve(rest, headers, send)
+    async def _serve_file(self, request: Request) -> None:
+        file, content_type = STATIC_FILES[request.path]
+        await respond(request.send, 200, read_page_file(file), [(b"content-type", content_type.encode()), *_PAGE_SECURITY_HEADERS])
+
+    async def _serve_status(self, request: Request) -> None:
+        body = json.dumps(self._status.document()).encode()
+        await respond(request.send, 200, body, [JSON_HEADER, (b"cache-control", b"no-store")])
+
+    async def _serve_chat_file(self, request: Request) -> None:
+        assert self.chat is not None
+        rest = request.path.removeprefix(CHAT_PREFIX)
+        if request.path != CHAT_PROPS_PATH and (not _CHAT_STATIC.match(rest) or ".." in rest):
+            raise no_route(request.method, request.path)
+        await self.chat.serve(rest, request.headers, request.send)
+
+
+async def _redirect_to_chat(request: Request) -> None:
+    await respond(request.send, 308, b"", [(b"location", CHAT_PREFIX.encode())])
 
 
 def plan_line(plan_text: str | None, slots: int) -> str:
