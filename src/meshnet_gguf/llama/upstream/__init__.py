@@ -34,13 +34,13 @@ UpstreamClientKind = Literal["raw", "aiohttp", "httpx"]
 UpstreamError = HttpClientError
 
 
-# llama-server's answer: the package's one answer shape (`common/http1_client.HttpAnswer`), which the
-# lean client's response is as it is and `common/httpx_answer` adapts httpx's to.
+# The name the proxy still reads llama-server's answer by; the answer is the package's one shape,
+# `common/http1_client.HttpAnswer`, which every client here returns.
 UpstreamResponse = HttpAnswer
 
 
 class UpstreamClient(Protocol):
-    async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> UpstreamResponse:
+    async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> HttpAnswer:
         """Send a request; the response's body is not read yet. Raises UpstreamError."""
         ...
 

@@ -16,15 +16,18 @@ from meshnet_gguf.common.http1_client import (
     POOL_HEADROOM,
     READ_IDLE_TIMEOUT_S,
     STALE_CONNECTION_RETRIES,
+    HttpAnswer,
     split_url,
 )
-from meshnet_gguf.llama.upstream import READ_BUFFER_BYTES, UpstreamError, UpstreamResponse
+from meshnet_gguf.llama.upstream import READ_BUFFER_BYTES, UpstreamError
 
 if TYPE_CHECKING:
     import aiohttp
 
 
 class _AiohttpResponse:
+    """An `HttpAnswer` over an aiohttp response."""
+
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
         self.status = response.status
@@ -68,7 +71,7 @@ class AiohttpUpstream:
         # Created lazily: an aiohttp session binds to the running event loop.
         session = self._sessions.get(unix_path)
         if session is None:
-            options = dict(limit=self._max_connections, force_close=False, keepalive_timeout=IDLE_CONNECTION_TTL_S)
+            options = {"limit": self._max_connections, "force_close": False, "keepalive_timeout": IDLE_CONNECTION_TTL_S}
             connector = aiohttp.UnixConnector(path=unix_path, **options) if unix_path else aiohttp.TCPConnector(**options)
             session = self._sessions[unix_path] = aiohttp.ClientSession(
                 connector=connector,
@@ -79,7 +82,7 @@ class AiohttpUpstream:
             )
         return session
 
-    async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> UpstreamResponse:
+    async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> HttpAnswer:
         import aiohttp
 
         address, target = split_url(url)

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import httpx
 
-from meshnet_gguf.common.http1_client import CONNECT_TIMEOUT_S, IDLE_CONNECTION_TTL_S, POOL_HEADROOM, READ_IDLE_TIMEOUT_S, split_url
+from meshnet_gguf.common.http1_client import (
+    CONNECT_TIMEOUT_S,
+    IDLE_CONNECTION_TTL_S,
+    POOL_HEADROOM,
+    READ_IDLE_TIMEOUT_S,
+    HttpAnswer,
+    split_url,
+)
 from meshnet_gguf.common.httpx_answer import send_through_httpx
-from meshnet_gguf.llama.upstream import UpstreamError, UpstreamResponse
+from meshnet_gguf.llama.upstream import UpstreamError
 
 # Longest a request's body may take to write to llama-server.
 WRITE_TIMEOUT_S = 60.0
@@ -30,7 +37,7 @@ class HttpxUpstream:
             )
         return client
 
-    async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> UpstreamResponse:
+    async def send(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> HttpAnswer:
         address, target = split_url(url)
         if address.unix_path is not None:
             url = "http://localhost" + target

@@ -13,7 +13,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 import httpx
@@ -23,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from meshnet_gguf.common.http1_client import HttpAnswer
 from meshnet_gguf.common.private_files import private_dir
 from meshnet_gguf.contract.openai_paths import INFERENCE_PATHS, MODELS_PATH
 from meshnet_gguf.contract.protocol import PROTOCOL_VERSION, WELL_KNOWN_PATH, HealthReport, TrackerInfo
@@ -130,7 +130,7 @@ class Tracker:
             finally:
                 tg.cancel_scope.cancel()
 
-    async def _send_to(self, entry: NodeEntry, path: str, headers: dict[str, str], body: bytes) -> Any:
+    async def _send_to(self, entry: NodeEntry, path: str, headers: dict[str, str], body: bytes) -> HttpAnswer:
         return await entry.target.send(self.reach.clients, "POST", path, headers, body)
 
     # --- node liveness -----------------------------------------------------

@@ -25,6 +25,7 @@ import secrets
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
+from meshnet_gguf.common.http1_client import HttpAnswer
 from meshnet_gguf.contract.model_proof import (
     AUDIT_PATH,
     AUDIT_TOKEN_HEADER,
@@ -43,6 +45,7 @@ from meshnet_gguf.contract.model_proof import (
     NodeDrift,
     unscoreable,
 )
+from meshnet_gguf.contract.openai_paths import COMPLETIONS_PATH, EMBEDDINGS_PATH
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, issue
 from meshnet_gguf.contract.sse import event_data
@@ -52,6 +55,9 @@ from meshnet_gguf.reference.tracker.registry import NodeEntry
 from meshnet_gguf.reference.tracker.ledger import AuditRecord
 
 log = logging.getLogger(__name__)
+
+# Forwards a request to a node as the tracker does: (node, path, headers, body) -> its answer.
+NodeSend = Callable[[NodeEntry, str, dict[str, str], bytes], Awaitable[HttpAnswer]]
 
 # An answer's text kept for an audit, at most: past it the answer is not audited (its bytes still go by).
 MAX_AUDITED_ANSWER_BYTES = 1024 * 1024
@@ -78,7 +84,7 @@ VERIFIER_TIMEOUT_S = 300.0
 # The registration probe: a few greedy prompts, long enough that another model diverges (tests/proof).
 PROBE_PROMPTS = ("hello world, this is a test of", "Once upon a time, in a land far away,", "The capital of France is")
 PROBE_TOKENS = 32
-PROBE_PATH = "/v1/completions"
+PROBE_PATH = COMPLETIONS_PATH
 # A node is probed once it is healthy; this bounds how long the probe waits for that.
 PROBE_READY_POLL_S = 0.1
 # The latest decided audits /v1/nodes and the page show per node (the ledger keeps them all).
@@ -195,7 +201,7 @@ class Auditor:
     flags a node's receipts since a time; `send(entry, path, headers, body)` forwards as the tracker does."""
 
     def __init__(self, verifiers: dict[str, str], policy: AuditPolicy, key: Ed25519PrivateKey, issuer: str,
-                 ledger: Any, routes: Any, send: Any) -> None:  # fmt: skip
+                 ledger: Any, routes: Any, send: NodeSend) -> None:  # fmt: skip
         self.verifiers, self.policy, self._key, self.issuer = verifiers, policy, key, issuer
         self.ledger, self.routes, self._send = ledger, routes, send
         self.records: dict[str, NodeAudits] = {}
@@ -242,7 +248,7 @@ class Auditor:
 
     def draw(self, entry: NodeEntry, path: str, payload: dict[str, Any], stream: bool) -> AnswerCapture | None:
         """A capture for this answer when it is drawn for audit; None (nothing kept) otherwise."""
-        if self.verifier_for(entry) is None or path == "/v1/embeddings" or requested_choices(payload) != 1:
+        if self.verifier_for(entry) is None or path == EMBEDDINGS_PATH or requested_choices(payload) != 1:
             return None
         record = self.record(entry.node_id)
         record.answers += 1
