@@ -20,7 +20,8 @@ from starlette.routing import Route
 
 from meshnet_gguf.common.retry import Backoff
 from meshnet_gguf.contract.protocol import ReceiptAck, ReceiptBatch, ReceiptClaims, ReceiptRejection, UsageRecord
-from meshnet_gguf.contract.signing import decode_token
+from meshnet_gguf.contract.signing import verify
+from meshnet_gguf.contract.token_policies import RECEIPT_TOKEN
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
 from meshnet_gguf.mesh.receipts import LedgerUsageSink, OutboxReporter
@@ -59,7 +60,7 @@ class Collector:
             if receipt.request_id in self.reject:
                 ack.rejected.append(ReceiptRejection(request_id=receipt.request_id, code="unknown_request", message="no"))
                 continue
-            claims = ReceiptClaims.model_validate(decode_token(receipt.token, ident.public_key, required=["iss", "jti", "usage"]))
+            claims = ReceiptClaims.model_validate(verify(receipt.token, ident.public_key, RECEIPT_TOKEN, issuer=ident.node_id))
             self.stored.setdefault(receipt.request_id, claims)
             ack.accepted.append(receipt.request_id)
         if self.ack_delay_s:

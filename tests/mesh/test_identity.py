@@ -10,7 +10,8 @@ import jwt
 import pytest
 
 from meshnet_gguf.contract.protocol import ReceiptClaims, UsageRecord
-from meshnet_gguf.contract.signing import decode_token, node_id_for, parse_public_key
+from meshnet_gguf.contract.signing import TokenRefused, node_id_for, parse_public_key, verify
+from meshnet_gguf.contract.token_policies import NODE_CALL_TOKEN, RECEIPT_TOKEN
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
 
 
@@ -63,27 +64,27 @@ def test_receipts_verify_with_the_public_key_only(tmp_path: Path) -> None:
     )  # fmt: skip
     receipt = ident.sign_receipt(record)
     claims = ReceiptClaims.model_validate(
-        decode_token(receipt.token, parse_public_key(ident.public_key_text), required=["iss", "jti", "iat", "usage"])
+        verify(receipt.token, parse_public_key(ident.public_key_text), RECEIPT_TOKEN, issuer=ident.node_id)
     )
     assert claims.iss == ident.node_id and claims.usage == record
     stranger = NodeIdentity.load_or_create(tmp_path / "stranger")
-    with pytest.raises(jwt.InvalidSignatureError):
-        decode_token(receipt.token, stranger.public_key, required=["iss"])
+    with pytest.raises(TokenRefused, match="does not match"):
+        verify(receipt.token, stranger.public_key, RECEIPT_TOKEN, issuer=ident.node_id)
     # Changing a figure breaks the signature.
     header, payload, sig = receipt.token.split(".")
     forged = jwt.utils.base64url_encode(
         jwt.utils.base64url_decode(payload).replace(b'"completion_tokens":7', b'"completion_tokens":1')
     ).decode()
-    with pytest.raises(jwt.InvalidSignatureError):
-        decode_token(f"{header}.{forged}.{sig}", ident.public_key, required=["iss"])
+    with pytest.raises(TokenRefused, match="does not match"):
+        verify(f"{header}.{forged}.{sig}", ident.public_key, RECEIPT_TOKEN, issuer=ident.node_id)
 
 
 def test_request_auth_binds_method_path_and_body(tmp_path: Path) -> None:
     ident = NodeIdentity.load_or_create(tmp_path)
     token = ident.request_auth("post", "/v1/nodes/x/heartbeat", b"{}", audience="tracker-a")
-    claims = decode_token(token, ident.public_key, required=["exp"], audience="tracker-a")
+    claims = verify(token, ident.public_key, NODE_CALL_TOKEN, issuer=ident.node_id, audience="tracker-a", body=b"{}")
     # Bound to one tracker: another tracker (another issuer) refuses the same token.
-    with pytest.raises(jwt.InvalidAudienceError):
-        decode_token(token, ident.public_key, required=["exp"], audience="tracker-b")
+    with pytest.raises(TokenRefused, match="aud"):
+        verify(token, ident.public_key, NODE_CALL_TOKEN, issuer=ident.node_id, audience="tracker-b", body=b"{}")
     assert claims["htm"] == "POST" and claims["htu"] == "/v1/nodes/x/heartbeat" and claims["iss"] == ident.node_id
     assert claims["exp"] - claims["iat"] <= 60

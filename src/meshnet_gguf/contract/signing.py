@@ -145,37 +145,11 @@ def _hot_signing_key(key: Ed25519PrivateKey) -> nacl.signing.SigningKey:
     )
 
 
-def decode_token(
-    token: str,
-    key: Ed25519PublicKey,
-    *,
-    required: list[str],
-    leeway: float = 0,
-    issuer: str | None = None,
-    audience: str | None = None,
-    verify_exp: bool = True,
-) -> dict[str, Any]:
-    """Verify signature and standard claims; raises `jwt.InvalidTokenError` subclasses.
-
-    The algorithm is pinned to EdDSA: a token naming another algorithm ("none",
-    HS256 with the public key as secret) is refused.
-    """
-    return jwt.decode(
-        token,
-        key,
-        algorithms=[ALGORITHM],
-        issuer=issuer,
-        audience=audience,
-        leeway=leeway,
-        options={"require": required, "verify_exp": verify_exp, "verify_aud": audience is not None},
-    )
+class _CompactTokenError(ValueError):
+    """A compact JWS that is not a well-formed EdDSA token; `_BadTokenSignature` when only its signature fails."""
 
 
-class CompactTokenError(ValueError):
-    """A compact JWS that is not a well-formed EdDSA token; `BadTokenSignature` when only its signature fails."""
-
-
-class BadTokenSignature(CompactTokenError):
+class _BadTokenSignature(_CompactTokenError):
     pass
 
 
@@ -205,57 +179,51 @@ class HotVerifyKey:
             raise InvalidSignature() from None
 
 
-def verify_eddsa_claims(token: str, key: Ed25519PublicKey | HotVerifyKey) -> dict[str, Any]:
-    """The claims of an EdDSA compact JWS whose signature `key` made; nothing else is checked.
+def _signed_claims(token: str, key: HotVerifyKey) -> dict[str, Any]:
+    """The claims of an EdDSA compact JWS whose signature `key` made; nothing else is checked (`verify` does).
 
-    The node's hot path (one route token per request): PyJWT's `decode` costs about as much
-    again as the Ed25519 check itself, in generic checks the caller repeats anyway. The
-    algorithm is pinned as in `decode_token` (a header naming another one, "none" or HS256,
-    is refused before any signature work) and a header with `crit` is refused, as RFC 7515
-    asks of extensions one does not understand. Time claims are the caller's to check.
+    By hand rather than PyJWT's `decode`, which costs about as much again as the Ed25519 check
+    itself in generic checks `verify` makes anyway. The algorithm is pinned to EdDSA (a header
+    naming another one, "none" or HS256, is refused before any signature work) and a header
+    with `crit` is refused, as RFC 7515 asks of extensions one does not understand.
     """
     try:
         signing_input, _, signature_text = token.encode("ascii").rpartition(b".")
         header_text, dot, payload_text = signing_input.partition(b".")
         if not dot or b"." in payload_text:
-            raise CompactTokenError("not a compact JWS (three dot-separated parts)")
+            raise _CompactTokenError("not a compact JWS (three dot-separated parts)")
         # Every Meshnet signer writes the same header bytes: those need no parsing (3 µs of a route's check).
         if header_text != _JWS_HEADER_PART:
             _check_header(json.loads(_b64url(header_text)))
         signature = _b64url(signature_text)
     except (UnicodeError, ValueError, binascii.Error, RecursionError) as exc:  # RecursionError: a header nested deep
-        if isinstance(exc, CompactTokenError):
+        if isinstance(exc, _CompactTokenError):
             raise
-        raise CompactTokenError(f"not a compact JWS: {exc!r}"[:200]) from None
+        raise _CompactTokenError(f"not a compact JWS: {exc!r}"[:200]) from None
     if len(signature) != _ED25519_SIGNATURE_BYTES:
-        raise BadTokenSignature("the signature is not an Ed25519 signature")
+        raise _BadTokenSignature("the signature is not an Ed25519 signature")
     try:
         key.verify(signature, signing_input)
     except InvalidSignature:
-        raise BadTokenSignature("the signature does not match the key") from None
+        raise _BadTokenSignature("the signature does not match the key") from None
     try:
         claims = json.loads(_b64url(payload_text))
     except (UnicodeError, ValueError, binascii.Error, RecursionError) as exc:
-        raise CompactTokenError(f"the claims are not JSON: {exc!r}"[:200]) from None
+        raise _CompactTokenError(f"the claims are not JSON: {exc!r}"[:200]) from None
     if not isinstance(claims, dict):
-        raise CompactTokenError("the claims are not a JSON object")
+        raise _CompactTokenError("the claims are not a JSON object")
     return claims
 
 
 def _check_header(header: Any) -> None:
     if not isinstance(header, dict) or header.get("alg") != ALGORITHM:
-        raise CompactTokenError(f"the token's algorithm is not {ALGORITHM}")
+        raise _CompactTokenError(f"the token's algorithm is not {ALGORITHM}")
     if "crit" in header:
-        raise CompactTokenError("the token names critical extensions this verifier does not know")
+        raise _CompactTokenError("the token names critical extensions this verifier does not know")
 
 
 def _b64url(text: bytes) -> bytes:
     return base64.urlsafe_b64decode(text + b"=" * (-len(text) % 4))
-
-
-def unverified_claims(token: str) -> dict[str, Any]:
-    """Claims without checking the signature: only to find *which* key should verify it."""
-    return jwt.decode(token, options={"verify_signature": False})
 
 
 # --- one check for every signed token ----------------------------------------------------------
@@ -337,9 +305,9 @@ def verify(
 ) -> dict[str, Any]:
     """The claims of `token` when `key` signed it and it meets `policy`; else `TokenRefused`.
 
-    One pass for every kind: the compact JWS checked by hand (`verify_eddsa_claims`, EdDSA pinned)
+    One pass for every kind: the compact JWS checked by hand (`_signed_claims`, EdDSA pinned)
     with libsodium's signature check, then the required claims, issuer, audience, subject, life,
-    clock window and body. libsodium is the fastest path for every kind (`bench/token_paths.py`:
+    clock window and body. libsodium is the fastest path for every kind (`bench/token_check_paths.py`:
     a route token 65 µs, against 114 by OpenSSL and 141 by PyJWT's decode on the 2-core dev box),
     even with the key converted per call (1 µs); a key that checks many tokens is best passed as
     a `HotVerifyKey`, made once.
@@ -347,10 +315,10 @@ def verify(
     if not isinstance(key, HotVerifyKey):
         key = HotVerifyKey(key)
     try:
-        claims = verify_eddsa_claims(token, key)
-    except BadTokenSignature as exc:
+        claims = _signed_claims(token, key)
+    except _BadTokenSignature as exc:
         raise TokenRefused("bad_signature", f"{policy.kind} token: {exc}") from None
-    except CompactTokenError as exc:
+    except _CompactTokenError as exc:
         raise TokenRefused("malformed", f"{policy.kind} token: {exc}") from None
     missing = policy.required.difference(claims)
     if missing:
