@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshnet_gguf.contract.protocol import RelayLinkHealth, UsageRecord
 from meshnet_gguf.ops.metrics import NodeMetrics
-from meshnet_gguf.ops.relay_health import RelayLinkCollector
+from meshnet_gguf.ops.relay_metrics import RelayLinkCollector
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "meshnet-node.json"
 METRIC_NAME = re.compile(r"\b(meshnet_[a-z0-9_]+|llamacpp:[a-z0-9_]+)\b")

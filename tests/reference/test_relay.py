@@ -300,7 +300,7 @@ from meshnet_gguf.contract.protocol import HealthReport
 from meshnet_gguf.cli.doctor import doctor_identity
 from meshnet_gguf.doctor.checks import Finding
 from meshnet_gguf.doctor.relay import check_relay
-from meshnet_gguf.ops.relay_health import RelayLinkCollector
+from meshnet_gguf.ops.relay_metrics import RelayLinkCollector
 
 
 async def test_link_state_in_health_metrics_and_doctor(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The relay link as operators see it: Prometheus metrics (doctor's check is `doctor.relay`).
+"""The relay link as operators see it: its Prometheus metrics (whether it can attach is doctor's check, `doctor.relay`).
 
 Kept apart from `relay_link` so the tunnel code stays about the tunnel. The
 node adds `RelayLinkCollector(links)` to its metrics registry: one collector for all its relays
