@@ -21,7 +21,8 @@ AREA_MAY_IMPORT: dict[str, set[str]] = {
     "prepare": {"common", "contract", "models", "llama", "hardware"},
     "serving": {"common", "contract", "llama"},
     "mesh": {"common", "contract", "serving"},
-    # ops runs beside a serving node and never prepares a launch: doctor, which does, stands above it.
+    # ops runs beside a serving node and never prepares a launch; doctor runs the preparation dry and checks the
+    # mesh. The two stand side by side: neither imports the other.
     "ops": {"common", "contract", "models", "llama", "hardware", "serving", "mesh"},
     "doctor": {"common", "contract", "models", "llama", "hardware", "prepare", "mesh"},
     "devtools": {"common", "contract", "models"},
@@ -105,8 +106,10 @@ def test_serving_knows_nothing_of_preparation_the_mesh_or_the_cli() -> None:
     for forbidden in ("prepare", "mesh", "cli", "ops"):
         assert forbidden not in AREA_MAY_IMPORT["serving"]
     assert AREA_MAY_IMPORT["reference"] == {"common", "contract"}
-    # ops runs beside a serving node; preparing a launch (and doctor, which runs it dry) stands above it.
+    # ops runs beside a serving node; preparing a launch (and doctor, which runs it dry) is no part of it.
     assert "prepare" not in AREA_MAY_IMPORT["ops"] and "doctor" not in AREA_MAY_IMPORT["ops"]
+    # doctor checks preparation and the mesh, not ops: the two never import each other.
+    assert "ops" not in AREA_MAY_IMPORT["doctor"]
 
 
 def test_proxy_and_supervisor_never_import_each_other() -> None:

@@ -1,4 +1,6 @@
-"""The `meshnet-gguf` command line: argument handling only. Each module in this package registers its own commands.
+"""The `meshnet-gguf` command line: argument handling and printing, the work done by the areas the commands call
+(`dev_mesh` alone runs processes of its own: a tracker, a relay and a node for `dev mesh`). Each module in this
+package registers its own commands.
 
 May import: every area.
 """
