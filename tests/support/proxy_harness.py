@@ -127,6 +127,7 @@ class Exchange:
         body: bytes = b"",
         body_chunks: list[bytes] | None = None,
         headers: dict[str, str] | None = None,
+        client: tuple[str, int] = ("127.0.0.1", 50000),
     ) -> None:
         self._app = app
         # The request body as it arrives: one message, or one per chunk (no content-length then).
@@ -146,7 +147,7 @@ class Exchange:
             "query_string": b"",
             "root_path": "",
             "headers": [(k.lower().encode(), v.encode()) for k, v in raw_headers.items()],
-            "client": ("127.0.0.1", 50000),
+            "client": client,
             "server": ("127.0.0.1", 8080),
         }
         self.status: int | None = None
