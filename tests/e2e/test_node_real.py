@@ -3,6 +3,7 @@ and what it does with a llama-server build too new for the CPU it runs on."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -14,6 +15,7 @@ import openai
 import psutil
 import pytest
 
+from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
@@ -228,3 +230,46 @@ def test_a_crash_the_probe_could_not_foresee_is_explained_with_the_fix(  # type:
     assert node.wait_exit() == 1
     log = node.log_text()
     assert "illegal instruction (SIGILL)" in log and "meshnet-gguf build-llama-server" in log and "cmake ninja-build g++" in log
+
+
+# Loaded first in the node's process (PYTHONPATH): counts the first-contact checks and the reads of
+# the node's key file, and writes the counts when the node exits. Only `serve` counts (llama-server and
+# any other Python child the node starts see the same PYTHONPATH).
+COUNTING_SITECUSTOMIZE = """
+import atexit, json, os, sys
+if sys.argv[1:2] == ["serve"]:
+    import meshnet_gguf.mesh.identity as identity
+    import meshnet_gguf.mesh.tracker_link as tracker_link
+    counts = {"first_contact_checks": 0, "key_reads": 0}
+
+    def counted(module, name, what):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            counts[what] += 1
+            return real(*args, **kwargs)
+
+        setattr(module, name, wrapper)
+
+    counted(tracker_link, "first_contact_problem", "first_contact_checks")
+    counted(identity, "load_or_create_private_key", "key_reads")
+    counted(identity, "load_private_key", "key_reads")
+    atexit.register(lambda: open(os.environ["MESHNET_TEST_COUNTS"], "w").write(json.dumps(counts)))
+"""
+
+
+@pytest.mark.real_llama
+def test_a_meshed_serve_reads_its_key_once_and_checks_first_contact_once(real_llama, start_node, tiny_gguf, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    counting = tmp_path / "counting"
+    counting.mkdir()
+    (counting / "sitecustomize.py").write_text(COUNTING_SITECUSTOMIZE)
+    counts = tmp_path / "counts.json"
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(counting), os.environ.get("PYTHONPATH")])), "MESHNET_TEST_COUNTS": str(counts)}
+    # A tracker on loopback that is not there: the key is learnt on first contact (safe on loopback), so the
+    # check runs; the link keeps retrying in the background while the node serves.
+    tracker = f"http://127.0.0.1:{free_local_port()}"
+    node = start_node("--gguf", str(tiny_gguf), "--tracker", tracker, env=env)
+    node.wait_ready()
+    node.signal(signal.SIGTERM)
+    assert node.wait_exit() == 0
+    assert json.loads(counts.read_text()) == {"first_contact_checks": 1, "key_reads": 1}

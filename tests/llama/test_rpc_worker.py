@@ -31,6 +31,8 @@ from meshnet_gguf.llama.rpc_worker import (
     parse_banner,
     prune_cache,
 )
+from meshnet_gguf.mesh.identity import NodeIdentity
+from meshnet_gguf.node import pool_status_tokens
 from support.loopback import serve_asgi
 
 BANNER = """ggml_vulkan: No devices found.
@@ -124,6 +126,8 @@ def test_sizes_read_as_operators_write_them() -> None:
 @pytest.mark.real_llama
 async def test_the_worker_serves_restarts_and_shows_its_status_only_to_the_node(real_llama: BinaryInfo, tmp_path: Path) -> None:
     node_key, stranger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    # The node's tokens as serve, doctor and models issue them.
+    node_token = pool_status_tokens(NodeIdentity.from_private_key(node_key))
     config = WorkerConfig(
         binary=find_rpc_server(real_llama), host="127.0.0.1", port=free_local_port(), devices=("CPU",),
         cache_dir=tmp_path / "cache", cache_limit_bytes=10**9,
@@ -147,7 +151,7 @@ async def test_the_worker_serves_restarts_and_shows_its_status_only_to_the_node(
             now = int(time.time())
             long_lived = encode_token({"aud": STATUS_AUDIENCE, "iat": now, "exp": now + 86400}, node_key)
             assert (await http.get(url, headers=bearer(long_lived))).status_code == 401
-            answer = await http.get(url, headers=bearer(status_token(node_key)))
+            answer = await http.get(url, headers=bearer(node_token()))
             assert answer.status_code == 200, answer.text
             status = answer.json()
             # What this machine's binary speaks, asked of it apart from the worker: the status reports it as read.
@@ -163,7 +167,7 @@ async def test_the_worker_serves_restarts_and_shows_its_status_only_to_the_node(
             with anyio.fail_after(15):
                 while worker.restarts < 1 or worker.pid in (None, first) or not worker.banner.devices:
                     await anyio.sleep(0.05)
-            status = (await http.get(url, headers=bearer(status_token(node_key)))).json()
+            status = (await http.get(url, headers=bearer(node_token()))).json()
             assert status["restarts"] == 1 and status["state"] == "running"
         await worker.close()
     assert worker.pid is None and worker.state == "stopped"

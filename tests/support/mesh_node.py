@@ -26,7 +26,7 @@ from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.tracker_link import ServedModel, TrackerLink
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
-from meshnet_gguf.node import build_proxy, build_tracker_link
+from meshnet_gguf.node import NodeKeys, build_proxy, build_tracker_link, trust_tracker
 from meshnet_gguf.prepare.announcement import model_layout, shard_digests
 from meshnet_gguf.serving.node_surface import NodeDoors, node_table
 from meshnet_gguf.serving.slots import Slots
@@ -89,7 +89,9 @@ def tracker_link(
     def describe() -> tuple[list[ShardDigest], None]:
         return shard_digests(layout.shards, [], settings.state_dir), None
 
-    return build_tracker_link(settings, identity, served, health, describe, [relay.attachment()] if relay else [])
+    # The tracker key trusted as `node_keys` settles it: MeshSetupError where first contact would be unsafe.
+    keys = NodeKeys(identity, trust_tracker(settings))
+    return build_tracker_link(settings, keys, served, health, describe, [relay.attachment()] if relay else [])
 
 
 class MeshNode:

@@ -107,23 +107,18 @@ def _settings_origins(settings: NodeSettings, flags: dict[str, object]) -> _Orig
 def doctor_identity(settings: NodeSettings) -> NodeIdentity | None:
     """This node's key, read once for the pool check and the relay probe. Created only for a pool
     check, as `serve` would create it (the workers check its signature); the relay probe only reads it."""
-    from meshnet_gguf.mesh.identity import NodeIdentity
+    from meshnet_gguf.node import existing_node_key, node_key
 
     if settings.pool_workers:
-        return NodeIdentity.load_or_create(settings.state_dir)
-    if not settings.relay_url:
-        return None
-    try:
-        return NodeIdentity.load(settings.state_dir)
-    except FileNotFoundError:
-        return None
+        return node_key(settings)
+    return existing_node_key(settings) if settings.relay_url else None
 
 
 def _pool_check(settings: NodeSettings, identity: NodeIdentity | None) -> Callable[[BinaryInfo, HardwareReport], str] | None:
     """The pool workers' check with this node's key, as `serve` makes it."""
     if not settings.pool_workers or identity is None:
         return None
-    from meshnet_gguf.llama.rpc_status import status_token
+    from meshnet_gguf.node import pool_status_tokens
     from meshnet_gguf.prepare.pipeline import pool_summary
 
-    return lambda binary, hardware: pool_summary(settings, lambda: status_token(identity.private_key), binary, hardware)
+    return lambda binary, hardware: pool_summary(settings, pool_status_tokens(identity), binary, hardware)

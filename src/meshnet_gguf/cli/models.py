@@ -228,16 +228,14 @@ def _pool_fit(settings: NodeSettings, binary: Any, capacity: Any) -> _PoolFit | 
     """The checked pool (the workers' status read with the node's key, as `serve` does), or None without one."""
     if not settings.pool_workers:
         return None
-    from meshnet_gguf.llama.rpc_status import status_token
-    from meshnet_gguf.mesh.identity import NodeIdentity
+    from meshnet_gguf.node import node_key, pool_status_tokens
     from meshnet_gguf.prepare.pipeline import NodeSetupError, check_pool_workers
 
     if binary is None:
         typer.echo("error: a pool needs a llama-server here (its RPC protocol is checked against the workers')", err=True)
         raise typer.Exit(EXIT_SETUP_ERROR)
-    identity = NodeIdentity.load_or_create(settings.state_dir)
     try:
-        members = check_pool_workers(settings, binary, lambda: status_token(identity.private_key))
+        members = check_pool_workers(settings, binary, pool_status_tokens(node_key(settings)))
     except NodeSetupError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(EXIT_SETUP_ERROR) from exc

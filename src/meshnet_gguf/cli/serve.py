@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
     from meshnet_gguf.common.settings import NodeSettings
-    from meshnet_gguf.mesh.identity import NodeIdentity
+    from meshnet_gguf.node import NodeKeys
 
 
 def settings_from_flags(**flags: Any) -> NodeSettings:
@@ -111,7 +111,7 @@ def register(app: typer.Typer) -> None:
         import anyio
         from pydantic import ValidationError
 
-        from meshnet_gguf.node import build_node, node_identity
+        from meshnet_gguf.node import build_node, node_keys
         from meshnet_gguf.ops.sd_notify import SystemdNotifier
         from meshnet_gguf.prepare.pipeline import NodeSetupError, prepare_launch
 
@@ -135,11 +135,11 @@ def register(app: typer.Typer) -> None:
         if not dry_run:
             _refuse_a_held_state_dir(settings)
         try:
-            # The node's key, loaded once here and handed to the pool check and to the node.
-            identity = node_identity(settings, dry_run=dry_run)
+            # The node's key and the tracker key it trusts, settled once here and handed to the pool check and to the node.
+            keys = node_keys(settings, dry_run=dry_run)
             # Under systemd a first download can outlast TimeoutStartSec: say what is happening, and extend it.
             with SystemdNotifier.from_environment().extending_start("preparing the model (download and checks)"):
-                launch = prepare_launch(settings, dry_run=dry_run, pool_token=_pool_token(settings, identity))
+                launch = prepare_launch(settings, dry_run=dry_run, pool_token=_pool_token(settings, keys))
         except NodeSetupError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
@@ -152,7 +152,7 @@ def register(app: typer.Typer) -> None:
         try:
 
             async def run_node() -> int:
-                return await build_node(launch, identity).run()
+                return await build_node(launch, keys).run()
 
             freeze_startup_objects()
             code = anyio.run(run_node, backend_options={"use_uvloop": _uvloop_available()})
@@ -162,14 +162,14 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(code)
 
 
-def _pool_token(settings: NodeSettings, identity: NodeIdentity | None) -> Callable[[], str] | None:
+def _pool_token(settings: NodeSettings, keys: NodeKeys | None) -> Callable[[], str] | None:
     """Status tokens for the pool workers, signed by this node's key (whose public half the workers were given)."""
-    if not settings.pool_workers or identity is None:
+    if not settings.pool_workers or keys is None:
         return None
-    from meshnet_gguf.llama.rpc_status import status_token
+    from meshnet_gguf.node import pool_status_tokens
 
-    typer.echo(f"pool: this node's public key for `meshnet-gguf worker --node-key`: {identity.public_key_text}", err=True)
-    return lambda: status_token(identity.private_key)
+    typer.echo(f"pool: this node's public key for `meshnet-gguf worker --node-key`: {keys.identity.public_key_text}", err=True)
+    return pool_status_tokens(keys.identity)
 
 
 def _uvloop_available() -> bool:
