@@ -18,6 +18,9 @@ so a third model evicts the least recently used one. Printed, per binary:
 - interleaved requests over three models with room for two: answered, errors, loads and evictions (router log);
 - `sleep-idle-seconds` on the demo: RSS asleep, time to first token on waking.
 
+Then the same first-token, memory and interleaved figures the node's way (`llama.model_children`: one supervised
+llama-server per loaded model, on its private socket, with the node's default supervisor settings).
+
 Tiny requests, one run, two cores shared: the figures are for orders of magnitude, not decimals.
 """
 
@@ -38,10 +41,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import httpx
 import psutil
 
+from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.llama.binary import BinaryInfo, installed_llama_servers, probe_binary
+from meshnet_gguf.llama.child import ChildSpec
+from meshnet_gguf.llama.model_children import ModelChildren, ModelUnavailable
+from meshnet_gguf.llama.model_set import ModelSet, ModelToServe
+from meshnet_gguf.llama.supervisor import SupervisorPolicy
+from meshnet_gguf.llama.warmup import CPU_WARMUP
 from meshnet_gguf.models.download import materialize_package_model
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -275,9 +285,83 @@ def bench_binary(binary: BinaryInfo, models: dict[str, Path], workdir: Path) -> 
         )
 
 
+async def _children_ttft(children: ModelChildren, alias: str) -> tuple[float | None, str]:
+    """(seconds from asking for the model to its first streamed content, error)."""
+    start = time.monotonic()
+    try:
+        async with children.using(alias) as llama:
+            transport = httpx.AsyncHTTPTransport(uds=str(llama.socket_path)) if llama.socket_path else None
+            base = "http://llama" if llama.socket_path else str(llama.base_url)
+            body = {"model": alias, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": MAX_TOKENS, "stream": True}
+            headers = {"authorization": f"Bearer {llama.api_key}"}
+            async with (
+                httpx.AsyncClient(transport=transport, base_url=base, timeout=REQUEST_TIMEOUT_S) as client,
+                client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
+            ):
+                first = None
+                async for line in response.aiter_lines():
+                    if first is None and line.startswith("data: ") and '"content"' in line:
+                        first = time.monotonic() - start
+                return first, "" if first is not None else f"{response.status_code}: no content streamed"
+    except ModelUnavailable as exc:
+        return None, str(exc).splitlines()[0][:200]
+
+
+def _children_rss_mib(children: ModelChildren) -> float:
+    return sum(psutil.Process(s.pid).memory_info().rss for s in children.status() if s.pid and psutil.pid_exists(s.pid)) / 2**20
+
+
+async def bench_children(binary: BinaryInfo, models: dict[str, Path], workdir: Path) -> None:
+    """The same figures the node's way: one supervised llama-server per loaded model (`llama.model_children`)."""
+    say(f"\n## one llama-server per model (llama.model_children, the node's defaults): {binary.describe()}")
+    served = [ModelToServe(path=models[a], alias=a, context=CONTEXT) for a in ("tiny-a", "tiny-b", "demo")]
+    policy = SupervisorPolicy.from_settings(NodeSettings(), CPU_WARMUP)
+    children = ModelChildren(
+        ModelSet.checked(served),
+        lambda m: ChildSpec(binary, m.llama_args()),
+        policy,
+        workdir / f"state-{binary.build}",
+        max_loaded=MODELS_MAX,
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(children.run)
+        try:
+            for alias in ("tiny-a", "demo"):
+                cold, error = await _children_ttft(children, alias)
+                if cold is None:
+                    say(f"TTFT {alias}: refused: {error}")
+                    continue
+                loaded = _children_rss_mib(children)
+                warm, _ = await _children_ttft(children, alias)
+                await children.unload(alias)
+                say(
+                    f"TTFT {alias}: cold (load and warm-up included) {cold * 1000:.0f} ms, warm {(warm or 0) * 1000:.0f} ms; "
+                    f"children RSS loaded {loaded:.1f} MiB, after unload {_children_rss_mib(children):.1f} MiB"
+                )
+            order = random.Random(0).choices(["tiny-a", "tiny-b", "demo"], k=INTERLEAVED_REQUESTS)
+            loads0 = sum(s.loads for s in children.status())
+            answered, errors, start = 0, [], time.monotonic()
+            for alias in order:
+                first, error = await _children_ttft(children, alias)
+                answered += first is not None
+                if first is None:
+                    errors.append(f"{alias}: {error}")
+            loads = sum(s.loads for s in children.status()) - loads0
+            # Nothing was loaded when the run began: every load beyond those still loaded evicted one.
+            evictions = loads - sum(s.state == "loaded" for s in children.status())
+            say(
+                f"interleaved {len(order)} requests over tiny-a, tiny-b, demo (max_loaded {MODELS_MAX}) in {time.monotonic() - start:.1f} s: "
+                f"answered {answered}, errors {len(errors)}, loads {loads}, evictions {evictions}"
+                + (f"; first error: {errors[0]}" if errors else "")
+            )
+        finally:
+            await children.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--binary", type=Path, action="append", help="llama-server to measure (default: every one the node finds)")
+    parser.add_argument("--children-only", action="store_true", help="only the node's way (one llama-server per model)")
     args = parser.parse_args()
     binaries = [probe_binary(p) for p in args.binary] if args.binary else installed_llama_servers()
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
@@ -294,7 +378,9 @@ def main() -> None:
             + json.dumps({k: str(v.name) for k, v in models.items()})
         )
         for binary in binaries:
-            bench_binary(binary, models, workdir)
+            if not args.children_only:
+                bench_binary(binary, models, workdir)
+            anyio.run(bench_children, binary, models, workdir)
 
 
 if __name__ == "__main__":
