@@ -35,7 +35,7 @@ from meshnet_gguf.mesh.tracker_link import (
 )
 from meshnet_gguf.models.gguf_info import GGUFError
 from meshnet_gguf.node.pool import pool_description
-from meshnet_gguf.ops.relay_health import RelayLinkCollector
+from meshnet_gguf.ops.relay_metrics import RelayLinkCollector
 from meshnet_gguf.prepare.announcement import ModelFactsError, hardware_summary, model_layout, shard_digests
 from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
 from meshnet_gguf.serving.proxy import UsageSink
