@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).parents[1] / "src" / "meshnet_gguf"
 
 # The areas, each a package whose __init__ says its job, and the areas each may import.
 # Read bottom to top: an area uses only what stands above it in this table, so no two areas
-# can import each other. `node` is the composition root (meshnet_gguf/node.py), `cli` the typer
+# can import each other. `node` is the composition root (meshnet_gguf/node/), `cli` the typer
 # commands; `reference` is the reference tracker and relay, which speak only the shared contract.
 AREA_MAY_IMPORT: dict[str, set[str]] = {
     "common": set(),
@@ -51,7 +51,7 @@ NO_AREA = {"__init__", "__main__"}
 
 
 def _area(relative: Path) -> str:
-    """`serving/proxy.py` -> serving; `node.py` -> node (a top-level module is its own area)."""
+    """`serving/proxy.py` -> serving; `node/root.py` -> node (a top-level module would be its own area)."""
     return relative.parts[0] if len(relative.parts) > 1 else relative.stem
 
 
