@@ -85,3 +85,18 @@ def test_rm_of_what_is_not_there_says_so_and_touches_nothing(tmp_path: Path) -> 
     assert kept.exists()
     assert cli("rm", "acme/other-GGUF", "--json", "--download-dir", str(tmp_path / "models")).returncode == 2  # --json needs --yes
     assert kept.exists()
+
+
+def test_the_demo_model_is_listed_under_its_catalog_id_and_removed_by_it(tmp_path: Path) -> None:
+    # Where `serve --demo` assembles it: <download dir>/demo/, one level, not owner/name.
+    demo = tmp_path / "models" / "demo" / "gemma-3-270m-q4_k_m.gguf"
+    demo.parent.mkdir(parents=True)
+    (demo.parent / ".meshnet").mkdir()  # its verified-once bookkeeping, never a model
+    demo.write_bytes(b"GGUF" + bytes(4096))
+    rows = listed(tmp_path / "models")
+    assert [(r["model"], r["quant"], r["path"], r["bytes"]) for r in rows] == [("demo", "Q4_K_M", str(demo), demo.stat().st_size)]
+    table = cli("models", "--local", "--download-dir", str(tmp_path / "models")).stdout
+    assert "demo" in table and str(demo) in table
+    removed = cli("rm", "demo", "--yes", "--download-dir", str(tmp_path / "models"))
+    assert removed.returncode == 0 and "removed demo:Q4_K_M" in removed.stdout, removed.stderr
+    assert not demo.exists() and listed(tmp_path / "models") == []

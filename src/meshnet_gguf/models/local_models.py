@@ -3,7 +3,8 @@
 Downloads live in `<download dir>/<owner>/<name>/` (`download.repo_local_dir`), the quant in the file
 name or a folder; each quant is grouped the way a model source groups a folder (`quants.scan_dir`,
 `group_quants`), so a split model is one row. Unfinished downloads (`*.part`) are rows of their own,
-so `rm` can clear them too.
+so `rm` can clear them too. A model the catalog ships as a package (the demo) is assembled into
+`<download dir>/<catalog id>/` and listed under its catalog id, as `serve --gguf demo` names it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet_gguf.models.catalog import Catalog
+from meshnet_gguf.models.catalog import Catalog, load_catalog
 from meshnet_gguf.models.download import META_DIR
 from meshnet_gguf.models.quants import group_quants, normalize_quant, scan_dir
 
@@ -37,11 +38,17 @@ class LocalModel:
         return f"{self.model}:{self.quant}"
 
 
-def local_models(download_dir: Path) -> list[LocalModel]:
+def local_models(download_dir: Path, catalog: Catalog | None = None) -> list[LocalModel]:
     root = Path(download_dir).expanduser().absolute()
+    packaged = [e.id for e in (catalog or load_catalog()).entries if e.package is not None]
     found: list[LocalModel] = []
-    for repo_dir in sorted(p for p in root.glob("*/*") if p.is_dir() and not _private(p, root)):
-        model = "/".join(repo_dir.relative_to(root).parts[:REPO_DEPTH])
+    folders = [
+        (p, "/".join(p.relative_to(root).parts[:REPO_DEPTH]))
+        for p in sorted(root.glob("*/*"))
+        if p.is_dir() and not _private(p, root) and p.parent.name not in packaged
+    ]
+    folders += [(root / entry_id, entry_id) for entry_id in packaged if (root / entry_id).is_dir()]
+    for repo_dir, model in folders:
         for group in group_quants(scan_dir(repo_dir)):
             files = tuple(repo_dir / f.path for f in group.files)
             found.append(LocalModel(model, group.label, files, group.total_bytes, group.complete))
