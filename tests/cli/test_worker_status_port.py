@@ -148,6 +148,24 @@ def test_unfinished_requests_are_cut_at_the_nodes_head_timeout(worker: tuple[sub
             sock.close()
 
 
+def test_every_refusal_of_the_status_port_is_openai_error_json(worker: tuple[subprocess.Popen[bytes], int]) -> None:
+    """The worker's port answers as every door of the node does: no token, a forged one, another path or method
+    (before, a missing path was Starlette's plain-text 404 and a refused token `{"error": "..."}`)."""
+    _, port = worker
+    base = f"http://127.0.0.1:{port}"
+    forged = public_key_text(Ed25519PrivateKey.generate().public_key())  # not a token at all
+    for answer, status, code in [
+        (httpx.get(base + STATUS_PATH, timeout=5), 401, "invalid_status_token"),
+        (httpx.get(base + STATUS_PATH, headers={"authorization": f"Bearer {forged}"}, timeout=5), 401, "invalid_status_token"),
+        (httpx.get(base + "/metrics", timeout=5), 404, "not_found"),
+        # Another method meets the row's guard first: without the token, the path shows nothing more.
+        (httpx.post(base + STATUS_PATH, timeout=5), 401, "invalid_status_token"),
+    ]:
+        assert answer.status_code == status and answer.headers["content-type"] == "application/json", answer.text
+        error = answer.json()["error"]
+        assert error["code"] == code and error["message"] and "type" in error, error
+
+
 @pytest.mark.parametrize("host", ["::ffff:0.0.0.0", "0:0:0:0:0:ffff:0:0"])
 def test_the_mapped_ipv4_wildcard_is_refused_without_force(host: str, tmp_path: Path) -> None:
     node_key = public_key_text(Ed25519PrivateKey.generate().public_key())

@@ -21,7 +21,7 @@ from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.units import parse_bytes
 from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.rpc_status import STATUS_AUDIENCE, STATUS_PATH, status_app, status_token
+from meshnet_gguf.llama.rpc_status import STATUS_AUDIENCE, STATUS_PATH, status_token
 from meshnet_gguf.llama.rpc_worker import (
     RpcWorker,
     UnsafeBindAddress,
@@ -33,6 +33,7 @@ from meshnet_gguf.llama.rpc_worker import (
 )
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.node import pool_status_tokens
+from meshnet_gguf.serving.worker_status import status_table
 from support.loopback import serve_asgi
 
 BANNER = """ggml_vulkan: No devices found.
@@ -135,7 +136,7 @@ async def test_the_worker_serves_restarts_and_shows_its_status_only_to_the_node(
     worker = RpcWorker(config)
     status_port = free_local_port()
     url = f"http://127.0.0.1:{status_port}{STATUS_PATH}"
-    async with anyio.create_task_group() as tg, serve_asgi(status_app(worker, node_key.public_key()), status_port):
+    async with anyio.create_task_group() as tg, serve_asgi(status_table(worker, node_key.public_key()), status_port):
         tg.start_soon(worker.run)
         async with httpx.AsyncClient(timeout=5) as http:
             with anyio.fail_after(15):

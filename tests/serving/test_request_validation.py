@@ -19,7 +19,7 @@ from meshnet_gguf.contract.protocol import ROUTE_HEADER
 from meshnet_gguf.contract.strict_json import MAX_JSON_DEPTH, parse_json_object
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.child import child_environment
-from meshnet_gguf.serving import access, http_server, proxy
+from meshnet_gguf.serving import access, http_server, routes
 from meshnet_gguf.serving.request_validation import rewrite_top_level, validate_request
 from support.billing_harness import LlamaChild, Tracker, serve_front
 
@@ -208,6 +208,8 @@ async def test_oversized_request_heads_get_431(fake_upstream) -> None:  # type: 
         big = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (1024 * 1024) + b"\r\n\r\n"
         reply = await _raw_exchange(port, big)
         assert reply.startswith(b"HTTP/1.1 431")
+        # Refused before any app sees it, in the same OpenAI error JSON as every door behind the listener.
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "head_too_large"
         # Many headers, each small, add up the same way.
         many = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"b" * 100) for i in range(2000)) + b"\r\n"
         assert (await _raw_exchange(port, many)).startswith(b"HTTP/1.1 431")
@@ -218,7 +220,7 @@ async def test_oversized_request_heads_get_431(fake_upstream) -> None:  # type: 
 async def test_slow_and_idle_connections_are_closed(fake_upstream, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     child, _ = fake_upstream
     monkeypatch.setattr(http_server, "REQUEST_HEAD_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(proxy, "BODY_READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(routes, "BODY_READ_TIMEOUT_S", 0.5)
     async with serve_front(child.url) as front:
         port = int(front.url.rsplit(":", 1)[1])
         started = time.monotonic()

@@ -52,7 +52,6 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.common.units import parse_bytes
         from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
         from meshnet_gguf.llama.binary import BinaryNotFound
-        from meshnet_gguf.llama.rpc_status import status_app
         from meshnet_gguf.llama.runnable import BinaryCannotRun, runnable_llama_server
         from meshnet_gguf.llama.rpc_worker import (
             STATUS_PORT_OFFSET,
@@ -64,6 +63,7 @@ def register(app: typer.Typer) -> None:
             find_rpc_server,
         )
         from meshnet_gguf.serving.http_server import HttpServerPart, ListenError
+        from meshnet_gguf.serving.worker_status import status_table
 
         try:
             warning = check_bind_address(host, force)
@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
         try:
             # The node's own guarded listener: a request head past its limit gets 431, one not sent in time 408.
             status = HttpServerPart(
-                status_app(rpc_worker, key), host, status_port or port + STATUS_PORT_OFFSET, serves="pool worker status"
+                status_table(rpc_worker, key), host, status_port or port + STATUS_PORT_OFFSET, serves="pool worker status"
             )
         except ListenError as exc:
             typer.echo(f"error: {exc}", err=True)

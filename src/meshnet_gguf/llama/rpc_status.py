@@ -4,31 +4,26 @@ RPC port itself disturbs ggml-rpc-server (one client at a time; a client that di
 
 Only the node may read it: each request carries a short-lived EdDSA token signed by the node's
 key (`status_token`), checked against the public key the worker was started with by the pool
-status policy (`contract.token_policies.POOL_STATUS_TOKEN`).
+status policy (`contract.token_policies.POOL_STATUS_TOKEN`). Its HTTP side (the listener's table,
+one row) is `serving/worker_status`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import psutil
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from meshnet_gguf import __version__
-from meshnet_gguf.contract.bearer import bearer_token
 from meshnet_gguf.contract.protocol import STATUS_AUDIENCE
-from meshnet_gguf.contract.signing import TokenRefused, issue, verify
+from meshnet_gguf.contract.signing import issue, verify
 from meshnet_gguf.contract.token_policies import POOL_STATUS_TOKEN
 from meshnet_gguf.llama.rpc_worker import RpcWorker, cache_bytes
 
 STATUS_PATH = "/status"
-__all__ = ["STATUS_AUDIENCE", "STATUS_PATH", "check_status_token", "status_app", "status_token", "worker_status"]
+__all__ = ["STATUS_AUDIENCE", "STATUS_PATH", "check_status_token", "status_token", "worker_status"]
 
 
 def status_token(key: Ed25519PrivateKey, now: float | None = None) -> str:
@@ -64,19 +59,3 @@ def worker_status(worker: RpcWorker) -> dict[str, Any]:
         else {"folder": str(cache), "bytes": cache_bytes(cache), "limit_bytes": worker.config.cache_limit_bytes},
         "uptime_s": round(time.time() - worker.started_at, 1),
     }
-
-
-def status_app(
-    worker: RpcWorker, node_key: Ed25519PublicKey, *, status: Callable[[RpcWorker], dict[str, Any]] = worker_status
-) -> Starlette:
-    async def read_status(request: Request) -> JSONResponse:
-        token = bearer_token(request.headers.get("authorization", ""))
-        if token is None:
-            return JSONResponse({"error": "a status token signed by the node's key is required"}, status_code=401)
-        try:
-            check_status_token(token, node_key)
-        except TokenRefused as exc:
-            return JSONResponse({"error": f"status token refused: {exc}"}, status_code=401)
-        return JSONResponse(status(worker))
-
-    return Starlette(routes=[Route(STATUS_PATH, read_status, methods=["GET"])])

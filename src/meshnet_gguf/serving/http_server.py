@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import uvicorn
 
+from meshnet_gguf.contract.errors import openai_error_body
 from meshnet_gguf.contract.node_part import BasePart
 
 try:  # uvicorn[standard] brings httptools; plain uvicorn falls back to h11
@@ -116,7 +117,7 @@ if httptools is not None:
                 self._head_bytes += len(data)
             super().data_received(data)
             if self._reading_head and self._head_bytes > MAX_REQUEST_HEAD_BYTES and not self.transport.is_closing():
-                self._refuse(431, "Request Header Fields Too Large", "request head over the node's limit")
+                self._refuse(431, "Request Header Fields Too Large", "head_too_large", "request head over the node's limit")
 
         def on_headers_complete(self) -> None:
             self._reading_head = False
@@ -143,14 +144,15 @@ if httptools is not None:
             self._head_timer = None
             if self._reading_head and not self.transport.is_closing():
                 if self._head_bytes:
-                    self._refuse(408, "Request Timeout", "request head not received in time")
+                    self._refuse(408, "Request Timeout", "head_timeout", "request head not received in time")
                 else:
                     self.transport.close()  # an idle connection: nothing to answer
 
-        def _refuse(self, status: int, reason: str, message: str) -> None:
-            body = message.encode()
+        def _refuse(self, status: int, reason: str, code: str, message: str) -> None:
+            # Before any app sees the request, in the same OpenAI error JSON as every door behind it.
+            body = openai_error_body(message, "invalid_request_error", code)
             self.transport.write(
-                b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"connection: close\r\n\r\n%s" % (status, reason.encode(), len(body), body)
             )
             self.transport.close()

@@ -150,15 +150,16 @@ class RouteTable:
             await send_error(send, exc)
 
 
-async def read_body(receive: Receive, headers: Mapping[str, str], limit: int, timeout_s: float = BODY_READ_TIMEOUT_S) -> bytes:
+async def read_body(receive: Receive, headers: Mapping[str, str], limit: int, timeout_s: float | None = None) -> bytes:
     """A request's whole body: refused (413) once it is declared or grows over `limit`, (408) when it
-    is not in within `timeout_s`, and (499, never sent) when the client leaves."""
+    is not in within `timeout_s` (`BODY_READ_TIMEOUT_S` unless given), and (499, never sent) when the client leaves."""
+    deadline_s = BODY_READ_TIMEOUT_S if timeout_s is None else timeout_s
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "body_too_large", f"Request body of {declared} bytes exceeds this node's limit of {limit}")
     chunks: list[bytes] = []
     size = 0
-    with anyio.move_on_after(timeout_s):
+    with anyio.move_on_after(deadline_s):
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -170,7 +171,7 @@ async def read_body(receive: Receive, headers: Mapping[str, str], limit: int, ti
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-    raise ApiError(408, "body_timeout", f"Request body not received within {timeout_s:.0f} s")
+    raise ApiError(408, "body_timeout", f"Request body not received within {deadline_s:.0f} s")
 
 
 def _declared_length(headers: Mapping[str, str]) -> int:
