@@ -27,7 +27,8 @@ Scenarios:
   seconds and requests from its first health to the tracker trusting it (fair and strict rounds);
 - `claims`: one real node on `--model` (llama-server as the node finds it, or `--llama-server`),
   `--requests` streamed requests of chat-sized prompts one at a time through the tracker; the node's
-  claimed prefill and decode rates beside the tracker's measurement of them.
+  claimed prefill and decode rates beside the tracker's measurement of them, and each request's prefill
+  beside the claim at its own prompt size (`prefill_at_each_size`: how the tracker reads a claim).
 
 Logs and state under a temporary folder, removed after (`--keep` keeps it). Prints one JSON object.
 """
