@@ -156,7 +156,7 @@ def ledger_steps(folder: Path, calls: int) -> dict[str, dict[str, float]]:
             rec = record()
             t = time.perf_counter()
             if through_the_thread:
-                await ledger._worker.run(ledger.open_request_sync, rec, expires, SHORT_BODY)
+                await ledger._store.worker.run(ledger.open_request_sync, rec, expires, SHORT_BODY)
             else:
                 await ledger.open_request(rec, expires, SHORT_BODY)
             if i >= WARMUP_CALLS:
@@ -167,7 +167,7 @@ def ledger_steps(folder: Path, calls: int) -> dict[str, dict[str, float]]:
         samples = []
         for i in range(calls + WARMUP_CALLS):
             t = time.perf_counter()
-            await ledger._worker.run(int)  # the writer thread's hop with no work in it
+            await ledger._store.worker.run(int)  # the writer thread's hop with no work in it
             if i >= WARMUP_CALLS:
                 samples.append((time.perf_counter() - t) * 1e6)
         return summary(samples)
@@ -175,7 +175,7 @@ def ledger_steps(folder: Path, calls: int) -> dict[str, dict[str, float]]:
     results["ledger row, synced, handed to the writer thread (event loop)"] = run_loop(from_the_loop(True))
     results["ledger row, synced, as the node writes it (on the loop when quick)"] = run_loop(from_the_loop(False))
     results["writer thread hop alone (event loop)"] = run_loop(hand_off_only())
-    ledger._db.execute("PRAGMA synchronous=NORMAL")
+    ledger._store.db.execute("PRAGMA synchronous=NORMAL")
     results["ledger row, NOT synced (what durability costs: the difference)"] = timed(
         lambda: ledger.open_request_sync(record(), expires, SHORT_BODY), calls
     )
@@ -290,7 +290,7 @@ def after_gap_steps(folder: Path, calls: int, gap_s: float) -> dict[str, dict[st
         # checkpoint, so each commit overwrites it rather than growing the file (a costlier sync).
         for _ in range(2 * CHECKPOINT_EVERY_CALLS + 1):
             await ledger.open_request(record(), time.time() + 60, SHORT_BODY)
-        await ledger._checkpoints.settle()
+        await ledger._store.checkpoints.settle()
 
     run_loop(fill_the_log())
     for how, samples in run_loop(flows()).items():

@@ -236,16 +236,16 @@ async def test_the_log_is_checkpointed_on_the_writer_thread_never_in_a_commit_on
     body = b'{"messages":[{"role":"user","content":"' + b"the quick brown fox " * 300 + b'"}]}'  # ~6 KB: two pages
     path = tmp_path / f"{which}.sqlite3"
     ledger = UsageLedger(path) if which == "node" else TrackerLedger(path)
-    db = ledger._db
+    db = ledger._store.db
     assert db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0  # no commit checkpoints by itself
     threads: list[str] = []
-    checkpoint = ledger._checkpoints.checkpoint_sync
+    checkpoint = ledger._store.checkpoints.checkpoint_sync
 
     def noting_thread() -> None:
         threads.append(threading.current_thread().name)
         checkpoint()
 
-    ledger._checkpoints.checkpoint_sync = noting_thread  # type: ignore[method-assign]
+    ledger._store.checkpoints.checkpoint_sync = noting_thread  # type: ignore[method-assign]
     writes = 6 * sqlite_wal.CHECKPOINT_EVERY_CALLS
     wal = tmp_path / f"{which}.sqlite3-wal"
     for i in range(writes):
@@ -257,7 +257,7 @@ async def test_the_log_is_checkpointed_on_the_writer_thread_never_in_a_commit_on
         if i == writes // 2:
             halfway = wal.stat().st_size
     await anyio.sleep(0.2)  # the last one handed over finishes
-    assert len(threads) >= 4 and set(threads) == {ledger._worker._name}, threads
+    assert len(threads) >= 4 and set(threads) == {ledger._store.worker._name}, threads
     # Left to grow, the log would hold every row and double from halfway to the end; checkpointed,
     # it is written again from its start and stays the size one period of rows needs.
     assert wal.stat().st_size < 1.3 * halfway, f"the log grew from {halfway} to {wal.stat().st_size} bytes"

@@ -1,8 +1,8 @@
 """The node's usage ledger: one SQLite row per request id, with its signed receipt and outbox state.
 
-The ledger owns the database; everyone else asks through `UsageLedger`. Each
-call runs the stdlib `sqlite3` on the ledger's own thread (`SerialWorker`), so the
-event loop never waits on the disk, and a call, once started, completes even
+The ledger owns the database; everyone else asks through `UsageLedger`. The database is a
+`common/sqlite_store.SqliteStore`: each call runs the stdlib `sqlite3` on the ledger's own
+thread, so the event loop never waits on the disk, and a call, once started, completes even
 if its caller is cancelled: a row is written whole or not at all.
 
 A row is *opened* (`state` OPEN, no receipt yet) as the request is
@@ -28,23 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import TypeVar
 
-from meshnet_gguf.common.private_files import private_dir, private_sqlite
-from meshnet_gguf.common.serial_worker import SerialWorker
-from meshnet_gguf.common.sqlite_wal import WalCheckpoints
+from meshnet_gguf.common.sqlite_store import SqliteStore
 from meshnet_gguf.contract.protocol import UsageReceipt, UsageRecord, UsageTotals
 
 LEDGER_FILE = "usage.sqlite3"
-# Another process (`meshnet-gguf usage`, a backup) may hold a lock briefly; wait rather than fail.
-BUSY_TIMEOUT_S = 10.0
-BUSY_TIMEOUT_MS = int(BUSY_TIMEOUT_S * 1000)
 SCHEMA_VERSION = 4
 
 
@@ -107,8 +100,6 @@ _OPEN_ROW = (
 _OPEN = f"state = {RowState.OPEN:d}"
 _SETTLED = f"state = {RowState.SETTLED:d}"
 
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class LedgerEntry:
@@ -138,24 +129,8 @@ class UsageLedger:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        private_dir(self.path.parent)
-        private_sqlite(self.path)  # what the node served and earned: its owner's only
-        # One connection, serialised by a lock: SQLite allows one writer anyway, and the
-        # lock lets any worker thread use it (check_same_thread=False).
-        self._lock = threading.Lock()
-        # The async API's calls run here, in order: one thread, handed each call without a pool's overhead.
-        self._worker = SerialWorker("usage-ledger")
-        self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a receipt is money; a row the proxy was told is written must survive a power cut too.
-        self._db.execute("PRAGMA synchronous=FULL")
-        with self._lock:
-            self._db.executescript(_SCHEMA)
-            _upgrade(self._db)
-            self._db.executescript(_INDEXES)
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        # Rows go in on the event loop when quick: no commit there may be the one that checkpoints.
-        self._checkpoints = WalCheckpoints(self._db, self._lock, self._worker)
+        # What the node served and earned: its owner's only, every row synced (a receipt is money).
+        self._store = SqliteStore(self.path, thread_name="usage-ledger", create=_create)
 
     @classmethod
     def in_state_dir(cls, state_dir: Path) -> UsageLedger:
@@ -172,9 +147,7 @@ class UsageLedger:
         llama-server's prefill rather than before it, and only the answer's first byte waits for
         the future. On the thread, not the loop: a synced write on the loop would hold the forward
         (and every other stream) for the whole sync."""
-        written = self._worker.submit(self.open_request_sync, record, route_expires_at, prompt_body, at_next_turn=True)
-        self._checkpoints.after_call()
-        return written
+        return self._store.submit(self.open_request_sync, record, route_expires_at, prompt_body, at_next_turn=True)
 
     async def open_request(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
         """`open_request_soon`, awaited: the row is on disk when this returns."""
@@ -182,74 +155,70 @@ class UsageLedger:
 
     async def note_prompt(self, request_id: str, prompt_tokens: int) -> bool:
         """The prompt's count, into its open row (whose body is then dropped)."""
-        return await self._run(self.note_prompt_sync, request_id, prompt_tokens)
+        return await self._store.run(self.note_prompt_sync, request_id, prompt_tokens)
 
     async def add(self, record: UsageRecord, receipt: UsageReceipt) -> bool:
         """Store a request's usage; False when its request id is already there (the first row wins)."""
-        return await self._run(self.add_sync, record, receipt)
+        return await self._store.run(self.add_sync, record, receipt)
 
     async def pending(self, limit: int) -> list[UsageReceipt]:
         """Oldest receipts not yet acknowledged nor rejected."""
-        return await self._run(self.pending_sync, limit)
+        return await self._store.run(self.pending_sync, limit)
 
     async def mark_reported(self, request_ids: Iterable[str], at: float | None = None) -> int:
-        return await self._run(self.mark_reported_sync, list(request_ids), at)
+        return await self._store.run(self.mark_reported_sync, list(request_ids), at)
 
     async def mark_rejected(self, rejections: Iterable[tuple[str, str]]) -> int:
         """`(request_id, reason)` pairs the tracker refused for good; they leave the outbox."""
-        return await self._run(self.mark_rejected_sync, list(rejections))
+        return await self._store.run(self.mark_rejected_sync, list(rejections))
 
     async def entries(self, limit: int = 50, pending_only: bool = False) -> list[LedgerEntry]:
-        return await self._run(self.entries_sync, limit, pending_only)
+        return await self._store.run(self.entries_sync, limit, pending_only)
 
     async def totals(self) -> LedgerTotals:
-        return await self._run(self.totals_sync)
+        return await self._store.run(self.totals_sync)
 
     async def request_ids_since(self, started_after: float) -> list[tuple[str, float]]:
-        return await self._run(self.request_ids_since_sync, started_after)
+        return await self._store.run(self.request_ids_since_sync, started_after)
 
     async def aclose(self) -> None:
-        await self._checkpoints.settle()
-        await self._worker.run(self.close)
-
-    async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        result = await self._worker.run(fn, *args)
-        self._checkpoints.after_call()
-        return result
+        await self._store.aclose()
 
     # --- sync API (worker threads, the CLI) --------------------------------------
     def open_request_sync(self, record: UsageRecord, route_expires_at: float | None, prompt_body: bytes | None = None) -> bool:
-        with self._lock:
-            return self._db.execute(_OPEN_ROW, (*_record_columns(record), route_expires_at, prompt_body)).rowcount == 1
+        with self._store.lock:
+            return self._store.db.execute(_OPEN_ROW, (*_record_columns(record), route_expires_at, prompt_body)).rowcount == 1
 
     def note_prompt_sync(self, request_id: str, prompt_tokens: int) -> bool:
         """Not synced to the platter (see the module doc): the body stays durable until a synced write follows."""
-        with self._lock:
-            row = self._db.execute(f"SELECT record_json FROM usage WHERE request_id = ? AND {_OPEN}", (request_id,)).fetchone()
+        with self._store.lock:
+            row = self._store.db.execute(f"SELECT record_json FROM usage WHERE request_id = ? AND {_OPEN}", (request_id,)).fetchone()
             if row is None:
                 return False
             record = UsageRecord.model_validate_json(row[0]).model_copy(update={"prompt_tokens": prompt_tokens})
-            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._store.db.execute("PRAGMA synchronous=NORMAL")
             try:
-                cursor = self._db.execute(
+                cursor = self._store.db.execute(
                     f"UPDATE usage SET prompt_tokens = ?, record_json = ?, prompt_body = NULL WHERE request_id = ? AND {_OPEN}",
                     (prompt_tokens, record.model_dump_json(), request_id),
                 )
             finally:
-                self._db.execute("PRAGMA synchronous=FULL")
+                self._store.db.execute("PRAGMA synchronous=FULL")
             return cursor.rowcount == 1
 
     def open_counted_sync(self) -> list[UsageRecord]:
         """Records of requests opened but never settled whose prompt count is in the row: a previous run
         died while they ran."""
-        with self._lock:
-            rows = self._db.execute(f"SELECT record_json FROM usage WHERE {_OPEN} AND prompt_body IS NULL ORDER BY started_at").fetchall()
+        with self._store.lock:
+            rows = self._store.db.execute(
+                f"SELECT record_json FROM usage WHERE {_OPEN} AND prompt_body IS NULL ORDER BY started_at"
+            ).fetchall()
         return [UsageRecord.model_validate_json(r[0]) for r in rows]
 
     def awaiting_count_sync(self) -> list[tuple[UsageRecord, bytes]]:
         """Rows (open or parked) a previous run left before their prompt was counted: each record with its request body."""
-        with self._lock:
-            rows = self._db.execute(
+        with self._store.lock:
+            rows = self._store.db.execute(
                 f"SELECT record_json, prompt_body FROM usage WHERE NOT {_SETTLED} AND prompt_body IS NOT NULL ORDER BY started_at"
             ).fetchall()
         return [(UsageRecord.model_validate_json(record_json), bytes(body)) for record_json, body in rows]
@@ -257,17 +226,17 @@ class UsageLedger:
     async def park(self, record: UsageRecord) -> bytes | None:
         """A request ended before its prompt was counted: keep its row (final record in) with its
         body, to be settled once counted. Returns the body; None when the row has none (counted)."""
-        return await self._run(self.park_sync, record)
+        return await self._store.run(self.park_sync, record)
 
     def park_sync(self, record: UsageRecord) -> bytes | None:
-        with self._lock:
-            row = self._db.execute(
+        with self._store.lock:
+            row = self._store.db.execute(
                 f"SELECT prompt_body FROM usage WHERE request_id = ? AND {_OPEN} AND prompt_body IS NOT NULL",
                 (record.request_id,),
             ).fetchone()
             if row is None:
                 return None
-            self._db.execute(
+            self._store.db.execute(
                 f"UPDATE usage SET record_json = ?, status = ?, completion_tokens = ?, finish_reason = ?, state = {RowState.PARKED:d}"
                 f" WHERE request_id = ? AND {_OPEN}",
                 (record.model_dump_json(), record.status, record.completion_tokens, record.finish_reason, record.request_id),
@@ -278,8 +247,8 @@ class UsageLedger:
         """Settle a request: its open row if it has one, else a new row. False when it is already settled."""
         if receipt.request_id != record.request_id:
             raise ValueError(f"receipt {receipt.request_id} does not belong to record {record.request_id}")
-        with self._lock:
-            cursor = self._db.execute(
+        with self._store.lock:
+            cursor = self._store.db.execute(
                 "UPDATE usage SET recorded_at = ?, started_at = ?, model = ?, path = ?, status = ?, stream = ?,"
                 " prompt_tokens = ?, cached_tokens = ?, completion_tokens = ?, finish_reason = ?, record_json = ?,"
                 f" receipt = ?, {_SETTLED}, prompt_body = NULL WHERE request_id = ? AND NOT {_SETTLED}",
@@ -287,7 +256,7 @@ class UsageLedger:
             )
             if cursor.rowcount == 1:
                 return True
-            cursor = self._db.execute(
+            cursor = self._store.db.execute(
                 "INSERT OR IGNORE INTO usage (request_id, recorded_at, started_at, model, path, status, stream,"
                 " prompt_tokens, cached_tokens, completion_tokens, finish_reason, record_json, receipt)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -297,13 +266,13 @@ class UsageLedger:
 
     def outbox_depth_sync(self) -> int:
         """Receipts recorded but not yet acknowledged or rejected by the tracker."""
-        with self._lock:
-            (count,) = self._db.execute(f"SELECT COUNT(*) FROM usage WHERE {_OUTBOX}").fetchone()
+        with self._store.lock:
+            (count,) = self._store.db.execute(f"SELECT COUNT(*) FROM usage WHERE {_OUTBOX}").fetchone()
         return int(count)
 
     def pending_sync(self, limit: int) -> list[UsageReceipt]:
-        with self._lock:
-            rows = self._db.execute(
+        with self._store.lock:
+            rows = self._store.db.execute(
                 f"SELECT request_id, receipt FROM usage WHERE {_OUTBOX} ORDER BY recorded_at, rowid LIMIT ?",
                 (limit,),
             ).fetchall()
@@ -311,16 +280,16 @@ class UsageLedger:
 
     def mark_reported_sync(self, request_ids: list[str], at: float | None = None) -> int:
         stamp = time.time() if at is None else at
-        with self._lock:
-            cursor = self._db.executemany(
+        with self._store.lock:
+            cursor = self._store.db.executemany(
                 "UPDATE usage SET reported_at = ? WHERE request_id = ? AND reported_at IS NULL",
                 [(stamp, rid) for rid in request_ids],
             )
             return cursor.rowcount
 
     def mark_rejected_sync(self, rejections: list[tuple[str, str]]) -> int:
-        with self._lock:
-            cursor = self._db.executemany(
+        with self._store.lock:
+            cursor = self._store.db.executemany(
                 "UPDATE usage SET rejected = ? WHERE request_id = ? AND reported_at IS NULL",
                 [(reason, rid) for rid, reason in rejections],
             )
@@ -328,8 +297,8 @@ class UsageLedger:
 
     def entries_sync(self, limit: int = 50, pending_only: bool = False) -> list[LedgerEntry]:
         where = f"WHERE {_OUTBOX}" if pending_only else f"WHERE {_SETTLED}"
-        with self._lock:
-            rows = self._db.execute(
+        with self._store.lock:
+            rows = self._store.db.execute(
                 f"SELECT record_json, request_id, receipt, recorded_at, reported_at, rejected FROM usage {where}"
                 " ORDER BY recorded_at DESC, rowid DESC LIMIT ?",
                 (limit,),
@@ -346,8 +315,8 @@ class UsageLedger:
         ]
 
     def totals_sync(self) -> LedgerTotals:
-        with self._lock:
-            row = self._db.execute(
+        with self._store.lock:
+            row = self._store.db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),"
                 " COALESCE(SUM(completion_tokens), 0),"
                 " COALESCE(SUM(finish_reason = 'error'), 0), COALESCE(SUM(finish_reason = 'cancelled'), 0),"
@@ -371,20 +340,25 @@ class UsageLedger:
 
     def request_ids_since_sync(self, started_after: float) -> list[tuple[str, float]]:
         """(request id, started_at) of requests admitted after a time."""
-        with self._lock:
-            return self._db.execute("SELECT request_id, started_at FROM usage WHERE started_at > ?", (started_after,)).fetchall()
+        with self._store.lock:
+            return self._store.db.execute("SELECT request_id, started_at FROM usage WHERE started_at > ?", (started_after,)).fetchall()
 
     def unexpired_routes_sync(self, now: float) -> list[tuple[str, float]]:
         """(request id, route expiry) of every route that could still be presented: seeds the
         replay cache on restart. Rows are opened before forwarding, so this holds every
         route ever forwarded, including the ones a crash cut short."""
-        with self._lock:
-            return self._db.execute("SELECT request_id, route_expires_at FROM usage WHERE route_expires_at > ?", (now,)).fetchall()
+        with self._store.lock:
+            return self._store.db.execute("SELECT request_id, route_expires_at FROM usage WHERE route_expires_at > ?", (now,)).fetchall()
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
-        self._worker.stop()  # its thread ends after this call
+        self._store.close()
+
+
+def _create(db: sqlite3.Connection) -> None:
+    db.executescript(_SCHEMA)
+    _upgrade(db)
+    db.executescript(_INDEXES)
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
 
 def _upgrade(db: sqlite3.Connection) -> None:

@@ -1,31 +1,25 @@
 """The reference tracker's SQLite ledger: routes it issued, what it counted, receipts nodes sent,
 and the public key of every node that ever registered (so receipts verify after a tracker restart).
 
-Like the node's ledger it runs the stdlib sqlite3 in worker threads; it is a
-separate schema because the tracker shares only the wire contract with nodes.
+Like the node's ledger it is a `common/sqlite_store.SqliteStore` (the stdlib sqlite3 on its own
+writer thread); it is a separate schema because the tracker shares only the wire contract with nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from meshnet_gguf.common.private_files import private_dir, private_sqlite
-from meshnet_gguf.common.serial_worker import SerialWorker
-from meshnet_gguf.common.sqlite_wal import WalCheckpoints
+from meshnet_gguf.common.sqlite_store import SqliteStore
 from meshnet_gguf.contract.protocol import TrackerUsage, UsageAgreement, UsageCounts, UsageRecord
 
 TRACKER_LEDGER_FILE = "tracker.sqlite3"
-BUSY_TIMEOUT_S = 10.0
 # The flag reason of a request answered by a node that later failed an audit (proof of model).
 UNPROVEN_REASON = "model_unproven"
-BUSY_TIMEOUT_MS = int(BUSY_TIMEOUT_S * 1000)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -99,7 +93,6 @@ _ADDED_COLUMNS = {
 }
 
 Outcome = Literal["in_flight", "complete", "cancelled", "upstream_error", "refused", "timed_out", "interrupted"]
-T = TypeVar("T")
 
 
 # Written (synced) while a request is forwarded, before its answer's first byte reaches the client.
@@ -156,56 +149,22 @@ class AuditTotals:
 class TrackerLedger:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        private_dir(self.path.parent)
-        private_sqlite(self.path)  # every node's and client's traffic: the operator's only
-        self._lock = threading.Lock()
-        # The async API's calls run here, in order: one thread, handed each call without a pool's overhead.
-        self._worker = SerialWorker("tracker-ledger")
-        self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        with self._lock:
-            _rename_old_table(self._db)
-            self._db.executescript(_SCHEMA)
-            have = {row[1] for row in self._db.execute("PRAGMA table_info(forwarded)")}
-            for column, kind in _ADDED_COLUMNS.items():
-                if column not in have:
-                    self._db.execute(f"ALTER TABLE forwarded ADD COLUMN {column} {kind}")
-            have = {row[1] for row in self._db.execute("PRAGMA table_info(audits)")}
-            for column, kind in _ADDED_AUDIT_COLUMNS.items():
-                if column not in have:
-                    self._db.execute(f"ALTER TABLE audits ADD COLUMN {column} {kind}")
-        # Rows go in on the event loop when quick: no commit there may be the one that checkpoints.
-        self._checkpoints = WalCheckpoints(self._db, self._lock, self._worker)
+        # Every node's and client's traffic: the operator's only, every row synced.
+        self._store = SqliteStore(self.path, thread_name="tracker-ledger", create=_create)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
-        self._worker.stop()
-
-    async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        result = await self._worker.run(fn, *args)
-        self._checkpoints.after_call()
-        return result
-
-    def _write(self, sql: str, params: tuple[object, ...]) -> int:
-        with self._lock:
-            return self._db.execute(sql, params).rowcount
-
-    def _read(self, sql: str, params: tuple[object, ...]) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, params).fetchall()
+        self._store.close()
 
     # --- nodes ------------------------------------------------------------
     async def remember_node(self, node_id: str, public_key: str) -> None:
-        await self._run(
-            self._write,
+        await self._store.run(
+            self._store.write,
             "INSERT OR IGNORE INTO nodes (node_id, public_key, first_seen) VALUES (?, ?, ?)",
             (node_id, public_key, time.time()),
         )
 
     async def node_key(self, node_id: str) -> str | None:
-        rows = await self._run(self._read, "SELECT public_key FROM nodes WHERE node_id = ?", (node_id,))
+        rows = await self._store.run(self._store.read, "SELECT public_key FROM nodes WHERE node_id = ?", (node_id,))
         return rows[0][0] if rows else None
 
     # --- forwarded requests -----------------------------------------------
@@ -229,12 +188,10 @@ class TrackerLedger:
         (protocol §6, rule 5): on the thread, so the synced write holds no forward on the loop."""
         # Handed over now, not at the loop's next turn as the node's row is: on the H200 the tracker's hop measured no
         # better deferred (1.11 ms p50 in one run against 0.71 and 0.81 without; bench/RESULTS.md, round 9c).
-        written = self._worker.submit(
-            self._write, _OPEN_FORWARDED,
+        return self._store.submit(
+            self._store.write, _OPEN_FORWARDED,
             (request_id, node_id, model, path, int(stream), time.time(), max_tokens, choices, body_bytes, prompt_ceiling),
         )  # fmt: skip
-        self._checkpoints.after_call()
-        return written
 
     async def open_request(self, request_id: str, node_id: str, model: str, path: str, stream: bool, **limits: Any) -> None:
         """`open_request_soon`, awaited: the row is on disk when this returns."""
@@ -244,8 +201,8 @@ class TrackerLedger:
         self, request_id: str, status: int | None, outcome: Outcome, counts: UsageCounts | None, *, completion_ceiling: int | None = None
     ) -> None:
         counts = counts or UsageCounts()
-        await self._run(
-            self._write,
+        await self._store.run(
+            self._store.write,
             "UPDATE forwarded SET status = ?, outcome = ?, prompt_tokens = ?, completion_tokens = ?, finished_at = ?,"
             " completion_ceiling = ? WHERE request_id = ?",
             (status, outcome, counts.prompt_tokens, counts.completion_tokens, time.time(), completion_ceiling, request_id),
@@ -256,20 +213,20 @@ class TrackerLedger:
         bounded by what their routes allowed, so the receipt, when it comes, is billed within those bounds."""
 
         def settle() -> list[str]:
-            with self._lock:
-                rows = self._db.execute("SELECT request_id FROM forwarded WHERE outcome = 'in_flight'").fetchall()
-                self._db.execute(
+            with self._store.lock:
+                rows = self._store.db.execute("SELECT request_id FROM forwarded WHERE outcome = 'in_flight'").fetchall()
+                self._store.db.execute(
                     "UPDATE forwarded SET outcome = 'interrupted', flagged = 1, finished_at = ?,"
                     " completion_ceiling = COALESCE(max_tokens, 0) * choices WHERE outcome = 'in_flight'",
                     (time.time(),),
                 )
             return [row[0] for row in rows]
 
-        return await self._run(settle)
+        return await self._store.run(settle)
 
     async def forwarded(self, request_id: str) -> ForwardedRequest | None:
-        rows = await self._run(
-            self._read,
+        rows = await self._store.run(
+            self._store.read,
             "SELECT request_id, node_id, model, path, max_tokens, choices, body_bytes FROM forwarded WHERE request_id = ?",
             (request_id,),
         )
@@ -277,7 +234,9 @@ class TrackerLedger:
 
     async def mark_flagged(self, request_id: str) -> bool:
         """True the first time a request is flagged (so a node's flag count counts it once)."""
-        changed = await self._run(self._write, "UPDATE forwarded SET flagged = 1 WHERE request_id = ? AND flagged = 0", (request_id,))
+        changed = await self._store.run(
+            self._store.write, "UPDATE forwarded SET flagged = 1 WHERE request_id = ? AND flagged = 0", (request_id,)
+        )
         return changed == 1
 
     async def flag_unproven(self, node_id: str, since: float) -> int:
@@ -285,30 +244,30 @@ class TrackerLedger:
         they are not billed as the model they claimed. Returns how many were newly flagged."""
 
         def flag() -> int:
-            with self._lock:
-                self._db.execute("BEGIN IMMEDIATE")
+            with self._store.lock:
+                self._store.db.execute("BEGIN IMMEDIATE")
                 changed = self._flag_unproven(node_id, since)
-                self._db.execute("COMMIT")
+                self._store.db.execute("COMMIT")
                 return changed
 
-        return await self._run(flag)
+        return await self._store.run(flag)
 
     def _flag_unproven(self, node_id: str, since: float) -> int:
         """Inside a transaction the caller holds (and the lock)."""
-        self._db.execute(
+        self._store.db.execute(
             "INSERT OR IGNORE INTO flag_reasons (request_id, reason) SELECT request_id, ? FROM forwarded"
             " WHERE node_id = ? AND issued_at >= ?", (UNPROVEN_REASON, node_id, since),
         )  # fmt: skip
-        return self._db.execute(
+        return self._store.db.execute(
             "UPDATE forwarded SET flagged = 1 WHERE node_id = ? AND issued_at >= ? AND flagged = 0", (node_id, since)
         ).rowcount
 
     async def flag_reason(self, request_id: str) -> str | None:
-        rows = await self._run(self._read, "SELECT reason FROM flag_reasons WHERE request_id = ?", (request_id,))
+        rows = await self._store.run(self._store.read, "SELECT reason FROM flag_reasons WHERE request_id = ?", (request_id,))
         return rows[0][0] if rows else None
 
     async def flags_by_node(self) -> dict[str, int]:
-        rows = await self._run(self._read, "SELECT node_id, count(*) FROM forwarded WHERE flagged = 1 GROUP BY node_id", ())
+        rows = await self._store.run(self._store.read, "SELECT node_id, count(*) FROM forwarded WHERE flagged = 1 GROUP BY node_id", ())
         return {node_id: count for node_id, count in rows}
 
     # --- audits (proof of model) -------------------------------------------
@@ -318,10 +277,10 @@ class TrackerLedger:
         Returns how many requests were newly flagged."""
 
         def record() -> int:
-            with self._lock:
-                self._db.execute("BEGIN IMMEDIATE")
+            with self._store.lock:
+                self._store.db.execute("BEGIN IMMEDIATE")
                 try:
-                    self._db.execute(
+                    self._store.db.execute(
                         "INSERT OR IGNORE INTO audits (audit_id, node_id, model, outcome, reason, margin_nats, issued_at, decided_at,"
                         " drift_gap_nats, drift_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (audit.audit_id, audit.node_id, audit.model, audit.outcome, audit.reason, audit.margin_nats,
@@ -329,36 +288,36 @@ class TrackerLedger:
                     )  # fmt: skip
                     changed = 0 if flag_unproven_since is None else self._flag_unproven(audit.node_id, flag_unproven_since)
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    self._store.db.execute("ROLLBACK")
                     raise
-                self._db.execute("COMMIT")
+                self._store.db.execute("COMMIT")
                 return changed
 
-        return await self._run(record)
+        return await self._store.run(record)
 
     async def audit_totals(self) -> dict[str, AuditTotals]:
         """Per node: its passed and failed audits, when the last passed answer was issued, and how many
         requests it was routed (for the new-node rate)."""
 
         def read() -> dict[str, AuditTotals]:
-            with self._lock:
-                rows = self._db.execute(
+            with self._store.lock:
+                rows = self._store.db.execute(
                     "SELECT node_id, SUM(outcome = 'passed'), SUM(outcome = 'failed'),"
                     " COALESCE(MAX(CASE WHEN outcome = 'passed' THEN issued_at END), 0) FROM audits GROUP BY node_id"
                 ).fetchall()
-                routed = dict(self._db.execute("SELECT node_id, count(*) FROM forwarded GROUP BY node_id").fetchall())
+                routed = dict(self._store.db.execute("SELECT node_id, count(*) FROM forwarded GROUP BY node_id").fetchall())
             return {
                 node_id: AuditTotals(passed, failed, last_passed_at, routed.get(node_id, 0))
                 for node_id, passed, failed, last_passed_at in rows
             }
 
-        return await self._run(read)
+        return await self._store.run(read)
 
     async def audit_drifts(self) -> dict[str, list[tuple[float, int, float]]]:
         """Per node, the whole-answer figures of its audits that carried some, in the order they were decided:
         (gap nats, tokens, issue time), for the tracker to count its CUSUM again when it starts."""
-        rows = await self._run(
-            self._read,
+        rows = await self._store.run(
+            self._store.read,
             "SELECT node_id, drift_gap_nats, drift_tokens, issued_at FROM audits WHERE drift_tokens > 0 ORDER BY decided_at, rowid",
             (),
         )
@@ -370,8 +329,8 @@ class TrackerLedger:
     async def recent_audits(self, node_id: str | None = None, limit: int = 10) -> list[AuditRecord]:
         """The latest decided audits, newest first: of one node, or `limit` of each node."""
         where, params = ("WHERE node_id = ?", (node_id,)) if node_id else ("", ())
-        rows = await self._run(
-            self._read,
+        rows = await self._store.run(
+            self._store.read,
             "SELECT audit_id, node_id, model, outcome, reason, margin_nats, issued_at, decided_at FROM ("
             " SELECT *, ROW_NUMBER() OVER (PARTITION BY node_id ORDER BY decided_at DESC) AS nth FROM audits"
             f" {where}) WHERE nth <= ? ORDER BY decided_at DESC",
@@ -382,8 +341,8 @@ class TrackerLedger:
     # --- receipts -----------------------------------------------------------
     async def store_receipt(self, node_id: str, record: UsageRecord, token: str) -> bool:
         """False when a receipt for this request id is already stored (a resend): the first one stands."""
-        inserted = await self._run(
-            self._write,
+        inserted = await self._store.run(
+            self._store.write,
             "INSERT OR IGNORE INTO receipts (request_id, node_id, received_at, prompt_tokens, completion_tokens,"
             " finish_reason, record_json, token) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -404,8 +363,8 @@ class TrackerLedger:
         """What each node earned here: its requests billed and their tokens, each figure of a receipt capped
         by the tracker's ceiling, as `billed` bills one request (a refused request bills nothing, one in
         flight or without a receipt or ceilings not yet). One pass over the ledger, like `usage_list`'s."""
-        rows = await self._run(
-            self._read,
+        rows = await self._store.run(
+            self._store.read,
             "SELECT r.node_id, count(*), SUM(MIN(c.prompt_tokens, r.prompt_ceiling)),"
             " SUM(MIN(c.completion_tokens, r.completion_ceiling))"
             " FROM forwarded r JOIN receipts c ON c.request_id = r.request_id"
@@ -421,8 +380,8 @@ class TrackerLedger:
 
     async def usage_list(self, *, request_id: str | None = None, limit: int = 100) -> list[TrackerUsage]:
         where, params = ("WHERE r.request_id = ?", (request_id,)) if request_id else ("", ())
-        rows = await self._run(
-            self._read,
+        rows = await self._store.run(
+            self._store.read,
             "SELECT r.request_id, r.node_id, r.model, r.stream, r.status, r.outcome, r.prompt_tokens,"
             " r.completion_tokens, c.prompt_tokens, c.completion_tokens, c.finish_reason, c.request_id IS NOT NULL,"
             " r.prompt_ceiling, r.completion_ceiling, r.flagged"
@@ -431,6 +390,19 @@ class TrackerLedger:
             (*params, limit),
         )
         return [_usage_row(row) for row in rows]
+
+
+def _create(db: sqlite3.Connection) -> None:
+    _rename_old_table(db)
+    db.executescript(_SCHEMA)
+    have = {row[1] for row in db.execute("PRAGMA table_info(forwarded)")}
+    for column, kind in _ADDED_COLUMNS.items():
+        if column not in have:
+            db.execute(f"ALTER TABLE forwarded ADD COLUMN {column} {kind}")
+    have = {row[1] for row in db.execute("PRAGMA table_info(audits)")}
+    for column, kind in _ADDED_AUDIT_COLUMNS.items():
+        if column not in have:
+            db.execute(f"ALTER TABLE audits ADD COLUMN {column} {kind}")
 
 
 def _rename_old_table(db: sqlite3.Connection) -> None:
