@@ -37,7 +37,7 @@ from meshnet_gguf.contract.prompt_ceiling import prompt_ceiling
 from meshnet_gguf.contract.protocol import MAX_CAPABILITY_POINTS, NodeCapability, RatePoint
 from meshnet_gguf.llama.child_loop import Outcome
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
-from meshnet_gguf.llama.warmup import WARMUP_HEADER, WARMUP_WORD, before_ready
+from meshnet_gguf.llama.warmup import OWN_REQUEST_HEADER, WARMUP_WORD, before_ready
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def probe_request(words: int, max_tokens: int) -> dict[str, Any]:
 async def _measure_once(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> _Measured | None:
     """One streamed generation, timed from the request to its first and last content event; None when unusable."""
     fields = probe_request(words, max_tokens)
-    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", WARMUP_HEADER: "1"}
+    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", OWN_REQUEST_HEADER: "1"}
     sent = time.perf_counter()
     first = last = 0.0
     events = 0

@@ -20,8 +20,9 @@ log = logging.getLogger(__name__)
 # The warm-up's prompt is this word repeated: about one token per word with a subword
 # vocabulary (a byte-level toy vocabulary makes it a few tokens per word).
 WARMUP_WORD = " the"
-# Marks the warm-up's requests, so llama-server's log (and a test's fake) can tell them from clients'.
-WARMUP_HEADER = "x-meshnet-warmup"
+# Marks every request the node makes of its own llama-server (the warm-up's, the speed probe's), so llama-server's
+# log (and a test's fake) can tell them from clients'. The header's name is older than the speed probe.
+OWN_REQUEST_HEADER = "x-meshnet-warmup"
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,8 @@ async def before_ready(proc: asyncio.subprocess.Process, stop_requested: anyio.E
 
 async def own_chat_completion(http: UpstreamClient, base_url: str, api_key: str, fields: dict[str, object]) -> tuple[int, bytes]:
     """One chat completion the node asks of its own llama-server (the warm-up, the speed probe), marked as the
-    node's own (`WARMUP_HEADER`); its status and whole answer. Raises UpstreamError."""
-    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", WARMUP_HEADER: "1"}
+    node's own (`OWN_REQUEST_HEADER`); its status and whole answer. Raises UpstreamError."""
+    headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", OWN_REQUEST_HEADER: "1"}
     response = await http.send("POST", f"{base_url}/v1/chat/completions", headers, json.dumps(fields).encode())
     try:
         return response.status, await response.read()
