@@ -4,8 +4,11 @@ one), and a model that fails to load refused with its reason while the others ke
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -16,27 +19,36 @@ import pytest
 from support.supervisor_policies import FAST
 
 from meshnet_gguf.llama.binary import BinaryInfo
-from meshnet_gguf.llama.child import ChildSpec
-from meshnet_gguf.llama.model_children import ModelChildren, ModelFailed, ModelUnknown, NoRoom
-from meshnet_gguf.llama.model_set import MIN_IDLE_UNLOAD_S, ModelSet, ModelToServe
+from meshnet_gguf.llama.child import SOCKET_DIR_NAME, SOCKET_NAME, ChildSpec
+from meshnet_gguf.llama.model_children import ModelChildren, ModelFailed, ModelUnknown, NoRoom, model_state_dir
+from meshnet_gguf.llama.model_set import MAX_ALIAS_CHARS, MIN_IDLE_UNLOAD_S, ModelSet, ModelToServe
 from meshnet_gguf.llama.supervisor import Supervisor
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 
 pytestmark = [pytest.mark.anyio, pytest.mark.real_llama]
 CONTEXT = 512
+OTHER_UID = 65534  # nobody
 
 
-def _tiny(tmp_path: Path, alias: str, seed: int, **kw: object) -> ModelToServe:
-    path = write_tiny_model(tmp_path / f"{alias}.gguf", TinyModelSpec(seed=seed, name=alias))
-    return ModelToServe(path=path, alias=alias, context=CONTEXT, **kw)  # type: ignore[arg-type]
+def _tiny(tmp_path: Path, name: str, seed: int, **kw: object) -> ModelToServe:
+    path = write_tiny_model(tmp_path / f"{name}.gguf", TinyModelSpec(seed=seed, name=name))
+    return ModelToServe(path=path, alias=str(kw.pop("alias", name)), context=CONTEXT, **kw)  # type: ignore[arg-type]
 
 
-def _children(binary: BinaryInfo, tmp_path: Path, models: list[ModelToServe], **kw: object) -> ModelChildren:
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A state dir with a short path, as a node's is (`~/.local/state/meshnet`): pytest's own folders, named after
+    the test, leave too few of a socket address's 108 bytes, and llama-server would listen on loopback TCP instead."""
+    with tempfile.TemporaryDirectory(prefix="mc-") as folder:
+        yield Path(folder)
+
+
+def _children(binary: BinaryInfo, state_dir: Path, models: list[ModelToServe], **kw: object) -> ModelChildren:
     return ModelChildren(
         ModelSet.checked(models),
         lambda m: ChildSpec(binary, m.llama_args()),
         FAST,
-        tmp_path / "state",
+        state_dir,
         **kw,  # type: ignore[arg-type]
     )
 
@@ -72,43 +84,54 @@ def _pid(children: ModelChildren, alias: str) -> int | None:
     return next(s.pid for s in children.status() if s.alias == alias)
 
 
-async def test_two_models_answer_each_on_a_private_socket_and_an_unload_frees_its_child(real_llama: BinaryInfo, tmp_path: Path) -> None:
-    children = _children(real_llama, tmp_path, [_tiny(tmp_path, "tiny-a", 1), _tiny(tmp_path, "tiny-b", 2)])
+# As long as an alias may be: a socket's path must stay short whatever the alias, or llama-server would fall back to TCP.
+LONG_ALIAS = "acme/" + "tiny-b-" * 16 + "GGUF:F32"
+
+
+async def test_two_models_answer_each_on_a_private_socket_and_an_unload_frees_its_child(
+    real_llama: BinaryInfo, tmp_path: Path, state_dir: Path
+) -> None:
+    assert len(LONG_ALIAS) <= MAX_ALIAS_CHARS
+    children = _children(real_llama, state_dir, [_tiny(tmp_path, "tiny-a", 1), _tiny(tmp_path, "tiny-b", 2, alias=LONG_ALIAS)])
     async with running(children):
-        assert _states(children) == {"tiny-a": "unloaded", "tiny-b": "unloaded"}
-        for alias in ("tiny-a", "tiny-b"):
+        assert _states(children) == {"tiny-a": "unloaded", LONG_ALIAS: "unloaded"}
+        for alias in ("tiny-a", LONG_ALIAS):
             answer = await ask(children, alias)
             assert answer.status_code == 200, answer.text
             assert answer.json()["model"] == alias
-        assert _states(children) == {"tiny-a": "loaded", "tiny-b": "loaded"}
-        pid_a, pid_b = _pid(children, "tiny-a"), _pid(children, "tiny-b")
+        assert _states(children) == {"tiny-a": "loaded", LONG_ALIAS: "loaded"}
+        pid_a, pid_b = _pid(children, "tiny-a"), _pid(children, LONG_ALIAS)
         assert pid_a and pid_b and pid_a != pid_b
-        for pid in (pid_a, pid_b):
+        for pid, alias in ((pid_a, "tiny-a"), (pid_b, LONG_ALIAS)):
             # llama-server's router mode puts its children on loopback TCP ports; these listen on none.
             assert [c for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN] == []
+            socket_folder = model_state_dir(state_dir, alias) / SOCKET_DIR_NAME
+            argv = psutil.Process(pid).cmdline()
+            assert argv[argv.index("--host") + 1] == str(socket_folder / SOCKET_NAME)
+            assert stat.S_IMODE(os.stat(socket_folder).st_mode) == 0o700
         first = next(s for s in children.status() if s.alias == "tiny-a")
         assert first.loads == 1 and first.requests == 1 and first.expected_load_s is not None and first.expected_load_s > 0
 
         await children.unload("tiny-a")
         assert not psutil.pid_exists(pid_a)
-        assert _states(children) == {"tiny-a": "unloaded", "tiny-b": "loaded"}
-        assert (await ask(children, "tiny-b")).status_code == 200
+        assert _states(children) == {"tiny-a": "unloaded", LONG_ALIAS: "loaded"}
+        assert (await ask(children, LONG_ALIAS)).status_code == 200
         # A request for an unloaded model loads it again (a new child), and its first load time is kept.
         assert (await ask(children, "tiny-a")).status_code == 200
         again = next(s for s in children.status() if s.alias == "tiny-a")
         assert again.loads == 2 and again.pid not in (None, pid_a) and again.expected_load_s == first.expected_load_s
-        with pytest.raises(ModelUnknown, match="served: tiny-a, tiny-b"):
+        with pytest.raises(ModelUnknown, match=f"served: tiny-a, {LONG_ALIAS}"):
             await ask(children, "other")
-    assert not psutil.pid_exists(_pid(children, "tiny-b") or pid_b)
+    assert not psutil.pid_exists(pid_b)
 
 
 async def test_a_model_that_fails_to_load_is_refused_with_its_reason_and_the_other_keeps_serving(
-    real_llama: BinaryInfo, tmp_path: Path
+    real_llama: BinaryInfo, tmp_path: Path, state_dir: Path
 ) -> None:
     good = _tiny(tmp_path, "good", 1)
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(good.path.read_bytes()[:1000])
-    children = _children(real_llama, tmp_path, [good, ModelToServe(path=corrupt, alias="corrupt", context=CONTEXT)])
+    children = _children(real_llama, state_dir, [good, ModelToServe(path=corrupt, alias="corrupt", context=CONTEXT)])
     async with running(children):
         assert (await ask(children, "good")).status_code == 200
         pid_good = _pid(children, "good")
@@ -130,15 +153,17 @@ async def test_a_model_that_fails_to_load_is_refused_with_its_reason_and_the_oth
             await children.load("corrupt", retry_failed=True)
 
 
-async def test_room_is_made_from_idle_models_never_from_a_pinned_one(real_llama: BinaryInfo, tmp_path: Path) -> None:
-    pinned = _children(real_llama, tmp_path / "pinned", [_tiny(tmp_path, "big", 1, pinned=True), _tiny(tmp_path, "small", 2)], max_loaded=1)
+async def test_room_is_made_from_idle_models_never_from_a_pinned_one(real_llama: BinaryInfo, tmp_path: Path, state_dir: Path) -> None:
+    pinned = _children(
+        real_llama, state_dir / "pinned", [_tiny(tmp_path, "big", 1, pinned=True), _tiny(tmp_path, "small", 2)], max_loaded=1
+    )
     async with running(pinned):
         await pinned.load("big")  # run() loads it at start; this waits for that
         with pytest.raises(NoRoom, match=r"no room to load model small: it would need unloading big \(pinned\)"):
             await ask(pinned, "small")
         assert _states(pinned) == {"big": "loaded", "small": "unloaded"}
 
-    evicting = _children(real_llama, tmp_path / "lru", [_tiny(tmp_path, "one", 1), _tiny(tmp_path, "two", 2)], max_loaded=1)
+    evicting = _children(real_llama, state_dir / "lru", [_tiny(tmp_path, "one", 1), _tiny(tmp_path, "two", 2)], max_loaded=1)
     async with running(evicting):
         assert (await ask(evicting, "one")).status_code == 200
         pid_one = _pid(evicting, "one")
@@ -152,10 +177,12 @@ async def test_room_is_made_from_idle_models_never_from_a_pinned_one(real_llama:
                 await evicting.load("one")
 
 
-async def test_idle_models_are_unloaded_after_their_time_and_a_pinned_one_stays(real_llama: BinaryInfo, tmp_path: Path) -> None:
+async def test_idle_models_are_unloaded_after_their_time_and_a_pinned_one_stays(
+    real_llama: BinaryInfo, tmp_path: Path, state_dir: Path
+) -> None:
     offset = [0.0]
     models = [_tiny(tmp_path, "big", 1, pinned=True), _tiny(tmp_path, "small", 2, idle_unload_s=MIN_IDLE_UNLOAD_S)]
-    children = _children(real_llama, tmp_path, models, clock=lambda: time.monotonic() + offset[0])
+    children = _children(real_llama, state_dir, models, clock=lambda: time.monotonic() + offset[0])
     async with running(children):
         for alias in ("big", "small"):
             assert (await ask(children, alias)).status_code == 200
@@ -167,3 +194,19 @@ async def test_idle_models_are_unloaded_after_their_time_and_a_pinned_one_stays(
         assert pid_small is not None and not psutil.pid_exists(pid_small)
         idle = next(s for s in children.status() if s.alias == "big").idle_s
         assert idle is not None and idle >= MIN_IDLE_UNLOAD_S
+
+
+async def test_a_socket_folder_planted_for_one_model_fails_that_model_only(real_llama: BinaryInfo, tmp_path: Path, state_dir: Path) -> None:
+    """Another local user who knows an alias can compute its folder; a folder of theirs there is refused (no
+    llama-server started to listen in it), and the other model serves."""
+    if os.getuid() != 0:
+        pytest.skip("planting a folder owned by another user needs root")
+    children = _children(real_llama, state_dir, [_tiny(tmp_path, "target", 1), _tiny(tmp_path, "other", 2)])
+    planted = model_state_dir(state_dir, "target") / SOCKET_DIR_NAME
+    planted.mkdir(parents=True, mode=0o777)
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    async with running(children):
+        with pytest.raises(ModelFailed, match="not a folder owned by this user"):
+            await ask(children, "target")
+        assert _pid(children, "target") is None and not any(planted.iterdir())
+        assert (await ask(children, "other")).status_code == 200

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from meshnet_gguf.llama.model_set import MAX_MODELS, MIN_IDLE_UNLOAD_S, ModelSet, ModelSetError, ModelToServe
+from meshnet_gguf.llama.model_set import MAX_ALIAS_CHARS, MAX_MODELS, MIN_IDLE_UNLOAD_S, ModelSet, ModelSetError, ModelToServe
 
 
 def _model(tmp_path: Path, alias: str, **kw: object) -> ModelToServe:
-    path = tmp_path / f"{alias.replace(':', '_')}-Q4_K_M.gguf"
+    path = tmp_path / f"{alias.replace(':', '_').replace('/', '_')}-Q4_K_M.gguf"
     path.write_bytes(b"GGUF")
     return ModelToServe(path=path, alias=alias, context=kw.pop("context", 2048), **kw)  # type: ignore[arg-type]
 
@@ -49,6 +49,9 @@ def test_an_empty_set_and_too_many_models_are_refused(tmp_path: Path) -> None:
         ModelSet.checked([_model(tmp_path, f"m{i}") for i in range(MAX_MODELS + 1)])
 
 
-def test_an_alias_that_could_leave_its_state_folder_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ModelSetError, match="alias '../x'"):
-        ModelSet.checked([_model(tmp_path, "ok"), ModelToServe(path=tmp_path / "ok-Q4_K_M.gguf", alias="../x", context=2048)])
+def test_aliases_are_names_as_the_node_gives_them_never_paths(tmp_path: Path) -> None:
+    named = _model(tmp_path, "unsloth/Qwen3-8B-GGUF:Q4_K_M")
+    assert ModelSet.checked([named]).get("UNSLOTH/qwen3-8b-gguf:q4_k_m") is named
+    for bad in ("../x", "/etc/passwd", "a" * (MAX_ALIAS_CHARS + 1), "two words", ""):
+        with pytest.raises(ModelSetError, match="alias"):
+            ModelSet.checked([ModelToServe(path=named.path, alias=bad, context=2048)])

@@ -14,6 +14,7 @@ load evicts a healthy model first, and a child's crash reaches it as exit code 1
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,10 +34,20 @@ log = logging.getLogger(__name__)
 
 ModelState = Literal["unloaded", "loading", "loaded", "unloading", "failed"]
 MODELS_STATE_DIR = "models"
+# Each model's folder (its socket, its pidfile) is named by a digest of its alias: an alias may hold '/' and be
+# 128 characters long, and a UNIX socket's path must stay under ~108 bytes or llama-server falls back to TCP.
+STATE_FOLDER_DIGEST_CHARS = 12
 # How often a load, an unload and a drain look again (a tiny model loads in ~60 ms; the demo in ~1 s).
 POLL_S = 0.02
 # How often run() looks for models idle past their time.
 IDLE_SWEEP_INTERVAL_S = 5.0
+
+
+def model_state_dir(state_dir: Path, alias: str) -> Path:
+    """Where the model's llama-server keeps its socket and pidfile: the same folder for the same alias on every start,
+    so a child a killed node left behind is found and reaped."""
+    digest = hashlib.sha256(alias.lower().encode()).hexdigest()[:STATE_FOLDER_DIGEST_CHARS]
+    return state_dir / MODELS_STATE_DIR / digest
 
 
 class ModelUnavailable(RuntimeError):
@@ -265,7 +276,7 @@ class ModelChildren:
 
     def _start(self, entry: _Entry) -> None:
         assert self._tg is not None
-        folder = self._state_dir / MODELS_STATE_DIR / entry.model.alias
+        folder = model_state_dir(self._state_dir, entry.model.alias)
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         supervisor = Supervisor(self._spec_for(entry.model), self._policy, state_dir=folder)
         entry.supervisor, entry.ended, entry.draining = supervisor, anyio.Event(), False

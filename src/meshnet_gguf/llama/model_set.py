@@ -16,10 +16,10 @@ from pathlib import Path
 
 from meshnet_gguf.models.quants import quant_of
 
-# An alias names a model in requests, logs, the tracker's listing and a per-model state folder (which holds
-# a UNIX socket: its path must stay short), so it is a plain name.
-ALIAS_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
-MAX_ALIAS_CHARS = 64
+# An alias names a model in requests (the `model` field), logs and the tracker's listing, as the node names
+# its model today: `owner/name:QUANT`, `demo:Q4_K_M`. Never a path: each model's state folder is named by a digest.
+ALIAS_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+MAX_ALIAS_CHARS = 128
 # More models than this on one node is a catalog, not a serving set: each one is a llama-server when loaded.
 MAX_MODELS = 16
 MIN_CONTEXT = 256
@@ -63,7 +63,7 @@ class ModelToServe:
     def problems(self) -> list[str]:
         found = []
         if len(self.alias) > MAX_ALIAS_CHARS or not ALIAS_PATTERN.fullmatch(self.alias):
-            found.append(f"alias {self.alias!r}: use up to {MAX_ALIAS_CHARS} letters, digits, '.', '_', ':' or '-'")
+            found.append(f"alias {self.alias!r}: use up to {MAX_ALIAS_CHARS} letters, digits, '.', '_', ':', '/' or '-'")
         if not self.path.is_file():
             found.append(f"{self.path}: no such file")
         if not MIN_CONTEXT <= self.context <= MAX_CONTEXT:
