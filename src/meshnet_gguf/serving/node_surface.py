@@ -95,10 +95,7 @@ def inference_rows(proxy: ProxyApp) -> list[Route]:
 
 
 def _inference(proxy: ProxyApp, path: str) -> Callable[[Request], Awaitable[None]]:
-    async def forward(request: Request) -> None:
-        await proxy.serve_inference(request, path)
-
-    return forward
+    return partial(proxy.serve_inference, path=path)
 
 
 async def _serve_health(health: Callable[[], HealthReport], retry_after_s: int, request: Request) -> None:

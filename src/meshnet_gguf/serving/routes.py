@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from urllib.parse import parse_qsl
 
 import anyio
@@ -30,8 +29,13 @@ BODY_READ_TIMEOUT_S = 30.0
 class Request:
     """One request as a row's guard and handler see it: its scope, headers, client, and its body once."""
 
+    # Slots and a plain lazy attribute, not `cached_property` (which takes a lock per read on Python 3.11):
+    # every request of the node is one of these.
+    __slots__ = ("_headers", "receive", "route", "scope", "send")
+
     def __init__(self, scope: Scope, receive: Receive, send: Send, route: Route | None) -> None:
         self.scope, self.receive, self.send, self.route = scope, receive, send, route
+        self._headers: dict[str, str] | None = None
 
     @property
     def method(self) -> str:
@@ -41,9 +45,11 @@ class Request:
     def path(self) -> str:
         return str(self.scope["path"])
 
-    @cached_property
+    @property
     def headers(self) -> dict[str, str]:
-        return request_headers(self.scope)
+        if self._headers is None:
+            self._headers = request_headers(self.scope)
+        return self._headers
 
     @property
     def client(self) -> tuple[str, int] | None:
