@@ -59,6 +59,20 @@ def _content_range_start(header: str | None, expected_total: int) -> int | None:
     return int(start) if start.isdigit() else None
 
 
+def _continues_from(offset: int, response: httpx2.Response, expected: RemoteFile) -> bool:
+    """Whether an answer to `Range: bytes=OFFSET-` continues the file there: False when the server sent the
+    whole file instead (200); a range that starts elsewhere is an error."""
+    if response.status_code == 200:
+        log.warning("%s: the server ignored the Range request; starting this file over", expected.path)
+        return False
+    if _content_range_start(response.headers.get("Content-Range"), expected.size) != offset:
+        raise DownloadError(
+            f"{expected.path}: asked for bytes from {offset} but the server sent "
+            f"{response.headers.get('Content-Range')!r}; the file on the hub may have changed"
+        )
+    return True
+
+
 def _write_all(out: BinaryIO, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -111,17 +125,11 @@ def transfer(url: str, part: Path, expected: RemoteFile, headers: dict[str, str]
                     if response.status_code >= 400:
                         response.read()
                     hf_raise_for_status(response)
-                    if offset and response.status_code == 200:
-                        log.warning("%s: the server ignored the Range request; starting this file over", expected.path)
+                    if offset and not _continues_from(offset, response, expected):
                         part.unlink(missing_ok=True)
                         offset = 0
                         digest = hashlib.sha256()
                         bar.reset(total=expected.size)
-                    elif offset and _content_range_start(response.headers.get("Content-Range"), expected.size) != offset:
-                        raise DownloadError(
-                            f"{expected.path}: asked for bytes from {offset} but the server sent "
-                            f"{response.headers.get('Content-Range')!r}; the file on the hub may have changed"
-                        )
                     # Unbuffered: what reached write() is on disk even if this process is killed next.
                     with part.open("ab", buffering=0) as out:
                         for chunk in response.iter_bytes():
