@@ -26,6 +26,7 @@ from typing import Literal
 import anyio
 from anyio.abc import TaskGroup
 
+from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.llama.child import ChildFailed, ChildSpec
 from meshnet_gguf.llama.model_set import ModelSet, ModelToServe
 from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
@@ -116,10 +117,12 @@ class _Entry:
         return self.supervisor is not None
 
 
-class ModelChildren:
-    """Owns the llama-servers of a `ModelSet`. `run()` (a node part's task) loads the pinned models and unloads
-    idle ones until `close()`; requests use `using(alias)`; `status()` is what `ps`, `/v1/models` and the
-    tracker's announcement read."""
+class ModelChildren(BasePart):
+    """Owns the llama-servers of a `ModelSet`, as a node part: `run()` loads the pinned models and unloads idle ones
+    until `close()`, which returns once every child has stopped; requests use `using(alias)`; `status()` is what
+    `ps`, `/v1/models` and the tracker's announcement read."""
+
+    name = "models"
 
     def __init__(
         self,
@@ -144,29 +147,36 @@ class ModelChildren:
         self._tg: TaskGroup | None = None
         self._started = anyio.Event()
         self._closing = anyio.Event()
+        self._finished = anyio.Event()
 
     # --- the part's life -----------------------------------------------------------------
     async def run(self) -> None:
         """Load the pinned models (one after another, as the plan placed them), then unload idle ones until `close()`;
         `load` and `using` wait for this to have started."""
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            self._started.set()
-            for model in self.models.pinned:
-                try:
-                    await self.load(model.alias)
-                except ModelUnavailable as exc:
-                    log.error("pinned model %s did not load: %s", model.alias, exc)
-            while not self._closing.is_set():
-                with anyio.move_on_after(IDLE_SWEEP_INTERVAL_S):
-                    await self._closing.wait()
-                await self.unload_idle()
-            for entry in self._entries.values():
-                await self._stop(entry)
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self._started.set()
+                for model in self.models.pinned:
+                    try:
+                        await self.load(model.alias)
+                    except ModelUnavailable as exc:
+                        log.error("pinned model %s did not load: %s", model.alias, exc)
+                while not self._closing.is_set():
+                    with anyio.move_on_after(IDLE_SWEEP_INTERVAL_S):
+                        await self._closing.wait()
+                    await self.unload_idle()
+                for entry in self._entries.values():
+                    await self._stop(entry)
+                tg.cancel_scope.cancel()
+        finally:
+            self._finished.set()
 
     async def close(self) -> None:
+        """Stop every model's llama-server (each once its requests have ended) and wait until they have."""
         self._closing.set()
+        if self._started.is_set():
+            await self._finished.wait()
 
     # --- requests ------------------------------------------------------------------------
     @asynccontextmanager
