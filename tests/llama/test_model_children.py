@@ -21,7 +21,7 @@ from support.supervisor_policies import FAST
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.child import SOCKET_DIR_NAME, SOCKET_NAME, ChildSpec
 from meshnet_gguf.llama.model_children import ModelChildren, ModelFailed, ModelUnknown, NoRoom, model_state_dir
-from meshnet_gguf.llama.model_set import MAX_ALIAS_CHARS, MIN_IDLE_UNLOAD_S, ModelSet, ModelToServe
+from meshnet_gguf.llama.model_set import MAX_ALIAS_CHARS, MIN_IDLE_UNLOAD_S, ModelSet, ModelSetError, ModelToServe
 from meshnet_gguf.llama.supervisor import Supervisor
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -274,3 +274,34 @@ async def _wait(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-un
     with anyio.fail_after(timeout):
         while not predicate():
             await anyio.sleep(0.02)
+
+
+async def test_the_memory_budget_makes_room_by_bytes_and_refuses_a_model_too_big_alone(
+    real_llama: BinaryInfo, tmp_path: Path, state_dir: Path
+) -> None:
+    models = [
+        _tiny(tmp_path, "big", 1, pinned=True, memory_bytes=600),
+        _tiny(tmp_path, "small", 2, memory_bytes=300),
+        _tiny(tmp_path, "other", 3, memory_bytes=400),
+        _tiny(tmp_path, "huge", 4, memory_bytes=1001),
+    ]
+    children = _children(real_llama, state_dir, models, memory_budget_bytes=1000)
+    async with running(children):
+        await children.load("big")
+        assert (await ask(children, "small")).status_code == 200  # 600 + 300 fit in 1000
+        assert (await ask(children, "other")).status_code == 200  # 600 + 400: small goes, big stays
+        assert _states(children) == {"big": "loaded", "small": "unloaded", "other": "loaded", "huge": "unloaded"}
+        with pytest.raises(NoRoom, match="model huge alone needs more than this node gives its models"):
+            await ask(children, "huge")
+        assert _states(children)["other"] == "loaded"  # nothing was unloaded for a model that could never fit
+
+
+def test_pinned_models_that_cannot_stay_loaded_together_are_refused_by_name(tmp_path: Path) -> None:
+    models = ModelSet.checked([
+        ModelToServe(path=write_tiny_model(tmp_path / f"{n}.gguf"), alias=n, context=CONTEXT, pinned=True, memory_bytes=600)
+        for n in ("left", "right")
+    ])  # fmt: skip
+    with pytest.raises(ModelSetError, match="cannot hold left, right"):
+        ModelChildren(models, lambda m: ChildSpec(None, []), FAST, tmp_path, max_loaded=1)  # type: ignore[arg-type]
+    with pytest.raises(ModelSetError, match="need more than the 1000 bytes this node gives its models: left 600 bytes, right 600 bytes"):
+        ModelChildren(models, lambda m: ChildSpec(None, []), FAST, tmp_path, memory_budget_bytes=1000)  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ from anyio.abc import TaskGroup
 
 from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.llama.child import ChildFailed, ChildSpec
-from meshnet_gguf.llama.model_set import ModelSet, ModelToServe
+from meshnet_gguf.llama.model_set import ModelSet, ModelSetError, ModelToServe
 from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,17 @@ def model_state_dir(state_dir: Path, alias: str) -> Path:
     so a child a killed node left behind is found and reaped."""
     digest = hashlib.sha256(alias.lower().encode()).hexdigest()[:STATE_FOLDER_DIGEST_CHARS]
     return state_dir / MODELS_STATE_DIR / digest
+
+
+def _check_room(models: ModelSet, max_loaded: int | None, budget: int | None) -> None:
+    """The pinned models stay loaded together: refuse a room they cannot share (ModelSetError naming them)."""
+    pinned = models.pinned
+    if max_loaded is not None and max_loaded < max(1, len(pinned)):
+        names = ", ".join(m.alias for m in pinned) or "any model"
+        raise ModelSetError(f"room for {max_loaded} loaded model(s) cannot hold {names} (pinned models stay loaded)")
+    if budget is not None and sum(m.memory_bytes or 0 for m in pinned) > budget:
+        needs = ", ".join(f"{m.alias} {m.memory_bytes or 0} bytes" for m in pinned)
+        raise ModelSetError(f"the pinned models need more than the {budget} bytes this node gives its models: {needs}")
 
 
 class ModelUnavailable(RuntimeError):
@@ -135,6 +146,7 @@ class ModelChildren(BasePart):
         memory_budget_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        _check_room(models, max_loaded, memory_budget_bytes)
         self.models = models
         self._spec_for = spec_for
         self._policy = policy
@@ -231,6 +243,8 @@ class ModelChildren(BasePart):
                 self._start(entry)
             started = self._clock()
             await self._until_ready(entry)
+            if entry.state != "loaded":
+                return  # unloaded again before it was ready (a caller in `using` asks again)
             entry.loads += 1
             entry.last_load_s = self._clock() - started
             if entry.expected_load_s is None:
@@ -266,15 +280,26 @@ class ModelChildren(BasePart):
 
     def _evictions_for(self, wanted: _Entry) -> list[_Entry]:
         """The loaded models to unload so `wanted` fits (least recently used first), or NoRoom."""
+        alias = wanted.model.alias
+        if not self._fits(wanted, []):
+            raise NoRoom(alias, f"model {alias} alone needs more than this node gives its models ({self._room_text()})")
         loaded = [e for e in self._entries.values() if e.holds_memory and e is not wanted]
-        candidates = sorted((e for e in loaded if not e.model.pinned and e.in_flight == 0), key=lambda e: e.last_used or float("-inf"))
+        # A model still loading is someone's request on its way: evicting it would only trade one cold load for another.
+        idle = (e for e in loaded if not e.model.pinned and e.in_flight == 0 and e.state == "loaded")
+        candidates = sorted(idle, key=lambda e: e.last_used or float("-inf"))
         victims: list[_Entry] = []
         while not self._fits(wanted, [e for e in loaded if e not in victims]):
             if not candidates:
-                kept = [e.model.alias + (" (pinned)" if e.model.pinned else " (busy)") for e in loaded if e not in victims]
-                raise NoRoom(wanted.model.alias, f"no room to load model {wanted.model.alias}: it would need unloading {', '.join(kept)}")
+                kept = [e.model.alias + f" ({'pinned' if e.model.pinned else 'busy'})" for e in loaded if e not in victims]
+                raise NoRoom(alias, f"no room to load model {alias}: it would need unloading {', '.join(kept)}")
             victims.append(candidates.pop(0))
         return victims
+
+    def _room_text(self) -> str:
+        limits = [f"{self._max_loaded} loaded at once"] if self._max_loaded is not None else []
+        if self._budget is not None:
+            limits.append(f"{self._budget} bytes")
+        return ", ".join(limits)
 
     def _fits(self, wanted: _Entry, loaded: list[_Entry]) -> bool:
         if self._max_loaded is not None and len(loaded) + 1 > self._max_loaded:
