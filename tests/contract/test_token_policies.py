@@ -193,6 +193,21 @@ def test_a_token_signed_for_another_body_is_refused(policy: TokenPolicy, signer:
 
 
 @by_kind(ALL_POLICIES)
+@pytest.mark.parametrize("claim", ["iat", "exp", "nbf"])
+@pytest.mark.parametrize("bad_time", ["NaN", "Infinity", "-Infinity", "true", '"1700000000"'])
+def test_a_token_whose_time_is_not_a_finite_number_is_refused(
+    policy: TokenPolicy, claim: str, bad_time: str, signer: Ed25519PrivateKey
+) -> None:
+    """Python's json reads NaN and Infinity, and NaN passes every comparison: a signer could otherwise write a
+    token that never expires (a receipt never from the future)."""
+    now = time.time()
+    payload = json.dumps(claims_for(policy, now, **{claim: 0})).replace(f'"{claim}": 0', f'"{claim}": {bad_time}')
+    signing_input = _b64(b'{"alg":"EdDSA","typ":"JWT"}') + "." + _b64(payload.encode())
+    token = signing_input + "." + _b64(signer.sign(signing_input.encode()))
+    assert refused(token, signer.public_key(), policy, now).fault == "malformed"
+
+
+@by_kind(ALL_POLICIES)
 def test_a_token_with_a_bad_signature_is_refused(policy: TokenPolicy, signer: Ed25519PrivateKey, stranger: Ed25519PrivateKey) -> None:
     now = time.time()
     claims = claims_for(policy, now)

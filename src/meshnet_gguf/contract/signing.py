@@ -389,16 +389,19 @@ def _match(claims: dict[str, Any], name: str, rule: str | Given | None, given: s
 
 # JSON numbers as `json.loads` gives them; `type(...) in` also keeps out `true`, which is an int to isinstance.
 _TIME_TYPES = (int, float)
+# Python's json reads `NaN` and `1e999`; a time outside this (year ~33,000) or not a number at all is refused
+# (NaN compares false with everything, so it would pass every window).
+_LATEST_TIME_S = 1e12
+
+
+def _not_a_time(value: Any) -> bool:
+    return value is not None and (type(value) not in _TIME_TYPES or not -_LATEST_TIME_S < value < _LATEST_TIME_S)
 
 
 def _check_times(claims: dict[str, Any], policy: TokenPolicy, now: float) -> None:
     """Life, then the clock window: a token from too far ahead, or expired beyond the window, is refused."""
     iat, exp, nbf = claims.get("iat"), claims.get("exp"), claims.get("nbf")
-    if (
-        (iat is not None and type(iat) not in _TIME_TYPES)
-        or (exp is not None and type(exp) not in _TIME_TYPES)
-        or (nbf is not None and type(nbf) not in _TIME_TYPES)
-    ):
+    if _not_a_time(iat) or _not_a_time(exp) or _not_a_time(nbf):
         raise TokenRefused("malformed", f"{policy.kind} token's iat, exp or nbf is not a time")
     window = policy.clock_window_s
     if policy.max_life_s is not None and exp - iat > policy.max_life_s:
