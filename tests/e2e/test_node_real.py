@@ -1,5 +1,6 @@
 """The node serving real GGUF models through the real llama-server, driven by the official openai SDK,
-and what it does with a llama-server build too new for the CPU it runs on."""
+what it does with a llama-server build too new for the CPU it runs on, and a meshed serve that reads its
+key and checks its first contact once."""
 
 from __future__ import annotations
 
