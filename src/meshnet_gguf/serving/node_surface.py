@@ -5,7 +5,7 @@
 | GET, HEAD /health                               | anyone (trackers, load balancers)       | the health report      |
 | POST /v1/chat/completions, /v1/completions,     | the admission mode, in the handler:     | `ProxyApp` forwards    |
 |   /v1/embeddings                                |   key and Host, or the tracker's route  |                        |
-| GET /v1/models, /v1/models/{id}                 | the admission mode's listing rule       | `ProxyApp` forwards    |
+| GET /v1/models, /v1/models/{id}                 | the admission mode's listing rule       | `ModelListing`         |
 | GET, HEAD the page's files; GET /status.json    | anyone; `PageAccess`                    | `NodePages`            |
 | /chat, /chat/... (standalone, with a web UI)    | anyone; `PageAccess` for props; the     | `NodePages`, and the   |
 |                                                 |   chat's API calls as the proxy's rows  |   proxy's handlers     |
@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from meshnet_gguf.common.asgi import JSON_HEADER, ExtraRoute, QueryRoute, respond
+from meshnet_gguf.contract.openai_paths import INFERENCE_PATHS, MODEL_PATH_PREFIX, MODELS_PATH
 from meshnet_gguf.contract.protocol import HealthReport
 from meshnet_gguf.serving.access import LocalOrKey
 from meshnet_gguf.serving.audit_door import AuditDoor, audit_route
-from meshnet_gguf.serving.proxy import INFERENCE_ROUTES, MODEL_PATH_PREFIX, MODELS_PATH, ProxyApp
+from meshnet_gguf.serving.proxy import ProxyApp
 from meshnet_gguf.serving.routes import Request, Route, RouteTable, open_to_all
 from meshnet_gguf.serving.status_page import CHAT_PREFIX, NodePages
 
@@ -72,7 +73,7 @@ def node_table(doors: NodeDoors) -> RouteTable:
             chat = CHAT_PREFIX.rstrip("/")
             rows += [
                 Route("POST", chat + "/v1/chat/completions", admission_in_handler, _inference(proxy, "/v1/chat/completions"), proxy.limits.max_body_bytes),
-                Route("GET", chat + MODELS_PATH, admission_in_handler, proxy.serve_models),
+                Route("GET", chat + MODELS_PATH, admission_in_handler, proxy.listing.serve_models),
             ]  # fmt: skip
     if doors.metrics is not None:
         rows.append(Route("GET", METRICS_PATH, doors.metrics_access, partial(_serve_scrape, doors.metrics)))
@@ -88,9 +89,9 @@ def inference_rows(proxy: ProxyApp) -> list[Route]:
     """The OpenAI rows: the inference routes and the model listing, each admitted by the proxy's mode."""
     limit = proxy.limits.max_body_bytes
     return [
-        *(Route("POST", path, admission_in_handler, _inference(proxy, path), limit) for path in INFERENCE_ROUTES),
-        Route("GET", MODELS_PATH, admission_in_handler, proxy.serve_models),
-        Route("GET", MODEL_PATH_PREFIX, admission_in_handler, proxy.serve_model, prefix=True),
+        *(Route("POST", path, admission_in_handler, _inference(proxy, path), limit) for path in INFERENCE_PATHS),
+        Route("GET", MODELS_PATH, admission_in_handler, proxy.listing.serve_models),
+        Route("GET", MODEL_PATH_PREFIX, admission_in_handler, proxy.listing.serve_model, prefix=True),
     ]
 
 

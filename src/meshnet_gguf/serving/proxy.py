@@ -1,8 +1,9 @@
-"""The node's inference forwarding: OpenAI's routes answered by llama-server, behind the node's admission.
+"""The node's inference forwarding: OpenAI's inference routes answered by llama-server, behind the node's admission.
 
-The listener's table (`serving/node_surface`) hands it the requests of its rows. It admits a request (through its admission mode: standalone or meshed; size and
-JSON checks; one of its slots per request), forwards it to llama-server with the internal key, streams the answer
-back byte for byte as it arrives, meters a copy, and hands one `UsageRecord`
+The listener's table (`serving/node_surface`) hands it the requests of its inference rows (the listing
+rows are `model_listing`'s). It admits a request (through its admission mode: standalone or meshed;
+size and JSON checks; one of its slots per request), forwards it to llama-server with the internal
+key, streams the answer back byte for byte as it arrives, meters a copy, and hands one `UsageRecord`
 per request to the usage sinks. It knows nothing about the child process: it is
 given a callable that says where llama-server is right now, or that it is not.
 
@@ -14,32 +15,25 @@ least busy node) or the client can go elsewhere instead of waiting blind.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
 import anyio
 
-from meshnet_gguf.common.asgi import CLIENT_CLOSED_STATUS, JSON_HEADER, Receive, Send, forwardable, respond
+from meshnet_gguf.common.asgi import CLIENT_CLOSED_STATUS, Receive, Send, forwardable, respond
 from meshnet_gguf.common.logs import request_id_var
-from meshnet_gguf.contract.error_answer import send_error
 from meshnet_gguf.contract.errors import ApiError, openai_error_body
 from meshnet_gguf.contract.openai_paths import GENERATING_PATHS as STREAMING_ROUTES  # the node's name: they may stream
 from meshnet_gguf.contract.openai_paths import INFERENCE_PATHS as INFERENCE_ROUTES
-from meshnet_gguf.contract.openai_paths import MODEL_PATH_PREFIX, MODELS_PATH
 from meshnet_gguf.contract.protocol import (
-    REQUEST_ID_HEADER,
     USAGE_COMPLETION_TOKENS_HEADER,
     USAGE_PROMPT_TOKENS_HEADER,
     HealthReport,
     UsageRecord,
-    model_answers_to,
 )
 from meshnet_gguf.contract.sse import DONE_DATA, data_event
 from meshnet_gguf.contract.strict_json import parse_json_object
@@ -47,7 +41,9 @@ from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamR
 from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.admission_modes import AdmissionMode, Recording, RouteGrant, unavailable
 from meshnet_gguf.serving.meter import RequestMeter, StreamMeter, meter_whole_body
+from meshnet_gguf.serving.model_listing import ModelListing, ServedName
 from meshnet_gguf.serving.prompt_count import PromptCount, PromptCounter
+from meshnet_gguf.serving.request_ids import REQUEST_ID_KEY, client_request_id, send_refusal
 from meshnet_gguf.serving.request_validation import rewrite_top_level, validate_request
 from meshnet_gguf.serving.routes import Request
 from meshnet_gguf.serving.upstream_hints import node_hint
@@ -55,13 +51,9 @@ from meshnet_gguf.serving.upstream_target import UpstreamTarget, upstream_header
 
 log = logging.getLogger(__name__)
 
-CLIENT_REQUEST_ID_HEADER = "x-request-id"
 # ASGI header names are lower-case bytes.
-_REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
 _PROMPT_TOKENS_KEY = USAGE_PROMPT_TOKENS_HEADER.lower().encode()
 _COMPLETION_TOKENS_KEY = USAGE_COMPLETION_TOKENS_HEADER.lower().encode()
-# A client-chosen request id is echoed back and logged: keep it short and printable.
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 
 _STREAM_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -83,7 +75,7 @@ class ProxyLimits:
 
 
 class ProxyApp:
-    """The handlers of the node's OpenAI rows. Everything a request goes through is given here, once, at construction."""
+    """The inference rows' handler (`serve_inference`). Everything a request goes through is given here, once, at construction."""
 
     def __init__(
         self,
@@ -104,8 +96,8 @@ class ProxyApp:
         self._client = client
         self.slots = slots
         self.limits = limits
+        self.served = ServedName(model_name, tuple(model_aliases))
         self.model_name = model_name
-        self.model_aliases = tuple(model_aliases)
         self._health = health
         self._usage_sinks = tuple(usage_sinks)
         self._mode = mode
@@ -113,60 +105,14 @@ class ProxyApp:
         # Told (path, status) of each request refused before reaching llama-server: such
         # requests yield no usage record (nothing was used, and nothing is billed).
         self._on_rejected = on_rejected
-
-    # --- models --------------------------------------------------
-    async def serve_model(self, request: Request) -> None:
-        """`GET /v1/models/{id}`: the one model object, as OpenAI answers it."""
-        await self.serve_models(request, model_id=request.path.removeprefix(MODEL_PATH_PREFIX))
-
-    async def serve_models(self, request: Request, *, model_id: str | None = None) -> None:
-        """llama-server's model list; with `model_id`, the one model object, as OpenAI answers `GET /v1/models/{id}`."""
-        headers, send = request.headers, request.send
-        request_id = _client_request_id(headers)
-        try:
-            self._mode.admit_listing(headers)
-            if model_id == "":
-                raise ApiError(
-                    404,
-                    "model_not_found",
-                    "No model id after /v1/models/; GET /v1/models lists the model",
-                    error_type="invalid_request_error",
-                )
-            if model_id is not None:
-                self._check_model(model_id)
-            target = self._ready_target()
-        except ApiError as exc:
-            await _send_error(send, exc, request_id)
-            return
-        try:
-            response = await self._client.send("GET", target.base_url + MODELS_PATH, upstream_headers(target), None)
-            try:
-                body = await response.read()
-            finally:
-                await response.aclose()
-        except UpstreamError as exc:
-            await _send_error(send, self._unavailable(f"llama-server did not answer: {exc}"), request_id)
-            return
-        if model_id is not None and response.status == 200:
-            body = self._model_object(body)
-        await respond(send, response.status, body, [JSON_HEADER, (_REQUEST_ID_KEY, request_id.encode())])
-
-    def _model_object(self, listing: bytes) -> bytes:
-        """The served model's entry of llama-server's list, under the node's id (whichever name asked for it)."""
-        try:
-            entries = json.loads(listing).get("data") or []
-        except (ValueError, AttributeError):
-            entries = []
-        entry = next((e for e in entries if isinstance(e, dict) and e.get("id") == self.model_name), None)
-        if entry is None:
-            entry = entries[0] if entries and isinstance(entries[0], dict) else {"object": "model", "owned_by": "llamacpp"}
-        return json.dumps({**entry, "id": self.model_name}).encode()
+        # The listing rows (`GET /v1/models`, `/v1/models/{id}`), behind the same mode and readiness.
+        self.listing = ModelListing(self.served, self._ready_target, client, mode, limits.retry_after_s)
 
     # --- inference --------------------------------------------------------
     async def serve_inference(self, request: Request, path: str) -> None:
         """`path` (one of `INFERENCE_ROUTES`) forwarded to llama-server, once admitted."""
         headers, receive, send = request.headers, request.receive, request.send
-        request_id = _client_request_id(headers)
+        request_id = client_request_id(headers)
         # Each request runs in its own task, so the id stays with this request's log lines.
         request_id_var.set(request_id)
         release: Callable[[], None] | None = None
@@ -185,7 +131,7 @@ class ProxyApp:
             if required not in payload:
                 raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
             validate_request(path, payload)
-            self._check_model(payload.get("model"))
+            self.served.check(payload.get("model"))
             target = self._ready_target()
             release = self.slots.try_acquire(1)
             if release is None:
@@ -206,7 +152,7 @@ class ProxyApp:
                 release()
             if self._on_rejected is not None:
                 self._on_rejected(path, exc.status)
-            await _send_error(send, exc, request_id)
+            await send_refusal(send, exc, request_id)
             return
 
         meter.release = release
@@ -231,7 +177,7 @@ class ProxyApp:
                     count.drop()
                     if self._on_rejected is not None:
                         self._on_rejected(path, refusal.status)
-                    await _send_error(send, refusal, request_id)
+                    await send_refusal(send, refusal, request_id)
                 else:
                     if meter.usage_seen or meter.refused_upstream:
                         count.drop()
@@ -285,7 +231,7 @@ class ProxyApp:
         except UpstreamError as exc:
             meter.finish_reason = "error"
             meter.status = 503
-            await _send_error(send, self._unavailable(f"llama-server is not answering: {exc}"), meter.request_id)
+            await send_refusal(send, self._unavailable(f"llama-server is not answering: {exc}"), meter.request_id)
             return
         try:
             if meter.stream and response.status == 200:
@@ -304,7 +250,7 @@ class ProxyApp:
         except UpstreamError as exc:
             meter.finish_reason = "error"
             meter.status = 502
-            await _send_error(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), meter.request_id)
+            await send_refusal(send, ApiError(502, "upstream_failed", f"llama-server failed mid-answer: {exc}"), meter.request_id)
             return
         if response.status >= 500 and (refusal := await count.refusal()) is not None:
             # llama-server's template could not read this chat (its counting answered 400 and
@@ -312,7 +258,7 @@ class ProxyApp:
             meter.finish_reason, meter.status, meter.refused_upstream = "error", refusal.status, True
             meter.release()
             meter.answered = True
-            await _send_error(send, refusal, meter.request_id)
+            await send_refusal(send, refusal, meter.request_id)
             return
         meter.status = response.status
         meter.first_token_at = time.perf_counter()
@@ -324,7 +270,7 @@ class ProxyApp:
             body = node_hint(meter.path, response.status, body) or body
         headers = forwardable(response.headers)
         headers += [
-            (_REQUEST_ID_KEY, meter.request_id.encode()),
+            (REQUEST_ID_KEY, meter.request_id.encode()),
             (_PROMPT_TOKENS_KEY, str(meter.prompt_tokens).encode()),
             (_COMPLETION_TOKENS_KEY, str(meter.completion_tokens).encode()),
         ]
@@ -338,7 +284,7 @@ class ProxyApp:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [*_STREAM_HEADERS, (_REQUEST_ID_KEY, meter.request_id.encode())],
+                "headers": [*_STREAM_HEADERS, (REQUEST_ID_KEY, meter.request_id.encode())],
             }
         )
         relay = StreamMeter(meter)
@@ -370,21 +316,6 @@ class ProxyApp:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # --- admission helpers --------------------------------------------------
-    def _check_model(self, requested: object) -> None:
-        """A request naming a model this node does not serve gets OpenAI's 404, not another model's answer."""
-        if requested is None or requested == "":
-            return  # llama-server serves its one model; naming it is optional
-        if not isinstance(requested, str):
-            raise ApiError(400, "invalid_model", "'model' must be a string")
-        if not model_answers_to(requested, self.model_name, self.model_aliases):
-            also = f" (also answers to {', '.join(repr(a) for a in self.model_aliases)})" if self.model_aliases else ""
-            raise ApiError(
-                404,
-                "model_not_found",
-                f"The model {requested!r} is not served here. This node serves {self.model_name!r}{also}; GET /v1/models lists it.",
-                error_type="invalid_request_error",
-            )
-
     def _token_cap(self, path: str, grant: RouteGrant) -> int | None:
         """The most completion tokens this request may produce: the smallest of the route's and the operator's caps
         (the client's own `max_tokens` is kept when smaller)."""
@@ -469,16 +400,6 @@ def _prepare_upstream_body(payload: dict[str, Any], body: bytes, max_tokens: int
             if not isinstance(asked, int) or asked <= 0 or asked > max_tokens:
                 changes[key] = max_tokens
     return rewrite_top_level(body, changes) if changes else body
-
-
-def _client_request_id(headers: Mapping[str, str]) -> str:
-    given = headers.get(CLIENT_REQUEST_ID_HEADER, "")
-    return given if _REQUEST_ID_RE.match(given) else f"req-{uuid.uuid4().hex}"
-
-
-# --- ASGI plumbing ------------------------------------------------------------
-async def _send_error(send: Send, error: ApiError, request_id: str | None = None) -> None:
-    await send_error(send, error, [(_REQUEST_ID_KEY, request_id.encode())] if request_id else ())
 
 
 __all__ = ["ProxyApp", "ProxyLimits", "UsageSink"]
