@@ -156,9 +156,15 @@ def test_sigterm_exits_0_and_leaves_no_llama_server(real_llama, start_node, tiny
     assert not (node.state_dir / "llama-server.pid").exists()
 
 
+# Room for a stream that outlasts the draining second on a fast CPU: the tiny model's 2,048-token slot (llama-server
+# caps a slot at the model's trained context) is full in under a second there.
+LONG_STREAM_CONTEXT = 65_536
+
+
 @pytest.mark.real_llama
-def test_a_second_sigint_stops_a_streaming_llama_server_at_once(real_llama, start_node, tiny_gguf) -> None:  # type: ignore[no-untyped-def]
-    node = start_node("--gguf", str(tiny_gguf), "--parallel", "1")
+def test_a_second_sigint_stops_a_streaming_llama_server_at_once(real_llama, start_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    long_context = write_tiny_model(tmp_path / "long-context.gguf", TinyModelSpec(context_length=LONG_STREAM_CONTEXT))
+    node = start_node("--gguf", str(long_context), "--parallel", "1", "--ctx-size", str(LONG_STREAM_CONTEXT))
     node.wait_ready()
     child = node.llama_pid()
     assert child
