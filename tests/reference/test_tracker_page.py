@@ -58,6 +58,9 @@ class _Ledger:
     async def billed_by_node(self) -> dict[str, NodeEarnings]:
         return {}
 
+    async def billed_by_node_and_model(self) -> dict[str, dict[str, NodeEarnings]]:
+        return {}
+
 
 @pytest.mark.anyio
 async def test_a_disagreement_is_flagged_on_the_page() -> None:

@@ -66,6 +66,17 @@ MAX_CAPABILITY_POINTS = 16
 # Relays one node announces (section 9.7): two give failover; each costs the tracker a name to resolve
 # and check at registration, so a few bound what one registration can make it do.
 MAX_NODE_RELAYS = 4
+# Models one node announces (section 3.3): each one a llama-server when loaded, so a node with more is a
+# catalog, not a serving set (the node's own ceiling is the same); it bounds what one registration makes
+# the tracker keep and search on every request.
+MAX_ANNOUNCED_MODELS = 16
+# Other names one model answers to: a catalog id, a repo, a file name, each with and without its quant (~6).
+MAX_MODEL_ALIASES = 16
+# A model's id or alias (`owner/name:QUANT`, a GGUF file name): a hub repo id alone may take 96 + 1 + 96
+# characters, and a quant follows it; a node serving several models names each in at most 128.
+MAX_MODEL_NAME_CHARS = 256
+# A load slower than this is not a model waiting to be used: a claim past it is refused, not believed.
+MAX_EXPECTED_LOAD_S = 3600.0
 
 # Route refusals a node answers (status, code). Kept here so tracker, relay and docs agree.
 ROUTE_ERRORS: dict[str, int] = {
@@ -197,6 +208,66 @@ class NodeLoad(WireModel):
     slots_busy: int = Field(0, ge=0)
     queue_depth: int = Field(0, ge=0, description="Requests admitted but waiting for a slot")
     recent_tokens_per_s: float | None = None
+    models: list[ModelStateReport] = Field(
+        default_factory=list,
+        max_length=MAX_ANNOUNCED_MODELS,
+        description="The announced models' states now (a model not listed keeps its state; a model not announced is ignored)",
+    )
+
+
+# A model's state on a node (section 3.3): `loaded` answers at once; `loadable` is loaded on its first
+# request (its `expected_load_s` first); `unavailable` is named but not served now (its load failed).
+ModelLoadState = Literal["loaded", "loadable", "unavailable"]
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a model on the wire (an id or an alias); None when it can."""
+    if not name or len(name) > MAX_MODEL_NAME_CHARS:
+        return f"a model name is 1 to {MAX_MODEL_NAME_CHARS} characters (got {len(name)})"
+    if not name.isprintable() or name != name.strip():
+        return f"model name {name[:MAX_MODEL_NAME_CHARS]!r}: printable characters only, no space at either end"
+    return None
+
+
+def _checked_names(names: Iterable[str]) -> None:
+    for name in names:
+        if (problem := model_name_problem(name)) is not None:
+            raise ValueError(problem)
+
+
+class ModelStateReport(WireModel):
+    """One announced model's state now, in a heartbeat's load: what changes between registrations."""
+
+    model_id: str = Field(max_length=MAX_MODEL_NAME_CHARS)
+    state: ModelLoadState
+    expected_load_s: float | None = Field(
+        None, ge=0, le=MAX_EXPECTED_LOAD_S, description="Seconds a load takes here (measured at the first); None: not known yet"
+    )
+
+
+class AnnouncedModel(WireModel):
+    """One model a node serves whole (every layer), with its state (section 3.3)."""
+
+    model_id: str = Field(description="The `model` clients name; the node's route gate expects it in routes")
+    aliases: list[str] = Field(default_factory=list, max_length=MAX_MODEL_ALIASES)
+    quant: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
+    state: ModelLoadState = "loaded"
+    expected_load_s: float | None = Field(
+        None, ge=0, le=MAX_EXPECTED_LOAD_S, description="Seconds a load takes here (measured at the first); None: not known yet"
+    )
+    slots: int | None = Field(None, gt=0, le=MAX_NODE_SLOTS, description="Its own slots; None: the node's `slots`")
+    ctx_size: int | None = Field(None, ge=1)
+
+    def answers_to(self, requested: str) -> bool:
+        return model_answers_to(requested, self.model_id, self.aliases)
+
+    def names(self) -> list[str]:
+        return [self.model_id, *self.aliases]
+
+    @model_validator(mode="after")
+    def _names_are_names(self) -> AnnouncedModel:
+        _checked_names(self.names())
+        return self
 
 
 class NodeAnnouncement(WireModel):
@@ -208,7 +279,9 @@ class NodeAnnouncement(WireModel):
     advertised_url: str = Field(description="Base URL the tracker (or relay) uses to reach the node")
     model_id: str = Field(description="The `model` clients name; the node answers /v1/models with it")
     model_aliases: list[str] = Field(
-        default_factory=list, description="Other names clients may use for this model (see `model_answers_to`)"
+        default_factory=list,
+        max_length=MAX_MODEL_ALIASES,
+        description="Other names clients may use for this model (see `model_answers_to`)",
     )
     quant: str | None = None
     shards: list[ShardDigest] = Field(default_factory=list)
@@ -231,9 +304,29 @@ class NodeAnnouncement(WireModel):
     )
     pool: PoolDescription | None = Field(None, description="Set when a LAN pool behind the node holds the model with it")
     capability: NodeCapability | None = Field(None, description="The node's own speed figures, once it measured them")
+    # Beside `model_id`, not instead of it: a tracker that predates the list routes the first model alone.
+    models: list[AnnouncedModel] = Field(
+        default_factory=list,
+        max_length=MAX_ANNOUNCED_MODELS,
+        description="Every model the node serves, with its state; the first is `model_id` (section 3.3). Empty: that one, loaded",
+    )
 
     def answers_to(self, requested: str) -> bool:
-        return model_answers_to(requested, self.model_id, self.model_aliases)
+        return self.served_as(requested) is not None
+
+    def served_models(self) -> list[AnnouncedModel]:
+        """Every model the node serves: `models`, or from a node that sends no list its one model, loaded."""
+        if self.models:
+            return list(self.models)
+        only = AnnouncedModel.model_construct(
+            model_id=self.model_id, aliases=list(self.model_aliases), quant=self.quant, state="loaded",
+            expected_load_s=None, slots=None, ctx_size=self.ctx_size,
+        )  # fmt: skip
+        return [only]
+
+    def served_as(self, requested: str) -> AnnouncedModel | None:
+        """The model a request naming `requested` is for here (by id or alias, `model_answers_to`); None: none."""
+        return next((m for m in self.served_models() if m.answers_to(requested)), None)
 
     @property
     def full_coverage(self) -> bool:
@@ -257,6 +350,23 @@ class NodeAnnouncement(WireModel):
             raise ValueError("relays: every relay carries the node's one certificate")
         if len({relay_audience(r.url) for r in self.relays}) != len(self.relays):
             raise ValueError("relays: a relay is named twice")
+        return self
+
+    @model_validator(mode="after")
+    def _models_agree(self) -> NodeAnnouncement:
+        # The first model is the one an old tracker routes (`model_id`); a name two models answer to would
+        # make the tracker's pick between them arbitrary.
+        _checked_names([self.model_id, *self.model_aliases])
+        if not self.models:
+            return self
+        if self.models[0].model_id != self.model_id:
+            raise ValueError("models: the first model must be the one in `model_id`")
+        seen: set[str] = set()
+        for model in self.models:
+            for name in model.names():
+                if name.lower() in seen:
+                    raise ValueError(f"models: {name!r} names two models (or one twice)")
+                seen.add(name.lower())
         return self
 
     @model_validator(mode="after")
@@ -595,6 +705,7 @@ class ErrorBody(WireModel):
 
 
 HealthReport.model_rebuild()
+NodeLoad.model_rebuild()
 NodeAnnouncement.model_rebuild()
 
 

@@ -306,11 +306,13 @@ class NodePresence:
         # What the tracker heard last: a state that changed since (e.g. a problem found in the
         # acknowledgement) goes out at the next state check.
         reported_state = announced
+        reported_models = self._status()[1].models  # as the registration said them
         last_beat = self._clock()
         while True:
             await anyio.sleep(min(STATE_CHECK_INTERVAL_S, period))
             state, load = self._status()
-            if state == reported_state and self._clock() - last_beat < period:
+            # A model loaded or unloaded goes out at the next state check too: the tracker routes by it.
+            if state == reported_state and load.models == reported_models and self._clock() - last_beat < period:
                 continue
             try:
                 # A heartbeat that outlasts its period is late anyway: the next one goes out on a fresh connection.
@@ -325,5 +327,5 @@ class NodePresence:
                 # Keep the fixed period: a heartbeat is tiny and carries the current state, and the
                 # first one through after an outage (or its "unknown node" answer) restores the registration.
                 log.warning("heartbeat to %s failed: %s", self._client.base_url, exc)
-            reported_state = state
+            reported_state, reported_models = state, load.models
             last_beat = self._clock()

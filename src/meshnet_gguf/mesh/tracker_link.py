@@ -41,6 +41,7 @@ from meshnet_gguf.contract.protocol import (
     NODE_CONTROL_NONCE_MAX_CHARS,
     NODE_CONTROL_NONCE_PARAM,
     NODE_CONTROL_PATH,
+    AnnouncedModel,
     HardwareSummary,
     HealthReport,
     MeshState,
@@ -54,6 +55,7 @@ from meshnet_gguf.contract.protocol import (
     UsageRecord,
 )
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key, public_key_text, tracker_issuer_for
+from meshnet_gguf.mesh.announced_models import first_model_first, state_reports, wire_aliases
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
 from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
@@ -99,6 +101,16 @@ class ServedModel:
     slots: int = 1
     ctx_size: int | None = None
     pool: PoolDescription | None = None  # a LAN pool behind this node: its size and plan, no addresses
+    # Every model the node serves now, with its state (a node of several fills it from its children's status,
+    # `announced_models.announced_from_children`); None: this one model, loaded.
+    models: Callable[[], Sequence[AnnouncedModel]] | None = None
+
+    def announced(self) -> list[AnnouncedModel]:
+        """The models the announcement and each heartbeat carry, this one first."""
+        this = AnnouncedModel(
+            model_id=self.model_id, aliases=wire_aliases(self.model_aliases), quant=self.quant, ctx_size=self.ctx_size,
+        )  # fmt: skip
+        return first_model_first(self.models() if self.models is not None else [], this)
 
 
 # The shard digests and hardware summary the announcement carries. Blocking (it may hash
@@ -252,6 +264,7 @@ class TrackerLink(BasePart):
             slots_total=report.slots_total,
             slots_busy=report.slots_busy,
             recent_tokens_per_s=report.recent_tokens_per_s,
+            models=state_reports(self.model.announced()),
         )
         return state, load
 
@@ -265,7 +278,7 @@ class TrackerLink(BasePart):
             relay=self.relay_attachments[0] if self.relay_attachments else None,
             relays=self.relay_attachments if len(self.relay_attachments) > 1 else [],
             model_id=model.model_id,
-            model_aliases=list(model.model_aliases),
+            model_aliases=wire_aliases(model.model_aliases),
             max_tokens_cap=model.max_tokens_cap,
             quant=model.quant,
             shards=self._shards or [],
@@ -279,6 +292,7 @@ class TrackerLink(BasePart):
             node_version=__version__,
             pool=model.pool,
             capability=self._health().capability,  # None until llama-server measured itself; /health carries it then
+            models=model.announced(),
         )
 
     def _trust(self, key: Ed25519PublicKey) -> None:

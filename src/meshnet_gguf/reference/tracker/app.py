@@ -72,6 +72,7 @@ class Tracker:
         )  # fmt: skip
         if self.auditor is not None:
             self.enrolment.on_registered = self.auditor.registered
+            self.registry.audited_models = frozenset(config.verifiers)
         self.forward = ForwardEndpoint(
             config, self.registry, self.ledger, self.routes, self.reach, self.poll_soon, self.receipts.flag_mismatch,
             self.auditor,
@@ -176,6 +177,7 @@ class Tracker:
     async def _nodes(self, request: Request) -> Response:
         flags = await self.ledger.flags_by_node()
         earnings = await self.ledger.billed_by_node()
+        earnings_by_model = await self.ledger.billed_by_node_and_model()
         return JSONResponse(
             [
                 {
@@ -188,6 +190,7 @@ class Tracker:
                     "advertised_url": e.announcement.advertised_url,
                     "receipt_flags": flags.get(e.node_id, 0),
                     "speed": e.speed.summary(),
+                    "models": tracker_page.models_view(self.registry, e, earnings_by_model.get(e.node_id, {})),
                     **tracker_page.market_view(self.registry, e, earnings.get(e.node_id)),
                     **(
                         {}
@@ -201,11 +204,13 @@ class Tracker:
         )
 
     async def _models(self, request: Request) -> Response:
+        """Every model a routable node serves, with how many serve it and how many of those have it loaded."""
         data = [
-            {"id": model, "object": "model", "created": 0, "owned_by": "meshnet", "meshnet_nodes": len(nodes)}
+            {"id": model, "object": "model", "created": 0, "owned_by": "meshnet", "meshnet_nodes": len(nodes),
+             "meshnet_loaded_on": sum(1 for e in nodes if (m := e.model_for(model)) is not None and m.state == "loaded")}
             for model, nodes in sorted(self.registry.models().items())
             if nodes
-        ]
+        ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
 

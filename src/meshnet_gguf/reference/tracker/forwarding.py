@@ -32,6 +32,7 @@ from meshnet_gguf.reference.tracker.audits import AnswerCapture, Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.ledger import Outcome, TrackerLedger
 from meshnet_gguf.reference.tracker.metering import ForwardMeter, prompt_ceiling, requested_choices
+from meshnet_gguf.reference.tracker.node_models import ModelOnNode
 from meshnet_gguf.reference.tracker.node_speed import StreamSample
 from meshnet_gguf.reference.tracker.reach import NodeReach
 from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
@@ -94,15 +95,17 @@ class ForwardEndpoint:
             return
         # The forwarded row was synced while the node worked; the client's first byte waits for it.
         if (unrecorded := await _unrecorded(written, request_id)) is not None:
-            node.in_flight -= 1
+            node.ended(timing.model)
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()  # the node's receipt for it, if any, names a request never routed here
             await send_error(send, unrecorded)
             return
         content_type = next((value for name, value in upstream.headers if name.lower() == "content-type"), "")
         meter = ForwardMeter(content_type.startswith("text/event-stream"), payload)
-        # Drawn here, on the tracker, so the node cannot tell an audited answer from another.
-        capture = None if self.auditor is None else self.auditor.draw(node, scope["path"], payload, meter.event_stream)
+        # Drawn here, on the tracker, so the node cannot tell an audited answer from another. Only the node's first
+        # model is audited (an audited model is routed nowhere else: `registry.NodeRegistry.audited_models`).
+        audited = self.auditor is not None and timing.model is node.primary()
+        capture = self.auditor.draw(node, scope["path"], payload, meter.event_stream) if audited else None  # type: ignore[union-attr]
         route_ceiling = (self.routes.route_max_tokens(scope["path"], payload) or 0) * requested_choices(payload)
         outcome: Outcome = "cancelled"
         delivery = _Delivery()
@@ -131,12 +134,13 @@ class ForwardEndpoint:
         except OSError:
             outcome = "cancelled"  # the client went away while we were sending
         finally:
-            node.in_flight -= 1
+            node.ended(timing.model)
             if outcome == "cancelled" and delivery.terminal_sent:
                 # The client left after the stream's [DONE] reached it (the openai SDK closes on it) while
                 # the node's stream was still closing: it had the whole answer, whichever came first.
                 outcome = "upstream_error" if meter.error else "complete"
-            if outcome == "complete" and upstream.status < 400 and (sample := timing.sample()) is not None:
+            # A stream that waited for its model's load says nothing of the node's speed.
+            if outcome == "complete" and upstream.status < 400 and not timing.cold and (sample := timing.sample()) is not None:
                 timing.speed.record(sample)
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -164,14 +168,15 @@ class ForwardEndpoint:
         tried: set[str] = set()
         for _ in range(MAX_ROUTE_ATTEMPTS):
             node = self.registry.pick(model, exclude=tried, prompt_tokens=prompt_tokens)
-            if node is None:
+            served = None if node is None else node.model_for(model)
+            if node is None or served is None:
                 break
             tried.add(node.node_id)
             request_id = f"req-{uuid.uuid4().hex}"
             token = self.routes.sign_route(node, request_id, path, model, body, max_tokens)
             # Synced on the ledger's thread while the node works on the request (protocol §6, rule 5).
             written = self.ledger.open_request_soon(
-                request_id, node.node_id, node.announcement.model_id, path, stream,  # billed as the node serves it
+                request_id, node.node_id, served.model_id, path, stream,  # billed as the node serves it
                 max_tokens=max_tokens, choices=requested_choices(payload), body_bytes=len(body), prompt_ceiling=prompt_tokens,
             )  # fmt: skip
             headers = {
@@ -181,13 +186,13 @@ class ForwardEndpoint:
                 REQUEST_ID_HEADER: request_id,
                 "x-request-id": request_id,
             }
-            timing = StreamTiming(node, prompt_tokens)
-            node.in_flight += 1
-            self.registry.routed_to(node)
+            timing = StreamTiming(node, prompt_tokens, served)
+            node.started(served)
+            timing.cold = self.registry.routed_to(node, served)
             try:
                 upstream = await node.target.send(self.reach.clients, "POST", path, headers, body)
             except HttpConnectError as exc:  # the node never saw the request
-                node.in_flight -= 1
+                node.ended(served)
                 node.healthy = False  # until the next health poll says otherwise
                 self.poll_soon()
                 log.warning("node %s unreachable (%s); trying another", node.node_id, exc)
@@ -195,7 +200,7 @@ class ForwardEndpoint:
                 await self.ledger.finish_request(request_id, None, "refused", None)
                 continue
             except HttpClientError as exc:
-                node.in_flight -= 1
+                node.ended(served)
                 await _unrecorded(written, request_id)
                 await self.ledger.finish_request(request_id, None, "upstream_error", None)
                 raise ApiError(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
@@ -235,11 +240,14 @@ class ForwardEndpoint:
 
 class StreamTiming:
     """Times one forward for the node's speed estimate: sent, first and last content event, and the
-    node's load meanwhile. Kept with the `NodeSpeed` of the registration it was sent under, so a
-    stream that ends after its node registered again does not feed the new estimate."""
+    node's load meanwhile. Kept with the `NodeSpeed` of the model and the registration it was sent under,
+    so a stream that ends after its node registered again does not feed the new estimate. `cold`: it
+    found its model not loaded (its first token waited for a load: not a speed to learn)."""
 
-    def __init__(self, node: NodeEntry, prompt_tokens: int) -> None:
-        self.node, self.speed, self.prompt_tokens = node, node.speed, prompt_tokens
+    def __init__(self, node: NodeEntry, prompt_tokens: int, model: ModelOnNode | None = None) -> None:
+        self.model = model or node.primary()
+        self.node, self.speed, self.prompt_tokens = node, self.model.speed, prompt_tokens
+        self.cold = False
         self.busy_before = node.busy()
         self.sent = time.monotonic()
         self.first: float | None = None

@@ -129,6 +129,16 @@ class AuditRecord:
     drift_tokens: int = 0
 
 
+# What a node earned, grouped by `columns`: its requests billed and their tokens, each figure of a receipt capped by
+# the tracker's ceiling (a refused request bills nothing, one in flight or without a receipt or ceilings not yet).
+_BILLED_SELECT = (
+    "SELECT {columns}, count(*), SUM(MIN(c.prompt_tokens, r.prompt_ceiling)), SUM(MIN(c.completion_tokens, r.completion_ceiling))"
+    " FROM forwarded r JOIN receipts c ON c.request_id = r.request_id"
+    " WHERE r.outcome NOT IN ('refused', 'in_flight') AND r.prompt_ceiling IS NOT NULL"
+    " AND r.completion_ceiling IS NOT NULL GROUP BY {columns}"
+)
+
+
 @dataclass(frozen=True)
 class NodeEarnings:
     """A node's billed requests on this tracker, ever, and their tokens (`TrackerLedger.billed_by_node`)."""
@@ -363,16 +373,17 @@ class TrackerLedger:
         """What each node earned here: its requests billed and their tokens, each figure of a receipt capped
         by the tracker's ceiling, as `billed` bills one request (a refused request bills nothing, one in
         flight or without a receipt or ceilings not yet). One pass over the ledger, like `usage_list`'s."""
-        rows = await self._store.run(
-            self._store.read,
-            "SELECT r.node_id, count(*), SUM(MIN(c.prompt_tokens, r.prompt_ceiling)),"
-            " SUM(MIN(c.completion_tokens, r.completion_ceiling))"
-            " FROM forwarded r JOIN receipts c ON c.request_id = r.request_id"
-            " WHERE r.outcome NOT IN ('refused', 'in_flight') AND r.prompt_ceiling IS NOT NULL"
-            " AND r.completion_ceiling IS NOT NULL GROUP BY r.node_id",
-            (),
-        )
+        rows = await self._store.run(self._store.read, _BILLED_SELECT.format(columns="r.node_id"), ())
         return {node_id: NodeEarnings(requests, prompt or 0, completion or 0) for node_id, requests, prompt, completion in rows}
+
+    async def billed_by_node_and_model(self) -> dict[str, dict[str, NodeEarnings]]:
+        """`billed_by_node` by model too: node id -> the model each row was routed as (the node's own id for it,
+        the one its receipt must name) -> what it earned serving that model."""
+        rows = await self._store.run(self._store.read, _BILLED_SELECT.format(columns="r.node_id, r.model"), ())
+        found: dict[str, dict[str, NodeEarnings]] = {}
+        for node_id, model, requests, prompt, completion in rows:
+            found.setdefault(node_id, {})[model] = NodeEarnings(requests, prompt or 0, completion or 0)
+        return found
 
     async def usage(self, request_id: str) -> TrackerUsage | None:
         found = await self.usage_list(request_id=request_id)

@@ -35,13 +35,15 @@ STATIC_FILES = static_files(PAGES_DIR, "tracker", own_stylesheet=True)
 class _Registry(Protocol):
     def all(self) -> list[Any]: ...
 
-    def recent_share(self, entry: Any) -> tuple[int, int]: ...
+    def recent_share(self, entry: Any, model_id: str | None = None) -> tuple[int, int]: ...
 
 
 class _Ledger(Protocol):
     async def usage_list(self, *, request_id: str | None = None, limit: int = 100) -> list[TrackerUsage]: ...
 
     async def billed_by_node(self) -> dict[str, NodeEarnings]: ...
+
+    async def billed_by_node_and_model(self) -> dict[str, dict[str, NodeEarnings]]: ...
 
 
 class _Tracker(Protocol):
@@ -76,9 +78,29 @@ def market_view(registry: _Registry, entry: Any, earned: NodeEarnings | None) ->
     }
 
 
+def models_view(registry: _Registry, entry: Any, earned: dict[str, NodeEarnings]) -> list[dict[str, Any]]:
+    """Every model the node announced, in its order: its state there (loaded, loadable with its expected load,
+    unavailable), what a cold load adds to a first token now, its requests in flight, its share of the model's
+    last requests and what the node earned serving it."""
+    now = time.monotonic()
+    shown = []
+    for model in entry.models.values():
+        requests, of_last = registry.recent_share(entry, model.model_id)
+        got = earned.get(model.model_id) or NodeEarnings(0, 0, 0)
+        shown.append(
+            {
+                **model.view(now),
+                "recent_share": {"requests": requests, "of_last": of_last},
+                "earned": {"requests": got.requests, "prompt_tokens": got.prompt_tokens, "completion_tokens": got.completion_tokens},
+            }
+        )
+    return shown
+
+
 async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
     now = time.monotonic()
     earnings = await tracker.ledger.billed_by_node()
+    earnings_by_model = await tracker.ledger.billed_by_node_and_model()
     nodes = []
     for entry in tracker.registry.all():
         announcement = entry.announcement
@@ -101,6 +123,7 @@ async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
                 "health_misses": entry.health_misses,
                 "routed": entry.routed,
                 "speed": entry.speed.summary(),
+                "models": models_view(tracker.registry, entry, earnings_by_model.get(entry.node_id, {})),
                 **market_view(tracker.registry, entry, earnings.get(entry.node_id)),
                 "audits": _audits(tracker, entry),
             }
@@ -123,4 +146,4 @@ def _audits(tracker: _Tracker, entry: Any) -> dict[str, Any] | None:
     return {**auditor.record(entry.node_id).summary(), "proof_blocked": entry.proof_blocked}
 
 
-__all__ = ["DASHBOARD_JSON_PATH", "dashboard_document", "market_view", "routes"]
+__all__ = ["DASHBOARD_JSON_PATH", "dashboard_document", "market_view", "models_view", "routes"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
 from meshnet_gguf.reference.tracker.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, REMEASURE_WITHIN, Market, NodeOffer
 from meshnet_gguf.reference.tracker.node_address import NodeTarget
+from meshnet_gguf.reference.tracker.node_models import ModelOnNode, apply_reports, models_of
 from meshnet_gguf.reference.tracker.node_speed import NodeSpeed, expected_ttft_s, load_factor, overhead_floor_s
 
 # The prompt length a caller that names none is ranked for: a short chat turn (metering's bound of one).
@@ -37,10 +38,53 @@ class NodeEntry:
     speed: NodeSpeed = field(default_factory=NodeSpeed)
     # Proof of model (tracker/audits.py): not routed while its registration probe runs or after a failed audit.
     proof_blocked: bool = False
+    # Every model it announced, by id (`node_models`); set at registration.
+    models: dict[str, ModelOnNode] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            self.models = models_of(self.announcement, self.speed)
 
     @property
     def node_id(self) -> str:
         return self.announcement.node_id
+
+    def model_for(self, requested: str) -> ModelOnNode | None:
+        """The model a request naming `requested` is for on this node (by id or alias); None when it serves none."""
+        served = self.announcement.served_as(requested)
+        return None if served is None else self.models.get(served.model_id)
+
+    def primary(self) -> ModelOnNode:
+        """The first model announced (`model_id`): the one an old tracker knows, audits and the node's own speed."""
+        return self.models[self.announcement.model_id]
+
+    def started(self, model: ModelOnNode) -> None:
+        """A request for `model` is being relayed to the node."""
+        self.in_flight += 1
+        model.in_flight += 1
+
+    def ended(self, model: ModelOnNode) -> None:
+        self.in_flight -= 1
+        model.in_flight -= 1
+
+    def busy_for(self, model: ModelOnNode) -> int:
+        """The node's requests that hold one of `model`'s slots, as far as the tracker can tell: the node's own
+        `busy()` less what this tracker is relaying for its other models (traffic from elsewhere counts whole)."""
+        others = sum(m.in_flight for m in self.models.values() if m is not model)
+        return max(self.busy() - others, 0)
+
+    def slots_for(self, model: ModelOnNode) -> int:
+        return model.served.slots or self.announcement.slots
+
+    def full_for(self, model: ModelOnNode) -> bool:
+        """No slot for `model` here: its own are taken, or every slot of the node is."""
+        return self.full() or self.busy_for(model) >= self.slots_for(model)
+
+    def free_slots_for(self, model: ModelOnNode) -> int:
+        return max(min(self.slots_for(model) - self.busy_for(model), self.free_slots()), 0)
+
+    def busy_fraction_for(self, model: ModelOnNode) -> float:
+        return self.busy_for(model) / max(self.slots_for(model), 1)
 
     def busy(self) -> int:
         # Our own in-flight count is current; the heartbeat's is up to a period old but sees traffic
@@ -75,6 +119,9 @@ class NodeRegistry:
         self._rng = rng or random.Random()
         self._nodes: dict[str, NodeEntry] = {}
         self._markets: dict[str, Market[NodeEntry]] = {}  # by the node's own model id
+        # Model ids audited here (proof of model): routed only to nodes that announce them first, the model their
+        # registration probe and audits check; a node naming one second would serve it unaudited.
+        self.audited_models: frozenset[str] = frozenset()
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -111,6 +158,12 @@ class NodeRegistry:
         entry.healthy, entry.health_misses = False, 0  # a new announcement (new URL?) is polled afresh
         # A new registration is a restarted node (maybe on other hardware or settings): nothing measured before holds.
         entry.speed = NodeSpeed(announcement.capability)
+        # Its models afresh, each keeping the requests in flight that relays in progress will give back.
+        in_flight = {model_id: m.in_flight for model_id, m in entry.models.items()}
+        entry.models = models_of(announcement, entry.speed)
+        for model_id, count in in_flight.items():
+            if model_id in entry.models:
+                entry.models[model_id].in_flight = count
         return entry, displaced
 
     def heartbeat(self, node_id: str, state: MeshState, load: NodeLoad) -> NodeEntry | None:
@@ -119,12 +172,14 @@ class NodeRegistry:
             return None
         entry.state, entry.load, entry.last_seen = state, load, self._clock()
         entry.in_flight_at_heartbeat = entry.in_flight
+        apply_reports(entry.models, load.models)
         return entry
 
     def remove(self, node_id: str) -> NodeEntry | None:
         entry = self._nodes.pop(node_id, None)
         if entry is not None:
-            self.market(entry.announcement.model_id).forget(node_id)
+            for model_id in entry.models:
+                self.market(model_id).forget(node_id)
         return entry
 
     def expire(self) -> list[str]:
@@ -136,18 +191,25 @@ class NodeRegistry:
         return gone
 
     def routable(self, model: str) -> list[NodeEntry]:
-        """Online, healthy, fresh nodes holding every layer of `model`: the only ones given single-hop routes."""
+        """Online, healthy, fresh nodes holding every layer of `model`, not `unavailable` there (an audited model
+        only where it is the node's first): the only ones given single-hop routes."""
         cutoff = self._clock() - self.ttl_s
         return [
             entry
             for entry in self._nodes.values()
-            if entry.announcement.answers_to(model)
+            if (served := entry.model_for(model)) is not None
+            and served.routable
+            and (served is entry.primary() or not self._audited(served))
             and entry.state == "online"
             and entry.healthy
             and entry.last_seen >= cutoff
             and entry.announcement.full_coverage
             and not entry.proof_blocked
         ]
+
+    def _audited(self, model: ModelOnNode) -> bool:
+        audited = {m.lower() for m in self.audited_models}
+        return any(name.lower() in audited for name in model.served.names())
 
     def market(self, model_id: str) -> Market[NodeEntry]:
         """The market of the nodes whose own model id is `model_id` (`market.Market`)."""
@@ -167,20 +229,27 @@ class NodeRegistry:
           turns (`market.Market.take_turn`);
         - with no measured node free, the same band among the nodes not measured yet, ranked by their
           claims; nodes with no figure at all, least busy first, then least routed to.
+
+        Everything is per model: its slots, its speed on each node, and its cold load where it is not loaded
+        (`node_models.ModelOnNode.cold_load_s`), added to the expected first token, so a warm node wins over a
+        cold one of equal speed; a cold node is never sent a request only to measure it.
         """
         candidates = [e for e in self.routable(model) if e.node_id not in exclude]
         if not candidates:
             return None
-        floor = overhead_floor_s(e.speed for e in candidates)
-        free = [e for e in candidates if not e.full()]
+        now = self._clock()
+        on = {e.node_id: m for e in candidates if (m := e.model_for(model)) is not None}  # each one: it is routable for it
+        cold = {e.node_id: on[e.node_id].cold_load_s(now) for e in candidates}
+        floor = overhead_floor_s(on[e.node_id].speed for e in candidates)
+        free = [e for e in candidates if not e.full_for(on[e.node_id])]
         if not free:
-            return min(candidates, key=lambda e: route_rank(e, prompt_tokens, floor))
-        market = self.market(free[0].announcement.model_id)
+            return min(candidates, key=lambda e: route_rank(e, prompt_tokens, floor, on[e.node_id], cold[e.node_id]))
+        market = self.market(on[free[0].node_id].model_id)
         if not exclude:  # a client's request, not a retry of one
             market.earn_unmeasured()
-        expected = {e.node_id: expected_ttft_s(e.speed, prompt_tokens, e.busy(), floor) for e in free}
-        measured = [e for e in free if e.speed.trusted]
-        unmeasured = [e for e in free if not e.speed.trusted]
+        expected = {e.node_id: _plus(self._expected_s(e, on[e.node_id], prompt_tokens, floor), cold[e.node_id]) for e in free}
+        measured = [e for e in free if on[e.node_id].speed.trusted]
+        unmeasured = [e for e in free if not on[e.node_id].speed.trusted]
         if measured:
             best = min(t for e in measured if (t := expected[e.node_id]) is not None)
             # A claim of being far slower is believed (it costs only its maker): its prefill alone, overheads
@@ -188,54 +257,78 @@ class NodeRegistry:
             # sent a request for a while unless its own figures put it well past the band.
             believed_slower = best * (1 + FAIR_BAND_TOLERANCE) * CLAIM_BELIEVED_SLOWER
             worth_measuring = [
-                e for e in unmeasured if (t := e.speed.claimed_prefill_s(prompt_tokens)) is None or t <= believed_slower
+                e for e in unmeasured
+                if (t := on[e.node_id].speed.claimed_prefill_s(prompt_tokens)) is None or t <= believed_slower
             ] + [
                 e for e in measured
                 if market.stale(e.node_id) and expected[e.node_id] <= best * (1 + FAIR_BAND_TOLERANCE) * REMEASURE_WITHIN  # type: ignore[operator]
             ]  # fmt: skip
+            worth_measuring = [e for e in worth_measuring if not cold[e.node_id]]  # a load is not a measurement
             if worth_measuring and market.unmeasured_turn():
-                samples = {e.node_id: e.speed.samples for e in worth_measuring}
+                samples = {e.node_id: on[e.node_id].speed.samples for e in worth_measuring}
                 return market.least_measured(worth_measuring, samples, {e.node_id: e.routed for e in worth_measuring})
             pool = measured
         else:
             pool = unmeasured
-        offers = [
-            NodeOffer(e, t, e.speed.ttft_spread_s(prompt_tokens) * load_factor(e.busy()), e.busy(), e.free_slots())
-            for e in pool
-            if (t := expected[e.node_id]) is not None
-        ]
-        if not offers:  # no figure for any of them
-            return min(pool, key=lambda e: (e.busy_fraction(), e.routed))
+        offers = [self._offer(e, on[e.node_id], t, prompt_tokens) for e in pool if (t := expected[e.node_id]) is not None]
+        if not offers:  # no figure for any of them: warm before cold, then the least busy, then the least routed to
+            return min(pool, key=lambda e: (cold[e.node_id], e.busy_fraction_for(on[e.node_id]), e.routed))
         return market.take_turn(market.band(offers))
 
-    def routed_to(self, entry: NodeEntry) -> None:
-        """A request was sent to `entry`: counted for it and for its model's recent shares."""
-        entry.routed += 1
-        self.market(entry.announcement.model_id).routed(entry.node_id)
+    @staticmethod
+    def _offer(entry: NodeEntry, model: ModelOnNode, expected_s: float, prompt_tokens: int) -> NodeOffer[NodeEntry]:
+        busy = entry.busy_for(model)
+        return NodeOffer(entry, expected_s, model.speed.ttft_spread_s(prompt_tokens) * load_factor(busy), busy, entry.free_slots_for(model))
 
-    def recent_share(self, entry: NodeEntry) -> tuple[int, int]:
-        """(requests of its model's last ones that went to `entry`, the last requests counted: `market.RECENT_REQUESTS`)."""
-        return self.market(entry.announcement.model_id).recent_share(entry.node_id)
+    @staticmethod
+    def _expected_s(entry: NodeEntry, model: ModelOnNode, prompt_tokens: int, floor: float) -> float | None:
+        return expected_ttft_s(model.speed, prompt_tokens, entry.busy_for(model), floor)
+
+    def routed_to(self, entry: NodeEntry, model: ModelOnNode | None = None) -> bool:
+        """A request was sent to `entry` for `model` (its first when None): counted for it and for the model's
+        recent shares. True when it found the model cold there (the request waits for a load)."""
+        model = model or entry.primary()
+        entry.routed += 1
+        self.market(model.model_id).routed(entry.node_id)
+        return model.sent(self._clock())
+
+    def recent_share(self, entry: NodeEntry, model_id: str | None = None) -> tuple[int, int]:
+        """(requests of the model's last ones that went to `entry`, the last requests counted: `market.RECENT_REQUESTS`);
+        the model is the node's first when None."""
+        return self.market(model_id or entry.announcement.model_id).recent_share(entry.node_id)
 
     def serves(self, model: str) -> bool:
         """Whether some registered node answers to `model`: its id or an alias (`protocol.model_answers_to`)."""
         return any(entry.announcement.answers_to(model) for entry in self._nodes.values())
 
     def models(self) -> dict[str, list[NodeEntry]]:
-        """Every model some node announced, with its routable nodes (possibly none)."""
+        """Every model some node announced (by the id the first node announcing it gave), with its routable nodes
+        (possibly none)."""
         found: dict[str, list[NodeEntry]] = {}
+        seen: set[str] = set()
         for entry in self._nodes.values():
-            found.setdefault(entry.announcement.model_id, [])
+            for model_id in entry.models:
+                if model_id.lower() not in seen:
+                    seen.add(model_id.lower())
+                    found[model_id] = []
         for model in found:
             found[model] = self.routable(model)
         return found
 
 
-def route_rank(entry: NodeEntry, prompt_tokens: int, overhead_floor_s: float = 0.0) -> tuple[bool, bool, float, float, int]:
+def route_rank(
+    entry: NodeEntry, prompt_tokens: int, overhead_floor_s: float = 0.0, model: ModelOnNode | None = None, cold_load_s: float = 0.0
+) -> tuple[bool, bool, float, float, int]:
     """Smaller is better. A node with a free slot before a full one (a full node refuses with 503, so
     the request spills to the next); then the soonest expected first token (`node_speed.expected_ttft_s`:
     its speed for this prompt, stretched by its load; a claim is read with the overhead measured on
-    the node, or before that the least measured on any, `overhead_floor_s`), nodes the tracker knows no speed of after those
-    it does (they get the overflow until measured); then the least busy, then the least routed to."""
-    expected = expected_ttft_s(entry.speed, prompt_tokens, entry.busy(), overhead_floor_s)
-    return (entry.full(), expected is None, expected or 0.0, entry.busy_fraction(), entry.routed)
+    the node, or before that the least measured on any, `overhead_floor_s`; plus the model's cold load there),
+    nodes the tracker knows no speed of after those it does (they get the overflow until measured); then the
+    least busy, then the least routed to. `model`: the requested model on the node (its first when None)."""
+    model = model or entry.primary()
+    expected = _plus(expected_ttft_s(model.speed, prompt_tokens, entry.busy_for(model), overhead_floor_s), cold_load_s)
+    return (entry.full_for(model), expected is None, expected or cold_load_s, entry.busy_fraction_for(model), entry.routed)
+
+
+def _plus(expected_s: float | None, cold_load_s: float) -> float | None:
+    return None if expected_s is None else expected_s + cold_load_s

@@ -32,6 +32,7 @@ class RouteSigner:
     def sign_route(self, node: NodeEntry, request_id: str, path: str, model: str, body: bytes, max_tokens: int | None) -> str:
         now = int(time.time())
         ann = node.announcement
+        served = ann.served_as(model)
         claims = RouteClaims(
             iss=self.issuer,
             sub=ann.node_id,
@@ -39,7 +40,8 @@ class RouteSigner:
             iat=now,
             exp=now + self.config.route_lifetime_s,
             path=path,
-            model=ann.model_id,  # the node's own id for the model the client named (maybe by an alias)
+            # The node's own id for the model the client named (maybe by an alias), of the models it serves.
+            model=served.model_id if served is not None else ann.model_id,
             hops=[RouteHop(node_id=ann.node_id, first_layer=ann.first_layer, last_layer=ann.last_layer)],
             body_sha256=body_sha256(body),
             max_tokens=max_tokens,

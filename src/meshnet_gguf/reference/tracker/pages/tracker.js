@@ -68,6 +68,21 @@ function auditCell(a) {
   return [`${a.passed} passed${pending}`, "", last];
 }
 
+// Every model the node serves and its state there: loaded, loadable (with its expected load), loading, unavailable.
+function modelState(m) {
+  if (m.state === "loaded") return "loaded";
+  if (m.state === "unavailable") return "unavailable";
+  const load = m.expected_load_s != null ? `~${m.expected_load_s.toFixed(1)} s load` : "load time not measured";
+  return m.loading ? `loading (${m.cold_load_s.toFixed(1)} s left)` : `loadable, ${load}`;
+}
+
+function modelsCell(n) {
+  const first = n.quant ? `${n.model} (${n.quant})` : n.model;
+  if (!n.models || n.models.length <= 1) return [first];
+  const text = n.models.map((m) => `${m.model}: ${modelState(m)}`).join("; ");
+  return [text, "", `${n.models.length} models; the first is ${first}`];
+}
+
 function row(cells, className) {
   const tr = document.createElement("tr");
   if (className) tr.className = className;
@@ -87,7 +102,7 @@ function render(doc) {
   $("summary").textContent = `${doc.nodes.length} node(s), ${online} online`;
   const nodes = doc.nodes.map((n) => row([
     [short(n.node_id), "id", n.node_id],
-    [n.quant ? `${n.model} (${n.quant})` : n.model],
+    modelsCell(n),
     [n.node_state && n.node_state !== "ready" ? `${n.state} (node: ${n.node_state})` : n.state, `state-${n.state}`],
     [`${n.slots_busy} / ${n.slots_total}`],
     [n.tokens_per_s ? n.tokens_per_s.toFixed(1) : "–"],

@@ -1,0 +1,73 @@
+"""What a node tells its tracker of each model it serves: the states of `llama.model_children` on the wire, the
+first model first, and what a heartbeat carries."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import get_args
+
+from meshnet_gguf.contract.protocol import MAX_MODEL_ALIASES, MAX_MODEL_NAME_CHARS, AnnouncedModel, ModelLoadState, NodeAnnouncement
+from meshnet_gguf.llama.model_children import ModelState, ModelStatus
+from meshnet_gguf.mesh.announced_models import (
+    CHILD_STATE_ON_WIRE,
+    announced_from_children,
+    first_model_first,
+    state_reports,
+    wire_aliases,
+)
+from meshnet_gguf.mesh.tracker_link import ServedModel
+
+
+def status(alias: str, state: ModelState, expected_load_s: float | None = None) -> ModelStatus:
+    return ModelStatus(
+        alias=alias, state=state, pinned=False, pid=None, requests=0, in_flight=0, idle_s=None,
+        expected_load_s=expected_load_s, last_load_s=expected_load_s, loads=0, error=None, memory_bytes=None,
+    )  # fmt: skip
+
+
+def test_every_state_of_a_child_has_a_word_on_the_wire() -> None:
+    assert set(CHILD_STATE_ON_WIRE) == set(get_args(ModelState))
+    assert set(CHILD_STATE_ON_WIRE.values()) <= set(get_args(ModelLoadState))
+
+
+def test_children_are_announced_loaded_loadable_with_their_load_time_or_unavailable() -> None:
+    described = {"big:Q4_K_M": AnnouncedModel(model_id="big:Q4_K_M", aliases=["big"], quant="Q4_K_M", slots=2)}
+    children = [
+        status("big:Q4_K_M", "loaded", 12.5), status("small", "unloaded", 0.4), status("mid", "loading"),
+        status("gone", "unloading", 1.0), status("broken", "failed"),
+    ]  # fmt: skip
+    announced = announced_from_children(children, described)
+    assert [(m.model_id, m.state, m.expected_load_s) for m in announced] == [
+        ("big:Q4_K_M", "loaded", 12.5), ("small", "loadable", 0.4), ("mid", "loadable", None),
+        ("gone", "loadable", 1.0), ("broken", "unavailable", None),
+    ]  # fmt: skip
+    assert announced[0].aliases == ["big"] and announced[0].quant == "Q4_K_M" and announced[0].slots == 2
+    assert [(r.model_id, r.state) for r in state_reports(announced)] == [(m.model_id, m.state) for m in announced]
+
+
+def test_a_state_the_wire_has_no_word_for_is_never_routed_on_a_guess() -> None:
+    odd = SimpleNamespace(alias="odd", state="hibernating", expected_load_s=None)
+    assert announced_from_children([odd])[0].state == "unavailable"
+
+
+def test_the_announced_list_puts_the_nodes_first_model_first_and_never_loses_it() -> None:
+    served = ServedModel(model_id="big", total_layers=2, model_aliases=("big-q4",), quant="Q4_K_M")
+    assert [(m.model_id, m.state, m.aliases) for m in served.announced()] == [("big", "loaded", ["big-q4"])]
+    more = ServedModel(
+        model_id="big", total_layers=2,
+        models=lambda: [AnnouncedModel(model_id="small", state="loadable"), AnnouncedModel(model_id="big")],
+    )  # fmt: skip
+    assert [m.model_id for m in more.announced()] == ["big", "small"]
+    assert [m.model_id for m in first_model_first([AnnouncedModel(model_id="small")], AnnouncedModel(model_id="big"))] == ["big", "small"]
+    announcement = NodeAnnouncement(
+        node_id="n", public_key="k", advertised_url="http://127.0.0.1:1", model_id="big", first_layer=0, last_layer=1,
+        total_layers=2, slots=1, node_version="t", models=more.announced(),
+    )  # fmt: skip
+    assert announcement.served_as("small") is not None
+
+
+def test_an_alias_the_contract_would_refuse_is_left_out_and_the_node_still_announces() -> None:
+    served = ServedModel(model_id="big", total_layers=2, model_aliases=("big-q4", "odd\x07name.gguf", "x" * (MAX_MODEL_NAME_CHARS + 1)))
+    (only,) = served.announced()
+    assert only.aliases == ["big-q4"]
+    assert wire_aliases([f"a{i}" for i in range(MAX_MODEL_ALIASES + 5)]) == [f"a{i}" for i in range(MAX_MODEL_ALIASES)]
