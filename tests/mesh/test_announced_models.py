@@ -3,10 +3,28 @@ first model first, and what a heartbeat carries."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import get_args
 
-from meshnet_gguf.contract.protocol import MAX_MODEL_ALIASES, MAX_MODEL_NAME_CHARS, AnnouncedModel, ModelLoadState, NodeAnnouncement
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshnet_gguf.common.settings import NodeSettings
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.protocol import (
+    MAX_MODEL_ALIASES,
+    MAX_MODEL_NAME_CHARS,
+    ROUTE_HEADER,
+    AnnouncedModel,
+    HealthReport,
+    ModelLoadState,
+    NodeAnnouncement,
+    RouteClaims,
+    RouteHop,
+)
+from meshnet_gguf.contract.signing import body_sha256, encode_token, public_key_text, tracker_issuer_for
 from meshnet_gguf.llama.model_children import ModelState, ModelStatus
 from meshnet_gguf.mesh.announced_models import (
     CHILD_STATE_ON_WIRE,
@@ -15,7 +33,9 @@ from meshnet_gguf.mesh.announced_models import (
     state_reports,
     wire_aliases,
 )
+from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.tracker_link import ServedModel
+from meshnet_gguf.node import NodeKeys, build_tracker_link, trust_tracker
 
 
 def status(alias: str, state: ModelState, expected_load_s: float | None = None) -> ModelStatus:
@@ -71,3 +91,36 @@ def test_an_alias_the_contract_would_refuse_is_left_out_and_the_node_still_annou
     (only,) = served.announced()
     assert only.aliases == ["big-q4"]
     assert wire_aliases([f"a{i}" for i in range(MAX_MODEL_ALIASES + 5)]) == [f"a{i}" for i in range(MAX_MODEL_ALIASES)]
+
+
+def test_the_nodes_route_gate_passes_a_route_for_each_announced_model_and_no_other(tmp_path: Path) -> None:
+    tracker = Ed25519PrivateKey.generate()
+    settings = NodeSettings(
+        state_dir=tmp_path, tracker="http://127.0.0.1:9", tracker_public_key=public_key_text(tracker.public_key()),
+        advertised_url="http://127.0.0.1:1",
+    )  # fmt: skip
+    identity = NodeIdentity.load_or_create(tmp_path)
+    served = ServedModel(
+        model_id="big", total_layers=2, models=lambda: [AnnouncedModel(model_id="small", state="loadable", expected_load_s=1.0)]
+    )
+    link = build_tracker_link(
+        settings, NodeKeys(identity, trust_tracker(settings)), served, lambda: HealthReport(state="ready"), lambda: ([], None)
+    )
+    try:
+
+        def route_for(model: str) -> dict[str, str]:
+            now = int(time.time())
+            claims = RouteClaims(
+                iss=tracker_issuer_for(tracker.public_key()), sub=identity.node_id, jti=f"req-{model}", iat=now, exp=now + 30,
+                path="/v1/chat/completions", model=model, hops=[RouteHop(node_id=identity.node_id, first_layer=0, last_layer=1)],
+                body_sha256=body_sha256(b"{}"),
+            )  # fmt: skip
+            return {ROUTE_HEADER: encode_token(claims.model_dump(), tracker)}
+
+        for model in ("big", "small"):
+            assert link.route_gate.check_token(route_for(model), "/v1/chat/completions").request_id == f"req-{model}"
+        with pytest.raises(ApiError) as refused:
+            link.route_gate.check_token(route_for("third"), "/v1/chat/completions")
+        assert refused.value.code == "route_wrong_model"
+    finally:
+        link.ledger.close()

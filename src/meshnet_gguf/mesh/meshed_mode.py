@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -42,6 +42,7 @@ class RouteGate:
 
     def __init__(self, node_id: str, model_id: str, total_layers: int, key: Ed25519PublicKey | None) -> None:
         self._node_id, self._model_id, self._total_layers = node_id, model_id, total_layers
+        self._other_models: frozenset[str] = frozenset()
         self.replay_cache = ReplayCache()
         self._verifier: RouteVerifier | None = None
         self._key: Ed25519PublicKey | None = None
@@ -64,8 +65,15 @@ class RouteGate:
             node_id=self._node_id,
             model_id=self._model_id,
             total_layers=self._total_layers,
+            other_models=self._other_models,
             replay_cache=self.replay_cache,
         )
+
+    def serve_also(self, model_ids: Collection[str]) -> None:
+        """Routes for these models pass too (a node serving several announces them beside its first)."""
+        self._other_models = frozenset(model_ids)
+        if self._key is not None:
+            self.set_tracker_key(self._key)
 
     def _ready_verifier(self) -> RouteVerifier:
         if self._verifier is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
@@ -98,6 +98,7 @@ class RouteVerifier:
         node_id: str,
         model_id: str,
         total_layers: int,
+        other_models: Collection[str] = (),
         issuer: str | None = None,
         replay_cache: ReplayCache | None = None,
         clock: Callable[[], float] = time.time,
@@ -106,6 +107,8 @@ class RouteVerifier:
         self._issuer = issuer or tracker_issuer_for(tracker_key)
         self.node_id = node_id
         self.model_id = model_id
+        # The models a node of several serves beside its first (their ids, as its announcement names them).
+        self.other_models = frozenset(other_models)
         self.total_layers = total_layers
         # An empty cache is falsy: `or` would silently swap a shared (seeded later) cache for a private one.
         self._replay = replay_cache if replay_cache is not None else ReplayCache()
@@ -135,8 +138,9 @@ class RouteVerifier:
                 f"this node serves only requests routed by its tracker; send them through the tracker ({ROUTE_HEADER} missing)",
             )
         claims = self._decode(token)
-        if claims.model != self.model_id:
-            raise RouteRejected("route_wrong_model", f"route is for model {claims.model!r}, this node serves {self.model_id!r}")
+        if claims.model != self.model_id and claims.model not in self.other_models:
+            also = f" (and {len(self.other_models)} more)" if self.other_models else ""
+            raise RouteRejected("route_wrong_model", f"route is for model {claims.model!r}, this node serves {self.model_id!r}{also}")
         self._check_hops(claims)
         if claims.path != path:
             raise RouteRejected("route_wrong_path", f"route is for {claims.path}, not {path}")

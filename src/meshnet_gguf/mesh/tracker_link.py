@@ -150,6 +150,8 @@ class TrackerLink(BasePart):
         self.reporter = reporter
         self.usage_sink = usage_sink
         self.route_gate = route_gate
+        # Routes for every model the node announces pass its gate: the tracker signs each for the model it served.
+        route_gate.serve_also([m.model_id for m in model.announced()[1:]])
         # What the proxy admits requests with: this link's route gate and ledger.
         self.admission_mode = admission_mode
         self._health = health
