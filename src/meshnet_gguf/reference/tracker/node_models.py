@@ -89,6 +89,12 @@ def models_of(announcement: NodeAnnouncement, node_speed: NodeSpeed) -> dict[str
     return found
 
 
+def by_name(models: dict[str, ModelOnNode]) -> dict[str, ModelOnNode]:
+    """Each model under every name it answers to, in lower case (`protocol.model_answers_to`, looked up once a
+    request rather than matched against every name)."""
+    return {name.lower(): model for model in models.values() for name in model.served.names()}
+
+
 def apply_reports(models: dict[str, ModelOnNode], reports: Iterable[ModelStateReport]) -> None:
     """A heartbeat's model states onto the node's models; a model it did not announce is ignored (a heartbeat
     cannot add one: only a registration, with its checks, can)."""
@@ -97,4 +103,4 @@ def apply_reports(models: dict[str, ModelOnNode], reports: Iterable[ModelStateRe
             model.report(report)
 
 
-__all__ = ["UNMEASURED_LOAD_S", "ModelOnNode", "apply_reports", "models_of"]
+__all__ = ["UNMEASURED_LOAD_S", "ModelOnNode", "apply_reports", "by_name", "models_of"]

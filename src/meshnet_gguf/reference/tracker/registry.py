@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from meshnet_gguf.contract.protocol import HealthReport, MeshState, NodeAnnouncement, NodeLoad
 from meshnet_gguf.reference.tracker.market import CLAIM_BELIEVED_SLOWER, FAIR_BAND_TOLERANCE, REMEASURE_WITHIN, Market, NodeOffer
 from meshnet_gguf.reference.tracker.node_address import NodeTarget
-from meshnet_gguf.reference.tracker.node_models import ModelOnNode, apply_reports, models_of
+from meshnet_gguf.reference.tracker.node_models import ModelOnNode, apply_reports, by_name, models_of
 from meshnet_gguf.reference.tracker.node_speed import NodeSpeed, expected_ttft_s, load_factor, overhead_floor_s
 
 # The prompt length a caller that names none is ranked for: a short chat turn (metering's bound of one).
@@ -38,21 +38,25 @@ class NodeEntry:
     speed: NodeSpeed = field(default_factory=NodeSpeed)
     # Proof of model (tracker/audits.py): not routed while its registration probe runs or after a failed audit.
     proof_blocked: bool = False
-    # Every model it announced, by id (`node_models`); set at registration.
+    # Every model it announced, by id (`node_models`), and under each name it answers to; set at registration.
     models: dict[str, ModelOnNode] = field(default_factory=dict)
+    names: dict[str, ModelOnNode] = field(default_factory=dict, repr=False)
+    # The announcement's, kept as a plain field: the pick reads it many times a request, and it never changes
+    # (a registration updates the entry of the same node id in place).
+    node_id: str = field(init=False)
 
     def __post_init__(self) -> None:
+        self.node_id = self.announcement.node_id
         if not self.models:
-            self.models = models_of(self.announcement, self.speed)
+            self.set_models(models_of(self.announcement, self.speed))
 
-    @property
-    def node_id(self) -> str:
-        return self.announcement.node_id
+    def set_models(self, models: dict[str, ModelOnNode]) -> None:
+        self.models, self.names = models, by_name(models)
 
     def model_for(self, requested: str) -> ModelOnNode | None:
-        """The model a request naming `requested` is for on this node (by id or alias); None when it serves none."""
-        served = self.announcement.served_as(requested)
-        return None if served is None else self.models.get(served.model_id)
+        """The model a request naming `requested` is for on this node (by id or alias, `protocol.model_answers_to`);
+        None when it serves none."""
+        return self.names.get(requested.strip().lower())
 
     def primary(self) -> ModelOnNode:
         """The first model announced (`model_id`): the one an old tracker knows, audits and the node's own speed."""
@@ -70,17 +74,20 @@ class NodeEntry:
     def busy_for(self, model: ModelOnNode) -> int:
         """The node's requests that hold one of `model`'s slots, as far as the tracker can tell: the node's own
         `busy()` less what this tracker is relaying for its other models (traffic from elsewhere counts whole)."""
-        others = sum(m.in_flight for m in self.models.values() if m is not model)
-        return max(self.busy() - others, 0)
+        if len(self.models) == 1:
+            return self.busy()
+        return max(self.busy() - (self.in_flight - model.in_flight), 0)
 
     def slots_for(self, model: ModelOnNode) -> int:
         return model.served.slots or self.announcement.slots
 
     def full_for(self, model: ModelOnNode) -> bool:
         """No slot for `model` here: its own are taken, or every slot of the node is."""
-        return self.full() or self.busy_for(model) >= self.slots_for(model)
+        return self.full() or (len(self.models) > 1 and self.busy_for(model) >= self.slots_for(model))
 
     def free_slots_for(self, model: ModelOnNode) -> int:
+        if len(self.models) == 1:
+            return self.free_slots()
         return max(min(self.slots_for(model) - self.busy_for(model), self.free_slots()), 0)
 
     def busy_fraction_for(self, model: ModelOnNode) -> float:
@@ -160,7 +167,7 @@ class NodeRegistry:
         entry.speed = NodeSpeed(announcement.capability)
         # Its models afresh, each keeping the requests in flight that relays in progress will give back.
         in_flight = {model_id: m.in_flight for model_id, m in entry.models.items()}
-        entry.models = models_of(announcement, entry.speed)
+        entry.set_models(models_of(announcement, entry.speed))
         for model_id, count in in_flight.items():
             if model_id in entry.models:
                 entry.models[model_id].in_flight = count
@@ -247,7 +254,10 @@ class NodeRegistry:
         market = self.market(on[free[0].node_id].model_id)
         if not exclude:  # a client's request, not a retry of one
             market.earn_unmeasured()
-        expected = {e.node_id: _plus(self._expected_s(e, on[e.node_id], prompt_tokens, floor), cold[e.node_id]) for e in free}
+        busy = {e.node_id: e.busy_for(on[e.node_id]) for e in free}
+        expected = {
+            e.node_id: _plus(expected_ttft_s(on[e.node_id].speed, prompt_tokens, busy[e.node_id], floor), cold[e.node_id]) for e in free
+        }
         measured = [e for e in free if on[e.node_id].speed.trusted]
         unmeasured = [e for e in free if not on[e.node_id].speed.trusted]
         if measured:
@@ -270,19 +280,15 @@ class NodeRegistry:
             pool = measured
         else:
             pool = unmeasured
-        offers = [self._offer(e, on[e.node_id], t, prompt_tokens) for e in pool if (t := expected[e.node_id]) is not None]
+        offers = [
+            NodeOffer(e, t, on[e.node_id].speed.ttft_spread_s(prompt_tokens) * load_factor(busy[e.node_id]), busy[e.node_id],
+                      e.free_slots_for(on[e.node_id]))
+            for e in pool
+            if (t := expected[e.node_id]) is not None
+        ]  # fmt: skip
         if not offers:  # no figure for any of them: warm before cold, then the least busy, then the least routed to
             return min(pool, key=lambda e: (cold[e.node_id], e.busy_fraction_for(on[e.node_id]), e.routed))
         return market.take_turn(market.band(offers))
-
-    @staticmethod
-    def _offer(entry: NodeEntry, model: ModelOnNode, expected_s: float, prompt_tokens: int) -> NodeOffer[NodeEntry]:
-        busy = entry.busy_for(model)
-        return NodeOffer(entry, expected_s, model.speed.ttft_spread_s(prompt_tokens) * load_factor(busy), busy, entry.free_slots_for(model))
-
-    @staticmethod
-    def _expected_s(entry: NodeEntry, model: ModelOnNode, prompt_tokens: int, floor: float) -> float | None:
-        return expected_ttft_s(model.speed, prompt_tokens, entry.busy_for(model), floor)
 
     def routed_to(self, entry: NodeEntry, model: ModelOnNode | None = None) -> bool:
         """A request was sent to `entry` for `model` (its first when None): counted for it and for the model's
@@ -299,7 +305,7 @@ class NodeRegistry:
 
     def serves(self, model: str) -> bool:
         """Whether some registered node answers to `model`: its id or an alias (`protocol.model_answers_to`)."""
-        return any(entry.announcement.answers_to(model) for entry in self._nodes.values())
+        return any(entry.model_for(model) is not None for entry in self._nodes.values())
 
     def models(self) -> dict[str, list[NodeEntry]]:
         """Every model some node announced (by the id the first node announcing it gave), with its routable nodes
