@@ -40,6 +40,7 @@ def _root(
 # Each module exposes `register(app)`. Listed, not discovered, so the help order is deliberate.
 _COMMAND_MODULES = [
     "serve",
+    "ps",
     "hardware",
     "models",
     "local_models",

@@ -31,7 +31,12 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
         gguf: Annotated[
-            Optional[str], typer.Option(help="GGUF file (or first shard), directory, HF repo owner/name[:QUANT] or catalog id")
+            Optional[list[str]],
+            typer.Option(
+                help="GGUF file (or first shard), directory, HF repo owner/name[:QUANT] or catalog id; repeat to serve more models "
+                "beside the first, each SOURCE[,quant=Q][,ctx=N][,slots=N][,alias=NAME][,idle=SECONDS][,pin]: "
+                "loaded on its first request, unloaded when idle"
+            ),
         ] = None,
         quant: Annotated[Optional[str], typer.Option(help="Quant to serve, e.g. UD-IQ3_XXS")] = None,
         demo: Annotated[bool, typer.Option("--demo", help="Serve the demo model (gemma-3-270m Q4_K_M, `demo` extra)")] = False,
@@ -116,8 +121,9 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.prepare.pipeline import NodeSetupError, prepare_launch
 
         try:
+            first, others = _models_of_flags(gguf)
             settings = settings_from_flags(
-                gguf=gguf, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
+                gguf=first, models=others, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
                 n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
                 state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
                 tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay_url,
@@ -129,6 +135,9 @@ def register(app: typer.Typer) -> None:
                 settings = settings.model_copy(update={"build": False})
         except ValidationError as exc:
             typer.echo(f"error: {_first_problem(exc)}", err=True)
+            raise typer.Exit(2) from exc
+        except ValueError as exc:  # a --gguf entry after the first that cannot be read
+            typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         _configure_logging(settings)
         _warn_when_open(settings)
@@ -160,6 +169,15 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         raise typer.Exit(code)
+
+
+def _models_of_flags(gguf: list[str] | None) -> tuple[str | None, list[Any]]:
+    """The first `--gguf` (the node's first model, as a single `--gguf` always was) and the entries after it."""
+    if not gguf:
+        return None, []
+    from meshnet_gguf.common.model_entries import parse_model_flag
+
+    return gguf[0], [parse_model_flag(text) for text in gguf[1:]]
 
 
 def _pool_token(settings: NodeSettings, keys: NodeKeys | None) -> Callable[[], str] | None:

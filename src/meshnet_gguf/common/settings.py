@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from meshnet_gguf.common.config_file import CONFIG_FILE_ENV, config_file_path, flag_of, read_config_file  # noqa: F401 - CONFIG_FILE_ENV: the settings' name for it too
+from meshnet_gguf.common.model_entries import ModelEntry
 
 ENV_PREFIX = "MESHNET_"
 # After SIGTERM, llama-server gets this long to exit before SIGKILL (a big model unmaps for seconds).
@@ -51,6 +52,12 @@ class NodeSettings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir)
     offline: bool = Field(False, description="Use only files already on disk; never contact the hub")
     force: bool = Field(False, description="Launch even when the quant does not appear to fit this machine")
+    # More models beside the first (`common/model_entries`): a repeated --gguf, `[[models]]` in the TOML file.
+    models: list[ModelEntry] = Field(
+        default_factory=list, description="More models to serve, each loaded on its first request and unloaded when idle"
+    )
+    # How long a model beside the first may sit idle before it is unloaded, unless its entry says otherwise.
+    model_idle_unload_s: float = Field(15 * 60.0, ge=10.0, description="Seconds an unpinned model may sit idle before it is unloaded")
 
     # --- public side -------------------------------------------------------
     host: str = "127.0.0.1"

@@ -144,6 +144,7 @@ class ModelChildren(BasePart):
         *,
         max_loaded: int | None = None,
         memory_budget_bytes: int | None = None,
+        idle_sweep_s: float = IDLE_SWEEP_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         _check_room(models, max_loaded, memory_budget_bytes)
@@ -154,6 +155,7 @@ class ModelChildren(BasePart):
         self._max_loaded = max_loaded
         self._budget = memory_budget_bytes
         self._clock = clock
+        self._idle_sweep_s = idle_sweep_s
         self._entries = {m.alias: _Entry(m) for m in models}
         self._room = anyio.Lock()  # one load or eviction decision at a time
         self._tg: TaskGroup | None = None
@@ -175,7 +177,7 @@ class ModelChildren(BasePart):
                     except ModelUnavailable as exc:
                         log.error("pinned model %s did not load: %s", model.alias, exc)
                 while not self._closing.is_set():
-                    with anyio.move_on_after(IDLE_SWEEP_INTERVAL_S):
+                    with anyio.move_on_after(self._idle_sweep_s):
                         await self._closing.wait()
                     await self.unload_idle()
                 for entry in self._entries.values():

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport
+from meshnet_gguf.llama.model_children import ModelChildren
 from meshnet_gguf.llama.upstream import UpstreamClient
 from meshnet_gguf.ops.metrics import NodeMetrics
 from meshnet_gguf.prepare.pipeline import NodeSetupError, PreparedLaunch
@@ -43,6 +44,8 @@ def build_listener(
     metrics: NodeMetrics,
     tracker_link: TrackerLink | None,
     is_relayed: Callable[[tuple[str, int]], bool] | None,
+    others: ModelChildren | None = None,
+    models_status: Callable[[], list[dict[str, object]]] | None = None,
 ) -> HttpServerPart:
     """The node's one listener: its table, every row's handler supplied here."""
     settings = launch.settings
@@ -58,6 +61,7 @@ def build_listener(
         usage_sinks=usage_sinks,
         mode=tracker_link.admission_mode if tracker_link else None,
         on_rejected=metrics.count_request,
+        others=others,
     )
     # The operator's pages; the chat only standalone (a meshed node's slots are the
     # tracker's), and only where llama-server has its web UI (a build without npm has none).
@@ -72,6 +76,7 @@ def build_listener(
             chat=chat,
             llama_server=f"{launch.binary.describe()}; {features.describe()}" if features else launch.binary.describe(),
             llama_server_choice=launch.binary_choice.to_dict() if launch.binary_choice else None,
+            models=models_status,
         ),  # fmt: skip
         access=PageAccess(
             api_key=settings.api_key,
@@ -142,6 +147,7 @@ def build_proxy(
     usage_sinks: Sequence[UsageSink] = (),
     mode: AdmissionMode | None = None,
     on_rejected: Callable[[str, int], None] | None = None,
+    others: ModelChildren | None = None,
 ) -> ProxyApp:
     """The proxy as a node wires it: its limits from the settings, and standalone (the settings'
     API key and host) unless given another admission mode (the tracker link's)."""
@@ -160,6 +166,7 @@ def build_proxy(
         mode=mode or StandaloneMode(api_key=settings.api_key, allowed_hosts=[settings.host, *settings.allowed_hosts]),
         usage_sinks=usage_sinks,
         on_rejected=on_rejected,
+        others=others,
     )
 
 

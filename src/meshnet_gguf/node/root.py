@@ -8,12 +8,15 @@ systemd, llama-server's supervisor, the metrics) are built here; the wings build
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
 
 from meshnet_gguf import __version__
 from meshnet_gguf.common.logs import register_secret
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport
 from meshnet_gguf.llama.load_progress import model_file_bytes
+from meshnet_gguf.llama.model_children import IDLE_SWEEP_INTERVAL_S, ModelChildren
 from meshnet_gguf.llama.pool_monitor import PoolMonitor
 from meshnet_gguf.llama.speed_probe import DEFAULT_SPEED_PROBE
 from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
@@ -39,6 +42,9 @@ from meshnet_gguf.serving.usage_stats import UsageLog, UsageStats
 
 # llama-server's own /metrics exists only when it was started with this flag.
 LLAMA_METRICS_FLAG = "--metrics"
+# How many idle sweeps fit in the shortest idle time of the models beside the first: one is unloaded at most
+# a quarter of its idle time late.
+IDLE_SWEEPS_PER_UNLOAD = 4
 
 
 def build_node(launch: PreparedLaunch, keys: NodeKeys | None) -> Node:
@@ -52,8 +58,10 @@ def build_node(launch: PreparedLaunch, keys: NodeKeys | None) -> Node:
     state_lock = hold_state_dir(settings)
     # A shared lock on each model file while the node lives: `meshnet-gguf rm` will not remove them.
     shards = launch.resolved.shards if launch.resolved else (launch.model_path,)
-    model_files = ModelFilesHeld([f for f in shards if f.is_file()], settings.download_dir)
-    slots = Slots(total=settings.parallel)
+    other_files = [m.path for m in launch.others.models] if launch.others else []
+    model_files = ModelFilesHeld([f for f in (*shards, *other_files) if f.is_file()], settings.download_dir)
+    # Each model beside the first brings its own slots: a request for it takes one of the node's as any does.
+    slots = Slots(total=settings.parallel + (sum(m.slots for m in launch.others.models) if launch.others else 0))
     usage_stats, recent_requests = UsageStats(), RecentRequests()
     # The health report reads the node built at the end of this function; nothing asks for it before.
     health = lambda: node.health_report()  # noqa: E731
@@ -61,6 +69,8 @@ def build_node(launch: PreparedLaunch, keys: NodeKeys | None) -> Node:
     # With a LAN pool: llama-server runs only while every worker is up (the monitor's word).
     pool = build_pool(launch, keys.identity if keys else None)
     supervisor = _supervisor(launch, operations, pool)
+    # The models beside the first: one llama-server each, loaded on demand, unloaded when idle.
+    others = _other_models(launch)
     for secret in (supervisor.api_key, settings.api_key, settings.enrolment_secret, settings.metrics_key):
         register_secret(secret)
     upstream = _upstream_of(supervisor)
@@ -84,6 +94,8 @@ def build_node(launch: PreparedLaunch, keys: NodeKeys | None) -> Node:
         metrics=metrics,
         tracker_link=mesh.tracker_link,
         is_relayed=mesh.is_relayed,
+        others=others,
+        models_status=_models_status(launch, supervisor, health, others),
     )
     node = Node(
         launch=launch,
@@ -93,6 +105,8 @@ def build_node(launch: PreparedLaunch, keys: NodeKeys | None) -> Node:
         parts=[
             supervisor,
             http,
+            # After the listener: its requests have ended, so each model's llama-server stops at once.
+            *([others] if others else []),
             *mesh.parts,
             *([pool] if pool else []),
             operations,
@@ -142,6 +156,52 @@ def _supervisor(launch: PreparedLaunch, operations: OperationsPart, pool: PoolMo
     policy = SupervisorPolicy.from_settings(settings, warmup, DEFAULT_SPEED_PROBE if settings.measure_speed else None)
     listeners = [operations, *([pool] if pool else [])]
     return Supervisor(launch.child, policy, state_dir=settings.state_dir, listeners=listeners, pool=pool)
+
+
+def _other_models(launch: PreparedLaunch) -> ModelChildren | None:
+    """The models beside the first as `ModelChildren`: each one's llama-server command from its plan, the warm-up
+    as the first model's (no speed probe: it is the first model's that is announced), room by the plan's bytes."""
+    others = launch.others
+    if others is None:
+        return None
+    settings = launch.settings
+    warmup = warmup_for(launch.cpu_only) if settings.warmup else None
+    policy = SupervisorPolicy.from_settings(settings, warmup, None)
+    shortest_idle = min((m.idle_unload_s for m in others.models if m.unloads_when_idle and m.idle_unload_s), default=None)
+    # An idle model goes within a few sweeps of its time: a quarter of the shortest idle time, or the usual sweep.
+    sweep_s = min(IDLE_SWEEP_INTERVAL_S, shortest_idle / IDLE_SWEEPS_PER_UNLOAD) if shortest_idle else IDLE_SWEEP_INTERVAL_S
+    children = others.children
+    return ModelChildren(
+        others.models,
+        lambda model: children[model.alias],
+        policy,
+        settings.state_dir,
+        memory_budget_bytes=others.budget_bytes,
+        idle_sweep_s=sweep_s,
+    )
+
+
+def _models_status(
+    launch: PreparedLaunch, supervisor: Supervisor, health: Callable[[], HealthReport], others: ModelChildren | None
+) -> Callable[[], list[dict[str, Any]]]:
+    """Each model the node serves, as `/status.json` shows it and `meshnet-gguf ps` prints it: the first one
+    (pinned, in its supervisor's state), then each model beside it as its children say."""
+    plan = launch.plan
+
+    def models() -> list[dict[str, Any]]:
+        report = health()
+        beside = [asdict(status) for status in others.status()] if others is not None else []
+        # The node counts every request it answered; the first model's are those no other model took.
+        requests = max(0, report.usage.requests - sum(int(s["requests"]) for s in beside))
+        first = {
+            "alias": launch.model_name, "state": "loaded" if supervisor.state == "ready" else supervisor.state, "pinned": True,
+            "pid": supervisor.pid, "requests": requests, "in_flight": None, "idle_s": None, "expected_load_s": None,
+            "last_load_s": None, "loads": None, "error": None,
+            "memory_bytes": plan.gpu_bytes + plan.host_bytes if plan is not None else None,
+        }  # fmt: skip
+        return [first, *beside]
+
+    return models
 
 
 def _upstream_of(supervisor: Supervisor) -> Callable[[], UpstreamTarget | None]:

@@ -35,6 +35,7 @@ from meshnet_gguf.hardware.report import HardwareReport, probe_configured
 from meshnet_gguf.llama.binary import BinaryInfo, BinaryNotFound
 from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.features import BinaryFeatures, missing_rpc
+from meshnet_gguf.llama.model_set import ModelSetError
 from meshnet_gguf.llama.run_probe import model_weight_types
 from meshnet_gguf.llama.runnable import BinaryCannotRun, RunnableBinary, quant_weight_types, runnable_llama_server
 from meshnet_gguf.llama.speed_choice import BinaryChoice
@@ -54,6 +55,7 @@ from meshnet_gguf.models.source import (
     pick_source,
 )
 from meshnet_gguf.prepare.memory import ModelFacts
+from meshnet_gguf.prepare.model_set_plan import OtherModels
 from meshnet_gguf.prepare.plan import BinaryCapabilities, LaunchPlan, OperatorChoiceError, OperatorChoices, plan_launch
 from meshnet_gguf.prepare.pool import (
     PoolError,
@@ -123,6 +125,8 @@ class PreparedLaunch:
     # Steps 4 and 5's answers, so step 8 plans the other llama-servers for the very same model files.
     quant_choice: QuantChoice | None = field(default=None, repr=False)
     model_on_disk: ModelOnDisk | None = field(default=None, repr=False)
+    # The models served beside this one (a repeated --gguf, `[[models]]`), planned with it (step 9); None: this one alone.
+    others: OtherModels | None = None
 
     @property
     def cpu_only(self) -> bool:
@@ -156,6 +160,8 @@ class PreparedLaunch:
         lines.append(f"command:   {command} --host 127.0.0.1 --port <private>  (API key in LLAMA_API_KEY)")
         if self.child.env:
             lines.append("env:       " + " ".join(f"{k}={shlex.quote(v)}" for k, v in self.child.env.items()))
+        if self.others is not None:
+            lines.append(self.others.describe())
         return "\n".join(lines)
 
 
@@ -225,9 +231,46 @@ def prepare_launch(
         launch.refusal = exc.headline
     launch.notes[:0] = runnable.notes
     launch = choose_binary(launch, request, settings, runnable, measure=not dry_run if measure is None else measure)
+    if settings.models:
+        launch.others = prepare_other_models(launch, settings, dry_run=dry_run)
     if not dry_run:
         _log_launch(launch)
     return launch
+
+
+def prepare_other_models(launch: PreparedLaunch, settings: NodeSettings, *, dry_run: bool) -> OtherModels:
+    """Step 9: each model beside the first through steps 4 to 7 (the first one's binary and hardware), then the
+    set placed together (`prepare/model_set_plan`): refused naming the model that would not fit, unless `--force`."""
+    from meshnet_gguf.prepare.model_set_plan import ModelSetDoesNotFit, checked_set, entry_settings, fit_together, model_to_serve, need_of
+
+    assert launch.hardware is not None, "planned after the hardware was probed"
+    served, children, plans = [], {}, {}
+    for entry in settings.models:
+        own = entry_settings(settings, entry)
+        try:
+            prepared = prepare_with(read_request(own), own, launch.binary, launch.hardware, dry_run=dry_run, features=launch.features)
+        except NodeSetupError as exc:
+            raise type(exc)(f"--gguf {entry.gguf}: {exc}") from exc
+        model = model_to_serve(
+            entry, settings, path=prepared.model_path, alias=prepared.model_name, quant=prepared.quant, plan=prepared.plan
+        )
+        served.append(model)
+        children[model.alias] = prepared.child
+        if prepared.plan is not None:
+            plans[model.alias] = prepared.plan
+    try:
+        models = checked_set(served, [launch.model_name, *launch.model_aliases], on_disk=not dry_run)
+    except ModelSetError as exc:
+        raise NodeSetupError(str(exc)) from exc
+    needs = [need_of(launch.model_name, launch.plan, pinned=True), *(need_of(m.alias, plans.get(m.alias), pinned=m.pinned) for m in models)]
+    notes: tuple[str, ...] = ()
+    try:
+        budget: int | None = fit_together(needs, launch.hardware.capacity())
+    except ModelSetDoesNotFit as exc:
+        if not settings.force:
+            raise DoesNotFit(f"{exc}; or pass --force to try anyway") from exc
+        budget, notes = None, (f"{FORCE_NOTE_PREFIX} serving these models although {exc}",)
+    return OtherModels(models, children, budget, plans, notes)
 
 
 def choose_binary(

@@ -15,6 +15,7 @@ least busy node) or the client can go elsewhere instead of waiting blind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from meshnet_gguf.contract.protocol import (
 )
 from meshnet_gguf.contract.sse import DONE_DATA, data_event
 from meshnet_gguf.contract.strict_json import parse_json_object
+from meshnet_gguf.llama.model_children import ModelChildren, ModelFailed, ModelUnavailable
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from meshnet_gguf.serving.slots import Slots
 from meshnet_gguf.serving.admission_modes import AdmissionMode, Recording, RouteGrant, unavailable
@@ -91,12 +93,15 @@ class ProxyApp:
         mode: AdmissionMode,
         usage_sinks: Sequence[UsageSink] = (),
         on_rejected: Callable[[str, int], None] | None = None,
+        others: ModelChildren | None = None,
     ) -> None:
         self._upstream = upstream
         self._client = client
         self.slots = slots
         self.limits = limits
-        self.served = ServedName(model_name, tuple(model_aliases))
+        # The models served beside the first (one llama-server each, loaded on demand), by the request's `model`.
+        self.others = others
+        self.served = ServedName(model_name, tuple(model_aliases), tuple(others.models.aliases) if others else ())
         self.model_name = model_name
         self._health = health
         self._usage_sinks = tuple(usage_sinks)
@@ -106,11 +111,19 @@ class ProxyApp:
         # requests yield no usage record (nothing was used, and nothing is billed).
         self._on_rejected = on_rejected
         # The listing rows (`GET /v1/models`, `/v1/models/{id}`), behind the same mode and readiness.
-        self.listing = ModelListing(self.served, self._ready_target, client, mode, limits.retry_after_s)
+        self.listing = ModelListing(self.served, self._ready_target, client, mode, limits.retry_after_s, others)
 
     # --- inference --------------------------------------------------------
     async def serve_inference(self, request: Request, path: str) -> None:
         """`path` (one of `INFERENCE_ROUTES`) forwarded to llama-server, once admitted."""
+        if self.others is None:  # one model: nothing to hold loaded
+            await self._serve_inference(request, path, None)
+            return
+        # A model beside the first is held loaded from its admission until its answer is recorded (`_target_for`).
+        async with contextlib.AsyncExitStack() as model_held:
+            await self._serve_inference(request, path, model_held)
+
+    async def _serve_inference(self, request: Request, path: str, model_held: contextlib.AsyncExitStack | None) -> None:
         headers, receive, send = request.headers, request.receive, request.send
         request_id = client_request_id(headers)
         # Each request runs in its own task, so the id stays with this request's log lines.
@@ -131,8 +144,7 @@ class ProxyApp:
             if required not in payload:
                 raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
             validate_request(path, payload)
-            self.served.check(payload.get("model"))
-            target = self._ready_target()
+            model_name, target = await self._target_for(payload.get("model"), model_held)
             release = self.slots.try_acquire(1)
             if release is None:
                 raise self._unavailable(f"All {self.slots.total} slots of this node are busy; retry shortly")
@@ -146,7 +158,7 @@ class ProxyApp:
             # From here the request is going to run: the mode uses up its grant (in memory) before
             # llama-server sees it, and starts recording it (a meshed node's synced ledger row) while
             # the request is forwarded; the answer's first byte waits for that record (`_HeldSend`).
-            recording = self._mode.commit(grant, partial(meter.usage_record, self.model_name), body)
+            recording = self._mode.commit(grant, partial(meter.usage_record, model_name), body)
         except ApiError as exc:
             if release is not None:
                 release()
@@ -183,7 +195,7 @@ class ProxyApp:
                         count.drop()
                     else:
                         meter.prompt_counted = await count.settled()
-                    await self._record(meter)
+                    await self._record(meter, model_name)
 
     async def _forward(
         self,
@@ -325,6 +337,25 @@ class ProxyApp:
         given = [cap for cap in caps if cap is not None]
         return min(given) if given else None
 
+    async def _target_for(self, requested: object, model_held: contextlib.AsyncExitStack | None) -> tuple[str, UpstreamTarget]:
+        """The model a request names (its id, as usage records name it) and where its llama-server is: the first
+        model's, or a model beside it, loaded first if need be and held loaded for the request (`model_held`)."""
+        other = self.others.models.get(requested) if self.others is not None and isinstance(requested, str) else None
+        if other is None:
+            self.served.check(requested)
+            return self.model_name, self._ready_target()
+        assert self.others is not None and model_held is not None
+        try:
+            llama = await model_held.enter_async_context(self.others.using(other.alias))
+        except ModelFailed as exc:
+            # Not a moment's wait: the model stays failed until the operator loads it again; the others serve.
+            raise ApiError(503, "model_unavailable", f"{exc}; the node's other models still serve") from None
+        except ModelUnavailable as exc:
+            raise self._unavailable(str(exc)) from None
+        if llama.base_url is None:  # unloaded between its load and this line: said as any model not ready is
+            raise self._unavailable(f"model {other.alias} is not ready; retry shortly")
+        return other.alias, UpstreamTarget(base_url=llama.base_url, api_key=llama.api_key)
+
     def _ready_target(self) -> UpstreamTarget:
         target = self._upstream()
         if target is None:
@@ -335,8 +366,8 @@ class ProxyApp:
     def _unavailable(self, message: str) -> ApiError:
         return unavailable(message, self.limits.retry_after_s)
 
-    async def _record(self, meter: RequestMeter) -> None:
-        record = meter.usage_record(self.model_name)
+    async def _record(self, meter: RequestMeter, model_name: str) -> None:
+        record = meter.usage_record(model_name)
         for sink in self._usage_sinks:
             try:
                 await sink.record(record)

@@ -92,10 +92,13 @@ class StatusSource:
     llama_server: str = ""  # the binary, its build and what it can do (web UI, RPC, Vulkan)
     # Which installed llama-server serves and why, with each one's measured figures (`BinaryChoice.to_dict`).
     llama_server_choice: dict[str, Any] | None = None
+    # Each model the node serves with its state, pid, idle time, requests and memory (`meshnet-gguf ps` reads it).
+    models: Callable[[], list[dict[str, Any]]] | None = None
 
     def document(self) -> dict[str, Any]:
         return {
             "health": self.health().model_dump(mode="json"),
+            **({"models": self.models()} if self.models is not None else {}),
             "plan": self.plan,
             "llama_server": self.llama_server,
             "llama_server_choice": self.llama_server_choice,

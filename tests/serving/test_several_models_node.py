@@ -1,0 +1,155 @@
+"""Several models on one node, through a real node process and the real llama-server: `serve` with a repeated
+`--gguf`, the official `openai` SDK against each model (whole and streamed), a model that fails to load refused
+with its reason while the others serve, an unknown model OpenAI's 404, `/v1/models` and `meshnet-gguf ps` listing
+every model with its state, an idle model unloaded (its llama-server gone), and one usage row per request across
+the load and the unload, each naming the model that served it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from support.node_process import NodeProcess, StartNode
+
+from meshnet_gguf.llama.binary import BinaryInfo
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
+from meshnet_gguf.serving.usage_journal import read_journal
+
+pytestmark = [pytest.mark.real_llama]
+CONTEXT = "512"
+IDLE_S = 10  # the least idle time a model may have (model_set.MIN_IDLE_UNLOAD_S)
+# The node looks for idle models every quarter of the shortest idle time: unloaded within IDLE_S * 1.25.
+UNLOAD_WAIT_S = IDLE_S * 2 + 10
+POLL_S = 0.1
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A short folder: each model's socket lives under the state dir, and a socket's path must stay under
+    108 bytes (pytest's own folders, named after the test, leave too few)."""
+    with tempfile.TemporaryDirectory(prefix="mm-") as folder:
+        yield Path(folder)
+
+
+def _broken_model(workdir: Path) -> Path:
+    """A GGUF whose header reads well (the node's checks pass it) but whose architecture llama-server does not know:
+    it fails in llama-server's load, as a model the build cannot run does."""
+    good = write_tiny_model(workdir / "good-copy.gguf", TinyModelSpec(seed=3, name="broken"))
+    data = good.read_bytes()
+    path = workdir / "broken.gguf"
+    path.write_bytes(data[:4096].replace(b"llama", b"llamx") + data[4096:])
+    good.unlink()
+    return path
+
+
+@pytest.fixture
+def node(real_llama: BinaryInfo, workdir: Path, start_node: StartNode) -> NodeProcess:
+    first = write_tiny_model(workdir / "tiny-a.gguf", TinyModelSpec(seed=1, name="tiny-a"))
+    second = write_tiny_model(workdir / "tiny-b.gguf", TinyModelSpec(seed=2, name="tiny-b"))
+    broken = _broken_model(workdir)
+    started = start_node(
+        "--gguf", str(first), "--gguf", f"{second},ctx={CONTEXT},idle={IDLE_S}", "--gguf", f"{broken},ctx={CONTEXT}",
+        "--ctx-size", CONTEXT, "--parallel", "1", "--llama-server", str(real_llama.path),
+        workdir=workdir,
+    )  # fmt: skip
+    started.wait_ready()
+    return started
+
+
+def _models(node: NodeProcess) -> dict[str, dict]:
+    document = httpx.get(node.url + "/status.json", timeout=5).json()
+    return {m["alias"]: m for m in document["models"]}
+
+
+def _wait_for(node: NodeProcess, alias: str, state: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        model = _models(node)[alias]
+        if model["state"] == state:
+            return model
+        time.sleep(POLL_S)
+    raise AssertionError(f"{alias} not {state} after {timeout} s: {_models(node)[alias]}\n{node.log_text()[-2000:]}")
+
+
+def _ask(client: openai.OpenAI, model: str) -> str:
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert answer.model == model
+    return answer.choices[0].message.content or ""
+
+
+def _stream(client: openai.OpenAI, model: str) -> str:
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True))
+    assert chunks and all(c.model == model for c in chunks)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_two_models_answer_through_one_node_and_a_broken_one_is_refused_with_its_reason(node: NodeProcess) -> None:
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0)
+    assert _models(node)["tiny-b"]["state"] == "unloaded"
+    for model in ("tiny-a", "tiny-b"):
+        _ask(client, model)
+        _stream(client, model)
+    first_b = _models(node)["tiny-b"]
+    assert first_b["state"] == "loaded" and first_b["loads"] == 1 and first_b["requests"] == 2 and first_b["pid"]
+
+    # The broken model: OpenAI's error shape, 503, naming llama-server's own reason; the others keep serving.
+    with pytest.raises(openai.APIStatusError) as refused:
+        _ask(client, "broken")
+    assert refused.value.status_code == 503
+    assert "failed to load" in refused.value.message and "unknown model architecture" in refused.value.message
+    again = httpx.post(
+        node.url + "/v1/chat/completions", json={"model": "broken", "messages": [{"role": "user", "content": "Hi"}]}, timeout=10
+    )
+    assert again.status_code == 503 and again.json()["error"]["code"] == "model_unavailable"
+    assert _ask(client, "tiny-a") is not None and _stream(client, "tiny-b") is not None
+
+    # A model nobody serves here: OpenAI's 404, naming the ones served.
+    with pytest.raises(openai.NotFoundError) as unknown:
+        _ask(client, "nope")
+    assert unknown.value.code == "model_not_found" and "tiny-b" in unknown.value.message
+
+    listed = {m.id: m for m in client.models.list().data}
+    assert set(listed) == {"tiny-a", "tiny-b", "broken"}
+    states = {name: (m.model_extra or {}).get("status", {}).get("value") for name, m in listed.items()}
+    assert states == {"tiny-a": "loaded", "tiny-b": "loaded", "broken": "failed"}
+
+    ps = subprocess.run(
+        [sys.executable, "-m", "meshnet_gguf", "ps", "--port", str(node.port)], capture_output=True, text=True, timeout=30, check=True
+    )
+    rows = {line.split()[0]: line.split() for line in ps.stdout.splitlines()[1:] if line and not line.startswith("broken:")}
+    assert rows["tiny-a"][1:3] == ["loaded", "yes"] and rows["tiny-b"][1:3] == ["loaded", "no"] and rows["broken"][1] == "failed"
+    assert "broken: llama-server exited" in ps.stdout
+
+
+def test_an_idle_model_is_unloaded_its_process_gone_and_billing_is_one_row_per_request(node: NodeProcess) -> None:
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0)
+    asked = {"tiny-a": 0, "tiny-b": 0}
+    for model in ("tiny-b", "tiny-a", "tiny-b"):
+        _ask(client, model)
+        asked[model] += 1
+    pid = _models(node)["tiny-b"]["pid"]
+    assert pid and psutil.pid_exists(pid)
+
+    unloaded = _wait_for(node, "tiny-b", "unloaded", UNLOAD_WAIT_S)
+    assert unloaded["pid"] is None and not psutil.pid_exists(pid)
+    assert _models(node)["tiny-a"]["state"] == "loaded"  # the first model is never unloaded
+
+    # Asked again: loaded anew (a new process), and still one usage row per request.
+    _stream(client, "tiny-b")
+    asked["tiny-b"] += 1
+    again = _models(node)["tiny-b"]
+    assert again["state"] == "loaded" and again["loads"] == 2 and again["pid"] != pid
+    journal = read_journal(node.state_dir, limit=100)
+    assert journal is not None
+    by_model = {m: sum(1 for r in journal.latest if r.model == m) for m in asked}
+    assert by_model == asked
+    assert len({r.request_id for r in journal.latest}) == len(journal.latest) == sum(asked.values())
+    assert all(r.status == 200 for r in journal.latest)
