@@ -229,6 +229,17 @@ def model_name_problem(name: str) -> str | None:
     return None
 
 
+def name_of_two_models(models: Iterable[AnnouncedModel]) -> str | None:
+    """A name (an id or an alias, compared without regard to case) that two of `models` answer to, or one twice."""
+    seen: set[str] = set()
+    for model in models:
+        for name in model.names():
+            if name.lower() in seen:
+                return name
+            seen.add(name.lower())
+    return None
+
+
 def _checked_names(names: Iterable[str]) -> None:
     for name in names:
         if (problem := model_name_problem(name)) is not None:
@@ -361,12 +372,8 @@ class NodeAnnouncement(WireModel):
             return self
         if self.models[0].model_id != self.model_id:
             raise ValueError("models: the first model must be the one in `model_id`")
-        seen: set[str] = set()
-        for model in self.models:
-            for name in model.names():
-                if name.lower() in seen:
-                    raise ValueError(f"models: {name!r} names two models (or one twice)")
-                seen.add(name.lower())
+        if (twice := name_of_two_models(self.models)) is not None:
+            raise ValueError(f"models: {twice!r} names two models (or one twice)")
         return self
 
     @model_validator(mode="after")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anyio
@@ -30,9 +30,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from meshnet_gguf import __version__
 from meshnet_gguf.common.asgi import QueryRoute
 from meshnet_gguf.common.atomic_file import write_atomically
+from meshnet_gguf.common.ports import is_wildcard
 from meshnet_gguf.common.retry import Backoff
 from meshnet_gguf.common.settings import NodeSettings
-from meshnet_gguf.common.ports import is_wildcard
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.contract.protocol import (
@@ -53,6 +53,7 @@ from meshnet_gguf.contract.protocol import (
     RelayAttachment,
     ShardDigest,
     UsageRecord,
+    name_of_two_models,
 )
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key, public_key_text, tracker_issuer_for
 from meshnet_gguf.mesh.announced_models import first_model_first, state_reports, wire_aliases
@@ -104,11 +105,14 @@ class ServedModel:
     # Every model the node serves now, with its state (a node of several fills it from its children's status,
     # `announced_models.announced_from_children`); None: this one model, loaded.
     models: Callable[[], Sequence[AnnouncedModel]] | None = None
+    # This model's own slots where `slots` counts several models' (the node's total); None: `slots`.
+    own_slots: int | None = None
 
     def announced(self) -> list[AnnouncedModel]:
         """The models the announcement and each heartbeat carry, this one first."""
         this = AnnouncedModel(
             model_id=self.model_id, aliases=wire_aliases(self.model_aliases), quant=self.quant, ctx_size=self.ctx_size,
+            slots=self.own_slots,
         )  # fmt: skip
         return first_model_first(self.models() if self.models is not None else [], this)
 
@@ -179,6 +183,16 @@ class TrackerLink(BasePart):
         log.info("meshnet node id %s, tracker %s, %s", self.identity.node_id, settings.tracker, reached)
 
     # --- what the node wires in ---------------------------------------------
+    def announce_beside(self, models: Callable[[], Sequence[AnnouncedModel]], *, own_slots: int, total_slots: int) -> None:
+        """A node of several models: `models()` are the others, in their state at each call, announced beside this
+        link's model (which keeps `own_slots` of the node's `total_slots`); the route gate passes their routes too."""
+        model = replace(self.model, models=models, own_slots=own_slots, slots=total_slots)
+        announced = model.announced()
+        if (twice := name_of_two_models(announced)) is not None:
+            raise MeshSetupError(f"the node serves two models that answer to {twice!r}: give one another alias")
+        self.model = model
+        self.route_gate.serve_also([m.model_id for m in announced[1:]])
+
     def health(self, report: HealthReport) -> HealthReport:
         return report.model_copy(update={"first_layer": 0, "last_layer": self.total_layers - 1, "mesh_problem": self.presence.problem})
 

@@ -16,8 +16,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client.registry import Collector
 
 from meshnet_gguf.common.settings import NodeSettings
-from meshnet_gguf.contract.protocol import MAX_NODE_RELAYS, HardwareSummary, HealthReport, RelayAttachment, ShardDigest
+from meshnet_gguf.contract.protocol import MAX_NODE_RELAYS, AnnouncedModel, HardwareSummary, HealthReport, RelayAttachment, ShardDigest
 from meshnet_gguf.hardware.report import probe_hardware
+from meshnet_gguf.llama.model_children import ModelChildren
+from meshnet_gguf.mesh.announced_models import announced_from_children
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.ledger import UsageLedger
 from meshnet_gguf.mesh.meshed_mode import MeshedMode, RouteGate
@@ -140,6 +142,25 @@ def build_mesh(launch: PreparedLaunch, keys: NodeKeys | None, health: Callable[[
     return MeshWing(link, relays)
 
 
+def announce_other_models(link: TrackerLink | None, launch: PreparedLaunch, others: ModelChildren | None) -> None:
+    """A node of several models announces each one beside its first, in its child's state at each registration and
+    heartbeat (`mesh/announced_models`): loaded, loadable with the load time measured at its first load, or
+    unavailable; the node's slots are all of theirs, the first model's own the settings' `parallel`."""
+    if link is None or others is None or launch.others is None:
+        return
+    described = {
+        m.alias: AnnouncedModel(model_id=m.alias, quant=m.quant_label, ctx_size=m.context, slots=m.slots) for m in launch.others.models
+    }
+    own = launch.settings.parallel
+    try:
+        link.announce_beside(
+            lambda: announced_from_children(others.status(), described), own_slots=own,
+            total_slots=own + sum(m.slots for m in launch.others.models),
+        )  # fmt: skip
+    except MeshSetupError as exc:
+        raise NodeSetupError(str(exc)) from exc
+
+
 def _tracker_link(
     launch: PreparedLaunch,
     keys: NodeKeys,
@@ -224,10 +245,11 @@ __all__ = [
     "MeshWing",
     "NodeKeys",
     "TrackerTrust",
+    "announce_other_models",
     "build_mesh",
     "build_tracker_link",
-    "node_keys",
     "existing_node_key",
     "node_key",
+    "node_keys",
     "trust_tracker",
 ]
