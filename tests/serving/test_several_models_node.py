@@ -153,3 +153,31 @@ def test_an_idle_model_is_unloaded_its_process_gone_and_billing_is_one_row_per_r
     assert by_model == asked
     assert len({r.request_id for r in journal.latest}) == len(journal.latest) == sum(asked.values())
     assert all(r.status == 200 for r in journal.latest)
+
+
+def test_with_room_for_one_model_beside_the_first_each_request_loads_its_model_and_is_billed_once(
+    real_llama: BinaryInfo, workdir: Path, start_node: StartNode
+) -> None:
+    first = write_tiny_model(workdir / "tiny-a.gguf", TinyModelSpec(seed=1, name="tiny-a"))
+    others = [
+        write_tiny_model(workdir / f"{name}.gguf", TinyModelSpec(seed=seed, name=name)) for seed, name in ((2, "tiny-b"), (4, "tiny-c"))
+    ]
+    node = start_node(
+        "--gguf", str(first), *(arg for path in others for arg in ("--gguf", f"{path},ctx={CONTEXT}")),
+        "--ctx-size", CONTEXT, "--parallel", "1", "--llama-server", str(real_llama.path),
+        workdir=workdir, env={"MESHNET_MAX_LOADED_MODELS": "1"},
+    )  # fmt: skip
+    node.wait_ready()
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0)
+    order = ["tiny-b", "tiny-c", "tiny-b", "tiny-a", "tiny-c"]
+    for model in order:
+        _stream(client, model) if model == "tiny-c" else _ask(client, model)
+        loaded = {alias for alias, m in _models(node).items() if m["state"] == "loaded"}
+        # The first model and one other: the one just asked for (the first model's request leaves the other as it was).
+        assert "tiny-a" in loaded and len(loaded) == 2 and (model == "tiny-a" or model in loaded)
+    models = _models(node)
+    assert (models["tiny-b"]["loads"], models["tiny-c"]["loads"]) == (2, 2)  # each unloaded for the other
+    journal = read_journal(node.state_dir, limit=100)
+    assert journal is not None
+    assert [r.model for r in reversed(journal.latest)] == order
+    assert len({r.request_id for r in journal.latest}) == len(order) and all(r.status == 200 for r in journal.latest)

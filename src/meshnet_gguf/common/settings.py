@@ -58,6 +58,10 @@ class NodeSettings(BaseSettings):
     )
     # How long a model beside the first may sit idle before it is unloaded, unless its entry says otherwise.
     model_idle_unload_s: float = Field(15 * 60.0, ge=10.0, description="Seconds an unpinned model may sit idle before it is unloaded")
+    # Memory decides how many fit (the plan's figures); a count bounds them too, e.g. to keep CPU cores for each.
+    max_loaded_models: int | None = Field(
+        None, ge=1, description="Most models beside the first loaded at once (the least recently used idle one goes); default: memory"
+    )
 
     # --- public side -------------------------------------------------------
     host: str = "127.0.0.1"

@@ -17,6 +17,7 @@ from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport
 from meshnet_gguf.llama.load_progress import model_file_bytes
 from meshnet_gguf.llama.model_children import IDLE_SWEEP_INTERVAL_S, ModelChildren
+from meshnet_gguf.llama.model_set import ModelSetError
 from meshnet_gguf.llama.pool_monitor import PoolMonitor
 from meshnet_gguf.llama.speed_probe import DEFAULT_SPEED_PROBE
 from meshnet_gguf.llama.supervisor import Supervisor, SupervisorPolicy
@@ -171,14 +172,18 @@ def _other_models(launch: PreparedLaunch) -> ModelChildren | None:
     # An idle model goes within a few sweeps of its time: a quarter of the shortest idle time, or the usual sweep.
     sweep_s = min(IDLE_SWEEP_INTERVAL_S, shortest_idle / IDLE_SWEEPS_PER_UNLOAD) if shortest_idle else IDLE_SWEEP_INTERVAL_S
     children = others.children
-    return ModelChildren(
-        others.models,
-        lambda model: children[model.alias],
-        policy,
-        settings.state_dir,
-        memory_budget_bytes=others.budget_bytes,
-        idle_sweep_s=sweep_s,
-    )
+    try:
+        return ModelChildren(
+            others.models,
+            lambda model: children[model.alias],
+            policy,
+            settings.state_dir,
+            memory_budget_bytes=others.budget_bytes,
+            max_loaded=settings.max_loaded_models,
+            idle_sweep_s=sweep_s,
+        )
+    except ModelSetError as exc:  # e.g. max_loaded_models below the pinned models' count
+        raise NodeSetupError(f"{exc}: raise max_loaded_models or pin fewer") from exc
 
 
 def _models_status(
