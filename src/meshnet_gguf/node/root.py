@@ -26,7 +26,7 @@ from meshnet_gguf.llama.upstream.choice import make_upstream_client
 from meshnet_gguf.llama.warmup import warmup_for
 from meshnet_gguf.models.in_use import ModelFilesHeld
 from meshnet_gguf.node.listener import build_listener
-from meshnet_gguf.node.mesh import MeshWing, NodeKeys, build_mesh
+from meshnet_gguf.node.mesh import MeshWing, NodeKeys, announce_other_models, build_mesh
 from meshnet_gguf.node.pool import build_pool
 from meshnet_gguf.node.run import Node
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
@@ -80,6 +80,8 @@ def build_node(launch: PreparedLaunch, keys: NodeKeys | None) -> Node:
     # before counting (its body kept in the ledger).
     prompt_counter = PromptCounter(upstream_client, settings.retry_after_s)
     mesh = build_mesh(launch, keys, health, stored_prompt_counter(upstream, prompt_counter))
+    # Meshed, each model beside the first is announced in its child's state now (loaded, loadable, unavailable).
+    announce_other_models(mesh.tracker_link, launch, others)
     # Standalone, usage is kept in an append-only journal (a meshed node's ledger keeps it otherwise).
     journal = UsageJournal.in_state_dir(settings.state_dir) if mesh.tracker_link is None else None
     metrics = _metrics(launch, slots, supervisor, operations, mesh, upstream, upstream_client)
