@@ -114,3 +114,11 @@ def test_a_model_named_as_the_first_is_refused_before_anything_runs(tmp_path: Pa
     (model,) = launch.others.models
     assert model.alias == "other" and model.context == 512 and model.slots == 1 and model.idle_unload_s == 30
     assert model.memory_bytes and launch.others.children["other"].args[-2:] == ["--alias", "other"]
+
+
+def test_with_demo_every_gguf_is_served_beside_the_demo(tmp_path: Path, recorded_llama: Path) -> None:
+    tiny = write_tiny_model(tmp_path / "tiny-b.gguf", TinyModelSpec(seed=2, name="tiny-b"))
+    done = _dry_run(tmp_path, "cpu-only", "--demo", "--gguf", f"{tiny},ctx=512,idle=60", "--ctx-size", "2048", llama=recorded_llama)
+    assert done.returncode == 0, done.stderr
+    assert "model:     demo:Q4_K_M (" in done.stdout
+    assert f"also:      tiny-b ({tiny}): loaded on demand, unloaded after 60 s idle" in done.stdout

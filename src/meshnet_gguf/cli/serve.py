@@ -121,7 +121,7 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.prepare.pipeline import NodeSetupError, prepare_launch
 
         try:
-            first, others = _models_of_flags(gguf)
+            first, others = _models_of_flags(gguf, demo=demo)
             settings = settings_from_flags(
                 gguf=first, models=others, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
                 n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
@@ -171,12 +171,15 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(code)
 
 
-def _models_of_flags(gguf: list[str] | None) -> tuple[str | None, list[Any]]:
-    """The first `--gguf` (the node's first model, as a single `--gguf` always was) and the entries after it."""
+def _models_of_flags(gguf: list[str] | None, *, demo: bool) -> tuple[str | None, list[Any]]:
+    """The first `--gguf` (the node's first model, as a single `--gguf` always was) and the entries after it;
+    with `--demo` the demo is the first model and every `--gguf` is served beside it."""
     if not gguf:
         return None, []
     from meshnet_gguf.common.model_entries import parse_model_flag
 
+    if demo:
+        return None, [parse_model_flag(text) for text in gguf]
     return gguf[0], [parse_model_flag(text) for text in gguf[1:]]
 
 
