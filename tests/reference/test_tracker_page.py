@@ -97,6 +97,7 @@ async def test_every_column_is_explained_and_no_figure_reads_as_a_question_mark(
         await ledger.finish_request("req-refused", None, "refused", None)
         # Earned: the one request with a receipt and ceilings, each figure capped (9 <= 150, 5 <= 7); the refused bills nothing.
         assert await ledger.billed_by_node() == {"node-a": NodeEarnings(requests=1, prompt_tokens=9, completion_tokens=5)}
+        assert await ledger.billed_by_node_and_model() == {"node-a": {"tiny": NodeEarnings(1, 9, 5)}}  # the same, by model
     finally:
         ledger.close()
 

@@ -40,7 +40,7 @@ from meshnet_gguf.reference.tracker.reach import NodeReach
 from meshnet_gguf.reference.tracker.receipts import Receipts
 from meshnet_gguf.reference.tracker.request_io import BoundedHeaders, model_response
 from meshnet_gguf.reference.tracker.routing import RouteSigner
-from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE, TrackerLedger
+from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE, NodeEarnings, TrackerLedger
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +176,8 @@ class Tracker:
 
     async def _nodes(self, request: Request) -> Response:
         flags = await self.ledger.flags_by_node()
-        earnings = await self.ledger.billed_by_node()
-        earnings_by_model = await self.ledger.billed_by_node_and_model()
+        earnings_by_model = await self.ledger.billed_by_node_and_model()  # one pass over the ledger for both
+        earnings = {node_id: NodeEarnings.summed(by_model.values()) for node_id, by_model in earnings_by_model.items()}
         return JSONResponse(
             [
                 {

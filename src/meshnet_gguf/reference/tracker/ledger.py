@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -146,6 +147,12 @@ class NodeEarnings:
     requests: int
     prompt_tokens: int
     completion_tokens: int
+
+    @classmethod
+    def summed(cls, parts: Iterable[NodeEarnings]) -> NodeEarnings:
+        """Several earnings as one (a node's, from what it earned serving each of its models)."""
+        listed = list(parts)
+        return cls(sum(p.requests for p in listed), sum(p.prompt_tokens for p in listed), sum(p.completion_tokens for p in listed))
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,6 @@ class _Registry(Protocol):
 class _Ledger(Protocol):
     async def usage_list(self, *, request_id: str | None = None, limit: int = 100) -> list[TrackerUsage]: ...
 
-    async def billed_by_node(self) -> dict[str, NodeEarnings]: ...
-
     async def billed_by_node_and_model(self) -> dict[str, dict[str, NodeEarnings]]: ...
 
 
@@ -99,8 +97,8 @@ def models_view(registry: _Registry, entry: Any, earned: dict[str, NodeEarnings]
 
 async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
     now = time.monotonic()
-    earnings = await tracker.ledger.billed_by_node()
-    earnings_by_model = await tracker.ledger.billed_by_node_and_model()
+    earnings_by_model = await tracker.ledger.billed_by_node_and_model()  # one pass over the ledger for both
+    earnings = {node_id: NodeEarnings.summed(by_model.values()) for node_id, by_model in earnings_by_model.items()}
     nodes = []
     for entry in tracker.registry.all():
         announcement = entry.announcement
