@@ -181,3 +181,27 @@ def test_with_room_for_one_model_beside_the_first_each_request_loads_its_model_a
     assert journal is not None
     assert [r.model for r in reversed(journal.latest)] == order
     assert len({r.request_id for r in journal.latest}) == len(order) and all(r.status == 200 for r in journal.latest)
+
+
+def test_a_model_busy_in_all_its_slots_refuses_at_once_while_the_others_serve(  # type: ignore[no-untyped-def]
+    fake_llama_path: Path, workdir: Path, start_node: StartNode
+) -> None:
+    first = write_tiny_model(workdir / "tiny-a.gguf", TinyModelSpec(seed=1, name="tiny-a"))
+    second = write_tiny_model(workdir / "tiny-b.gguf", TinyModelSpec(seed=2, name="tiny-b"))
+    node = start_node(
+        "--gguf", str(first), "--gguf", f"{second},ctx={CONTEXT},slots=1", "--ctx-size", CONTEXT, "--parallel", "2",
+        "--llama-server", str(fake_llama_path), workdir=workdir,
+        env={"FAKE_LLAMA_TOKENS": "40", "FAKE_LLAMA_TOKEN_DELAY_S": "0.05"},
+    )  # fmt: skip
+    node.wait_ready()
+    body = {"model": "tiny-b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "stream": True}
+    with httpx.Client(timeout=30) as client, client.stream("POST", node.url + "/v1/chat/completions", json=body) as streaming:
+        assert streaming.status_code == 200
+        lines = streaming.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # tiny-b's one slot is in use from here
+        busy = client.post(node.url + "/v1/chat/completions", json={**body, "stream": False})
+        assert busy.status_code == 503 and "slots of model tiny-b are busy" in busy.json()["error"]["message"]
+        assert busy.headers["retry-after"]
+        other = client.post(node.url + "/v1/chat/completions", json={**body, "model": "tiny-a", "stream": False})
+        assert other.status_code == 200 and other.json()["model"] == "tiny-a"
+        assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream in flight was answered whole

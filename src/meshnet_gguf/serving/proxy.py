@@ -101,6 +101,14 @@ class ProxyApp:
         self.limits = limits
         # The models served beside the first (one llama-server each, loaded on demand), by the request's `model`.
         self.others = others
+        # Beside the node's slots, each model's own: a model's requests in flight never outnumber its llama-server's
+        # slots (no queue, per model as per node); the first model's are the node's less the others'.
+        self._model_slots = (
+            {model_name: Slots(total=max(1, slots.total - sum(m.slots for m in others.models)))}
+            | {m.alias: Slots(total=m.slots) for m in others.models}
+            if others is not None
+            else {}
+        )
         self.served = ServedName(model_name, tuple(model_aliases), tuple(others.models.aliases) if others else ())
         self.model_name = model_name
         self._health = health
@@ -145,9 +153,7 @@ class ProxyApp:
                 raise ApiError(400, "missing_field", f"'{required}' is required for {path}")
             validate_request(path, payload)
             model_name, target = await self._target_for(payload.get("model"), model_held)
-            release = self.slots.try_acquire(1)
-            if release is None:
-                raise self._unavailable(f"All {self.slots.total} slots of this node are busy; retry shortly")
+            release = self._take_slot(model_name)
             meter = RequestMeter(
                 request_id=request_id,
                 path=path,
@@ -336,6 +342,25 @@ class ProxyApp:
             caps.append(self.limits.max_tokens_cap)
         given = [cap for cap in caps if cap is not None]
         return min(given) if given else None
+
+    def _take_slot(self, model_name: str) -> Callable[[], None]:
+        """One of the node's slots and, on a node of several models, one of the model's; its release gives both back."""
+        release = self.slots.try_acquire(1)
+        if release is None:
+            raise self._unavailable(f"All {self.slots.total} slots of this node are busy; retry shortly")
+        own = self._model_slots.get(model_name)
+        if own is None:
+            return release
+        model_release = own.try_acquire(1)
+        if model_release is None:
+            release()
+            raise self._unavailable(f"All {own.total} slots of model {model_name} are busy; retry shortly")
+
+        def release_both() -> None:
+            release()
+            model_release()
+
+        return release_both
 
     async def _target_for(self, requested: object, model_held: contextlib.AsyncExitStack | None) -> tuple[str, UpstreamTarget]:
         """The model a request names (its id, as usage records name it) and where its llama-server is: the first
