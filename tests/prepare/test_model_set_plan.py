@@ -17,7 +17,7 @@ from meshnet_gguf.common.model_entries import ModelEntry, parse_model_flag
 from meshnet_gguf.common.settings import CONFIG_FILE_ENV, NodeSettings
 from meshnet_gguf.hardware.report import MemoryCapacity
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
-from meshnet_gguf.prepare.model_set_plan import ModelNeed, ModelSetDoesNotFit, fit_together
+from meshnet_gguf.prepare.model_set_plan import ModelNeed, ModelSetDoesNotFit, Room, fit_together
 from meshnet_gguf.prepare.pipeline import NodeSetupError, prepare_launch
 
 GB = 10**9
@@ -74,23 +74,34 @@ def test_the_toml_file_lists_more_models_as_tables_and_a_mistyped_key_is_an_erro
 def test_the_pinned_models_must_fit_together_and_each_other_model_in_what_they_leave() -> None:
     box = MemoryCapacity(total_bytes=100 * GB, gpu_bytes=60 * GB, gpu_name="gpu", unified=False)
     big = ModelNeed("big", gpu_bytes=50 * GB, host_bytes=20 * GB, pinned=True)
-    # 30 GB left in all, 10 GB of it on the GPU: the small model fits, and the budget is what the pinned leave.
-    assert fit_together([big, ModelNeed("small", 8 * GB, 2 * GB, pinned=False)], box) == 30 * GB
+    # 30 GB left in all, 10 GB of it on the GPU: the small model fits.
+    room = fit_together(big, [ModelNeed("small", 8 * GB, 2 * GB, pinned=False)], box)
+    assert room == Room(total_bytes=30 * GB, gpu_bytes=10 * GB)
     # Each other model alone beside the pinned: two that fit one at a time are a set that fits (one is unloaded for the other).
-    assert fit_together([big, ModelNeed("a", 9 * GB, 0, False), ModelNeed("b", 9 * GB, 0, False)], box) == 30 * GB
+    a, b = ModelNeed("a", 9 * GB, 0, False), ModelNeed("b", 9 * GB, 0, False)
+    room = fit_together(big, [a, b], box)
+    # In the one figure the children count room in, each costs its GPU bytes scaled by the GPU's scarcer room:
+    # the two cannot be loaded together (18 GB on a GPU with 10 left), and the count says so.
+    assert room.cost(a) == 27 * GB and room.cost(a) + room.cost(b) > room.total_bytes
+    assert room.cost(ModelNeed("cpu", 0, 5 * GB, False)) == 5 * GB  # RAM alone: its bytes
     with pytest.raises(ModelSetDoesNotFit, match=r"^mid .* does not fit beside the pinned models \(big\)"):
-        fit_together([big, ModelNeed("mid", 12 * GB, 0, pinned=False)], box)  # the GPU's 10 GB left are too few
+        fit_together(big, [ModelNeed("mid", 12 * GB, 0, pinned=False)], box)  # the GPU's 10 GB left are too few
     with pytest.raises(ModelSetDoesNotFit, match=r"^wide .* does not fit"):
-        fit_together([big, ModelNeed("wide", 0, 31 * GB, pinned=False)], box)  # RAM
+        fit_together(big, [ModelNeed("wide", 0, 31 * GB, pinned=False)], box)  # RAM
     with pytest.raises(ModelSetDoesNotFit, match="the pinned models do not fit together: big .*, second"):
-        fit_together([big, ModelNeed("second", 15 * GB, 0, pinned=True)], box)
+        fit_together(big, [ModelNeed("second", 15 * GB, 0, pinned=True)], box)
+    pinned = ModelNeed("kept", 4 * GB, 0, pinned=True)  # costs 12 GB of the 30: the others get what is left
+    with pytest.raises(
+        ModelSetDoesNotFit, match=r"^small .* beside the pinned models \(big, kept\): they leave 18.0 GB \(6.0 GB on the GPU\)"
+    ):
+        fit_together(big, [pinned, ModelNeed("small", 7 * GB, 0, pinned=False)], box)
 
 
 def test_strix_halo_keeps_the_big_model_and_plans_a_small_one_in_what_it_leaves(tmp_path: Path, recorded_llama: Path) -> None:
     done = _dry_run(tmp_path, "strix-halo-128", "--gguf", BIG, "--ctx-size", "65536", "--gguf", "demo,ctx=4096", llama=recorded_llama)
     assert done.returncode == 0, done.stderr
     assert "also:      demo:Q4_K_M (" in done.stdout and "loaded on demand, unloaded after 900 s idle" in done.stdout
-    assert "left by the pinned models for the others" in done.stdout
+    assert "left by the first model for the others" in done.stdout
 
     second = _dry_run(
         tmp_path, "strix-halo-128", "--gguf", BIG, "--ctx-size", "65536", "--gguf", f"{BIG},alias=second", llama=recorded_llama

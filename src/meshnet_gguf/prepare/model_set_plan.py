@@ -6,7 +6,7 @@ the set is placed together: the pinned models (the first one always) stay loaded
 by side, and each other model must fit in what they leave, on the GPU (whose budget on unified memory is
 already the GTT ceiling's) and in all. A set that cannot is refused naming the model that would not fit
 (`--force` tries anyway, and says so). The other models' figures become `ModelChildren`'s memory budget:
-what the pinned models leave, from which idle models are unloaded to make room.
+what the first model leaves, in which the others are loaded and idle ones unloaded to make room.
 """
 
 from __future__ import annotations
@@ -52,29 +52,46 @@ def need_of(alias: str, plan: LaunchPlan | None, *, pinned: bool) -> ModelNeed:
     return ModelNeed(alias, plan.gpu_bytes, plan.host_bytes, pinned)
 
 
-def fit_together(needs: Sequence[ModelNeed], capacity: MemoryCapacity) -> int:
-    """The bytes the pinned models leave for the others (their memory budget), or ModelSetDoesNotFit naming
-    what would not fit: the pinned models side by side, then each other model beside them."""
-    pinned = [n for n in needs if n.pinned]
-    pinned_gpu = sum(n.gpu_bytes for n in pinned)
-    pinned_total = sum(n.total_bytes for n in pinned)
+@dataclass(frozen=True)
+class Room:
+    """What the first model leaves the others: in all, and on the GPU (None: no GPU to share)."""
+
+    total_bytes: int
+    gpu_bytes: int | None
+
+    def cost(self, need: ModelNeed) -> int:
+        """The model's share of `total_bytes`, such that models whose shares add up within it also fit the GPU's
+        room: its GPU bytes scaled by how much scarcer the GPU's room is, when it is (one figure is what
+        `ModelChildren` counts room in)."""
+        if need.gpu_bytes <= 0 or self.gpu_bytes is None or self.gpu_bytes >= self.total_bytes:
+            return need.total_bytes
+        if self.gpu_bytes <= 0:
+            return self.total_bytes + 1  # no GPU room left: never fits
+        return max(need.total_bytes, -(-need.gpu_bytes * self.total_bytes // self.gpu_bytes))
+
+
+def fit_together(first: ModelNeed, others: Sequence[ModelNeed], capacity: MemoryCapacity) -> Room:
+    """The room the first model leaves the others, or ModelSetDoesNotFit naming what would not fit in it: the
+    pinned models side by side, then each other model beside them (each counted as `Room.cost`: in all and on the GPU)."""
+    gpu = capacity.gpu_bytes - first.gpu_bytes if capacity.gpu_bytes > 0 else None
+    room = Room(capacity.total_bytes - first.total_bytes, gpu)
     where = capacity.describe()
-    if pinned_total > capacity.total_bytes or (capacity.gpu_bytes > 0 and pinned_gpu > capacity.gpu_bytes):
-        names = ", ".join(n.describe() for n in pinned)
+    pinned = [n for n in others if n.pinned]
+    pinned_cost = sum(room.cost(n) for n in pinned)
+    if pinned_cost > room.total_bytes:
+        names = ", ".join(n.describe() for n in (first, *pinned))
         raise ModelSetDoesNotFit(f"the pinned models do not fit together: {names}; {where}")
-    left_total = capacity.total_bytes - pinned_total
-    left_gpu = capacity.gpu_bytes - pinned_gpu
-    for need in needs:
-        if need.pinned:
-            continue
-        if need.total_bytes > left_total or (need.gpu_bytes > 0 and need.gpu_bytes > left_gpu):
-            gpu = f" ({format_bytes(max(0, left_gpu))} on the GPU)" if need.gpu_bytes else ""
+    left_total = room.total_bytes - pinned_cost
+    left_gpu = None if room.gpu_bytes is None else room.gpu_bytes - sum(n.gpu_bytes for n in pinned)
+    for need in others:
+        if not need.pinned and room.cost(need) > left_total:
+            on_gpu = f" ({format_bytes(max(0, left_gpu))} on the GPU)" if need.gpu_bytes and left_gpu is not None else ""
             raise ModelSetDoesNotFit(
-                f"{need.describe()} does not fit beside the pinned models ({', '.join(n.alias for n in pinned)}): "
-                f"they leave {format_bytes(left_total)}{gpu}; {where}. Lower its ctx= or the first model's --ctx-size, "
+                f"{need.describe()} does not fit beside the pinned models ({', '.join(n.alias for n in (first, *pinned))}): "
+                f"they leave {format_bytes(max(0, left_total))}{on_gpu}; {where}. Lower its ctx= or the first model's --ctx-size, "
                 "or give it gpu-layers=0"
             )
-    return left_total
+    return room
 
 
 @dataclass(frozen=True)
@@ -97,7 +114,7 @@ class OtherModels:
             if plan is not None:
                 lines.append("           " + plan.describe(with_argv=False).replace("\n", "\n           "))
         if self.budget_bytes is not None:
-            lines.append(f"models:    {format_bytes(self.budget_bytes)} left by the pinned models for the others")
+            lines.append(f"models:    {format_bytes(self.budget_bytes)} left by the first model for the others")
         lines += [f"note:      {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -147,6 +164,7 @@ __all__ = [
     "ModelNeed",
     "ModelSetDoesNotFit",
     "OtherModels",
+    "Room",
     "checked_set",
     "entry_settings",
     "fit_together",

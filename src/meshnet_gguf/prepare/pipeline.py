@@ -241,6 +241,7 @@ def prepare_launch(
 def prepare_other_models(launch: PreparedLaunch, settings: NodeSettings, *, dry_run: bool) -> OtherModels:
     """Step 9: each model beside the first through steps 4 to 7 (the first one's binary and hardware), then the
     set placed together (`prepare/model_set_plan`): refused naming the model that would not fit, unless `--force`."""
+    from meshnet_gguf.llama.model_set import ModelSet
     from meshnet_gguf.prepare.model_set_plan import ModelSetDoesNotFit, checked_set, entry_settings, fit_together, model_to_serve, need_of
 
     assert launch.hardware is not None, "planned after the hardware was probed"
@@ -262,14 +263,19 @@ def prepare_other_models(launch: PreparedLaunch, settings: NodeSettings, *, dry_
         models = checked_set(served, [launch.model_name, *launch.model_aliases], on_disk=not dry_run)
     except ModelSetError as exc:
         raise NodeSetupError(str(exc)) from exc
-    needs = [need_of(launch.model_name, launch.plan, pinned=True), *(need_of(m.alias, plans.get(m.alias), pinned=m.pinned) for m in models)]
+    first = need_of(launch.model_name, launch.plan, pinned=True)
+    needs = {m.alias: need_of(m.alias, plans.get(m.alias), pinned=m.pinned) for m in models}
     notes: tuple[str, ...] = ()
+    budget: int | None = None
     try:
-        budget: int | None = fit_together(needs, launch.hardware.capacity())
+        room = fit_together(first, list(needs.values()), launch.hardware.capacity())
+        # Each model counted in the one figure the children make room by: its share of the room, GPU included.
+        models = ModelSet(tuple(replace(m, memory_bytes=room.cost(needs[m.alias]) or None) for m in models))
+        budget = room.total_bytes
     except ModelSetDoesNotFit as exc:
         if not settings.force:
             raise DoesNotFit(f"{exc}; or pass --force to try anyway") from exc
-        budget, notes = None, (f"{FORCE_NOTE_PREFIX} serving these models although {exc}",)
+        notes = (f"{FORCE_NOTE_PREFIX} serving these models although {exc}",)
     return OtherModels(models, children, budget, plans, notes)
 
 
