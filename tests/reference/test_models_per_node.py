@@ -243,6 +243,41 @@ async def test_an_audited_model_is_routed_only_to_nodes_that_announce_it_first(t
             assert (await ask(http, url, "alpha")).status_code == 200
 
 
+async def stream(http: httpx.AsyncClient, url: str, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as answer:
+        assert answer.status_code == 200
+        assert b"[DONE]" in b"".join([chunk async for chunk in answer.aiter_bytes()])
+
+
+async def test_a_node_calling_its_model_loadable_forever_is_timed_all_the_same(tmp_path: Path, tracker: tuple[Tracker, str]) -> None:
+    # Only the stream that starts a load goes untimed (its first token waits for it). A node that says "loadable,
+    # 0 s" at every heartbeat while it serves warm would otherwise never be measured, and keep a claim unchecked.
+    service, url = tracker
+    liar = ModelsNode(tmp_path / "a", url, [AnnouncedModel(model_id="alpha", state="loadable", expected_load_s=0.0)])
+    async with liar.running(), httpx.AsyncClient(timeout=10) as http:
+        await liar.register()
+        await routable(service, "alpha", 1)
+        for _ in range(TRUST_AFTER_SAMPLES + 1):
+            await stream(http, url, "alpha")
+            await liar.heartbeat()  # still "loadable"
+        speed = (await node_view(http, url, liar.node_id))["speed"]
+        assert speed["measured_streams"] == TRUST_AFTER_SAMPLES and speed["trusted"]
+
+
+async def test_the_stream_that_starts_a_load_times_its_decode_but_not_its_first_token(tmp_path: Path, tracker: tuple[Tracker, str]) -> None:
+    service, url = tracker
+    a = ModelsNode(tmp_path / "a", url, [ALPHA, BETA_COLD])
+    async with a.running(), httpx.AsyncClient(timeout=10) as http:
+        await a.register()
+        await routable(service, "beta", 1)
+        await stream(http, url, "beta")
+        beta = service.registry.get(a.node_id).model_for("beta")  # type: ignore[union-attr]
+        assert beta is not None and beta.speed.samples == 0 and beta.speed.decode_samples == 1
+        await stream(http, url, "beta")  # the load is under way: timed like any other
+        assert beta.speed.samples == 1
+
+
 # --- the pick, on the registry alone -------------------------------------------------------
 
 

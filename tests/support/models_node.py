@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from meshnet_gguf.common.ports import free_local_port
@@ -42,6 +42,17 @@ from support.loopback import serve_asgi
 from support.mesh_tracker import SECRET
 
 ANSWER_TOKENS = 3
+# A streamed answer: enough content events, far enough apart, for the tracker to time its decode.
+STREAM_EVENTS = 6
+STREAM_EVENT_GAP_S = 0.005
+
+
+async def _events(model: str) -> AsyncIterator[bytes]:
+    for _ in range(STREAM_EVENTS):
+        chunk = {"object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": {"content": "a "}}]}
+        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        await anyio.sleep(STREAM_EVENT_GAP_S)
+    yield b"data: [DONE]\n\n"
 
 
 def route_claims(token: str) -> dict[str, Any]:
@@ -121,13 +132,16 @@ class ModelsNode:
         claims = route_claims(request.headers[ROUTE_HEADER])
         request_id = request.headers[REQUEST_ID_HEADER]
         model = claims["model"]
-        self.answered.append({"model": model, "request_id": request_id, "requested": (await request.json())["model"]})
+        payload = await request.json()
+        self.answered.append({"model": model, "request_id": request_id, "requested": payload["model"]})
         if (release := self.hold.get(model)) is not None:
             self.held += 1
             try:
                 await release.wait()
             finally:
                 self.held -= 1
+        if payload.get("stream") is True:
+            return StreamingResponse(_events(model), media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id})
         answer = {
             "id": request_id, "object": "chat.completion", "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "a b c"}, "finish_reason": "stop"}],

@@ -139,9 +139,9 @@ class ForwardEndpoint:
                 # The client left after the stream's [DONE] reached it (the openai SDK closes on it) while
                 # the node's stream was still closing: it had the whole answer, whichever came first.
                 outcome = "upstream_error" if meter.error else "complete"
-            # A stream that waited for its model's load says nothing of the node's speed.
-            if outcome == "complete" and upstream.status < 400 and not timing.cold and (sample := timing.sample()) is not None:
-                timing.speed.record(sample)
+            # A stream that started its model's load times no first token (the load is in it), only its decode.
+            if outcome == "complete" and upstream.status < 400 and (sample := timing.sample()) is not None:
+                timing.speed.record(sample, first_token=not timing.cold)
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
                 if upstream.status >= 400:
@@ -242,7 +242,7 @@ class StreamTiming:
     """Times one forward for the node's speed estimate: sent, first and last content event, and the
     node's load meanwhile. Kept with the `NodeSpeed` of the model and the registration it was sent under,
     so a stream that ends after its node registered again does not feed the new estimate. `cold`: it
-    found its model not loaded (its first token waited for a load: not a speed to learn)."""
+    started its model's load (its first token waited for it: not a speed to learn)."""
 
     def __init__(self, node: NodeEntry, prompt_tokens: int, model: ModelOnNode | None = None) -> None:
         self.model = model or node.primary()

@@ -52,11 +52,13 @@ class ModelOnNode:
         return max(expected - (now - self.load_sent_at), 0.0)
 
     def sent(self, now: float) -> bool:
-        """A request was sent for the model; True when it found the model cold (it starts or waits for a load)."""
-        cold = self.state != "loaded"
-        if cold and self.load_sent_at is None:
+        """A request was sent for the model; True when it starts a load here: its first token waits for that load,
+        so its stream times no speed. Only the request that starts one: the others are timed whatever the node
+        says, so a node that calls its model loadable forever is measured all the same."""
+        starts_load = self.state != "loaded" and self.load_sent_at is None
+        if starts_load:
             self.load_sent_at = now
-        return cold
+        return starts_load
 
     def report(self, state: ModelStateReport) -> None:
         """The node's word on the model's state (a heartbeat): it replaces what the tracker assumed."""

@@ -108,7 +108,12 @@ class NodeSpeed:
     def trusted(self) -> bool:
         return self.samples >= TRUST_AFTER_SAMPLES
 
-    def record(self, sample: StreamSample) -> None:
+    def record(self, sample: StreamSample, *, first_token: bool = True) -> None:
+        """One stream's figures. `first_token=False`: its first token waited for a model's load, so only its decode
+        rate counts (the load is in its TTFT, not in its tokens per second: a claim is still checked, R3)."""
+        if not first_token:
+            self._record_decode(sample)
+            return
         if sample.prompt_tokens < 1 or sample.ttft_s <= 0:
             return
         self.samples += 1
@@ -121,6 +126,9 @@ class NodeSpeed:
         claimed_prefill = rate_at(self.claim.prefill_tokens_per_s, sample.prompt_tokens) if self.claim else None
         if claimed_prefill:
             self.overhead_s = _ewma(self.overhead_s, max(0.0, idle_ttft_s - sample.prompt_tokens / claimed_prefill))
+        self._record_decode(sample)
+
+    def _record_decode(self, sample: StreamSample) -> None:
         if sample.decode_tokens < MIN_DECODE_TOKENS or sample.decode_s <= 0:
             return
         self.decode_samples += 1
