@@ -126,6 +126,9 @@ def test_two_models_answer_through_one_node_and_a_broken_one_is_refused_with_its
     )
     rows = {line.split()[0]: line.split() for line in ps.stdout.splitlines()[1:] if line and not line.startswith("broken:")}
     assert rows["tiny-a"][1:3] == ["loaded", "yes"] and rows["tiny-b"][1:3] == ["loaded", "no"] and rows["broken"][1] == "failed"
+    assert ps.stdout.splitlines()[0].split() == ["MODEL", "STATE", "PINNED", "PID", "RSS", "PLANNED", "IDLE", "REQUESTS", "LOADS"]
+    assert rows["tiny-b"][3] == str(_models(node)["tiny-b"]["pid"]) and rows["tiny-b"][4] != "-"  # its pid and its RSS
+    assert rows["broken"][3:5] == ["-", "-"]  # no process, no memory
     assert "broken: llama-server exited" in ps.stdout
 
 
@@ -137,9 +140,10 @@ def test_an_idle_model_is_unloaded_its_process_gone_and_billing_is_one_row_per_r
         asked[model] += 1
     pid = _models(node)["tiny-b"]["pid"]
     assert pid and psutil.pid_exists(pid)
+    assert _models(node)["tiny-b"]["rss_bytes"] > 10 * 2**20  # a llama-server's RSS, even for a tiny model
 
     unloaded = _wait_for(node, "tiny-b", "unloaded", UNLOAD_WAIT_S)
-    assert unloaded["pid"] is None and not psutil.pid_exists(pid)
+    assert unloaded["pid"] is None and unloaded["rss_bytes"] is None and not psutil.pid_exists(pid)
     assert _models(node)["tiny-a"]["state"] == "loaded"  # the first model is never unloaded
 
     # Asked again: loaded anew (a new process), and still one usage row per request.

@@ -16,7 +16,8 @@ import typer
 PS_TIMEOUT_S = 5.0
 # Exit status when no node answers at the address (as `service status` says a unit is not running).
 EXIT_NO_NODE = 3
-_COLUMNS = ("MODEL", "STATE", "PINNED", "PID", "MEMORY", "IDLE", "REQUESTS", "LOADS")
+# RSS: what the model's llama-server holds in RAM now; PLANNED: its share of memory in the launch plan (GPU included).
+_COLUMNS = ("MODEL", "STATE", "PINNED", "PID", "RSS", "PLANNED", "IDLE", "REQUESTS", "LOADS")
 
 
 def register(app: typer.Typer) -> None:
@@ -80,7 +81,8 @@ def models_table(models: list[dict[str, Any]]) -> str:
                 str(model.get("state")),
                 "yes" if model.get("pinned") else "no",
                 str(model.get("pid") or "-"),
-                _bytes(model.get("memory_bytes")) if model.get("pid") else "-",
+                _bytes(model.get("rss_bytes")),
+                _bytes(model.get("memory_bytes")),
                 _seconds(model.get("idle_s")),
                 str(model.get("requests") if model.get("requests") is not None else "-"),
                 str(model.get("loads") if model.get("loads") is not None else "-"),

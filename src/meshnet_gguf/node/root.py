@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+import psutil
+
 from meshnet_gguf import __version__
 from meshnet_gguf.common.logs import register_secret
 from meshnet_gguf.common.settings import NodeSettings
@@ -206,9 +208,19 @@ def _models_status(
             "last_load_s": None, "loads": None, "error": None,
             "memory_bytes": plan.gpu_bytes + plan.host_bytes if plan is not None else None,
         }  # fmt: skip
-        return [first, *beside]
+        return [{**model, "rss_bytes": _rss_bytes(model["pid"])} for model in (first, *beside)]
 
     return models
+
+
+def _rss_bytes(pid: int | None) -> int | None:
+    """A model's llama-server's resident memory now (GPU memory is not in it), or None when it runs no process."""
+    if pid is None:
+        return None
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None
 
 
 def _upstream_of(supervisor: Supervisor) -> Callable[[], UpstreamTarget | None]:
