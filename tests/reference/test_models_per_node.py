@@ -265,6 +265,24 @@ async def test_a_node_calling_its_model_loadable_forever_is_timed_all_the_same(t
         assert speed["measured_streams"] == TRUST_AFTER_SAMPLES and speed["trusted"]
 
 
+async def test_a_node_flipping_its_model_loaded_and_loadable_at_every_heartbeat_is_timed_all_the_same(
+    tmp_path: Path, tracker: tuple[Tracker, str]
+) -> None:
+    # Each flip would make the next request start a "load": one untimed stream per UNTIMED_LOAD_INTERVAL_S at most.
+    service, url = tracker
+    cold = AnnouncedModel(model_id="alpha", state="loadable", expected_load_s=0.0)
+    liar = ModelsNode(tmp_path / "a", url, [cold])
+    async with liar.running(), httpx.AsyncClient(timeout=10) as http:
+        await liar.register()
+        await routable(service, "alpha", 1)
+        for _ in range(TRUST_AFTER_SAMPLES + 1):
+            for state in ("loaded", "loadable"):
+                liar.models = [cold.model_copy(update={"state": state})]
+                await liar.heartbeat()
+            await stream(http, url, "alpha")
+        assert (await node_view(http, url, liar.node_id))["speed"]["measured_streams"] == TRUST_AFTER_SAMPLES
+
+
 async def test_the_stream_that_starts_a_load_times_its_decode_but_not_its_first_token(tmp_path: Path, tracker: tuple[Tracker, str]) -> None:
     service, url = tracker
     a = ModelsNode(tmp_path / "a", url, [ALPHA, BETA_COLD])

@@ -20,6 +20,10 @@ from meshnet_gguf.reference.tracker.node_speed import NodeSpeed
 # takes on a modest box (bench/RESULTS.md, "Several models per node": ~0.1 s for a tiny model, ~1 s for the
 # demo), rounded up so that a warm node of the same speed always wins.
 UNMEASURED_LOAD_S = 10.0
+# At most one stream a model goes untimed for its first token in this long on one node: a node unloads a model only
+# after it sat idle at least this long (`llama.model_set.MIN_IDLE_UNLOAD_S`), so an honest one loads it no more
+# often; a node flipping its model's state at every heartbeat to stay unmeasured is timed all the same.
+UNTIMED_LOAD_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -32,6 +36,7 @@ class ModelOnNode:
     expected_load_s: float | None = None
     in_flight: int = 0  # requests for this model this tracker is relaying to the node now
     load_sent_at: float | None = field(default=None)  # when this tracker sent the request that loads it
+    untimed_at: float | None = None  # when a stream of it last went untimed for its first token (it started a load)
 
     @property
     def model_id(self) -> str:
@@ -52,13 +57,17 @@ class ModelOnNode:
         return max(expected - (now - self.load_sent_at), 0.0)
 
     def sent(self, now: float) -> bool:
-        """A request was sent for the model; True when it starts a load here: its first token waits for that load,
-        so its stream times no speed. Only the request that starts one: the others are timed whatever the node
-        says, so a node that calls its model loadable forever is measured all the same."""
+        """A request was sent for the model; True when its stream is not to be timed for its first token: it starts
+        a load here (its first token waits for it). Only the request that starts one, and at most one in
+        `UNTIMED_LOAD_INTERVAL_S`: the others are timed whatever the node says, so a node that calls its model
+        loadable forever, or flips it at every heartbeat, is measured all the same."""
         starts_load = self.state != "loaded" and self.load_sent_at is None
         if starts_load:
             self.load_sent_at = now
-        return starts_load
+        untimed = starts_load and (self.untimed_at is None or now - self.untimed_at >= UNTIMED_LOAD_INTERVAL_S)
+        if untimed:
+            self.untimed_at = now
+        return untimed
 
     def report(self, state: ModelStateReport) -> None:
         """The node's word on the model's state (a heartbeat): it replaces what the tracker assumed."""
@@ -105,4 +114,4 @@ def apply_reports(models: dict[str, ModelOnNode], reports: Iterable[ModelStateRe
             model.report(report)
 
 
-__all__ = ["UNMEASURED_LOAD_S", "ModelOnNode", "apply_reports", "by_name", "models_of"]
+__all__ = ["UNMEASURED_LOAD_S", "UNTIMED_LOAD_INTERVAL_S", "ModelOnNode", "apply_reports", "by_name", "models_of"]
