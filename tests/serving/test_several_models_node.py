@@ -144,6 +144,9 @@ def test_an_idle_model_is_unloaded_its_process_gone_and_billing_is_one_row_per_r
 
     unloaded = _wait_for(node, "tiny-b", "unloaded", UNLOAD_WAIT_S)
     assert unloaded["pid"] is None and unloaded["rss_bytes"] is None and not psutil.pid_exists(pid)
+    scrape = httpx.get(node.url + "/metrics", timeout=5).text
+    assert 'meshnet_model_loaded{model="tiny-b"} 0.0' in scrape and 'meshnet_model_rss_bytes{model="tiny-b"} 0.0' in scrape
+    assert 'meshnet_model_loaded{model="tiny-a"} 1.0' in scrape and 'meshnet_model_failed{model="broken"} 0.0' in scrape
     assert _models(node)["tiny-a"]["state"] == "loaded"  # the first model is never unloaded
 
     # Asked again: loaded anew (a new process), and still one usage row per request.
@@ -151,6 +154,9 @@ def test_an_idle_model_is_unloaded_its_process_gone_and_billing_is_one_row_per_r
     asked["tiny-b"] += 1
     again = _models(node)["tiny-b"]
     assert again["state"] == "loaded" and again["loads"] == 2 and again["pid"] != pid
+    scrape = httpx.get(node.url + "/metrics", timeout=5).text
+    assert 'meshnet_model_loaded{model="tiny-b"} 1.0' in scrape and 'meshnet_model_loads_total{model="tiny-b"} 2.0' in scrape
+    assert f'meshnet_model_requests_total{{model="tiny-b"}} {asked["tiny-b"]}.0' in scrape
     journal = read_journal(node.state_dir, limit=100)
     assert journal is not None
     by_model = {m: sum(1 for r in journal.latest if r.model == m) for m in asked}

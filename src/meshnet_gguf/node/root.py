@@ -32,6 +32,7 @@ from meshnet_gguf.node.mesh import MeshWing, NodeKeys, announce_other_models, bu
 from meshnet_gguf.node.pool import build_pool
 from meshnet_gguf.node.run import Node
 from meshnet_gguf.ops.metrics import NodeMetrics, fetch_llama_metrics, llama_up_text
+from meshnet_gguf.ops.model_metrics import ModelsCollector
 from meshnet_gguf.ops.sd_notify import SystemdNotifier, watchdog_interval
 from meshnet_gguf.ops.state_lock import StateDirInUse, StateDirLock
 from meshnet_gguf.ops.systemd_part import OperationsPart, ServedAt
@@ -87,6 +88,9 @@ def build_node(launch: PreparedLaunch, keys: NodeKeys | None) -> Node:
     # Standalone, usage is kept in an append-only journal (a meshed node's ledger keeps it otherwise).
     journal = UsageJournal.in_state_dir(settings.state_dir) if mesh.tracker_link is None else None
     metrics = _metrics(launch, slots, supervisor, operations, mesh, upstream, upstream_client)
+    models_status = _models_status(launch, supervisor, health, others)
+    if others is not None:  # each model a label value of the meshnet_model_* metrics
+        metrics.registry.register(ModelsCollector(models_status))
     http = build_listener(
         launch,
         upstream=upstream,
@@ -100,7 +104,7 @@ def build_node(launch: PreparedLaunch, keys: NodeKeys | None) -> Node:
         tracker_link=mesh.tracker_link,
         is_relayed=mesh.is_relayed,
         others=others,
-        models_status=_models_status(launch, supervisor, health, others),
+        models_status=models_status,
     )
     node = Node(
         launch=launch,
