@@ -39,6 +39,7 @@ from meshnet_gguf.reference.tracker.request_io import MAX_CONTROL_BODY_BYTES
 pytestmark = pytest.mark.anyio
 
 LOAD_S = 5.0
+SLOW_LOAD_S = 0.5
 ALPHA = AnnouncedModel(model_id="alpha", aliases=["alpha-q4"])
 BETA_COLD = AnnouncedModel(model_id="beta", aliases=["beta-q4"], state="loadable", expected_load_s=LOAD_S)
 BETA_WARM = AnnouncedModel(model_id="beta", slots=1)
@@ -281,6 +282,25 @@ async def test_a_node_flipping_its_model_loaded_and_loadable_at_every_heartbeat_
                 await liar.heartbeat()
             await stream(http, url, "alpha")
         assert (await node_view(http, url, liar.node_id))["speed"]["measured_streams"] == TRUST_AFTER_SAMPLES
+
+
+async def test_a_node_claiming_its_loads_quicker_than_they_are_is_ranked_by_the_load_the_tracker_saw(
+    tmp_path: Path, tracker: tuple[Tracker, str]
+) -> None:
+    service, url = tracker
+    claims_instant = AnnouncedModel(model_id="alpha", state="loadable", expected_load_s=0.0)
+    liar = ModelsNode(tmp_path / "a", url, [claims_instant])
+    async with liar.running(), httpx.AsyncClient(timeout=10) as http:
+        await liar.register()
+        await routable(service, "alpha", 1)
+        liar.load_s["alpha"] = SLOW_LOAD_S
+        await stream(http, url, "alpha")  # starts the load: its first token comes after it
+        for state in ("loaded", "loadable"):  # loaded, then unloaded again: the next request loads it anew
+            liar.models = [claims_instant.model_copy(update={"state": state})]
+            await liar.heartbeat()
+        alpha = next(m for m in (await node_view(http, url, liar.node_id))["models"] if m["model"] == "alpha")
+        assert alpha["expected_load_s"] == 0.0 and alpha["seen_load_s"] >= SLOW_LOAD_S * 0.8
+        assert alpha["cold_load_s"] == alpha["seen_load_s"]  # what it costs a request now: the load as seen
 
 
 async def test_the_stream_that_starts_a_load_times_its_decode_but_not_its_first_token(tmp_path: Path, tracker: tuple[Tracker, str]) -> None:

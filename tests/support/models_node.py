@@ -47,7 +47,8 @@ STREAM_EVENTS = 6
 STREAM_EVENT_GAP_S = 0.005
 
 
-async def _events(model: str) -> AsyncIterator[bytes]:
+async def _events(model: str, first_token_after_s: float = 0.0) -> AsyncIterator[bytes]:
+    await anyio.sleep(first_token_after_s)
     for _ in range(STREAM_EVENTS):
         chunk = {"object": "chat.completion.chunk", "model": model, "choices": [{"index": 0, "delta": {"content": "a "}}]}
         yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
@@ -72,6 +73,7 @@ class ModelsNode:
         self.answered: list[dict[str, Any]] = []  # each routed request: its route's model and request id
         self.hold: dict[str, anyio.Event] = {}  # model id -> released when set
         self.held = 0
+        self.load_s: dict[str, float] = {}  # model id -> how long its next request waits before its first token, once
         self.app = Starlette(
             routes=[
                 Route(NODE_CONTROL_PATH, self._control, methods=["GET"]),
@@ -141,7 +143,8 @@ class ModelsNode:
             finally:
                 self.held -= 1
         if payload.get("stream") is True:
-            return StreamingResponse(_events(model), media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id})
+            events = _events(model, self.load_s.pop(model, 0.0))
+            return StreamingResponse(events, media_type="text/event-stream", headers={REQUEST_ID_HEADER: request_id})
         answer = {
             "id": request_id, "object": "chat.completion", "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "a b c"}, "finish_reason": "stop"}],

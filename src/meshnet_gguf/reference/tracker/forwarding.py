@@ -139,9 +139,12 @@ class ForwardEndpoint:
                 # The client left after the stream's [DONE] reached it (the openai SDK closes on it) while
                 # the node's stream was still closing: it had the whole answer, whichever came first.
                 outcome = "upstream_error" if meter.error else "complete"
-            # A stream that started its model's load times no first token (the load is in it), only its decode.
+            # A stream that started its model's load times no first token (the load is in it), only its decode;
+            # its first token says what the load took.
             if outcome == "complete" and upstream.status < 400 and (sample := timing.sample()) is not None:
                 timing.speed.record(sample, first_token=not timing.cold)
+                if timing.cold:
+                    timing.model.load_seen(sample.ttft_s, timing.speed.ttft_s(sample.prompt_tokens))
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
                 if upstream.status >= 400:

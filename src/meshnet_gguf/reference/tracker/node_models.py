@@ -37,6 +37,9 @@ class ModelOnNode:
     in_flight: int = 0  # requests for this model this tracker is relaying to the node now
     load_sent_at: float | None = field(default=None)  # when this tracker sent the request that loads it
     untimed_at: float | None = None  # when a stream of it last went untimed for its first token (it started a load)
+    # What its last load here took as this tracker saw it: the first token of the stream that started it, less what
+    # the node's first token takes warm. A node is believed for a load slower than this, never for a faster one.
+    seen_load_s: float | None = None
 
     @property
     def model_id(self) -> str:
@@ -52,6 +55,7 @@ class ModelOnNode:
         if self.state == "loaded":
             return 0.0
         expected = self.expected_load_s if self.expected_load_s is not None else UNMEASURED_LOAD_S
+        expected = max(expected, self.seen_load_s or 0.0)
         if self.load_sent_at is None:
             return expected
         return max(expected - (now - self.load_sent_at), 0.0)
@@ -69,6 +73,11 @@ class ModelOnNode:
             self.untimed_at = now
         return untimed
 
+    def load_seen(self, ttft_s: float, warm_ttft_s: float | None) -> None:
+        """The stream that started a load gave its first token after `ttft_s`; the model's first token takes
+        `warm_ttft_s` here when loaded (None: not known, counted as nothing)."""
+        self.seen_load_s = max(ttft_s - (warm_ttft_s or 0.0), 0.0)
+
     def report(self, state: ModelStateReport) -> None:
         """The node's word on the model's state (a heartbeat): it replaces what the tracker assumed."""
         if state.state != self.state:
@@ -84,6 +93,7 @@ class ModelOnNode:
             "state": self.state,
             "loading": self.state != "loaded" and self.load_sent_at is not None,
             "expected_load_s": self.expected_load_s,
+            "seen_load_s": None if self.seen_load_s is None else round(self.seen_load_s, 3),
             "cold_load_s": round(self.cold_load_s(now), 3),
             "in_flight": self.in_flight,
             "slots": self.served.slots,
