@@ -42,6 +42,10 @@ STATE_FOLDER_DIGEST_CHARS = 12
 POLL_S = 0.02
 # How often run() looks for models idle past their time.
 IDLE_SWEEP_INTERVAL_S = 5.0
+# A model that failed to load is refused at once (not loaded again per request: a broken file would crash a child
+# for every request), then tried again by the first request this long after the failure: a load that failed for
+# want of memory another program held, or a file the operator has since replaced, serves again without a restart.
+FAILED_RETRY_AFTER_S = 10 * 60.0
 
 
 def model_state_dir(state_dir: Path, alias: str) -> Path:
@@ -106,6 +110,7 @@ class _Entry:
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     draining: bool = False
     error: str | None = None
+    failed_at: float | None = None
     requests: int = 0
     in_flight: int = 0
     last_used: float | None = None
@@ -145,6 +150,7 @@ class ModelChildren(BasePart):
         max_loaded: int | None = None,
         memory_budget_bytes: int | None = None,
         idle_sweep_s: float = IDLE_SWEEP_INTERVAL_S,
+        failed_retry_s: float | None = FAILED_RETRY_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         _check_room(models, max_loaded, memory_budget_bytes)
@@ -156,6 +162,7 @@ class ModelChildren(BasePart):
         self._budget = memory_budget_bytes
         self._clock = clock
         self._idle_sweep_s = idle_sweep_s
+        self._failed_retry_s = failed_retry_s
         self._entries = {m.alias: _Entry(m) for m in models}
         self._room = anyio.Lock()  # one load or eviction decision at a time
         self._tg: TaskGroup | None = None
@@ -232,8 +239,8 @@ class ModelChildren(BasePart):
         entry = self._entry(alias)
         await self._started.wait()
         async with entry.lock:
-            if entry.error is not None and not retry_failed:
-                raise ModelFailed(alias, f"model {alias} failed to load: {entry.error}")
+            if entry.error is not None and not retry_failed and not self._retry_due(entry):
+                raise ModelFailed(alias, f"model {alias} failed to load: {entry.error}{self._retry_text(entry)}")
             entry.error = None
             if entry.supervisor is not None and not entry.draining:
                 await self._until_ready(entry)
@@ -297,6 +304,17 @@ class ModelChildren(BasePart):
             victims.append(candidates.pop(0))
         return victims
 
+    def _retry_due(self, entry: _Entry) -> bool:
+        if self._failed_retry_s is None or entry.failed_at is None:
+            return False
+        return self._clock() - entry.failed_at >= self._failed_retry_s
+
+    def _retry_text(self, entry: _Entry) -> str:
+        if self._failed_retry_s is None or entry.failed_at is None:
+            return ""
+        left = max(0.0, self._failed_retry_s - (self._clock() - entry.failed_at))
+        return f" (tried again by a request in {left:.0f} s)"
+
     def _room_text(self) -> str:
         limits = [f"{self._max_loaded} loaded at once"] if self._max_loaded is not None else []
         if self._budget is not None:
@@ -323,7 +341,7 @@ class ModelChildren(BasePart):
         try:
             await supervisor.run()
         except ChildFailed as exc:
-            entry.error = str(exc)
+            entry.error, entry.failed_at = str(exc), self._clock()
             log.error("model %s failed: %s", entry.model.alias, exc)
         finally:
             if entry.supervisor is supervisor:
