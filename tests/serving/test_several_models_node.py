@@ -196,12 +196,15 @@ def test_with_room_for_one_model_beside_the_first_each_request_loads_its_model_a
 def test_a_model_busy_in_all_its_slots_refuses_at_once_while_the_others_serve(  # type: ignore[no-untyped-def]
     fake_llama_path: Path, workdir: Path, start_node: StartNode
 ) -> None:
+    """And with room for one model beside the first, a model that would need the busy one unloaded is refused at
+    once: the stream in flight is never cut to make room."""
     first = write_tiny_model(workdir / "tiny-a.gguf", TinyModelSpec(seed=1, name="tiny-a"))
     second = write_tiny_model(workdir / "tiny-b.gguf", TinyModelSpec(seed=2, name="tiny-b"))
+    third = write_tiny_model(workdir / "tiny-c.gguf", TinyModelSpec(seed=4, name="tiny-c"))
     node = start_node(
-        "--gguf", str(first), "--gguf", f"{second},ctx={CONTEXT},slots=1", "--ctx-size", CONTEXT, "--parallel", "2",
-        "--llama-server", str(fake_llama_path), workdir=workdir,
-        env={"FAKE_LLAMA_TOKENS": "40", "FAKE_LLAMA_TOKEN_DELAY_S": "0.05"},
+        "--gguf", str(first), "--gguf", f"{second},ctx={CONTEXT},slots=1", "--gguf", f"{third},ctx={CONTEXT}",
+        "--ctx-size", CONTEXT, "--parallel", "2", "--llama-server", str(fake_llama_path), workdir=workdir,
+        env={"FAKE_LLAMA_TOKENS": "40", "FAKE_LLAMA_TOKEN_DELAY_S": "0.05", "MESHNET_MAX_LOADED_MODELS": "1"},
     )  # fmt: skip
     node.wait_ready()
     body = {"model": "tiny-b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "stream": True}
@@ -214,4 +217,10 @@ def test_a_model_busy_in_all_its_slots_refuses_at_once_while_the_others_serve(  
         assert busy.headers["retry-after"]
         other = client.post(node.url + "/v1/chat/completions", json={**body, "model": "tiny-a", "stream": False})
         assert other.status_code == 200 and other.json()["model"] == "tiny-a"
+        no_room = client.post(node.url + "/v1/chat/completions", json={**body, "model": "tiny-c", "stream": False})
+        assert no_room.status_code == 503 and no_room.headers["retry-after"]
+        assert "no room to load model tiny-c: it would need unloading tiny-b (busy)" in no_room.json()["error"]["message"]
         assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream in flight was answered whole
+    # Once it has ended, tiny-b is idle and makes room for tiny-c.
+    after = httpx.post(node.url + "/v1/chat/completions", json={**body, "model": "tiny-c", "stream": False}, timeout=30)
+    assert after.status_code == 200 and _models(node)["tiny-b"]["state"] == "unloaded"
