@@ -257,6 +257,22 @@ def test_cli_install_dry_run_takes_serve_options(tmp_path: Path) -> None:
     assert not (tmp_path / "systemd").exists()  # a dry run writes nothing
 
 
+def test_cli_install_writes_the_models_beside_the_first_as_serve_reads_them(tmp_path: Path) -> None:
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"GGUF")
+    result = CliRunner().invoke(
+        app,
+        ["service", "install", "--user", "--dry-run", "--gguf", "owner/name:Q4_K_M", "--gguf", "small.gguf,ctx=2048,idle=60",
+         "--gguf", "demo,pin"],
+        env={"XDG_CONFIG_HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert 'gguf = "owner/name:Q4_K_M"' in result.output
+    written = result.output[result.output.index("models = [") :]
+    assert '{ gguf = "small.gguf", ctx_size = 2048, parallel = 1, pinned = false, idle_unload_s = 60.0 }' in written
+    assert '{ gguf = "demo", parallel = 1, pinned = true }' in written  # no null in TOML: unset fields are left out
+
+
 def test_cli_install_rejects_what_serve_rejects() -> None:
     result = CliRunner().invoke(app, ["service", "install", "--dry-run", "--no-such-option"])
     assert result.exit_code == 2

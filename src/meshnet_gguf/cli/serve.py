@@ -121,10 +121,10 @@ def register(app: typer.Typer) -> None:
         from meshnet_gguf.prepare.pipeline import NodeSetupError, prepare_launch
 
         try:
-            first, others = _models_of_flags(gguf, demo=demo)
+            first, others = models_of_flags(gguf, demo=demo)
             settings = settings_from_flags(
-                gguf=first, models=others, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size, parallel=parallel,
-                n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
+                gguf=first, models=others, quant=quant, demo=demo, host=host, port=port, ctx_size=ctx_size,
+                parallel=parallel, n_gpu_layers=n_gpu_layers, llama_server=llama_server, llama_args=llama_arg, download_dir=download_dir,
                 state_dir=state_dir, offline=offline, force=force, api_key=api_key, tracker=tracker,
                 tracker_public_key=tracker_public_key, advertised_url=advertised_url, enrolment_secret=enrolment_secret, relay_url=relay_url,
                 drain_grace_s=drain_grace_s, upstream_client=upstream_client, log_format=log_format,
@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(code)
 
 
-def _models_of_flags(gguf: list[str] | None, *, demo: bool) -> tuple[str | None, list[Any]]:
+def models_of_flags(gguf: list[str] | None, *, demo: bool) -> tuple[str | None, list[Any]]:
     """The first `--gguf` (the node's first model, as a single `--gguf` always was) and the entries after it;
     with `--demo` the demo is the first model and every `--gguf` is served beside it."""
     if not gguf:

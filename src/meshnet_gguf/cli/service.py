@@ -61,6 +61,12 @@ def settings_from_serve_args(ctx: typer.Context, args: Sequence[str]) -> NodeSet
         if name in _SERVE_NEGATING_FLAGS:
             given[_SERVE_NEGATING_FLAGS[name]] = False
             continue
+        if name == "gguf":  # the first model, and the models beside it, as `serve` splits them
+            from meshnet_gguf.cli.serve import models_of_flags
+
+            first, others = models_of_flags(list(value), demo=bool(serve_ctx.params.get("demo")))
+            given.update({"gguf": first} if first else {}, **({"models": others} if others else {}))
+            continue
         field = _SERVE_OPTION_FIELDS.get(name, name)
         if field not in NodeSettings.model_fields:
             raise ServeArgsError(f"serve option --{name.replace('_', '-')} has no node setting to store it in")

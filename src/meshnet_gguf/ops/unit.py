@@ -217,7 +217,16 @@ def config_values(settings: NodeSettings, layout: ServiceLayout) -> dict[str, An
     if isinstance(gguf, str) and Path(gguf).expanduser().exists():
         # A local file given relative to the operator's shell; the service runs from /.
         values["gguf"] = str(Path(gguf).expanduser().absolute())
+    if "models" in values:  # the models beside the first: TOML has no null, and their files too are found from /
+        values["models"] = [_model_entry_values(entry) for entry in values["models"]]
     return values
+
+
+def _model_entry_values(entry: Mapping[str, Any]) -> dict[str, Any]:
+    kept = {k: v for k, v in entry.items() if v is not None}
+    if Path(kept["gguf"]).expanduser().exists():
+        kept["gguf"] = str(Path(kept["gguf"]).expanduser().absolute())
+    return kept
 
 
 def render_config(values: Mapping[str, Any]) -> str:
