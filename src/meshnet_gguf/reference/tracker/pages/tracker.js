@@ -72,7 +72,8 @@ function auditCell(a) {
 function modelState(m) {
   if (m.state === "loaded") return "loaded";
   if (m.state === "unavailable") return "unavailable";
-  const load = m.expected_load_s != null ? `~${m.expected_load_s.toFixed(1)} s load` : "load time not measured";
+  // cold_load_s is what the tracker counts: the node's expected load, or the load it saw if longer.
+  const load = m.expected_load_s != null || m.seen_load_s != null ? `~${m.cold_load_s.toFixed(1)} s load` : "load time not measured";
   return m.loading ? `loading (${m.cold_load_s.toFixed(1)} s left)` : `loadable, ${load}`;
 }
 
