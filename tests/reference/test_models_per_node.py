@@ -16,8 +16,9 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from support.browser import Browser
 from support.mesh_node import MODEL, FakeLlama, MeshNode
-from support.mesh_tracker import SECRET, models, start_tracker, wait_until
+from support.mesh_tracker import HEARTBEAT_S, SECRET, models, start_tracker, wait_until
 from support.models_node import ModelsNode
 
 from meshnet_gguf.contract.protocol import (
@@ -161,6 +162,24 @@ async def test_nodes_the_page_and_models_show_each_models_state_per_node(tmp_pat
         await a.heartbeat()
         await routable(service, "beta", 1)
         assert service.registry.routable("beta")[0].node_id == b.node_id
+
+
+async def test_the_tracker_page_shows_each_models_state_on_a_node(tmp_path: Path, tracker: tuple[Tracker, str], browser: Browser) -> None:
+    service, url = tracker
+    a = ModelsNode(tmp_path / "a", url, [ALPHA, BETA_COLD])
+
+    def look() -> str:  # the browser's calls block: off the loop that serves the tracker
+        browser.goto(url + "/")
+        browser.wait_for("document.getElementById('nodes').innerText.includes('beta: loadable')")
+        return str(browser.text_of("nodes", "innerText"))
+
+    async with a.running(), anyio.create_task_group() as tg:
+        await a.register()
+        await routable(service, "beta", 1)
+        tg.start_soon(a.keep_beating, HEARTBEAT_S)
+        shown = await anyio.to_thread.run_sync(look)
+        tg.cancel_scope.cancel()
+    assert "alpha: loaded" in shown and f"beta: loadable, ~{LOAD_S:.1f} s load" in shown
 
 
 async def signed_registration(node: ModelsNode, url: str, announcement: dict[str, Any]) -> httpx.Response:

@@ -102,6 +102,12 @@ class ModelsNode:
     async def heartbeat(self) -> None:
         await self.client.heartbeat("online", NodeLoad(slots_total=self.slots, models=state_reports(self.models)))
 
+    async def keep_beating(self, every_s: float) -> None:
+        """Heartbeats until cancelled, as a node does: the tracker keeps it past its TTL."""
+        while True:
+            await self.heartbeat()
+            await anyio.sleep(every_s)
+
     async def send_receipts(self) -> Any:
         receipts = [
             self.identity.sign_receipt(
