@@ -292,7 +292,8 @@ class NodeRegistry:
 
     def routed_to(self, entry: NodeEntry, model: ModelOnNode | None = None) -> bool:
         """A request was sent to `entry` for `model` (its first when None): counted for it and for the model's
-        recent shares. True when it found the model cold there (the request waits for a load)."""
+        recent shares. True when its stream is not to be timed for its first token: it starts the model's load
+        there (`node_models.ModelOnNode.sent`)."""
         model = model or entry.primary()
         entry.routed += 1
         self.market(model.model_id).routed(entry.node_id)
