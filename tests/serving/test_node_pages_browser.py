@@ -7,6 +7,7 @@ page's screenshot in docs/screenshots/ (how the README's pictures are made).
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from meshnet_gguf.llama.binary import BinaryInfo
 from meshnet_gguf.llama.features import BinaryFeatures
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 from support.browser import Browser, screenshot_target
 from support.node_process import StartNode
 
@@ -148,3 +150,31 @@ def _send_chat_message(browser: Browser, text: str) -> None:
     browser.wait_for(f"document.querySelector('textarea').value === {json.dumps(text)}")
     for kind in ("keyDown", "keyUp"):
         browser.command("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13, text="\r")
+
+
+@pytest.mark.real_llama
+def test_a_node_of_several_models_shows_each_one_with_its_state(  # type: ignore[no-untyped-def]
+    browser: Browser, real_llama: BinaryInfo, start_node: StartNode
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="mp-") as folder:  # short: each model's socket lives under the state dir
+        workdir = Path(folder)
+        first = write_tiny_model(workdir / "tiny-a.gguf", TinyModelSpec(seed=1, name="tiny-a"))
+        second = write_tiny_model(workdir / "tiny-b.gguf", TinyModelSpec(seed=2, name="tiny-b"))
+        node = start_node(
+            "--gguf", str(first), "--gguf", f"{second},ctx=512", "--ctx-size", "512", "--llama-server", str(real_llama.path),
+            workdir=workdir,
+        )  # fmt: skip
+        node.wait_ready()
+        browser.goto(node.url + "/")
+        browser.wait_for("!document.getElementById('models-card').hidden")
+        browser.wait_for("document.getElementById('models').textContent.includes('tiny-b')")
+        assert "loaded (kept loaded)" in browser.text_of("models") and "unloaded" in browser.text_of("models")
+        httpx.post(
+            node.url + "/v1/chat/completions",
+            json={"model": "tiny-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            timeout=30,
+        ).raise_for_status()
+        browser.wait_for("!document.getElementById('models').textContent.includes('unloaded')")
+        assert "MiB" in browser.text_of("models")  # tiny-b's llama-server, loaded by the request
+        if (target := screenshot_target("node-page-models.png")) is not None:
+            browser.screenshot(target)

@@ -97,6 +97,28 @@ function render(doc) {
   set("completion-tokens", num(u.completion_tokens));
   set("errors", `${num(u.errors)} / ${num(u.cancelled)}`);
 
+  // A node of several models: each one's state (the first stays loaded; the others come and go).
+  const models = doc.models || [];
+  $("models-card").hidden = models.length < 2;
+  if (models.length > 1) {
+    $("models").replaceChildren(...models.map((m) => {
+      const tr = document.createElement("tr");
+      const state = m.pinned ? `${m.state} (kept loaded)` : m.state;
+      const cells = [
+        m.alias, m.error ? `${state}: ${m.error.split("\n")[0]}` : state,
+        m.rss_bytes ? `${(m.rss_bytes / 2 ** 20).toFixed(0)} MiB` : "–",
+        m.idle_s === null || m.idle_s === undefined ? "–" : duration(m.idle_s), num(m.requests || 0), m.loads === null ? "–" : num(m.loads),
+      ];
+      cells.forEach((text, i) => {
+        const td = document.createElement("td");
+        td.textContent = text;
+        if (i === 1) td.className = `model-${m.state}`;
+        tr.appendChild(td);
+      });
+      return tr;
+    }));
+  }
+
   const body = $("recent");
   const rows = doc.recent_requests.map((q) => {
     const tr = document.createElement("tr");
