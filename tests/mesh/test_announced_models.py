@@ -73,8 +73,27 @@ def test_children_are_announced_loaded_loadable_with_their_load_time_or_unavaila
     assert [(r.model_id, r.state) for r in state_reports(announced)] == [(m.model_id, m.state) for m in announced]
 
 
+def test_a_failed_model_is_unavailable_until_its_retry_is_due_then_loadable_so_a_request_can_try_it(tmp_path: Path) -> None:
+    now = [1000.0]
+    model = ModelToServe(path=write_tiny_model(tmp_path / "m.gguf", TinyModelSpec(seed=1, name="m")), alias="m", context=512)
+    children = ModelChildren(
+        ModelSet.checked([model]), lambda m: ChildSpec(BinaryInfo(tmp_path / "llama-server"), m.llama_args()), FAST, tmp_path,
+        failed_retry_s=600.0, clock=lambda: now[0],
+    )  # fmt: skip
+    assert children.status()[0].retry_in_s is None  # never failed
+    entry = children._entries["m"]  # a load that failed, as `load` records one (the real failure is llama/'s tests)
+    entry.error, entry.failed_at = "unknown model architecture", now[0]
+    now[0] += 60
+    (failed,) = children.status()
+    assert failed.state == "failed" and failed.retry_in_s == pytest.approx(540.0)
+    assert announced_from_children([failed])[0].state == "unavailable"
+    now[0] += 540
+    (due,) = children.status()
+    assert due.retry_in_s == 0 and announced_from_children([due])[0].state == "loadable"
+
+
 def test_a_state_the_wire_has_no_word_for_is_never_routed_on_a_guess() -> None:
-    odd = SimpleNamespace(alias="odd", state="hibernating", expected_load_s=None)
+    odd = SimpleNamespace(alias="odd", state="hibernating", expected_load_s=None, retry_in_s=None)
     assert announced_from_children([odd])[0].state == "unavailable"
 
 

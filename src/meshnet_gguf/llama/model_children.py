@@ -100,6 +100,8 @@ class ModelStatus:
     loads: int
     error: str | None
     memory_bytes: int | None
+    # A failed model: seconds until a request tries it again (0: the next one does); None when it has not failed.
+    retry_in_s: float | None = None
 
 
 @dataclass
@@ -227,7 +229,7 @@ class ModelChildren(BasePart):
                 requests=e.requests, in_flight=e.in_flight,
                 idle_s=None if e.in_flight or e.last_used is None else now - e.last_used,
                 expected_load_s=e.expected_load_s, last_load_s=e.last_load_s, loads=e.loads, error=e.error,
-                memory_bytes=e.model.memory_bytes,
+                memory_bytes=e.model.memory_bytes, retry_in_s=self._retry_in_s(e, now),
             )
             for e in self._entries.values()
         ]  # fmt: skip
@@ -303,6 +305,11 @@ class ModelChildren(BasePart):
                 raise NoRoom(alias, f"no room to load model {alias}: it would need unloading {', '.join(kept)}")
             victims.append(candidates.pop(0))
         return victims
+
+    def _retry_in_s(self, entry: _Entry, now: float) -> float | None:
+        if entry.state != "failed" or self._failed_retry_s is None or entry.failed_at is None:
+            return None
+        return max(0.0, self._failed_retry_s - (now - entry.failed_at))
 
     def _retry_due(self, entry: _Entry) -> bool:
         if self._failed_retry_s is None or entry.failed_at is None:

@@ -3,7 +3,7 @@
 A node serving one model announces it, loaded. A node serving several (one llama-server per model) fills the list
 from its children's status: a loaded model is `loaded`; one unloaded, loading or being unloaded is `loadable`
 (a request for it loads it, after the load time measured at its first load); one whose load failed is
-`unavailable` (not routed here until it loads again). The first model is the one the announcement's `model_id`
+`unavailable` (not routed here) until its retry is due, then `loadable` again: the next request tries it. The first model is the one the announcement's `model_id`
 names: a tracker that predates the list routes that one alone.
 """
 
@@ -36,6 +36,9 @@ class ChildStatus(Protocol):
     @property
     def expected_load_s(self) -> float | None: ...
 
+    @property
+    def retry_in_s(self) -> float | None: ...
+
 
 def announced_from_children(statuses: Iterable[ChildStatus], described: Mapping[str, AnnouncedModel] | None = None) -> list[AnnouncedModel]:
     """Each child's model with its state now; `described` gives a model's other fields (aliases, quant, slots,
@@ -45,6 +48,8 @@ def announced_from_children(statuses: Iterable[ChildStatus], described: Mapping[
     for status in statuses:
         base = described.get(status.alias) or AnnouncedModel(model_id=status.alias)
         state = CHILD_STATE_ON_WIRE.get(status.state, "unavailable")
+        if status.state == "failed" and status.retry_in_s == 0:
+            state = "loadable"  # its retry is due: the next request tries it, so the tracker must send one
         found.append(base.model_copy(update={"state": state, "expected_load_s": status.expected_load_s}))
     return found
 
