@@ -4,12 +4,17 @@ the idle unload, and interleaved requests, all through the node's own listener.
 
     .venv/bin/python bench/bench_node_models.py                       # the llama-server the node picks
     .venv/bin/python bench/bench_node_models.py --llama-server PATH   # this one
+    python3 bench/bench_node_models.py --model a=A.gguf --model b=B.gguf --context 2048   # these models (bench/gpu/run_node_models.sh)
 
 One node (`meshnet-gguf serve`): a tiny F32 llama as its first model (pinned), another tiny one (`tiny-b`) and
 the demo model (gemma-3-270m Q4_K_M, assembled as the node's demo is) beside it, each loaded on its first
 request and unloaded after `IDLE_S` idle. Client-side first token of a streamed 8-token chat; RSS of each
 model's llama-server from psutil (its pid from `/status.json`, what `meshnet-gguf ps` reads). No speed probe
 (its figures are the first model's); the node's default warm-up runs after each load, as it does serving.
+
+With `--model ALIAS=PATH` (repeated; the first is the node's first model) those models instead, each with
+`--context`. Where `nvidia-smi` answers, the GPU's memory in use is printed too: before a model's load, loaded,
+and after its idle unload.
 
 Tiny requests, few runs, two cores shared: the figures are for orders of magnitude, not decimals.
 """
@@ -60,14 +65,17 @@ def say(text: str) -> None:
 
 
 class Node:
-    def __init__(self, workdir: Path, models: dict[str, Path], llama_server: Path | None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, models: dict[str, Path], llama_server: Path | None, env: dict[str, str] | None = None, context: int = CONTEXT
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         first, *others = models.items()
-        argv = [sys.executable, "-m", "meshnet_gguf", "serve", "--gguf", str(first[1]), "--ctx-size", str(CONTEXT), "--parallel", "1"]
+        argv = [sys.executable, "-m", "meshnet_gguf", "serve", "--gguf", str(first[1]), "--ctx-size", str(context), "--parallel", "1"]
+        argv += ["--llama-arg=--alias", f"--llama-arg={first[0]}"]  # the first model's name, as the others' alias=
         for alias, path in others:
-            context = DEMO_CONTEXT if alias == "demo" else CONTEXT
-            argv += ["--gguf", f"{path},alias={alias},ctx={context},idle={IDLE_S}"]
+            own = DEMO_CONTEXT if alias == "demo" else context
+            argv += ["--gguf", f"{path},alias={alias},ctx={own},idle={IDLE_S}"]
         argv += ["--port", str(self.port), "--state-dir", str(workdir / "state"), "--download-dir", str(workdir / "models")]
         if llama_server is not None:
             argv += ["--llama-server", str(llama_server)]
@@ -124,7 +132,23 @@ def rss_mib(pid: int | None) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
+def gpu_used_mib() -> float | None:
+    """The GPU's memory in use now (all processes), from nvidia-smi; None where there is none."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return float(done.stdout.split()[0]) if done.returncode == 0 and done.stdout.strip() else None
+
+
+def gpu_text(before: float | None, now: float | None) -> str:
+    return "" if before is None or now is None else f"; GPU memory in use {now:,.0f} MiB ({now - before:+,.0f} MiB)"
+
+
 def bench_model(node: Node, alias: str) -> None:
+    gpu_before = gpu_used_mib()
     status, cold = node.ttft(alias)
     warm = [node.ttft(alias)[1] for _ in range(WARM_RUNS)]
     loaded = node.models()[alias]
@@ -133,10 +157,14 @@ def bench_model(node: Node, alias: str) -> None:
     say(
         f"{alias}: cold first token {cold * 1000:,.0f} ms (status {status}; load {loaded['last_load_s'] * 1000:,.0f} ms of it), "
         f"warm median {statistics.median(warm) * 1000:,.0f} ms over {WARM_RUNS}; its llama-server (pid {pid}) RSS {held:,.1f} MiB"
+        + gpu_text(gpu_before, gpu_used_mib())
     )
     after_s = node.wait_unloaded(alias)
     gone = not psutil.pid_exists(pid)
-    say(f"{alias}: unloaded {after_s:.1f} s after the poll began (idle {IDLE_S} s); pid {pid} gone: {gone}, RSS now {rss_mib(pid):.1f} MiB")
+    say(
+        f"{alias}: unloaded {after_s:.1f} s after the poll began (idle {IDLE_S} s); pid {pid} gone: {gone}, "
+        f"RSS now {rss_mib(pid):.1f} MiB" + gpu_text(gpu_before, gpu_used_mib())
+    )
     _, again = node.ttft(alias)
     say(f"{alias}: cold again after the unload {again * 1000:,.0f} ms (loads: {node.models()[alias]['loads']})")
 
@@ -158,35 +186,41 @@ def interleaved(node: Node, aliases: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-server", type=Path, help="llama-server for the node (default: the one it picks)")
+    parser.add_argument("--model", action="append", default=[], metavar="ALIAS=PATH", help="a model to serve (the first: the node's first)")
+    parser.add_argument("--context", type=int, default=CONTEXT, help="each model's context (the demo's: %(default)s or 2048)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bn-") as folder:
         workdir = Path(folder)
-        models = {
-            "tiny-a": write_tiny_model(workdir / "tiny-a.gguf", TinyModelSpec(seed=1, name="tiny-a")),
-            "tiny-b": write_tiny_model(workdir / "tiny-b.gguf", TinyModelSpec(seed=2, name="tiny-b")),
-            "demo": materialize_package_model(DEMO_PACKAGE, DEMO_DIR, progress=False).path,
-        }
+        if args.model:
+            models = {alias: Path(path) for alias, _, path in (text.partition("=") for text in args.model)}
+        else:
+            models = {
+                "tiny-a": write_tiny_model(workdir / "tiny-a.gguf", TinyModelSpec(seed=1, name="tiny-a")),
+                "tiny-b": write_tiny_model(workdir / "tiny-b.gguf", TinyModelSpec(seed=2, name="tiny-b")),
+                "demo": materialize_package_model(DEMO_PACKAGE, DEMO_DIR, progress=False).path,
+            }
+        first, *others = models
         names = json.dumps({k: v.name for k, v in models.items()})
-        say(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores; models: {names}")
-        node = Node(workdir, models, args.llama_server)
+        say(f"python {sys.version.split()[0]}, {psutil.cpu_count()} cores; models: {names}; GPU memory in use {gpu_used_mib()} MiB")
+        node = Node(workdir, models, args.llama_server, context=args.context)
         try:
             node.wait_ready()
-            first_rss = rss_mib(node.models()["tiny-a"]["pid"])
-            say(f"node RSS {rss_mib(node.proc.pid):,.1f} MiB; first model tiny-a's llama-server RSS {first_rss:,.1f} MiB")
-            _, first_warm = node.ttft("tiny-a")
-            say(f"tiny-a (the first model, pinned): first token {first_warm * 1000:,.0f} ms")
-            for alias in ("tiny-b", "demo"):
+            first_rss = rss_mib(node.models()[first]["pid"])
+            say(f"node RSS {rss_mib(node.proc.pid):,.1f} MiB; first model {first}'s llama-server RSS {first_rss:,.1f} MiB")
+            _, first_warm = node.ttft(first)
+            say(f"{first} (the first model, pinned): first token {first_warm * 1000:,.0f} ms")
+            for alias in others:
                 bench_model(node, alias)
-            interleaved(node, ["tiny-a", "tiny-b", "demo"])
+            interleaved(node, list(models))
             say(f"node RSS at the end {rss_mib(node.proc.pid):,.1f} MiB")
         finally:
             node.close()
-        # Room for one model beside the first: tiny-b and the demo unload each other (the least recently used idle one goes).
-        node = Node(workdir, models, args.llama_server, env={"MESHNET_MAX_LOADED_MODELS": "1"})
+        # Room for one model beside the first: the others unload each other (the least recently used idle one goes).
+        node = Node(workdir, models, args.llama_server, env={"MESHNET_MAX_LOADED_MODELS": "1"}, context=args.context)
         try:
             node.wait_ready()
             say("max_loaded_models = 1:")
-            interleaved(node, ["tiny-a", "tiny-b", "demo"])
+            interleaved(node, list(models))
         finally:
             node.close()
 
