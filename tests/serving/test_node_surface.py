@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -46,10 +46,16 @@ class Attack:
     (none: open to all), and whether the relay's callers (and remote ones) must find no such path."""
 
     path: str
-    credential: dict[str, str] | None = None
+    opener: dict[str, str] | Callable[[], dict[str, str]] | None = None
     hidden_from_relay: bool = False
     local_only: bool = False
     body: bytes = b""
+
+    @property
+    def credential(self) -> dict[str, str] | None:
+        """The headers that open the row's guard, made when asked: a signed token's life is short, and a slow run
+        may reach the row a minute after this module was read."""
+        return self.opener() if callable(self.opener) else self.opener
 
 
 def _audit_body() -> bytes:
@@ -87,7 +93,9 @@ ROWS: dict[tuple[str, str], Attack] = {
     ("GET", "/chat/v1/models"): Attack("/chat/v1/models", KEYED),
     ("GET", "/metrics"): Attack("/metrics", {"authorization": f"Bearer {OPERATOR_KEY}"}, hidden_from_relay=True, local_only=True),
     ("GET", NODE_CONTROL_PATH): Attack(NODE_CONTROL_PATH),
-    ("POST", AUDIT_PATH): Attack(AUDIT_PATH, {AUDIT_TOKEN_HEADER: _audit_token(AUDIT_BODY)}, hidden_from_relay=True, body=AUDIT_BODY),
+    ("POST", AUDIT_PATH): Attack(
+        AUDIT_PATH, lambda: {AUDIT_TOKEN_HEADER: _audit_token(AUDIT_BODY)}, hidden_from_relay=True, body=AUDIT_BODY
+    ),
 }
 
 
