@@ -133,7 +133,10 @@ def test_systemd_sees_the_truth_metrics_count_real_tokens_and_drain_completes_st
     assert s[("meshnet_requests_total", (*chat, ("status", "400")))] == 1
     assert s[("meshnet_completion_tokens_total", chat)] == answer.usage.completion_tokens + streamed_usage.completion_tokens
     assert s[("meshnet_prompt_tokens_total", chat)] == answer.usage.prompt_tokens + streamed_usage.prompt_tokens
-    assert s[("meshnet_time_to_first_token_seconds_count", ())] == 2
+    # A first token is timed when it reaches the client: a random tiny model's streamed bytes may never make a
+    # whole UTF-8 character, and llama-server then streams no content at all.
+    streamed_content = any(c.choices and c.choices[0].delta.content for c in chunks)
+    assert s[("meshnet_time_to_first_token_seconds_count", ())] == 1 + streamed_content
     assert s[("meshnet_supervisor_state", (("state", "ready"),))] == 1
     assert s[("meshnet_slots_total", ())] == 2
     # llama-server's own counters, renamed, agree with ours.
