@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).parents[1] / "src" / "meshnet_gguf"
 # The areas, each a package whose __init__ says its job, and the areas each may import.
 # Read bottom to top: an area uses only what stands above it in this table, so no two areas
 # can import each other. `node` is the composition root (meshnet_gguf/node/), `cli` the typer
-# commands; `reference` is the reference tracker and relay, which speak only the shared contract.
+# commands; `reference` holds the reference tracker and relay, two services in two folders that speak only
+# the shared contract and never import each other (checked below).
 AREA_MAY_IMPORT: dict[str, set[str]] = {
     "common": set(),
     "contract": {"common"},
