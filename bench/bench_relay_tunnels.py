@@ -55,7 +55,7 @@ from bench_relay_flood import EVENT_GAP_S, EVENTS, honest_stream, stream_app  # 
 PER_NETWORK = 8  # bulk nodes per 127.a.b.0/24: within a network's attach burst (20) and provisional share (16)
 IN_FLIGHT = 24  # per client: nodes attached but not yet admitted (all clients together stay under 256)
 CONNECTS_AT_ONCE = 8  # per client: CONNECTs in flight from the tracker's one network (its pending bound is 64)
-PING_INTERVAL_S = 10.0  # protocol.RELAY_PING_INTERVAL_S, as the node's link pings
+PING_INTERVAL_S = 10.0  # relay_wire.RELAY_PING_INTERVAL_S, as the node's link pings
 ATTEMPTS = 20
 STREAM_NODES = 4
 STREAMS = 8

@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from meshnet_gguf.contract.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, RELAY_PING_INTERVAL_S
+from meshnet_gguf.contract.protocol import DEFAULT_HEARTBEAT_INTERVAL_S
+from meshnet_gguf.contract.relay_wire import RELAY_PING_INTERVAL_S
 from meshnet_gguf.reference.relay.config import RELAY_STRANGER_BURST_S, RELAY_STRANGER_CONNECTIONS_PER_S
 
 # Each costs tens of milliseconds to import; none is needed to print help.

@@ -9,7 +9,6 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-
 from support.relay_harness import mesh, read_events, reading_relay, tampering_relay
 
 pytestmark = pytest.mark.anyio
@@ -31,11 +30,11 @@ async def test_streams_and_plain_answers_pass_through_the_relay_unchanged(tmp_pa
 # --- who may attach ---------------------------------------------------------------------------
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from support.relay_harness import attach_message, raw_tunnel, read_answer, running_relay
 
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
-from meshnet_gguf.reference.relay.server import Relay
 from meshnet_gguf.reference.relay.config import RelayConfig
-from support.relay_harness import attach_message, raw_tunnel, read_answer, running_relay
+from meshnet_gguf.reference.relay.server import Relay
 
 
 async def _connect_status(relay_url: str, node_id: str) -> int:
@@ -100,7 +99,7 @@ async def test_a_second_tunnel_replaces_the_first_only_with_the_same_key(tmp_pat
 
 
 async def test_garbage_oversize_messages_and_heads_are_refused_while_others_are_served(tmp_path: Path) -> None:
-    from meshnet_gguf.contract.protocol import MAX_RELAY_HEAD_BYTES, MAX_RELAY_MESSAGE_BYTES
+    from meshnet_gguf.contract.relay_wire import MAX_RELAY_HEAD_BYTES, MAX_RELAY_MESSAGE_BYTES
 
     async with mesh(tmp_path) as m, m.client() as client:
         stream, buffered, _ = await raw_tunnel(m.relay_url)
@@ -173,9 +172,10 @@ async def test_a_client_that_goes_away_closes_the_nodes_local_request(tmp_path: 
 
 # --- a relay that dies, restarts or goes silent ----------------------------------------------------
 
+from support.relay_harness import StreamApp, serve_asgi
+
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
-from support.relay_harness import StreamApp, serve_asgi
 
 
 async def test_killed_mid_stream_the_client_fails_fast_and_a_restarted_relay_serves_within_5_s(tmp_path: Path) -> None:
@@ -295,9 +295,9 @@ async def test_a_tampering_relay_gets_the_request_refused_not_changed(tmp_path: 
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
+from meshnet_gguf.cli.doctor import doctor_identity
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.contract.protocol import HealthReport
-from meshnet_gguf.cli.doctor import doctor_identity
 from meshnet_gguf.doctor.checks import Finding
 from meshnet_gguf.doctor.relay import check_relay
 from meshnet_gguf.ops.relay_metrics import RelayLinkCollector

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import anyio
 import pytest
+from support.relay_harness import mesh
 
 import meshnet_gguf.mesh.relay_link as relay_link_module
 from meshnet_gguf.reference.relay.config import RelayConfig
-from support.relay_harness import mesh
 
 pytestmark = pytest.mark.anyio
 
@@ -79,11 +79,11 @@ import subprocess
 import sys
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from support.relay_harness import attach_message, raw_tunnel, read_answer, running_relay
 
 from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.reference.relay.server import Relay
-from support.relay_harness import attach_message, raw_tunnel, read_answer, running_relay
 
 ATTACKER_ADDRESS = "127.0.0.2"  # another loopback source: the honest client's own quota is untouched
 
@@ -192,13 +192,13 @@ async def test_a_relay_out_of_file_descriptors_keeps_running_and_serves_again() 
 # --- CONNECT is authorised; tunnels are admitted by a tracker ----------------------------------------
 
 import httpx
+from support.relay_harness import answer_from, connect_signer, forged_connect, tunnel_announcement
 
 from meshnet_gguf.common.http1_client import HttpConnectError
 from meshnet_gguf.contract.protocol import relay_audience
 from meshnet_gguf.contract.signing import public_key_text
 from meshnet_gguf.reference.tracker.node_address import AddressPolicy
 from meshnet_gguf.reference.tracker.relay_dialer import TLS_IN_TLS, NodeDialer
-from support.relay_harness import answer_from, connect_signer, forged_connect, tunnel_announcement
 
 
 async def _connect_answer(relay_url: str, node_id: str, authorization: str | None) -> bytes:
@@ -340,11 +340,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from support.loopback import serve_asgi
+from support.relay_harness import StreamApp
 
 from meshnet_gguf.common.ports import free_local_port as _free_port
 from meshnet_gguf.mesh.relay_link import build_relay_link, local_address_for
-from support.loopback import serve_asgi
-from support.relay_harness import StreamApp
 
 
 def _certificate_authority(tmp_path: Path, server_name: str) -> tuple[Path, Path, Path]:

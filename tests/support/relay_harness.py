@@ -13,22 +13,21 @@ from typing import Any
 
 import anyio
 import httpx
-
-from meshnet_gguf.common.ports import free_local_port
-from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_context
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from meshnet_gguf.common.ports import free_local_port
+from meshnet_gguf.contract.error_answer import send_error
+from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.contract.node_tls import certificate_from_text, pinned_client_context
 from meshnet_gguf.contract.protocol import NodeAnnouncement
 from meshnet_gguf.contract.signing import encode_token, parse_public_key, tracker_issuer_for
 from meshnet_gguf.mesh.identity import NodeIdentity
 from meshnet_gguf.mesh.relay_link import RelayLink, build_relay_link, local_address_for
-from meshnet_gguf.contract.error_answer import send_error
-from meshnet_gguf.contract.errors import ApiError
+from meshnet_gguf.reference.relay.config import RelayConfig
+from meshnet_gguf.reference.relay.server import Relay
+from meshnet_gguf.reference.tracker.relay_dialer import new_connect_claims
 from meshnet_gguf.serving.access import LocalOrKey
 from meshnet_gguf.serving.routes import Request
-from meshnet_gguf.reference.relay.server import Relay
-from meshnet_gguf.reference.relay.config import RelayConfig
-from meshnet_gguf.reference.tracker.relay_dialer import new_connect_claims
 from support.loopback import serve_asgi
 
 WAIT_S = 10.0

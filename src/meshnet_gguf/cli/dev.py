@@ -134,7 +134,7 @@ def relay(
     port: Annotated[int, typer.Option(help="Port to listen on")] = DEFAULT_RELAY_PORT,
     ping_interval: Annotated[
         float, typer.Option(help="Seconds between a node's pings (at most 20)", max=20)
-    ] = 10.0,  # protocol.RELAY_PING_INTERVAL_S, a literal for the same reason (checked by the same test)
+    ] = 10.0,  # relay_wire.RELAY_PING_INTERVAL_S, a literal for the same reason (checked by the same test)
     max_idle_work: Annotated[Optional[int], typer.Option(help="Idle work connections kept per node [default: 16]", min=1)] = None,
     trust_tracker_key: Annotated[
         Optional[list[str]],

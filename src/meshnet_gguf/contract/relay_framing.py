@@ -19,7 +19,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import BaseModel, ValidationError
 
 from meshnet_gguf.contract.errors import openai_error_body
-from meshnet_gguf.contract.protocol import (
+from meshnet_gguf.contract.relay_wire import (
     MAX_RELAY_MESSAGE_BYTES,
     RELAY_CONNECT_AUTH_SCHEME,
     RELAY_CONNECT_PORT,

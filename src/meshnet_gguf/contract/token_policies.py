@@ -12,14 +12,13 @@ from meshnet_gguf.contract.model_proof import AUDIT_TOKEN_SUBJECT
 from meshnet_gguf.contract.protocol import (
     CLOCK_SKEW_S,
     MAX_AUDIT_TOKEN_LIFETIME_S,
-    MAX_RELAY_CONNECT_TOKEN_LIFETIME_S,
     MAX_ROUTE_LIFETIME_S,
     MAX_STATUS_TOKEN_LIFETIME_S,
     NODE_AUTH_LIFETIME_S,
     POOL_CLOCK_SKEW_S,
-    RELAY_PROOF_LIFETIME_S,
     STATUS_AUDIENCE,
 )
+from meshnet_gguf.contract.relay_wire import MAX_RELAY_CONNECT_TOKEN_LIFETIME_S, RELAY_PROOF_LIFETIME_S
 from meshnet_gguf.contract.signing import BY_CALLER, TokenPolicy
 
 # tracker -> node, one per routed request (`X-Meshnet-Route`). The body is bound, but checked after

@@ -44,24 +44,7 @@ from meshnet_gguf.common.ports import wildcard_loopback
 from meshnet_gguf.common.retry import Backoff
 from meshnet_gguf.contract.node_part import BasePart
 from meshnet_gguf.contract.node_tls import certificate_pem, certificate_text, node_certificate, server_context
-from meshnet_gguf.contract.protocol import (
-    MAX_RELAY_HEAD_BYTES,
-    MAX_RELAY_MESSAGE_BYTES,
-    RELAY_PROOF_LIFETIME_S,
-    HealthReport,
-    RelayAttach,
-    RelayAttachClaims,
-    RelayAttached,
-    RelayAttachment,
-    RelayChallenge,
-    RelayLinkHealth,
-    RelayLinkState,
-    RelayPing,
-    RelayReady,
-    RelayRefused,
-    RelayRole,
-    relay_audience,
-)
+from meshnet_gguf.contract.protocol import HealthReport, RelayAttachment, RelayLinkHealth, RelayLinkState, relay_audience
 from meshnet_gguf.contract.relay_framing import (
     HEAD_END,
     RelayFramingError,
@@ -74,6 +57,19 @@ from meshnet_gguf.contract.relay_framing import (
     upgrade_request,
 )
 from meshnet_gguf.contract.relay_keepalive import IDLE_WORK_KEEPALIVE_S, keep_alive
+from meshnet_gguf.contract.relay_wire import (
+    MAX_RELAY_HEAD_BYTES,
+    MAX_RELAY_MESSAGE_BYTES,
+    RELAY_PROOF_LIFETIME_S,
+    RelayAttach,
+    RelayAttachClaims,
+    RelayAttached,
+    RelayChallenge,
+    RelayPing,
+    RelayReady,
+    RelayRefused,
+    RelayRole,
+)
 from meshnet_gguf.contract.signing import encode_token
 from meshnet_gguf.mesh.identity import NODE_KEY_FILE, NodeIdentity
 

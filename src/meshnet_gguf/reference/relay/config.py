@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshnet_gguf.contract.protocol import RELAY_PING_INTERVAL_S, RELAY_PING_TIMEOUT_S
+from meshnet_gguf.contract.relay_wire import RELAY_PING_INTERVAL_S, RELAY_PING_TIMEOUT_S
 from meshnet_gguf.reference.relay.admitted import ADMITTED_REMEMBERED_S
 from meshnet_gguf.reference.relay.networks import DEFAULT_IPV4_NETWORK_PREFIX, IPV4_NETWORK_PREFIXES
 

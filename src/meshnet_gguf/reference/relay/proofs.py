@@ -12,7 +12,8 @@ from __future__ import annotations
 import secrets
 import time
 
-from meshnet_gguf.contract.protocol import CLOCK_SKEW_S, RELAY_CONNECT_AUTH_SCHEME, RelayAttach
+from meshnet_gguf.contract.protocol import CLOCK_SKEW_S
+from meshnet_gguf.contract.relay_wire import RELAY_CONNECT_AUTH_SCHEME, RelayAttach
 from meshnet_gguf.contract.signing import (
     HotVerifyKey,
     KeyFormatError,

@@ -39,19 +39,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import StapledByteStream
 from anyio.streams.tls import TLSAttribute, TLSStream
 
-from meshnet_gguf.contract.protocol import (
-    MAX_RELAY_HEAD_BYTES,
-    RELAY_CONNECT_AUTH_SCHEME,
-    RELAY_TUNNEL_PATH,
-    RELAY_UPGRADE_PROTOCOL,
-    RelayAttach,
-    RelayAttached,
-    RelayChallenge,
-    RelayPing,
-    RelayReady,
-    RelayRefused,
-    relay_audience,
-)
+from meshnet_gguf.contract.protocol import relay_audience
 from meshnet_gguf.contract.relay_framing import (
     CONNECT_ESTABLISHED,
     HEAD_END,
@@ -64,6 +52,18 @@ from meshnet_gguf.contract.relay_framing import (
     send_message,
 )
 from meshnet_gguf.contract.relay_keepalive import keep_alive
+from meshnet_gguf.contract.relay_wire import (
+    MAX_RELAY_HEAD_BYTES,
+    RELAY_CONNECT_AUTH_SCHEME,
+    RELAY_TUNNEL_PATH,
+    RELAY_UPGRADE_PROTOCOL,
+    RelayAttach,
+    RelayAttached,
+    RelayChallenge,
+    RelayPing,
+    RelayReady,
+    RelayRefused,
+)
 from meshnet_gguf.reference.relay.admission import PendingSlot, RelayAdmission, RelayRefusal
 from meshnet_gguf.reference.relay.admitted import SAVE_INTERVAL_S
 from meshnet_gguf.reference.relay.config import RelayConfig

@@ -28,19 +28,19 @@ from meshnet_gguf.contract.openai_paths import INFERENCE_PATHS, MODELS_PATH
 from meshnet_gguf.contract.protocol import PROTOCOL_VERSION, WELL_KNOWN_PATH, HealthReport, TrackerInfo
 from meshnet_gguf.contract.signing import load_or_create_private_key, public_key_text, tracker_issuer_for
 from meshnet_gguf.reference.tracker import page as tracker_page
-from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
-from meshnet_gguf.reference.tracker.relay_dialer import NodeDialer
 from meshnet_gguf.reference.tracker.audits import Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.enrolment import Enrolment
 from meshnet_gguf.reference.tracker.forwarding import ForwardEndpoint
+from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE, NodeEarnings, TrackerLedger
 from meshnet_gguf.reference.tracker.metrics import TrackerMetrics
 from meshnet_gguf.reference.tracker.node_calls import NodeCalls
 from meshnet_gguf.reference.tracker.reach import NodeReach
 from meshnet_gguf.reference.tracker.receipts import Receipts
+from meshnet_gguf.reference.tracker.registry import NodeEntry, NodeRegistry
+from meshnet_gguf.reference.tracker.relay_dialer import NodeDialer
 from meshnet_gguf.reference.tracker.request_io import BoundedHeaders, model_response
 from meshnet_gguf.reference.tracker.routing import RouteSigner
-from meshnet_gguf.reference.tracker.ledger import TRACKER_LEDGER_FILE, NodeEarnings, TrackerLedger
 
 log = logging.getLogger(__name__)
 

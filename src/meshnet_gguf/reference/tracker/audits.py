@@ -50,9 +50,9 @@ from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, issue
 from meshnet_gguf.contract.sse import event_data
 from meshnet_gguf.contract.token_policies import AUDIT_TOKEN
+from meshnet_gguf.reference.tracker.ledger import AuditRecord
 from meshnet_gguf.reference.tracker.metering import ForwardMeter, prompt_ceiling, requested_choices
 from meshnet_gguf.reference.tracker.registry import NodeEntry
-from meshnet_gguf.reference.tracker.ledger import AuditRecord
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshnet_gguf.contract.protocol import DEFAULT_HEARTBEAT_INTERVAL_S, MAX_ROUTE_LIFETIME_S, NODE_TTL_HEARTBEATS
-from meshnet_gguf.reference.tracker.node_address import AddressPolicy
 from meshnet_gguf.reference.tracker.audits import AuditPolicy
+from meshnet_gguf.reference.tracker.node_address import AddressPolicy
 
 # Half the contract's ceiling: plenty for a request to reach its node, little to replay.
 DEFAULT_ROUTE_LIFETIME_S = 30

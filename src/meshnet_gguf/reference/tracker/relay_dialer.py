@@ -49,8 +49,9 @@ from meshnet_gguf.common.http1_client import Http1Client, HttpAnswer, HttpConnec
 from meshnet_gguf.common.httpx_answer import send_through_httpx
 from meshnet_gguf.contract.errors import ApiError
 from meshnet_gguf.contract.node_tls import NodeCertificateError, certificate_from_text, pinned_client_context
-from meshnet_gguf.contract.protocol import MAX_RELAY_HEAD_BYTES, NodeAnnouncement, RelayConnectClaims, relay_audience
+from meshnet_gguf.contract.protocol import NodeAnnouncement, relay_audience
 from meshnet_gguf.contract.relay_framing import HEAD_END, connect_refusal, connect_request
+from meshnet_gguf.contract.relay_wire import MAX_RELAY_HEAD_BYTES, RelayConnectClaims
 from meshnet_gguf.contract.signing import KeyFormatError, parse_public_key
 from meshnet_gguf.reference.tracker.node_address import AddressPolicy, NodeTarget, UnsafeNodeURL, pin_node_url
 from meshnet_gguf.reference.tracker.node_clients import NODE_PEER, NodeClients

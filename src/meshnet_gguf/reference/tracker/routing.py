@@ -14,9 +14,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from meshnet_gguf.contract.openai_paths import GENERATING_PATHS
 from meshnet_gguf.contract.protocol import RouteClaims, RouteHop
 from meshnet_gguf.contract.signing import body_sha256, encode_token
+from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.registry import NodeEntry
 from meshnet_gguf.reference.tracker.relay_dialer import new_connect_claims
-from meshnet_gguf.reference.tracker.config import TrackerConfig
 
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 # A CONNECT token opens one connection to one node through one relay, at once (contract ceiling: 60 s).
