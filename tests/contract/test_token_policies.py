@@ -221,6 +221,20 @@ def test_a_token_with_a_bad_signature_is_refused(policy: TokenPolicy, signer: Ed
 
 
 @by_kind(ALL_POLICIES)
+def test_a_signature_spelt_another_way_is_refused(policy: TokenPolicy, signer: Ed25519PrivateKey) -> None:
+    """The same 64 signature bytes with other padding bits in the last base64url character: a second text
+    for one token, which a lenient decoder reads as the genuine signature."""
+    now = time.time()
+    signing_input, signature = encode_token(claims_for(policy, now), signer).rsplit(".", 1)
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    last = alphabet.index(signature[-1])
+    respelt = [signature[:-1] + alphabet[(last & 0b110000) | low] for low in range(1, 16)]
+    assert all(base64.urlsafe_b64decode(s + "==") == base64.urlsafe_b64decode(signature + "==") for s in respelt)
+    for other in respelt:
+        assert refused(f"{signing_input}.{other}", signer.public_key(), policy, now).fault == "malformed"
+
+
+@by_kind(ALL_POLICIES)
 def test_the_libsodium_and_openssl_keys_agree(policy: TokenPolicy, signer: Ed25519PrivateKey, stranger: Ed25519PrivateKey) -> None:
     now = time.time()
     claims = claims_for(policy, now)

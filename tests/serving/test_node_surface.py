@@ -163,6 +163,13 @@ async def _call(
     return exchange
 
 
+def _spoiled(credential: str) -> str:
+    """The credential with one character in its middle changed. Not its last: the last character of a token's
+    base64url signature carries padding bits, and a change there may decode to the very same signature."""
+    middle = len(credential) // 2
+    return credential[:middle] + ("y" if credential[middle] == "x" else "x") + credential[middle + 1 :]
+
+
 def _openai_error(exchange: Exchange, status: int, code: str | None = None) -> dict[str, object]:
     """The refusal is OpenAI's error JSON, with the status asked for."""
     assert exchange.status == status, (exchange.status, exchange.body)
@@ -204,7 +211,7 @@ async def test_a_guarded_row_refuses_a_caller_without_its_credential_or_with_a_w
     table, proxy = _surface()
     method, attack = row_key[0], ROWS[row_key]
     assert attack.credential is not None
-    wrong = {name: value[:-1] + "x" for name, value in attack.credential.items()}
+    wrong = {name: _spoiled(value) for name, value in attack.credential.items()}
     for headers in ({}, wrong):
         # From another machine: the metrics' rule lets this machine in without the key.
         client = REMOTE if attack.local_only else LOOPBACK

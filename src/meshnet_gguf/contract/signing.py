@@ -202,6 +202,10 @@ def _signed_claims(token: str, key: HotVerifyKey) -> dict[str, Any]:
         raise _CompactTokenError(f"not a compact JWS: {exc!r}"[:200]) from None
     if len(signature) != _ED25519_SIGNATURE_BYTES:
         raise _BadTokenSignature("the signature is not an Ed25519 signature")
+    # One spelling per signature: the last base64url character carries 4 padding bits, which decoding ignores,
+    # so a quarter of single-character changes there would read as the same signature (a second token text).
+    if base64.urlsafe_b64encode(signature).rstrip(b"=") != signature_text:
+        raise _CompactTokenError("the signature is not in canonical base64url")
     try:
         key.verify(signature, signing_input)
     except InvalidSignature:
