@@ -89,6 +89,9 @@ def test_registry_ttl_selection_and_re_registration() -> None:
     now[0] = 2.0
     registry.heartbeat("b", "online", NodeLoad(slots_total=2))
     now[0] = 4.0
+    # Online and healthy, but silent past the TTL: not routable, and `/v1/nodes` says so before the sweep drops it.
+    a.healthy = True
+    assert a.state == "online" and registry.is_routable(b) and not registry.is_routable(a)
     assert registry.expire() == ["a"] and registry.pick(MODEL) is b
     assert registry.pick(MODEL, exclude={"b"}) is None
 

@@ -174,7 +174,7 @@ class HomeMesh:
             entries = httpx.get(self.tracker.url + "/v1/nodes", timeout=2, trust_env=False).json()
         except (httpx.HTTPError, ValueError):
             return 0
-        return sum(1 for e in entries if e["state"] == "online" and e["healthy"])
+        return sum(1 for e in entries if e["routable"])
 
     def wait_routable(self, count: int, timeout: float = NODE_READY_S) -> None:
         wait_for(lambda: self.routable_nodes() >= count, f"{count} node(s) routable", self.logs(), timeout)

@@ -185,6 +185,8 @@ class Tracker:
                     "model": e.announcement.model_id,
                     "state": e.state,
                     "healthy": e.healthy,
+                    # The tracker's own word: online, healthy, heard from within its TTL, not blocked by proof.
+                    "routable": self.registry.is_routable(e),
                     "in_flight": e.in_flight,
                     "load": e.load.model_dump(),
                     "advertised_url": e.announcement.advertised_url,

@@ -201,10 +201,16 @@ class NodeRegistry:
         """Online, healthy, fresh nodes holding every layer of `model`, not `unavailable` there (an audited model
         only where it is the node's first): the only ones given single-hop routes."""
         cutoff = self._clock() - self.ttl_s
-        return [
-            entry
-            for entry in self._nodes.values()
-            if (served := entry.model_for(model)) is not None
+        return [entry for entry in self._nodes.values() if self._routable(entry, model, cutoff)]
+
+    def is_routable(self, entry: NodeEntry, model: str | None = None) -> bool:
+        """Whether `entry` is given routes for `model` (its own model by default) now: what `/v1/nodes` says,
+        so that "online and healthy" with its heartbeats lapsed is not read as routable."""
+        return self._routable(entry, model or entry.announcement.model_id, self._clock() - self.ttl_s)
+
+    def _routable(self, entry: NodeEntry, model: str, cutoff: float) -> bool:
+        return (
+            (served := entry.model_for(model)) is not None
             and served.routable
             and (served is entry.primary() or not self._audited(served))
             and entry.state == "online"
@@ -212,7 +218,7 @@ class NodeRegistry:
             and entry.last_seen >= cutoff
             and entry.announcement.full_coverage
             and not entry.proof_blocked
-        ]
+        )
 
     def _audited(self, model: ModelOnNode) -> bool:
         audited = {m.lower() for m in self.audited_models}
