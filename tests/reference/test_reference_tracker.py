@@ -92,6 +92,7 @@ def test_registry_ttl_selection_and_re_registration() -> None:
     # Online and healthy, but silent past the TTL: not routable, and `/v1/nodes` says so before the sweep drops it.
     a.healthy = True
     assert a.state == "online" and registry.is_routable(b) and not registry.is_routable(a)
+    assert (registry.silent_s(a), registry.silent_s(b)) == (4.0, 2.0)
     assert registry.expire() == ["a"] and registry.pick(MODEL) is b
     assert registry.pick(MODEL, exclude={"b"}) is None
 

@@ -169,15 +169,17 @@ class HomeMesh:
         self.nodes.append(node)
         return node
 
-    def routable_nodes(self) -> int:
+    def routable_nodes(self, heard_since: float | None = None) -> int:
+        """Nodes the tracker routes to now; with `heard_since` (a `time.monotonic()`), only those it heard from since."""
         try:
             entries = httpx.get(self.tracker.url + "/v1/nodes", timeout=2, trust_env=False).json()
         except (httpx.HTTPError, ValueError):
             return 0
-        return sum(1 for e in entries if e["routable"])
+        silent_at_most = None if heard_since is None else time.monotonic() - heard_since
+        return sum(1 for e in entries if e["routable"] and (silent_at_most is None or e["last_seen_s_ago"] < silent_at_most))
 
-    def wait_routable(self, count: int, timeout: float = NODE_READY_S) -> None:
-        wait_for(lambda: self.routable_nodes() >= count, f"{count} node(s) routable", self.logs(), timeout)
+    def wait_routable(self, count: int, timeout: float = NODE_READY_S, heard_since: float | None = None) -> None:
+        wait_for(lambda: self.routable_nodes(heard_since) >= count, f"{count} node(s) routable", self.logs(), timeout)
 
     def usage(self) -> list[dict[str, Any]]:
         return httpx.get(self.tracker.url + "/v1/usage?limit=10000", timeout=10, trust_env=False).json()

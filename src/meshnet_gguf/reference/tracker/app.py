@@ -187,6 +187,7 @@ class Tracker:
                     "healthy": e.healthy,
                     # The tracker's own word: online, healthy, heard from within its TTL, not blocked by proof.
                     "routable": self.registry.is_routable(e),
+                    "last_seen_s_ago": round(self.registry.silent_s(e), 1),
                     "in_flight": e.in_flight,
                     "load": e.load.model_dump(),
                     "advertised_url": e.announcement.advertised_url,

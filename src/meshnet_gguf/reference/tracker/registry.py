@@ -208,6 +208,10 @@ class NodeRegistry:
         so that "online and healthy" with its heartbeats lapsed is not read as routable."""
         return self._routable(entry, model or entry.announcement.model_id, self._clock() - self.ttl_s)
 
+    def silent_s(self, entry: NodeEntry) -> float:
+        """Seconds since the node's last registration or heartbeat."""
+        return max(0.0, self._clock() - entry.last_seen)
+
     def _routable(self, entry: NodeEntry, model: str, cutoff: float) -> bool:
         return (
             (served := entry.model_for(model)) is not None
