@@ -37,6 +37,8 @@ class _Registry(Protocol):
 
     def recent_share(self, entry: Any, model_id: str | None = None) -> tuple[int, int]: ...
 
+    def silent_s(self, entry: Any) -> float: ...
+
 
 class _Ledger(Protocol):
     async def usage_list(self, *, request_id: str | None = None, limit: int = 100) -> list[TrackerUsage]: ...
@@ -96,7 +98,6 @@ def models_view(registry: _Registry, entry: Any, earned: dict[str, NodeEarnings]
 
 
 async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
-    now = time.monotonic()
     earnings_by_model = await tracker.ledger.billed_by_node_and_model()  # one pass over the ledger for both
     earnings = {node_id: NodeEarnings.summed(by_model.values()) for node_id, by_model in earnings_by_model.items()}
     nodes = []
@@ -117,7 +118,7 @@ async def dashboard_document(tracker: _Tracker) -> dict[str, Any]:
                 "reached": "relayed" if announcement.relay is not None else "direct",
                 "relay_url": announcement.relay.url if announcement.relay is not None else None,
                 "advertised_url": announcement.advertised_url,
-                "last_seen_s_ago": round(max(0.0, now - entry.last_seen), 1),
+                "last_seen_s_ago": round(tracker.registry.silent_s(entry), 1),
                 "health_misses": entry.health_misses,
                 "routed": entry.routed,
                 "speed": entry.speed.summary(),
