@@ -36,6 +36,7 @@ import anyio
 from meshnet_gguf.contract.prompt_ceiling import prompt_ceiling
 from meshnet_gguf.contract.protocol import MAX_CAPABILITY_POINTS, NodeCapability, RatePoint
 from meshnet_gguf.llama.child_loop import Outcome
+from meshnet_gguf.llama.slot_fit import SLOT_FIT_ATTEMPTS, words_that_fit
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 from meshnet_gguf.llama.warmup import OWN_REQUEST_HEADER, WARMUP_WORD, before_ready
 
@@ -50,8 +51,14 @@ class SpeedProbePolicy:
     run: on a slow box the probe stays a few seconds and measures fewer sizes."""
 
     prompt_words: tuple[int, ...] = (16, 128, 512)
-    # Enough tokens that the decode rate is an average over the stream, not one step's time.
+    # The warming run's answer: enough tokens for a first decode rate to size the timed run by.
     max_tokens: int = 16
+    # The timed run decodes for about this long at the warming run's rate, within [max_tokens,
+    # max_decode_tokens] tokens: 16 tokens last ~20 ms on a GPU, too short a stretch to read its
+    # steady rate from (an H100 node claimed 367 tokens/s from them and delivered 743), and the
+    # clients the tracker times ask for tens to hundreds.
+    decode_stretch_s: float = 0.25
+    max_decode_tokens: int = 256
     budget_s: float = 4.0
     # One answer that never comes must not hold `ready` back for long.
     timeout_s: float = 30.0
@@ -79,16 +86,14 @@ async def measure_speed(
         with anyio.move_on_after(policy.timeout_s):
             for words in policy.prompt_words[:MAX_CAPABILITY_POINTS]:
                 left_s = policy.budget_s - (time.monotonic() - started)
-                if found and RUNS_PER_SIZE * _predicted_s(found[-1], words, policy.max_tokens) > left_s:
+                if found and _predicted_s(found[-1], words, policy) > left_s:
                     break
-                point = None
-                for _ in range(RUNS_PER_SIZE):
-                    point = await _measure_once(http, base_url, api_key, words, policy.max_tokens)
-                    if point is None:
-                        break
+                point = await _measure_size(http, base_url, api_key, words, policy)
                 if point is None:
-                    break  # the next, longer prompt fares no better (too long for a slot, no content)
+                    break  # the next, longer prompt fares no better (no content, an error)
                 found.append(point)
+                if point.words < words:
+                    break  # shrunk to the slot's largest prompt: a longer one fits no better
 
     outcome = await before_ready(proc, stop_requested, probe)
     spent = time.monotonic() - started
@@ -116,10 +121,39 @@ class _Measured:
     words: int
 
 
-def _predicted_s(last: _Measured, words: int, max_tokens: int) -> float:
-    """What one generation with `words` prompt words should cost, at the rates of the last one measured."""
+@dataclass(frozen=True)
+class _TooLong:
+    """llama-server refused the prompt as longer than a slot; `fitted_words` fit."""
+
+    fitted_words: int
+
+
+async def _measure_size(http: UpstreamClient, base_url: str, api_key: str, words: int, policy: SpeedProbePolicy) -> _Measured | None:
+    """One prompt size: a warming run (shrunk once to the slot's largest prompt where `words` is too long),
+    then the timed run, decoding for about `decode_stretch_s`; None when either is unusable."""
+    warm = await _measure_once(http, base_url, api_key, words, policy.max_tokens, policy.max_decode_tokens)
+    for _ in range(SLOT_FIT_ATTEMPTS):
+        if not isinstance(warm, _TooLong):
+            break
+        log.info("speed probe prompt of %d words is too long for a slot; shrunk to %d words", words, warm.fitted_words)
+        words = warm.fitted_words
+        warm = await _measure_once(http, base_url, api_key, words, policy.max_tokens, policy.max_decode_tokens)
+    if not isinstance(warm, _Measured):
+        return None
+    timed = await _measure_once(http, base_url, api_key, warm.words, decode_tokens(warm.decode, policy), policy.max_decode_tokens)
+    return timed if isinstance(timed, _Measured) else None
+
+
+def decode_tokens(rate: float, policy: SpeedProbePolicy) -> int:
+    """The timed run's answer length: about `decode_stretch_s` of decode at `rate`, within the policy's bounds."""
+    return max(policy.max_tokens, min(policy.max_decode_tokens, math.ceil(rate * policy.decode_stretch_s)))
+
+
+def _predicted_s(last: _Measured, words: int, policy: SpeedProbePolicy) -> float:
+    """What one prompt size with `words` prompt words should cost, at the rates of the last one measured."""
     ceiling = last.ceiling * words / max(last.words, 1)  # a word is a few bytes; the allowances are the same
-    return ceiling / last.prefill + max_tokens / last.decode
+    answer_tokens = policy.max_tokens + decode_tokens(last.decode, policy)
+    return RUNS_PER_SIZE * ceiling / last.prefill + answer_tokens / last.decode
 
 
 def probe_request(words: int, max_tokens: int) -> dict[str, Any]:
@@ -135,8 +169,11 @@ def probe_request(words: int, max_tokens: int) -> dict[str, Any]:
     }
 
 
-async def _measure_once(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> _Measured | None:
-    """One streamed generation, timed from the request to its first and last content event; None when unusable."""
+async def _measure_once(
+    http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int, room_tokens: int
+) -> _Measured | _TooLong | None:
+    """One streamed generation, timed from the request to its first and last content event; `_TooLong` when
+    the prompt does not fit a slot (with `room_tokens` of answer beside it); None when unusable."""
     fields = probe_request(words, max_tokens)
     headers = {"authorization": f"Bearer {api_key}", "content-type": "application/json", OWN_REQUEST_HEADER: "1"}
     sent = time.perf_counter()
@@ -147,6 +184,9 @@ async def _measure_once(http: UpstreamClient, base_url: str, api_key: str, words
         response = await http.send("POST", f"{base_url}/v1/chat/completions", headers, json.dumps(fields).encode())
         try:
             if response.status != 200:
+                fitted = words_that_fit(words, await response.read(), room_tokens) if response.status == 400 else None
+                if fitted is not None:
+                    return _TooLong(fitted)
                 log.info("speed measurement with %d words answered %s; stopping there", words, response.status)
                 return None
             buffer = b""
@@ -211,4 +251,13 @@ def rates_of(timings: Any) -> tuple[int, float, float] | None:
     return ctx, float(prefill), float(decode)
 
 
-__all__ = ["DEFAULT_SPEED_PROBE", "RUNS_PER_SIZE", "SpeedProbePolicy", "measure_speed", "measured_rates", "probe_request", "rates_of"]
+__all__ = [
+    "DEFAULT_SPEED_PROBE",
+    "RUNS_PER_SIZE",
+    "SpeedProbePolicy",
+    "decode_tokens",
+    "measure_speed",
+    "measured_rates",
+    "probe_request",
+    "rates_of",
+]
