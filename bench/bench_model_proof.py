@@ -78,6 +78,9 @@ TEXT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a ti
                 "The three laws of thermodynamics are"]  # fmt: skip
 CPU1, CPU2, VULKAN = Backend("cpu", 1, 512), Backend("cpu", 2, 32), Backend("vulkan", 1, 512)
 GIVE_UP_NATS = 1.0
+# --whole-answers: the honest and quant records score every token of a greedy answer, past a broken tie too (what a
+# recalibration of the tie needs: the gaps an answer would have shown beyond it).
+SCORE_WHOLE_ANSWERS = False
 # --honest: when the other backend stops asking, as shares of --budget (the rest: loading, the CPU's answers, verifying).
 HONEST_TINY_SHARE, HONEST_DEMO_SHARE = 0.35, 0.85
 SAMPLED_T = 0.8
@@ -282,7 +285,8 @@ async def _score_records(url: str, prompts: list[list[int]], answers: dict[str, 
             with out.open("a") as f:
                 for prompt, answer in zip(prompts, answers[served]):
                     scored = await score_answer(client, prompt, answer, top_k=40 if temperature else 16,
-                                                give_up_gap=None if temperature else GREEDY_TIE_NATS, ends_ignored=True)  # fmt: skip
+                                                give_up_gap=None if temperature or SCORE_WHOLE_ANSWERS else GREEDY_TIE_NATS,
+                                                ends_ignored=True)  # fmt: skip
                     f.write(json.dumps({"family": family, "claimed": claimed, "served": served, "temperature": temperature,
                                         "answer_tokens": len(answer), "gaps": [round(p.gap(), 5) for p in scored.positions],
                                         "z": sampled_z(scored, temperature) if temperature else None}) + "\n")  # fmt: skip
@@ -557,6 +561,7 @@ def main() -> int:
                         help="with --honest-quant: the greedy answers' lengths in tokens [default: %(default)s]")  # fmt: skip
     parser.add_argument("--honest-quant-sampled-lengths", default=f"{HONEST_SHORT_TOKENS},{HONEST_LONG_TOKENS}",
                         help="with --honest-quant: the sampled answers' lengths in tokens [default: %(default)s]")  # fmt: skip
+    parser.add_argument("--whole-answers", action="store_true", help="score greedy answers past a broken tie too")
     parser.add_argument("--honest-quant-demo-quant", default="Q8_0", metavar="TYPE",
                         help="with --honest-quant-demo: the demo file answering, --work's demo-TYPE.gguf [default: %(default)s]")  # fmt: skip
     parser.add_argument(
@@ -570,6 +575,8 @@ def main() -> int:
     parser.add_argument("--honest-table", type=Path, default=None, metavar="RECORDS", help="only print the honest table of RECORDS")
     parser.add_argument("--table", type=Path, default=None, metavar="RECORDS", help="only print the detection table of RECORDS")
     args = parser.parse_args()
+    global SCORE_WHOLE_ANSWERS
+    SCORE_WHOLE_ANSWERS = args.whole_answers
     if args.queue_sim:
         nodes, rate, service, seconds = args.queue_sim.split(",")
         print(queue_sim(int(nodes), float(rate), float(service), int(seconds)))
