@@ -82,6 +82,26 @@ def test_an_honest_run_after_a_drift_brings_the_cusum_back_to_zero() -> None:
     assert node.s == 0.0 and node.started_at == 0.0
 
 
+# Honest greedy answers of the demo's own Q4_K_M served by an H100's CUDA build, every token scored by a CPU verifier
+# (bench/gpu/run_claims_proof.sh, STAGE=proof with --whole-answers; bench/RESULTS.md, "Proof of quant", CUDA).
+HONEST_CUDA_RECORDS = Path(__file__).parents[2] / "bench" / "gpu" / "results" / "claims_proof_h100_cuda" / "whole" / "honest_cuda.jsonl"
+
+
+def test_honest_answers_measured_on_cuda_are_never_refused() -> None:
+    records = [json.loads(line) for line in HONEST_CUDA_RECORDS.read_text().splitlines()]
+    greedy = [r for r in records if r["family"] == "honest-demo" and r["temperature"] == 0]
+    assert len(greedy) >= 160 and all(len(r["gaps"]) == r["answer_tokens"] for r in greedy)
+    # The answers break near-ties by up to 1.25 nats (the tie was 0.3: one answer in four refused alone)...
+    assert max(max(r["gaps"]) for r in greedy) > 1.0
+    # ...and none is refused: not alone, not by the node's CUSUM over all of them in a row, in either order.
+    node, backwards = NodeDrift(), NodeDrift()
+    for record, reverse in zip(greedy, reversed(greedy)):
+        gaps = AnswerGaps.of(record["gaps"], record["answer_tokens"])
+        assert not answer_refused(gaps), record
+        assert node.add(gaps) is False and backwards.add(AnswerGaps.of(reverse["gaps"], reverse["answer_tokens"])) is False
+    assert node.answers == len(greedy) and max(node.s, backwards.s) < DRIFT_REFUSE_NATS / 2
+
+
 def test_answers_that_cannot_be_judged_add_nothing() -> None:
     node = NodeDrift(s=DRIFT_REFUSE_NATS / 2)
     short = AnswerGaps.of([GREEDY_TIE_NATS] * (DRIFT_MIN_TOKENS - 1))
@@ -89,7 +109,7 @@ def test_answers_that_cannot_be_judged_add_nothing() -> None:
     assert node.add(short) is False and node.s == DRIFT_REFUSE_NATS / 2 and node.answers == 0
     assert check_drift(short).passed is None
     # A token past the tie: the per-token check refuses that answer; the whole-answer test does not judge it.
-    assert check_drift(answer_gaps(_scored([0.0] * 20 + [1.0]), 21)).passed is None
+    assert check_drift(answer_gaps(_scored([0.0] * 20 + [GREEDY_TIE_NATS + 0.5]), 21)).passed is None
     # Not scored to its end (the verifier gave up at a broken tie): the same.
     assert answer_gaps(_scored([0.0] * 10), 30).tie_broken
 
@@ -232,7 +252,7 @@ async def test_sampled_answers_and_no_verdicts_add_nothing_to_the_cusum(ledger: 
 
 def test_the_figures_a_tracker_counts_are_bounded_by_the_answer() -> None:
     job = _job(answer_text="abc")
-    counted = Auditor.counted_gaps(job, _verdict(job, AnswerGaps(5.0, 500)))
+    counted = Auditor.counted_gaps(job, _verdict(job, AnswerGaps(500 * DRIFT_GAP_CAP_NATS, 500)))
     assert counted is not None and counted.tokens == 3 and math.isclose(counted.gap_nats, 3 * DRIFT_GAP_CAP_NATS)
 
 

@@ -142,23 +142,24 @@ class AuditVerdict(WireModel):
 #
 # Each token's gap counts at most this much (= proof.tolerance.GREEDY_TIE_NATS, held equal by tests/proof): one past
 # it is the per-token check's refusal, and one token must not carry a whole answer's drift.
-DRIFT_GAP_CAP_NATS = 0.3
+DRIFT_GAP_CAP_NATS = 2.0
 # The allowance per judged token (nats). Measured (bench/RESULTS.md, "Proof of quant"; greedy answers against a CPU
 # verifier): the claimed file on another thread count and batch on the CPU 0 exactly; on lavapipe Vulkan the tiny
-# model 0.00001 a token (9 near-ties in 1,024 tokens), the demo's Q8_0 0.0038 a token (9 near-ties in 240 tokens, up
-# to 0.168 nats each), 0.0094 in its worst answer. 0.01 is 2.6x the real model's honest mean, above its worst answer:
-# an honest node's S steps up rarely, by little, and falls back at 0.006 nats a token. Cheaper quants above it are
-# caught (the table beside these figures); a quant whose rounding moves the answers less than lavapipe does (its
-# mean under 0.01) cannot be told from an honest node on such a backend, and is not refused.
-DRIFT_ALLOWANCE_NATS_PER_TOKEN = 0.01
-# A node is refused when its S passes this (nats). No measured honest answer stepped S above 0 (each answer's gaps
-# stayed under its allowance), so the bound is set by a bootstrap of the widest honest spread (demo Q8_0 on lavapipe:
-# its 240 measured tokens, 9 near-ties, drawn token by token into 32-token answers; 100,000 nodes x 1,000 audits in a
-# row each): S passed 0.75 for 0.5 % of them, 1.0 for 0.02 %, 1.25 for 0.001 %, 1.5 for none; the tail falls ~20x
-# per 0.25 nats, so at 2.0 an honest node on such a backend is refused ~1e-9 of the time per 1,000 audits (33,000
-# answers at the default rate). A cheaper quant whose answers drift 0.005 nats a token past the allowance needs
-# ~13 audited answers of 32 tokens to pass it.
-DRIFT_REFUSE_NATS = 2.0
+# model 0.00001 a token, the demo's Q8_0 0.0038 (9 near-ties in 240 tokens); on an H100's CUDA build the demo's
+# Q4_K_M 0.0070 a token (292 near-ties in 6,400 tokens, up to 1.25 nats each), 0.031 in its worst answer of 40
+# tokens. 0.025 is 3.6x CUDA's honest mean: an honest node's S steps up where one answer holds a large near-tie and
+# falls back at 0.018 nats a token. It was 0.01 until CUDA was measured (a bound set from lavapipe alone). Cheaper
+# quants whose mean gap is above it are caught (the demo's Q3_K_M and Q2_K served as its Q4_K_M: 0.062 and 0.049 a
+# token even with each gap capped at 0.3; the tiny model's Q4_0 as its F16, 0.031); one whose rounding moves the
+# answers less than an honest CUDA node's does cannot be told from one, and is not refused.
+DRIFT_ALLOWANCE_NATS_PER_TOKEN = 0.025
+# A node is refused when its S passes this (nats). Set by a bootstrap of the widest honest spread (the demo's Q4_K_M on
+# CUDA: its 6,400 measured tokens drawn token by token into 32-token answers, 20,000 nodes x 1,000 audits in a row
+# each): S passed 2.0 for 0.7 % of them, 3.0 for 0.015 %, 4.0 for none (bench/bench_model_proof.py --honest-table on
+# bench/gpu/results/claims_proof_h100_cuda/whole/honest_cuda.jsonl). It was 2.0 with the 0.01 allowance, where the
+# same CUDA answers passed 2.0 for 2.7 % of nodes. A quant whose answers drift 0.01 nats a token past the allowance
+# needs ~13 audited answers of 32 tokens to pass it.
+DRIFT_REFUSE_NATS = 4.0
 # An answer with fewer judged tokens adds nothing to S and gets no whole-answer verdict (the per-token check still
 # judges it): below it one near-tie is the whole answer.
 DRIFT_MIN_TOKENS = 8
