@@ -129,8 +129,8 @@ class _TooLong:
 
 
 async def _measure_size(http: UpstreamClient, base_url: str, api_key: str, words: int, policy: SpeedProbePolicy) -> _Measured | None:
-    """One prompt size: a warming run (shrunk once to the slot's largest prompt where `words` is too long),
-    then the timed run, decoding for about `decode_stretch_s`; None when either is unusable."""
+    """One prompt size: a warming run (shrunk to the slot's largest prompt where `words` is too long, in at most
+    SLOT_FIT_ATTEMPTS asks), then the timed run, decoding for about `decode_stretch_s`; None when either is unusable."""
     warm = await _measure_once(http, base_url, api_key, words, policy.max_tokens, policy.max_decode_tokens)
     for _ in range(SLOT_FIT_ATTEMPTS):
         if not isinstance(warm, _TooLong):
