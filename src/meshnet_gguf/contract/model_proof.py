@@ -149,9 +149,10 @@ DRIFT_GAP_CAP_NATS = 2.0
 # Q4_K_M 0.0070 a token (292 near-ties in 6,400 tokens, up to 1.25 nats each), 0.031 in its worst answer of 40
 # tokens. 0.025 is 3.6x CUDA's honest mean: an honest node's S steps up where one answer holds a large near-tie and
 # falls back at 0.018 nats a token. It was 0.01 until CUDA was measured (a bound set from lavapipe alone). Cheaper
-# quants whose mean gap is above it are caught (the demo's Q3_K_M and Q2_K served as its Q4_K_M: 0.062 and 0.049 a
-# token even with each gap capped at 0.3; the tiny model's Q4_0 as its F16, 0.031); one whose rounding moves the
-# answers less than an honest CUDA node's does cannot be told from one, and is not refused.
+# quants whose mean gap is above it are caught (the demo's Q3_K_M and Q2_K served as its Q4_K_M, 0.164 and 0.268 a
+# token; its Q5_K_M as its F16, 0.035; the tiny model's Q4_0 as its F16, 0.031); one whose rounding moves the answers
+# less than an honest CUDA node's does (the demo's Q8_0, Q6_K, Q4_K_M as its F16: 0.0024-0.0057) cannot be told from
+# one, and is not refused.
 DRIFT_ALLOWANCE_NATS_PER_TOKEN = 0.025
 # A node is refused when its S passes this (nats). Set by a bootstrap of the widest honest spread (the demo's Q4_K_M on
 # CUDA: its 6,400 measured tokens drawn token by token into 32-token answers, 20,000 nodes x 1,000 audits in a row
