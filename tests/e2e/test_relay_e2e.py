@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from support.node_process import NodeProcess
 from support.relay_processes import (
     ServiceProcess,
@@ -28,12 +27,29 @@ from support.relay_processes import (
     wait_for,
 )
 
+from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
+
 pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 EXACT = {"extra_body": {"ignore_eos": True}}
-# 4,096 tokens a slot: a stream the test cuts at its fifth chunk is still generating (a few seconds on
-# the tiny model) when the relay dies, however slowly a loaded machine lets the client read.
-STREAM_CTX_SIZE = "8192"
+# A stream the tests cut at its fifth chunk must still be generating when the relay dies, however slowly a loaded
+# machine lets the client read: llama-server caps a slot at the model's trained context, and the tiny model's 2,048
+# tokens (~2,000 of answer, well under a second) once all went by before a kill (the two-relay test: DID NOT RAISE).
+# So the tiny model with a trained context of LONG_SLOT_TOKENS, LONG_ANSWER_TOKENS asked: seconds anywhere.
+LONG_SLOT_TOKENS = 16384
+LONG_ANSWER_TOKENS = 12000
+
+
+def stream_ctx_size(slots: int) -> str:
+    return str(slots * LONG_SLOT_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def long_stream_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (named as the shared one) with room for a long answer in each slot."""
+    return write_tiny_model(tmp_path_factory.mktemp("long-stream") / "tiny.gguf", TinyModelSpec(context_length=LONG_SLOT_TOKENS))
+
+
 # The outage the node must ride out with its ledger and outbox intact.
 RELAY_OUTAGE_S = float(os.environ.get("MESHNET_TEST_RELAY_OUTAGE_S", "60"))
 
@@ -64,14 +80,14 @@ class RelayedMesh:
 
 
 @pytest.fixture
-def relayed(real_llama, tiny_gguf, start_node, tmp_path) -> Iterator[RelayedMesh]:  # type: ignore[no-untyped-def]
+def relayed(real_llama, long_stream_gguf, start_node, tmp_path) -> Iterator[RelayedMesh]:  # type: ignore[no-untyped-def]
     tracker = tracker_process(tmp_path).start()
     relay = relay_process(tmp_path, tracker).start()
     node = start_node(
-        "--gguf", str(tiny_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
-        "--relay", relay.url, "--parallel", "2", "--ctx-size", STREAM_CTX_SIZE, "--drain-grace", "2", env=node_env(tracker),
+        "--gguf", str(long_stream_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
+        "--relay", relay.url, "--parallel", "2", "--ctx-size", stream_ctx_size(2), "--drain-grace", "2", env=node_env(tracker),
     )  # fmt: skip
-    mesh = RelayedMesh(tracker, relay, node, tiny_gguf.stem)
+    mesh = RelayedMesh(tracker, relay, node, long_stream_gguf.stem)
     try:
         node.wait_ready()
         mesh.wait_routable()
@@ -139,7 +155,7 @@ def test_openai_sdk_streams_through_tracker_relay_and_node(relayed: RelayedMesh)
 
 def test_killed_relay_ends_the_stream_with_an_error_and_a_restart_serves_within_5_s(relayed: RelayedMesh) -> None:
     client = relayed.sdk()
-    stream = client.chat.completions.create(model=relayed.model, messages=MESSAGES, max_tokens=4000, stream=True, **EXACT)
+    stream = client.chat.completions.create(model=relayed.model, messages=MESSAGES, max_tokens=LONG_ANSWER_TOKENS, stream=True, **EXACT)
     seen = 0
     with pytest.raises(openai.APIError) as broken:
         for _chunk in stream:
@@ -215,18 +231,18 @@ class Sent:
     error: str | None
 
 
-def test_a_relay_killed_under_a_stream_fails_over_with_no_client_error(real_llama, tiny_gguf, start_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_relay_killed_under_a_stream_fails_over_with_no_client_error(real_llama, long_stream_gguf, start_node, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import threading
 
     tracker = tracker_process(tmp_path).start()
     first = relay_process(tmp_path, tracker, name="relay-a").start()
     second = relay_process(tmp_path, tracker, name="relay-b").start()
     node = start_node(
-        "--gguf", str(tiny_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
-        "--relay", first.url, "--relay", second.url, "--parallel", "4", "--ctx-size", STREAM_CTX_SIZE, "--drain-grace", "2",
+        "--gguf", str(long_stream_gguf), "--tracker", tracker.url, "--tracker-public-key", tracker_key(tracker),
+        "--relay", first.url, "--relay", second.url, "--parallel", "4", "--ctx-size", stream_ctx_size(4), "--drain-grace", "2",
         env=node_env(tracker),
     )  # fmt: skip
-    mesh = RelayedMesh(tracker, first, node, tiny_gguf.stem)
+    mesh = RelayedMesh(tracker, first, node, long_stream_gguf.stem)
     logs = [*mesh.logs(), second.log_path]
     try:
         node.wait_ready()
@@ -271,7 +287,7 @@ def test_a_relay_killed_under_a_stream_fails_over_with_no_client_error(real_llam
         wait_for(lambda: len(sent) >= 4, "requests flowing through the first relay", logs)
 
         # A long stream in flight through the first relay (the one dialled first) when it dies.
-        stream = client.chat.completions.create(model=mesh.model, messages=MESSAGES, max_tokens=4000, stream=True, **EXACT)
+        stream = client.chat.completions.create(model=mesh.model, messages=MESSAGES, max_tokens=LONG_ANSWER_TOKENS, stream=True, **EXACT)
         seen = 0
         with pytest.raises(openai.APIError) as broken:
             for _chunk in stream:
