@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.models.download import materialize_package_model
 from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -54,12 +54,6 @@ UNLOAD_TIMEOUT_S = IDLE_S * 3
 POLL_S = 0.05
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def say(text: str) -> None:
     print(text, flush=True)
 
@@ -68,7 +62,7 @@ class Node:
     def __init__(
         self, workdir: Path, models: dict[str, Path], llama_server: Path | None, env: dict[str, str] | None = None, context: int = CONTEXT
     ) -> None:
-        self.port = free_port()
+        self.port = free_local_port()
         self.url = f"http://127.0.0.1:{self.port}"
         first, *others = models.items()
         argv = [sys.executable, "-m", "meshnet_gguf", "serve", "--gguf", str(first[1]), "--ctx-size", str(context), "--parallel", "1"]

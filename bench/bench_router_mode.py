@@ -31,7 +31,6 @@ import json
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import anyio
 import httpx
 import psutil
 
+from meshnet_gguf.common.ports import free_local_port
 from meshnet_gguf.common.settings import NodeSettings
 from meshnet_gguf.llama.binary import BinaryInfo, installed_llama_servers, probe_binary
 from meshnet_gguf.llama.child import ChildSpec
@@ -70,12 +70,6 @@ ROUTER_START_TIMEOUT_S = 30.0
 POLL_S = 0.02
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def write_preset(path: Path, models: dict[str, Path], extra: dict[str, dict[str, str]] | None = None) -> None:
     lines = ["version = 1", "[*]", f"c = {CONTEXT}", "np = 1", ""]
     for name, model in models.items():
@@ -92,7 +86,7 @@ class Router:
     url: str = ""
 
     def start(self) -> None:
-        port = free_port()
+        port = free_local_port()
         self.url = f"http://127.0.0.1:{port}"
         argv = [str(self.binary.path), "--models-preset", str(self.preset), "--models-max", str(MODELS_MAX)]
         argv += ["--host", "127.0.0.1", "--port", str(port)]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does a fresh llama-server's decode rate depend on the stream's length, or on how many streams came before it?
 
-    python3 bench/gpu/decode_warmth.py --llama-server BIN --model M.gguf [--device CUDA0|Vulkan0|none] [--pause-s 2]
+    PYTHONPATH=src python3 bench/gpu/decode_warmth.py --llama-server BIN --model M.gguf [--device CUDA0|Vulkan0|none] [--pause-s 2]
 
 The speed probe timed 16-token streams right after the warm-up, and an H100 node (Vulkan) claimed half the
 decode rate it then delivered to 64-token streams (bench/RESULTS.md, "A fair market"). This starts one
@@ -16,22 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from meshnet_gguf.common.ports import free_local_port
+
 ORDER = (16, 16, 16, 64, 16, 256, 64, 16, 256, 16, 64)
 PROMPT_WORDS = 40
 READY_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stream_rate(http: httpx.Client, url: str, tokens: int, n: int) -> dict[str, float | int | None]:
@@ -64,7 +59,7 @@ def main() -> None:
     parser.add_argument("--log", help="llama-server's log to this file")
     parser.add_argument("--pause-s", type=float, default=2.0, help="idle between the two passes (clocks fall when idle)")
     args = parser.parse_args()
-    port = free_port()
+    port = free_local_port()
     argv = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port), "-ngl", "99", "-fa", "on",
             "--parallel", "2", "--ctx-size", "8192", "--no-webui"]  # fmt: skip
     if args.device:
