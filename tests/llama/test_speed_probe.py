@@ -13,6 +13,7 @@ import pytest
 from support.supervisor_policies import QUICK, ReadyClock
 
 from meshnet_gguf.contract.prompt_ceiling import prompt_ceiling
+from meshnet_gguf.contract.protocol import NodeCapability
 from meshnet_gguf.llama.child import ChildSpec
 from meshnet_gguf.llama.slot_fit import SLOT_FIT_MARGIN_TOKENS, words_that_fit
 from meshnet_gguf.llama.speed_probe import RUNS_PER_SIZE, SpeedProbePolicy, decode_tokens, measured_rates, probe_request, rates_of
@@ -20,6 +21,18 @@ from meshnet_gguf.llama.supervisor import Supervisor
 from meshnet_gguf.llama.warmup import WarmupPolicy
 
 pytestmark = pytest.mark.anyio
+
+
+async def _capability_when_ready(supervisor: Supervisor, within_s: float) -> NodeCapability | None:
+    """Run the supervisor until llama-server is ready (warmed and measured), then stop it; the figures it kept."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(supervisor.run)
+        with anyio.fail_after(within_s):
+            while supervisor.state != "ready":
+                await anyio.sleep(0.02)
+        capability = supervisor.capability
+        await supervisor.stop()
+    return capability
 
 
 async def test_the_probe_runs_after_the_warmup_and_before_ready_and_its_figures_are_kept(fake_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -31,13 +44,7 @@ async def test_the_probe_runs_after_the_warmup_and_before_ready_and_its_figures_
     supervisor = Supervisor(
         ChildSpec(fake_llama, ["--model", "m.gguf"], {"FAKE_LLAMA_WARMUP_LOG": str(log)}), policy, state_dir=tmp_path, listeners=[clock]
     )
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(supervisor.run)
-        with anyio.fail_after(20):
-            while supervisor.state != "ready":
-                await anyio.sleep(0.02)
-        capability = supervisor.capability
-        await supervisor.stop()
+    capability = await _capability_when_ready(supervisor, within_s=20)
     entries = [json.loads(line) for line in log.read_text().splitlines()]
     warmup, *probes = entries
     assert warmup["body"]["stream"] is True and len(probes) == 2 * RUNS_PER_SIZE
@@ -117,13 +124,7 @@ async def test_prompts_too_long_for_a_slot_are_warmed_and_measured_at_the_slots_
     args = ["--model", str(tiny_gguf), "--ctx-size", "1024", "--parallel", "1", "--threads", "1"]
     supervisor = Supervisor(ChildSpec(real_llama, args), policy, state_dir=tmp_path)
     with caplog.at_level(logging.INFO, logger="meshnet_gguf.llama"):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(supervisor.run)
-            with anyio.fail_after(90):
-                while supervisor.state != "ready":
-                    await anyio.sleep(0.05)
-            capability = supervisor.capability
-            await supervisor.stop()
+        capability = await _capability_when_ready(supervisor, within_s=90)
     said = caplog.text
     assert "warm-up prompt of 600 words is too long for a slot" in said and "warm-up answered" not in said
     assert "speed probe prompt of 600 words is too long for a slot" in said
