@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,19 @@ async def routable(service: Tracker, model: str, count: int) -> None:
     await wait_until(ready)
 
 
+@asynccontextmanager
+async def registered(service: Tracker, model: str, *nodes: ModelsNode) -> AsyncIterator[httpx.AsyncClient]:
+    """`nodes` running and registered, each routable for `model`; a client for the tracker meanwhile."""
+    async with AsyncExitStack() as stack:
+        for node in nodes:
+            await stack.enter_async_context(node.running())
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=10))
+        for node in nodes:
+            await node.register()
+        await routable(service, model, len(nodes))
+        yield http
+
+
 async def node_view(http: httpx.AsyncClient, url: str, node_id: str) -> dict[str, Any]:
     return next(n for n in (await http.get(url + "/v1/nodes")).json() if n["node_id"] == node_id)
 
@@ -77,10 +91,7 @@ async def test_a_model_goes_to_the_node_where_it_is_loaded_and_to_a_cold_one_whe
     service, url = tracker
     a = ModelsNode(tmp_path / "a", url, [ALPHA, BETA_COLD])
     b = ModelsNode(tmp_path / "b", url, [BETA_WARM], slots=1)
-    async with a.running(), b.running(), httpx.AsyncClient(timeout=10) as http:
-        await a.register()
-        await b.register()
-        await routable(service, "beta", 2)
+    async with registered(service, "beta", a, b) as http:
         for _ in range(3):  # one at a time: b always has its slot free
             answer = await ask(http, url, "beta")
             assert answer.status_code == 200 and answer.json()["model"] == "beta"
@@ -109,9 +120,7 @@ async def test_a_model_goes_to_the_node_where_it_is_loaded_and_to_a_cold_one_whe
 async def test_a_model_no_node_announces_is_a_404_in_openais_error_shape(tmp_path: Path, tracker: tuple[Tracker, str]) -> None:
     service, url = tracker
     a = ModelsNode(tmp_path / "a", url, [ALPHA, BETA_COLD])
-    async with a.running(), httpx.AsyncClient(timeout=10) as http:
-        await a.register()
-        await routable(service, "beta", 1)
+    async with registered(service, "beta", a) as http:
         answer = await ask(http, url, "gamma")
         assert answer.status_code == 404
         error = answer.json()["error"]
@@ -122,9 +131,7 @@ async def test_a_model_no_node_announces_is_a_404_in_openais_error_shape(tmp_pat
 async def test_each_request_is_recorded_and_billed_as_the_model_it_was_served_as(tmp_path: Path, tracker: tuple[Tracker, str]) -> None:
     service, url = tracker
     a = ModelsNode(tmp_path / "a", url, [ALPHA, BETA_COLD])
-    async with a.running(), httpx.AsyncClient(timeout=10) as http:
-        await a.register()
-        await routable(service, "beta", 1)
+    async with registered(service, "beta", a) as http:
         for model in ("alpha", "beta-q4", "beta"):
             assert (await ask(http, url, model)).status_code == 200
         for answered in a.answered:
@@ -140,10 +147,7 @@ async def test_nodes_the_page_and_models_show_each_models_state_per_node(tmp_pat
     service, url = tracker
     a = ModelsNode(tmp_path / "a", url, [ALPHA, BETA_COLD])
     b = ModelsNode(tmp_path / "b", url, [BETA_WARM], slots=1)
-    async with a.running(), b.running(), httpx.AsyncClient(timeout=10) as http:
-        await a.register()
-        await b.register()
-        await routable(service, "beta", 2)
+    async with registered(service, "beta", a, b) as http:
         assert states(await node_view(http, url, a.node_id)) == {"alpha": ("loaded", None), "beta": ("loadable", LOAD_S)}
         assert states(await node_view(http, url, b.node_id)) == {"beta": ("loaded", None)}
         page = {n["node_id"]: n for n in (await http.get(url + "/dashboard.json")).json()["nodes"]}
@@ -241,9 +245,7 @@ async def test_an_announcement_with_a_bad_model_name_or_list_is_refused_saying_w
 async def test_a_heartbeat_cannot_add_a_model_the_registration_did_not_announce(tmp_path: Path, tracker: tuple[Tracker, str]) -> None:
     service, url = tracker
     a = ModelsNode(tmp_path / "a", url, [ALPHA])
-    async with a.running(), httpx.AsyncClient(timeout=10) as http:
-        await a.register()
-        await routable(service, "alpha", 1)
+    async with registered(service, "alpha", a) as http:
         a.models = [ALPHA, AnnouncedModel(model_id="gamma")]
         await a.heartbeat()
         assert await models(http, url) == ["alpha"]
@@ -255,9 +257,7 @@ async def test_an_audited_model_is_routed_only_to_nodes_that_announce_it_first(t
     # unaudited (and earn as it) while its first model, not audited here, draws no probe.
     async with start_tracker(tmp_path, verifiers={"beta": "http://127.0.0.1:9"}) as (service, url):
         sneaky = ModelsNode(tmp_path / "a", url, [ALPHA, AnnouncedModel(model_id="beta")])
-        async with sneaky.running(), httpx.AsyncClient(timeout=10) as http:
-            await sneaky.register()
-            await routable(service, "alpha", 1)
+        async with registered(service, "alpha", sneaky) as http:
             assert service.registry.routable("beta") == []
             assert (await ask(http, url, "beta")).status_code == 503 and [x["model"] for x in sneaky.answered] == []
             assert (await ask(http, url, "alpha")).status_code == 200
@@ -275,9 +275,7 @@ async def test_a_node_calling_its_model_loadable_forever_is_timed_all_the_same(t
     # 0 s" at every heartbeat while it serves warm would otherwise never be measured, and keep a claim unchecked.
     service, url = tracker
     liar = ModelsNode(tmp_path / "a", url, [AnnouncedModel(model_id="alpha", state="loadable", expected_load_s=0.0)])
-    async with liar.running(), httpx.AsyncClient(timeout=10) as http:
-        await liar.register()
-        await routable(service, "alpha", 1)
+    async with registered(service, "alpha", liar) as http:
         for _ in range(TRUST_AFTER_SAMPLES + 1):
             await stream(http, url, "alpha")
             await liar.heartbeat()  # still "loadable"
@@ -292,9 +290,7 @@ async def test_a_node_flipping_its_model_loaded_and_loadable_at_every_heartbeat_
     service, url = tracker
     cold = AnnouncedModel(model_id="alpha", state="loadable", expected_load_s=0.0)
     liar = ModelsNode(tmp_path / "a", url, [cold])
-    async with liar.running(), httpx.AsyncClient(timeout=10) as http:
-        await liar.register()
-        await routable(service, "alpha", 1)
+    async with registered(service, "alpha", liar) as http:
         for _ in range(TRUST_AFTER_SAMPLES + 1):
             for state in ("loaded", "loadable"):
                 liar.models = [cold.model_copy(update={"state": state})]
@@ -309,9 +305,7 @@ async def test_a_node_claiming_its_loads_quicker_than_they_are_is_ranked_by_the_
     service, url = tracker
     claims_instant = AnnouncedModel(model_id="alpha", state="loadable", expected_load_s=0.0)
     liar = ModelsNode(tmp_path / "a", url, [claims_instant])
-    async with liar.running(), httpx.AsyncClient(timeout=10) as http:
-        await liar.register()
-        await routable(service, "alpha", 1)
+    async with registered(service, "alpha", liar) as http:
         liar.load_s["alpha"] = SLOW_LOAD_S
         await stream(http, url, "alpha")  # starts the load: its first token comes after it
         for state in ("loaded", "loadable"):  # loaded, then unloaded again: the next request loads it anew
@@ -325,9 +319,7 @@ async def test_a_node_claiming_its_loads_quicker_than_they_are_is_ranked_by_the_
 async def test_the_stream_that_starts_a_load_times_its_decode_but_not_its_first_token(tmp_path: Path, tracker: tuple[Tracker, str]) -> None:
     service, url = tracker
     a = ModelsNode(tmp_path / "a", url, [ALPHA, BETA_COLD])
-    async with a.running(), httpx.AsyncClient(timeout=10) as http:
-        await a.register()
-        await routable(service, "beta", 1)
+    async with registered(service, "beta", a) as http:
         await stream(http, url, "beta")
         beta = service.registry.get(a.node_id).model_for("beta")  # type: ignore[union-attr]
         assert beta is not None and beta.speed.samples == 0 and beta.speed.decode_samples == 1
