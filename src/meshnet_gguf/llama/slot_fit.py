@@ -3,7 +3,7 @@
 The warm-up and the speed probe size their prompts in words, and a word is one token with a subword
 vocabulary but several with a byte-level one, so their largest prompts may not fit a slot. llama-server
 refuses those with `exceed_context_size_error`, saying the prompt's tokens and the slot's size; the node's
-own requests read that and ask once more at the size that fits, so the largest prompt shape a client can
+own requests read that and ask again at the size that fits (`ask_within_a_slot`), so the largest prompt shape a client can
 send is the one warmed and measured (a GPU node whose largest prompts were refused paid 5.9 s for Vulkan's
 first use of that shape on its first client's long prompt: bench/RESULTS.md, "A fair market").
 """
@@ -11,7 +11,13 @@ first use of that shape on its first client's long prompt: bench/RESULTS.md, "A 
 from __future__ import annotations
 
 import json
+import logging
 import math
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+Answer = TypeVar("Answer")
 
 # Tokens left free in the slot beside the prompt's share, for a tokenizer that merges differently at the new length.
 SLOT_FIT_MARGIN_TOKENS = 16
@@ -39,4 +45,20 @@ def words_that_fit(words: int, answer: bytes, answer_tokens: int) -> int | None:
     return fitted if 0 < fitted < words else None
 
 
-__all__ = ["EXCEEDS_CONTEXT", "SLOT_FIT_ATTEMPTS", "SLOT_FIT_MARGIN_TOKENS", "words_that_fit"]
+async def ask_within_a_slot(
+    words: int, ask: Callable[[int], Awaitable[Answer]], fitting: Callable[[int, Answer], int | None], what: str
+) -> Answer:
+    """`ask(words)`, and again at the size `fitting(words, answer)` gives while it says the prompt was too long for a
+    slot, at most SLOT_FIT_ATTEMPTS more times; the last answer. `what` names the asker in the log."""
+    answer = await ask(words)
+    for _ in range(SLOT_FIT_ATTEMPTS):
+        fitted = fitting(words, answer)
+        if fitted is None:
+            break
+        log.info("%s prompt of %d words is too long for a slot; shrunk to %d words", what, words, fitted)
+        words = fitted
+        answer = await ask(words)
+    return answer
+
+
+__all__ = ["EXCEEDS_CONTEXT", "SLOT_FIT_ATTEMPTS", "SLOT_FIT_MARGIN_TOKENS", "ask_within_a_slot", "words_that_fit"]

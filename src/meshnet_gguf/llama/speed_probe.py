@@ -36,7 +36,7 @@ import anyio
 from meshnet_gguf.contract.prompt_ceiling import prompt_ceiling
 from meshnet_gguf.contract.protocol import MAX_CAPABILITY_POINTS, NodeCapability, RatePoint
 from meshnet_gguf.llama.child_loop import Outcome
-from meshnet_gguf.llama.slot_fit import SLOT_FIT_ATTEMPTS, words_that_fit
+from meshnet_gguf.llama.slot_fit import ask_within_a_slot, words_that_fit
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 from meshnet_gguf.llama.warmup import OWN_REQUEST_HEADER, WARMUP_WORD, before_ready
 
@@ -129,15 +129,14 @@ class _TooLong:
 
 
 async def _measure_size(http: UpstreamClient, base_url: str, api_key: str, words: int, policy: SpeedProbePolicy) -> _Measured | None:
-    """One prompt size: a warming run (shrunk to the slot's largest prompt where `words` is too long, in at most
-    SLOT_FIT_ATTEMPTS asks), then the timed run, decoding for about `decode_stretch_s`; None when either is unusable."""
-    warm = await _measure_once(http, base_url, api_key, words, policy.max_tokens, policy.max_decode_tokens)
-    for _ in range(SLOT_FIT_ATTEMPTS):
-        if not isinstance(warm, _TooLong):
-            break
-        log.info("speed probe prompt of %d words is too long for a slot; shrunk to %d words", words, warm.fitted_words)
-        words = warm.fitted_words
-        warm = await _measure_once(http, base_url, api_key, words, policy.max_tokens, policy.max_decode_tokens)
+    """One prompt size: a warming run (shrunk to the slot's largest prompt where `words` is too long:
+    `slot_fit.ask_within_a_slot`), then the timed run, decoding for about `decode_stretch_s`; None when either is unusable."""
+    warm = await ask_within_a_slot(
+        words,
+        lambda words: _measure_once(http, base_url, api_key, words, policy.max_tokens, policy.max_decode_tokens),
+        lambda _, answer: answer.fitted_words if isinstance(answer, _TooLong) else None,
+        "speed probe",
+    )
     if not isinstance(warm, _Measured):
         return None
     timed = await _measure_once(http, base_url, api_key, warm.words, decode_tokens(warm.decode, policy), policy.max_decode_tokens)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import anyio
 
 from meshnet_gguf.llama.child_loop import Outcome, OutcomeRace
-from meshnet_gguf.llama.slot_fit import SLOT_FIT_ATTEMPTS, words_that_fit
+from meshnet_gguf.llama.slot_fit import ask_within_a_slot, words_that_fit
 from meshnet_gguf.llama.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -100,24 +100,25 @@ async def own_chat_completion(http: UpstreamClient, base_url: str, api_key: str,
 
 
 async def _warmup_request(http: UpstreamClient, base_url: str, api_key: str, words: int, max_tokens: int) -> None:
-    fields = {
-        "messages": [{"role": "user", "content": WARMUP_WORD * words}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "temperature": 0,
-        # The warm-up must not leave its prompt behind as a cache hit for a real request.
-        "cache_prompt": False,
-    }
+    def fields(words: int) -> dict[str, object]:
+        return {
+            "messages": [{"role": "user", "content": WARMUP_WORD * words}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+            # The warm-up must not leave its prompt behind as a cache hit for a real request.
+            "cache_prompt": False,
+        }
+
+    def fitting(words: int, answered: tuple[int, bytes]) -> int | None:
+        # Too long for a slot: the longest prompt that fits is the largest shape a client can send.
+        status, answer = answered
+        return words_that_fit(words, answer, max_tokens) if status == 400 else None
+
     try:
-        status, answer = await own_chat_completion(http, base_url, api_key, fields)
-        for _ in range(SLOT_FIT_ATTEMPTS):
-            fitted = words_that_fit(words, answer, max_tokens) if status == 400 else None
-            if fitted is None:
-                break
-            # Too long for a slot: the longest prompt that fits is the largest shape a client can send.
-            log.info("warm-up prompt of %d words is too long for a slot; warming %d words", words, fitted)
-            words, fields["messages"] = fitted, [{"role": "user", "content": WARMUP_WORD * fitted}]
-            status, answer = await own_chat_completion(http, base_url, api_key, fields)
+        status, answer = await ask_within_a_slot(
+            words, lambda words: own_chat_completion(http, base_url, api_key, fields(words)), fitting, "warm-up"
+        )
     except UpstreamError as exc:
         log.info("llama-server warm-up request failed (%s); going on", exc)
         return
