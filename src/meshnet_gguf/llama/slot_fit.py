@@ -3,8 +3,8 @@
 The warm-up and the speed probe size their prompts in words, and a word is one token with a subword
 vocabulary but several with a byte-level one, so their largest prompts may not fit a slot. llama-server
 refuses those with `exceed_context_size_error`, saying the prompt's tokens and the slot's size; the node's
-own requests read that and ask again at the size that fits (`ask_within_a_slot`), so the largest prompt shape a client can
-send is the one warmed and measured (a GPU node whose largest prompts were refused paid 5.9 s for Vulkan's
+own requests read that and ask again at the size that fits (`ask_within_a_slot`), so the largest prompt
+shape a client can send is the one warmed and measured (a GPU node whose largest prompts were refused paid 5.9 s for Vulkan's
 first use of that shape on its first client's long prompt: bench/RESULTS.md, "A fair market").
 """
 
