@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -102,6 +103,28 @@ class AnswerEvidence(WireModel):
         return EvidenceCommitment(sha256=digest.hex(), tokens=len(self.tokens))
 
 
+def evidence_from_token_probs(entries: Iterable[Mapping[str, Any]], top_k: int = EVIDENCE_TOP_K) -> AnswerEvidence:
+    """An answer's evidence from what llama-server reports with `n_probs` (native `/completion`:
+    `completion_probabilities`; OpenAI routes with `logprobs`: `choices[0].logprobs.content`). Both list, per generated
+    token, its `id` and `top_logprobs` (`id`, `logprob`), the raw softmax before any sampler when `post_sampling_probs`
+    is off."""
+    blocks: list[EvidenceBlock] = []
+    tokens: list[int] = []
+    ids: list[list[int]] = []
+    qs: list[list[int]] = []
+    for entry in entries:
+        top = list(entry["top_logprobs"])[:top_k]
+        tokens.append(int(entry["id"]))
+        ids.append([int(t["id"]) for t in top])
+        qs.append([quantize_logprob(float(t["logprob"])) for t in top])
+        if len(tokens) == EVIDENCE_BLOCK_TOKENS:
+            blocks.append(EvidenceBlock(tokens=tokens, top_ids=ids, top_q=qs))
+            tokens, ids, qs = [], [], []
+    if tokens:
+        blocks.append(EvidenceBlock(tokens=tokens, top_ids=ids, top_q=qs))
+    return AnswerEvidence(blocks=blocks)
+
+
 AuditOutcome = Literal["passed", "failed", "no_verdict"]
 
 
@@ -133,6 +156,12 @@ class AuditVerdict(WireModel):
     # (sampled, too short): such a verdict adds nothing to the node's CUSUM (`NodeDrift`).
     drift_gap_nats: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     drift_tokens: int = Field(0, ge=0)
+    # The same from the evidence's values (`proof.values`, greedy and sampled answers alike): the sum of its tokens'
+    # value gaps, each capped at VALUE_GAP_CAP_NATS, over `value_tokens` tokens. 0 tokens: no evidence, or too short.
+    value_gap_nats: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    value_tokens: int = Field(0, ge=0)
+    # Whose allowance they get: the claimed file's weights, as the verifier's own llama-server reports them.
+    value_weights: ValueWeights = "quantized"
 
 
 # --- The whole-answer and node-level verdict (proof of quant: a cheaper quant of the claimed weights) ---
@@ -165,29 +194,84 @@ DRIFT_REFUSE_NATS = 4.0
 # judges it): below it one near-tie is the whole answer.
 DRIFT_MIN_TOKENS = 8
 
+# --- The same from the values a node's evidence committed (protocol 12 rule 10) ---
+# A node's evidence carries, per answer token, its top-k log-probabilities (what its llama-server reported before any
+# sampler). A cheaper quant of the claimed weights moves them on nearly every token; another backend running the
+# claimed file moves them less (bench/RESULTS.md, "Proof of quant from the committed values"). Per token the figure is
+# how far the committed top-1's log-probability lies from the claimed model's value for that token (`proof.values`),
+# each capped here: past it `proof.tolerance.EVIDENCE_LOGPROB_NATS` refuses the answer alone.
+VALUE_GAP_CAP_NATS = 1.0
+# How far the same file moves on another backend depends on whether its weights are quantized: a quantized matrix is
+# multiplied with the activations quantized too (q8_1 on a GPU, q8_0 or q8_K on the CPU), each backend its own way,
+# while float weights meet float activations everywhere. So the verifier says which its claimed file holds
+# (`AuditVerdict.value_weights`, from llama-server's `ftype`), and each kind has its allowance per judged token (nats).
+# Measured (the demo gemma-3-270m, 32-token greedy answers, a CPU verifier; per-token means):
+# - float weights (its F16): honest on lavapipe Vulkan 0.0011 (the worst answer 0.0022); its Q8_0, Q6_K, Q4_K_M served
+#   as the F16 0.037-0.053 (the tiny model's Q5_0 0.025, Q4_0 0.067; its Q8_0 0.004 is not told apart);
+# - quantized weights (its Q8_0): honest on lavapipe Vulkan 0.033 (the worst answer 0.047); its Q6_K and Q4_K_M served
+#   as the Q8_0 0.051 and 0.058 on the CPU.
+VALUE_ALLOWANCE_FLOAT_NATS_PER_TOKEN = 0.01
+VALUE_ALLOWANCE_QUANTIZED_NATS_PER_TOKEN = 0.045
+# A node is refused when its CUSUM over the values passes this (nats).
+VALUE_REFUSE_NATS = 3.0
+# An answer with fewer judged tokens adds nothing (one token's value is noise, not a drift).
+VALUE_MIN_TOKENS = 8
+# llama-server's `ftype` names of files whose matrices are stored as floats.
+FLOAT_FTYPES = frozenset({"all F32", "F32", "F16", "BF16"})
+ValueWeights = Literal["float", "quantized"]
+
+
+@dataclass(frozen=True)
+class DriftRule:
+    """One whole-answer statistic's bounds: each token counts at most `cap_nats`, an answer adds its sum less
+    `allowance_nats_per_token` x its tokens to a node's CUSUM, which refuses past `refuse_nats`; an answer of fewer than
+    `min_tokens` judged tokens adds nothing."""
+
+    name: str
+    cap_nats: float
+    allowance_nats_per_token: float
+    refuse_nats: float
+    min_tokens: int
+
+
+# Which tokens a greedy answer picked (`AuditVerdict.drift_*`, protocol 12 rule 9).
+TOKEN_DRIFT = DriftRule("token", DRIFT_GAP_CAP_NATS, DRIFT_ALLOWANCE_NATS_PER_TOKEN, DRIFT_REFUSE_NATS, DRIFT_MIN_TOKENS)
+# The values the node's evidence committed (`AuditVerdict.value_*`, protocol 12 rule 10), by the claimed file's weights.
+VALUE_DRIFTS: dict[str, DriftRule] = {
+    "float": DriftRule("value", VALUE_GAP_CAP_NATS, VALUE_ALLOWANCE_FLOAT_NATS_PER_TOKEN, VALUE_REFUSE_NATS, VALUE_MIN_TOKENS),
+    "quantized": DriftRule("value", VALUE_GAP_CAP_NATS, VALUE_ALLOWANCE_QUANTIZED_NATS_PER_TOKEN, VALUE_REFUSE_NATS, VALUE_MIN_TOKENS),
+}
+VALUE_DRIFT = VALUE_DRIFTS["quantized"]  # a node's values CUSUM: its bound (the same for both kinds)
+
+
+def value_weights(ftype: str | None) -> ValueWeights:
+    """Which allowance a claimed file's values get, from llama-server's `ftype` (unknown: the wider, quantized one)."""
+    return "float" if ftype in FLOAT_FTYPES else "quantized"
+
 
 @dataclass(frozen=True)
 class AnswerGaps:
-    """What one greedy answer adds to the statistic: the sum of its tokens' gaps below the claimed model's best
-    (each capped at DRIFT_GAP_CAP_NATS) over `tokens` judged tokens; `tie_broken`: a token past the cap, or the
-    answer not scored to its end (the per-token check refuses it)."""
+    """What one answer adds to a statistic: the sum of its tokens' gaps (each capped at its rule's cap) over `tokens`
+    judged tokens; `tie_broken`: a token past the cap, or the answer not scored to its end (the per-token check
+    refuses it). `rule`: whose bounds (default: the greedy tokens' drift)."""
 
     gap_nats: float
     tokens: int
     tie_broken: bool = False
+    rule: DriftRule = TOKEN_DRIFT
 
     @classmethod
-    def of(cls, gaps: list[float] | tuple[float, ...], answer_tokens: int | None = None) -> AnswerGaps:
-        capped = [min(max(g, 0.0), DRIFT_GAP_CAP_NATS) for g in gaps]
-        broken = any(g > DRIFT_GAP_CAP_NATS for g in gaps) or (answer_tokens is not None and len(gaps) < answer_tokens)
-        return cls(sum(capped), len(capped), broken)
+    def of(cls, gaps: list[float] | tuple[float, ...], answer_tokens: int | None = None, rule: DriftRule = TOKEN_DRIFT) -> AnswerGaps:
+        capped = [min(max(g, 0.0), rule.cap_nats) for g in gaps]
+        broken = any(g > rule.cap_nats for g in gaps) or (answer_tokens is not None and len(gaps) < answer_tokens)
+        return cls(sum(capped), len(capped), broken, rule)
 
     def excess(self) -> float:
         """The answer's step of the CUSUM: its gaps less the allowance over its tokens (nats)."""
-        return self.gap_nats - DRIFT_ALLOWANCE_NATS_PER_TOKEN * self.tokens
+        return self.gap_nats - self.rule.allowance_nats_per_token * self.tokens
 
     def judged(self) -> bool:
-        return self.tokens >= DRIFT_MIN_TOKENS
+        return self.tokens >= self.rule.min_tokens
 
     def bounded(self, most_tokens: int) -> AnswerGaps | None:
         """These figures as a tracker may count them, or None when they cannot be: finite, not negative, the tokens
@@ -196,23 +280,24 @@ class AnswerGaps:
         if not math.isfinite(self.gap_nats) or self.gap_nats < 0 or self.tokens < 0:
             return None
         tokens = min(self.tokens, max(most_tokens, 0))
-        return AnswerGaps(min(self.gap_nats, DRIFT_GAP_CAP_NATS * tokens), tokens, self.tie_broken)
+        return AnswerGaps(min(self.gap_nats, self.rule.cap_nats * tokens), tokens, self.tie_broken, self.rule)
 
 
 def answer_refused(gaps: AnswerGaps) -> bool:
     """One answer alone: a token past the tie, or its drift alone past the bound (the CUSUM's first step)."""
-    return gaps.tie_broken or (gaps.judged() and gaps.excess() > DRIFT_REFUSE_NATS)
+    return gaps.tie_broken or (gaps.judged() and gaps.excess() > gaps.rule.refuse_nats)
 
 
 @dataclass
 class NodeDrift:
     """A node's CUSUM over its judged audits in the order they were decided: S <- max(0, S + excess), refused past
-    DRIFT_REFUSE_NATS. `started_at`: the issue time of the first audited answer of the run S is in (0 when S is 0),
+    the rule's bound. `started_at`: the issue time of the first audited answer of the run S is in (0 when S is 0),
     so a refusal flags the answers since the drift began."""
 
     s: float = 0.0
     answers: int = 0
     started_at: float = 0.0
+    rule: DriftRule = TOKEN_DRIFT
 
     def add(self, gaps: AnswerGaps, issued_at: float = 0.0) -> bool:
         """Count one judged answer's figures; whether the node is now past the bound. Unjudged figures change nothing."""
@@ -228,7 +313,7 @@ class NodeDrift:
         return self.refused()
 
     def refused(self) -> bool:
-        return self.s > DRIFT_REFUSE_NATS
+        return self.s > self.rule.refuse_nats
 
 
 # Request fields that steer a sampler's pick beyond the model's own log-probabilities (a bias, a grammar, a schema,

@@ -16,7 +16,15 @@ import math
 
 import httpx
 
-from meshnet_gguf.contract.model_proof import EVIDENCE_TOP_K, AuditRequest, AuditVerdict, unscoreable
+from meshnet_gguf.contract.model_proof import (
+    EVIDENCE_TOP_K,
+    VALUE_DRIFTS,
+    AuditRequest,
+    AuditVerdict,
+    ValueWeights,
+    unscoreable,
+    value_weights,
+)
 from meshnet_gguf.proof.check import (
     Verdict,
     check_evidence,
@@ -26,6 +34,7 @@ from meshnet_gguf.proof.check import (
 from meshnet_gguf.proof.drift import answer_gaps, check_drift
 from meshnet_gguf.proof.scoring import ScoringFailed, score_answer
 from meshnet_gguf.proof.tolerance import GREEDY_TIE_NATS, VERIFIER_TOP_K_FACTOR
+from meshnet_gguf.proof.values import check_values, value_gaps
 
 # Wide enough for the sampled test: llama.cpp's default sampler chain keeps the top 40.
 SAMPLED_TOP_K = 40
@@ -69,6 +78,8 @@ async def answer_tokens(client: httpx.AsyncClient, request: AuditRequest) -> lis
         return [int(t) for t in tokens]  # type: ignore[union-attr]
     if request.commitment is not None and request.evidence.commitment() != request.commitment:
         return "the evidence is not the one the receipt committed to"
+    if not request.evidence.blocks and request.answer_text:
+        return "the answer came without the log-probabilities its tracker asked for"
     tokens = request.evidence.tokens
     text = (await _post(client, "/detokenize", {"tokens": tokens}))["content"]
     if text != request.answer_text:
@@ -76,10 +87,23 @@ async def answer_tokens(client: httpx.AsyncClient, request: AuditRequest) -> lis
     return tokens
 
 
-def _verdict(request: AuditRequest, verdict: Verdict, drift: tuple[float, int] = (0.0, 0)) -> AuditVerdict:
+def _verdict(request: AuditRequest, verdict: Verdict, drift: tuple[float, int] = (0.0, 0),
+             values: tuple[float, int, ValueWeights] = (0.0, 0, "quantized")) -> AuditVerdict:  # fmt: skip
     outcome = "no_verdict" if verdict.passed is None else "passed" if verdict.passed else "failed"
     return AuditVerdict(audit_id=request.audit_id, outcome=outcome, reason=verdict.reason, margin_nats=wire_margin(verdict.margin),
-                        positions_checked=verdict.positions, drift_gap_nats=drift[0], drift_tokens=drift[1])  # fmt: skip
+                        positions_checked=verdict.positions, drift_gap_nats=drift[0], drift_tokens=drift[1],
+                        value_gap_nats=values[0], value_tokens=values[1], value_weights=values[2])  # fmt: skip
+
+
+async def claimed_weights(client: httpx.AsyncClient) -> ValueWeights:
+    """Whether the claimed file the verifier's llama-server holds stores its matrices as floats or quantized (its
+    `/v1/models` meta's `ftype`): the allowance its committed values get (`contract.model_proof.VALUE_DRIFTS`)."""
+    try:
+        response = await client.get("/v1/models", timeout=60)
+        ftype = response.json()["data"][0]["meta"]["ftype"] if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ScoringFailed(f"verifier llama-server did not say its model's weights: {exc}") from exc
+    return value_weights(ftype if isinstance(ftype, str) else None)
 
 
 def wire_margin(margin: float) -> float:
@@ -112,6 +136,7 @@ async def audit(client: httpx.AsyncClient, request: AuditRequest) -> AuditVerdic
         ends_ignored = body.get("ignore_eos") is True
         scored = await score_answer(client, prompt, answer, top_k=max(top_k, SAMPLED_TOP_K if not greedy else 0),
                                     give_up_gap=GREEDY_TIE_NATS if greedy else None, ends_ignored=ends_ignored)  # fmt: skip
+        weights = await claimed_weights(client) if request.evidence is not None else "quantized"
     except (ScoringFailed, ValueError) as exc:
         return _verdict(request, Verdict(None, f"no verdict: {exc}", 0.0, 0))
     verdicts = [check_greedy(scored) if greedy else check_sampled(scored, request.temperature)]
@@ -122,9 +147,15 @@ async def audit(client: httpx.AsyncClient, request: AuditRequest) -> AuditVerdic
         verdicts.append(check_drift(gaps))
         if verdicts[-1].passed is not None:
             drift = (gaps.gap_nats, gaps.tokens)
+    values: tuple[float, int, ValueWeights] = (0.0, 0, "quantized")
     if request.evidence is not None:
         verdicts.append(check_evidence(scored, request.evidence))
+        # The committed values over the whole answer (proof.values), greedy or sampled: to the node's other CUSUM.
+        value_figures = value_gaps(scored, request.evidence, VALUE_DRIFTS[weights])
+        verdicts.append(check_values(value_figures))
+        if verdicts[-1].passed is not None:
+            values = (value_figures.gap_nats, value_figures.tokens, weights)
     failed = [v for v in verdicts if v.passed is False]
     # A check that could not judge (the whole-answer test on a short answer) neither passes nor refuses the answer.
     judged = [v for v in verdicts if v.passed is not None] or verdicts
-    return _verdict(request, min(failed or judged, key=lambda v: v.margin), drift)
+    return _verdict(request, min(failed or judged, key=lambda v: v.margin), drift, values)

@@ -39,6 +39,9 @@ from meshnet_gguf.contract.model_proof import (
     AUDIT_PATH,
     AUDIT_TOKEN_HEADER,
     DRIFT_REFUSE_NATS,
+    VALUE_DRIFT,
+    VALUE_DRIFTS,
+    AnswerEvidence,
     AnswerGaps,
     AuditRequest,
     AuditVerdict,
@@ -50,6 +53,7 @@ from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER
 from meshnet_gguf.contract.signing import body_sha256, issue
 from meshnet_gguf.contract.sse import event_data
 from meshnet_gguf.contract.token_policies import AUDIT_TOKEN
+from meshnet_gguf.reference.tracker.answer_evidence import evidence_body, evidence_of
 from meshnet_gguf.reference.tracker.ledger import AuditRecord
 from meshnet_gguf.reference.tracker.metering import ForwardMeter, prompt_ceiling, requested_choices
 from meshnet_gguf.reference.tracker.registry import NodeEntry
@@ -120,12 +124,16 @@ class NodeAudits:
     pending: int = 0  # drawn and queued, not decided yet (not kept across a restart)
     # The CUSUM of its judged greedy audits (proof of quant), counted again from the ledger when the tracker starts.
     drift: NodeDrift = field(default_factory=NodeDrift)
+    # The CUSUM of the values its audited answers' evidence committed (proof of quant for near quants), the same way.
+    values: NodeDrift = field(default_factory=lambda: NodeDrift(rule=VALUE_DRIFT))
     recent: deque[AuditRecord] = field(default_factory=lambda: deque(maxlen=RECENT_AUDITS_SHOWN))  # newest first
 
     def summary(self) -> dict[str, Any]:
         last = self.last_verdict
         return {"passed": self.passed, "failed": self.failed, "pending": self.pending,
                 "drift": {"cusum_nats": round(self.drift.s, 4), "refuse_at_nats": DRIFT_REFUSE_NATS, "answers": self.drift.answers},
+                "value_drift": {"cusum_nats": round(self.values.s, 4), "refuse_at_nats": VALUE_DRIFT.refuse_nats,
+                                "answers": self.values.answers},
                 "last_verdict": None if last is None else {"outcome": last.outcome, "reason": last.reason},
                 "recent": [{"audit_id": a.audit_id, "outcome": a.outcome, "reason": a.reason, "margin_nats": a.margin_nats,
                             "decided_at": a.decided_at} for a in self.recent]}  # fmt: skip
@@ -134,8 +142,11 @@ class NodeAudits:
 class AnswerCapture:
     """A bounded copy of one drawn answer as it is forwarded; its text once the answer completes."""
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, stream: bool, evidence_asked: bool = False) -> None:
         self.stream = stream
+        # The tracker asked the node for the answer's log-probabilities (answer_evidence): an answer without them
+        # withheld what every honest node sends.
+        self.evidence_asked = evidence_asked
         # Taken when the route was issued: a failure flags every answer from then on, this one included.
         self.issued_at = time.time()
         self._chunks: list[bytes] = []
@@ -151,25 +162,45 @@ class AnswerCapture:
         else:
             self._chunks.append(chunk)
 
+    def _documents(self) -> list[dict[str, Any]]:
+        """The answer's JSON documents in order: the whole answer, or each event's data but [DONE]."""
+        raw = b"".join(self._chunks)
+        if not self.stream:
+            return [json.loads(raw)]
+        documents = []
+        for event in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+            data = event_data(event + b"\n\n")
+            if data is not None and data.strip() != b"[DONE]":
+                documents.append(json.loads(data))
+        return documents
+
     def text(self) -> str | None:
         """The first choice's generated text, or None when it cannot be read back."""
         if self.overflowed:
             return None
-        raw = b"".join(self._chunks)
         try:
+            documents = self._documents()
             if not self.stream:
-                return _choice_text(json.loads(raw)["choices"][0], "message")
+                return _choice_text(documents[0]["choices"][0], "message")
             parts: list[str] = []
-            for event in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
-                data = event_data(event + b"\n\n")
-                if data is None or data.strip() == b"[DONE]":
-                    continue
-                choices = json.loads(data).get("choices") or []
+            for document in documents:
+                choices = document.get("choices") or []
                 if choices:
                     parts.append(_choice_text(choices[0], "delta") or "")
             return "".join(parts)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None
+
+    def evidence(self, text: str) -> AnswerEvidence | None:
+        """The first choice's log-probabilities as evidence (`answer_evidence`), or None when the answer has none; when
+        the tracker asked for them, an empty evidence (the verifier refuses it: the node withheld them)."""
+        evidence = None
+        if not self.overflowed:
+            try:
+                evidence = evidence_of(self._documents(), text)
+            except (ValueError, TypeError, AttributeError):
+                evidence = None
+        return AnswerEvidence(blocks=[]) if evidence is None and self.evidence_asked else evidence
 
 
 def _choice_text(choice: dict[str, Any], key: str) -> str | None:
@@ -239,15 +270,17 @@ class Auditor:
                 record.last_verdict = AuditVerdict(audit_id=audit.audit_id, outcome=audit.outcome, reason=audit.reason,  # type: ignore[arg-type]
                                                    margin_nats=audit.margin_nats, positions_checked=0)  # fmt: skip
         for node_id, figures in (await self.ledger.audit_drifts()).items():
-            drift = self.record(node_id).drift
-            for gap, tokens, issued_at in figures:
-                drift.add(AnswerGaps(gap, tokens), issued_at)
+            record = self.record(node_id)
+            for gap, tokens, value_gap, value_tokens, weights, issued_at in figures:
+                record.drift.add(AnswerGaps(gap, tokens), issued_at)
+                record.values.add(AnswerGaps(value_gap, value_tokens, rule=VALUE_DRIFTS.get(weights, VALUE_DRIFT)), issued_at)
         if totals:
             failed = sorted(node_id for node_id, kept in totals.items() if kept.failed)
             log.info("audit history of %d node(s) read from the ledger; %d failed and stay unroutable", len(totals), len(failed))
 
-    def draw(self, entry: NodeEntry, path: str, payload: dict[str, Any], stream: bool) -> AnswerCapture | None:
-        """A capture for this answer when it is drawn for audit; None (nothing kept) otherwise."""
+    def draw(self, entry: NodeEntry, path: str, payload: dict[str, Any], stream: bool, evidence_asked: bool = False) -> AnswerCapture | None:
+        """A capture for this answer when it is drawn for audit; None (nothing kept) otherwise. `evidence_asked`: the
+        tracker asked the node for the answer's log-probabilities (`answer_evidence.evidence_body`)."""
         if self.verifier_for(entry) is None or path == EMBEDDINGS_PATH or requested_choices(payload) != 1:
             return None
         record = self.record(entry.node_id)
@@ -258,19 +291,21 @@ class Auditor:
         if secrets.randbelow(DRAW_SCALE) >= rate * DRAW_SCALE:
             return None
         self.drawn += 1
-        return AnswerCapture(stream)
+        return AnswerCapture(stream, evidence_asked)
 
     def settled(self, entry: NodeEntry, path: str, body: bytes, payload: dict[str, Any], capture: AnswerCapture) -> None:
-        """A drawn answer completed: queue its audit (never blocks the forward)."""
+        """A drawn answer completed: queue its audit (never blocks the forward). `body`: as it was routed."""
         text = capture.text()
         if text is None:
             log.info("audit of an answer from %s skipped: its text could not be read back", entry.node_id)
             return
-        self._enqueue(entry.node_id, self._request(entry, path, body, text, request_temperature(payload)), capture.issued_at)
+        request = self._request(entry, path, body, text, request_temperature(payload), capture.evidence(text))
+        self._enqueue(entry.node_id, request, capture.issued_at)
 
-    def _request(self, entry: NodeEntry, path: str, body: bytes, text: str, temperature: float) -> AuditRequest:
+    def _request(self, entry: NodeEntry, path: str, body: bytes, text: str, temperature: float,
+                 evidence: AnswerEvidence | None = None) -> AuditRequest:  # fmt: skip
         return AuditRequest(audit_id=f"audit-{uuid.uuid4().hex}", model=entry.announcement.model_id, path=path,
-                            body=body.decode("utf-8", "replace"), answer_text=text, temperature=temperature)  # fmt: skip
+                            body=body.decode("utf-8", "replace"), answer_text=text, temperature=temperature, evidence=evidence)  # fmt: skip
 
     def _enqueue(self, node_id: str, request: AuditRequest, issued_at: float, *, probe: bool = False) -> _Job:
         job = _Job(node_id, request, issued_at, probe=probe)
@@ -383,27 +418,41 @@ class Auditor:
         # Every token of an answer spells at least one byte of its text.
         return AnswerGaps(verdict.drift_gap_nats, verdict.drift_tokens).bounded(len(job.request.answer_text.encode("utf-8")))
 
+    @staticmethod
+    def counted_values(job: _Job, verdict: AuditVerdict) -> AnswerGaps | None:
+        """The verdict's figures over the committed values as this tracker counts them, or None: only where the audit
+        carried evidence, greedy or sampled, bounded the same way as `counted_gaps`."""
+        if job.request.evidence is None or verdict.outcome == "no_verdict" or verdict.value_tokens <= 0:
+            return None
+        most = min(len(job.request.evidence.tokens), len(job.request.answer_text.encode("utf-8")))
+        return AnswerGaps(verdict.value_gap_nats, verdict.value_tokens, rule=VALUE_DRIFTS[verdict.value_weights]).bounded(most)
+
     async def _apply(self, job: _Job, verdict: AuditVerdict) -> None:
         node_id = job.node_id
         record = self.record(node_id)
-        gaps = self.counted_gaps(job, verdict)
+        gaps, values = self.counted_gaps(job, verdict), self.counted_values(job, verdict)
         flag_since = record.last_passed_at
-        if gaps is not None:
-            started_at = record.drift.started_at or job.issued_at
-            if record.drift.add(gaps, job.issued_at) and verdict.outcome == "passed":
-                # No token far below the best, but the node's audits in a row fall below it too often: a cheaper
-                # quant of the claimed weights. The answers since the drift began are flagged with this one.
+        for figures, cusum, what in ((gaps, record.drift, "fall below the claimed model's best"),
+                                     (values, record.values, "commit log-probabilities off the claimed model's")):  # fmt: skip
+            if figures is None:
+                continue
+            started_at = cusum.started_at or job.issued_at
+            if cusum.add(figures, job.issued_at) and verdict.outcome == "passed":
+                # No token far off, but the node's audits in a row are off a little too often: a cheaper quant of the
+                # claimed weights. The answers since the drift began are flagged with this one.
                 flag_since = min(flag_since, started_at)
                 verdict = verdict.model_copy(update={
                     "outcome": "failed",
-                    "reason": f"the node's audited answers in a row fall below the claimed model's best past their allowance: "
-                              f"CUSUM {record.drift.s:.3f} nats, bound {DRIFT_REFUSE_NATS} ({record.drift.answers} judged answers "
-                              f"so far): a cheaper quant of the claimed model? (this answer: {verdict.reason})",
+                    "reason": f"the node's audited answers in a row {what} past their allowance: CUSUM {cusum.s:.3f} nats, "
+                              f"bound {cusum.rule.refuse_nats} ({cusum.answers} judged answers so far): a cheaper quant of the "
+                              f"claimed model? (this answer: {verdict.reason})",
                 })  # fmt: skip
         record.last_verdict = verdict
         kept = AuditRecord(audit_id=verdict.audit_id, node_id=node_id, model=job.request.model, outcome=verdict.outcome,
                            reason=verdict.reason, margin_nats=verdict.margin_nats, issued_at=job.issued_at, decided_at=time.time(),
-                           drift_gap_nats=gaps.gap_nats if gaps else 0.0, drift_tokens=gaps.tokens if gaps else 0)  # fmt: skip
+                           drift_gap_nats=gaps.gap_nats if gaps else 0.0, drift_tokens=gaps.tokens if gaps else 0,
+                           value_gap_nats=values.gap_nats if values else 0.0, value_tokens=values.tokens if values else 0,
+                           value_weights=verdict.value_weights)  # fmt: skip
         record.recent.appendleft(kept)
         if verdict.outcome == "passed":
             record.passed += 1
@@ -442,13 +491,15 @@ class Auditor:
         jobs = []
         for prompt in PROBE_PROMPTS:
             payload = {"model": announcement.model_id, "prompt": prompt, "max_tokens": PROBE_TOKENS, "temperature": 0}
-            body = json.dumps(payload).encode()
+            asked = evidence_body(PROBE_PATH, payload)
+            body = asked or json.dumps(payload).encode()
             issued_at = time.time()
-            text = await self._probe_answer(entry, payload, body)
-            if text is None:
+            answer = await self._probe_answer(entry, payload, body, evidence_asked=asked is not None)
+            if answer is None:
                 log.warning("probe of %s got no answer; it stays unroutable until it registers again", entry.node_id)
                 return
-            jobs.append(self._enqueue(entry.node_id, self._request(entry, PROBE_PATH, body, text, 0.0), issued_at, probe=True))
+            request = self._request(entry, PROBE_PATH, body, answer[0], 0.0, answer[1])
+            jobs.append(self._enqueue(entry.node_id, request, issued_at, probe=True))
         for job in jobs:
             await job.done.wait()
         # A node that ever failed an audit on this tracker stays refused, whatever a later probe says:
@@ -458,8 +509,9 @@ class Auditor:
             entry.proof_blocked = False
             log.info("node %s passed its registration probe: routable", entry.node_id)
 
-    async def _probe_answer(self, entry: NodeEntry, payload: dict[str, Any], body: bytes) -> str | None:
-        """One greedy answer asked the way a client's is routed: a signed route and a ledger row."""
+    async def _probe_answer(self, entry: NodeEntry, payload: dict[str, Any], body: bytes,
+                            evidence_asked: bool) -> tuple[str, AnswerEvidence | None] | None:  # fmt: skip
+        """One greedy answer asked the way a client's is routed (a signed route and a ledger row): its text and evidence."""
         request_id = f"req-{uuid.uuid4().hex}"
         max_tokens = self.routes.route_max_tokens(PROBE_PATH, payload)
         token = self.routes.sign_route(entry, request_id, PROBE_PATH, payload["model"], body, max_tokens)
@@ -467,7 +519,7 @@ class Auditor:
                                                 max_tokens=max_tokens, choices=1, body_bytes=len(body), prompt_ceiling=prompt_ceiling(payload))  # fmt: skip
         headers = {"content-type": "application/json", "accept-encoding": "identity", ROUTE_HEADER: token,
                    REQUEST_ID_HEADER: request_id, "x-request-id": request_id}  # fmt: skip
-        capture, meter, status = AnswerCapture(stream=False), ForwardMeter(False, payload), None
+        capture, meter, status = AnswerCapture(stream=False, evidence_asked=evidence_asked), ForwardMeter(False, payload), None
         try:
             await written
             upstream = await self._send(entry, PROBE_PATH, headers, body)
@@ -483,4 +535,5 @@ class Auditor:
         outcome = "complete" if status == 200 else "upstream_error"
         await self.ledger.finish_request(request_id, status, outcome, meter.counted(),
                                          completion_ceiling=meter.completion_ceiling(max_tokens or 0))  # fmt: skip
-        return capture.text() if status == 200 else None
+        text = capture.text() if status == 200 else None
+        return None if text is None else (text, capture.evidence(text))

@@ -28,6 +28,7 @@ from meshnet_gguf.contract.error_answer import send_error
 from meshnet_gguf.contract.errors import ApiError, openai_error_body
 from meshnet_gguf.contract.protocol import REQUEST_ID_HEADER, ROUTE_HEADER, USAGE_COMPLETION_TOKENS_HEADER, USAGE_PROMPT_TOKENS_HEADER
 from meshnet_gguf.contract.strict_json import parse_json_object
+from meshnet_gguf.reference.tracker.answer_evidence import LogprobStripper, evidence_body
 from meshnet_gguf.reference.tracker.audits import AnswerCapture, Auditor
 from meshnet_gguf.reference.tracker.config import TrackerConfig
 from meshnet_gguf.reference.tracker.ledger import Outcome, TrackerLedger
@@ -87,7 +88,7 @@ class ForwardEndpoint:
             deadline = anyio.current_time() + self.config.forward_total_timeout_s
             prompt_tokens = prompt_ceiling(payload)
             with anyio.move_on_at(deadline) as opening:
-                upstream, node, request_id, timing, written = await self._open(scope["path"], model, payload, body, prompt_tokens)
+                upstream, node, request_id, timing, written, sent = await self._open(scope["path"], model, payload, body, prompt_tokens)
             if opening.cancelled_caught:
                 raise ApiError(504, "node_timeout", "no node answered in time")
         except ApiError as refusal:
@@ -105,7 +106,9 @@ class ForwardEndpoint:
         # Drawn here, on the tracker, so the node cannot tell an audited answer from another. Only the node's first
         # model is audited (an audited model is routed nowhere else: `registry.NodeRegistry.audited_models`).
         audited = self.auditor is not None and timing.model is node.primary()
-        capture = self.auditor.draw(node, scope["path"], payload, meter.event_stream) if audited else None  # type: ignore[union-attr]
+        capture = self.auditor.draw(node, scope["path"], payload, meter.event_stream, sent is not body) if audited else None  # type: ignore[union-attr]
+        # The log-probabilities the tracker asked for (answer_evidence) are the audit's, not the client's.
+        stripper = LogprobStripper(meter.event_stream) if sent is not body and upstream.status == 200 else None
         route_ceiling = (self.routes.route_max_tokens(scope["path"], payload) or 0) * requested_choices(payload)
         outcome: Outcome = "cancelled"
         delivery = _Delivery()
@@ -124,7 +127,7 @@ class ForwardEndpoint:
                 watcher = asyncio.get_running_loop().create_task(watch_disconnect())
                 try:
                     with anyio.move_on_at(deadline) as forwarding:
-                        outcome = await self._pump(upstream, meter, send, timing, delivery, capture)
+                        outcome = await self._pump(upstream, meter, send, timing, delivery, capture, stripper)
                     if forwarding.cancelled_caught:
                         outcome = "timed_out"
                         log.warning("request %s to %s ran past %.0f s; cut", request_id, node.node_id, self.config.forward_total_timeout_s)
@@ -159,11 +162,13 @@ class ForwardEndpoint:
                 )  # fmt: skip
                 await self.flag_mismatch(request_id)
                 if capture is not None and outcome == "complete" and upstream.status == 200:
-                    self.auditor.settled(node, scope["path"], body, payload, capture)  # type: ignore[union-attr]
+                    self.auditor.settled(node, scope["path"], sent, payload, capture)  # type: ignore[union-attr]
 
     async def _open(
         self, path: str, model: str, payload: dict[str, Any], body: bytes, prompt_tokens: int
-    ) -> tuple[HttpAnswer, NodeEntry, str, StreamTiming, asyncio.Future[int]]:
+    ) -> tuple[HttpAnswer, NodeEntry, str, StreamTiming, asyncio.Future[int], bytes]:
+        """The node's answer, the node, the request's id, its timing, its forwarded row, and the body as routed: `body`
+        itself, or one that asks for the audit's evidence (`answer_evidence`) where the node's model is audited."""
         if not self.registry.serves(model):
             raise ApiError(404, "model_not_found", f"no node serves {model!r}; GET /v1/models lists what is served")
         stream = payload.get("stream") is True
@@ -176,7 +181,9 @@ class ForwardEndpoint:
                 break
             tried.add(node.node_id)
             request_id = f"req-{uuid.uuid4().hex}"
-            token = self.routes.sign_route(node, request_id, path, model, body, max_tokens)
+            audited = self.auditor is not None and served is node.primary() and self.auditor.verifier_for(node) is not None
+            sent = (evidence_body(path, payload) if audited else None) or body
+            token = self.routes.sign_route(node, request_id, path, model, sent, max_tokens)
             # Synced on the ledger's thread while the node works on the request (protocol §6, rule 5).
             written = self.ledger.open_request_soon(
                 request_id, node.node_id, served.model_id, path, stream,  # billed as the node serves it
@@ -193,7 +200,7 @@ class ForwardEndpoint:
             node.started(served)
             timing.cold = self.registry.routed_to(node, served)
             try:
-                upstream = await node.target.send(self.reach.clients, "POST", path, headers, body)
+                upstream = await node.target.send(self.reach.clients, "POST", path, headers, sent)
             except HttpConnectError as exc:  # the node never saw the request
                 node.ended(served)
                 node.healthy = False  # until the next health poll says otherwise
@@ -207,7 +214,7 @@ class ForwardEndpoint:
                 await _unrecorded(written, request_id)
                 await self.ledger.finish_request(request_id, None, "upstream_error", None)
                 raise ApiError(502, "node_failed", f"node {node.node_id} failed: {exc}") from None
-            return upstream, node, request_id, timing, written
+            return upstream, node, request_id, timing, written, sent
         raise ApiError(
             503,
             "no_node_available",
@@ -217,7 +224,7 @@ class ForwardEndpoint:
 
     async def _pump(
         self, upstream: HttpAnswer, meter: ForwardMeter, send: Send, timing: StreamTiming, delivery: _Delivery,
-        capture: AnswerCapture | None = None,
+        capture: AnswerCapture | None = None, stripper: LogprobStripper | None = None,
     ) -> Outcome:  # fmt: skip
         try:
             async for chunk in upstream.iter_chunks():
@@ -227,15 +234,18 @@ class ForwardEndpoint:
                     capture.feed(chunk)
                 if meter.content_events != events:
                     timing.tokens(meter.content_events)
-                await send_body(send, chunk, more=True)
+                if stripper is not None:
+                    chunk = stripper.feed(chunk)
+                if chunk:
+                    await send_body(send, chunk, more=True)
                 delivery.terminal_sent = meter.done
         except HttpClientError as exc:
             log.warning("forward from node broke: %s", exc)
             # A stream cut short ends with an OpenAI-style error event, so SDK clients raise instead of hanging.
             tail = _stream_error_event(f"the node's answer broke off: {exc}") if meter.event_stream else b""
-            await send_body(send, tail, more=False)
+            await send_body(send, (stripper.end() if stripper is not None and meter.event_stream else b"") + tail, more=False)
             return "upstream_error"
-        await send_body(send, b"", more=False)
+        await send_body(send, stripper.end() if stripper is not None else b"", more=False)
         if meter.error or (meter.event_stream and not meter.done):
             return "upstream_error"
         return "complete"

@@ -66,7 +66,11 @@ CREATE TABLE IF NOT EXISTS audits (
     -- The whole-answer figures a greedy audit carried (contract/model_proof.AnswerGaps), as the tracker counted them
     -- in the node's CUSUM: read back in order when the tracker starts, so a restart does not reset a node's drift.
     drift_gap_nats REAL NOT NULL DEFAULT 0,
-    drift_tokens   INTEGER NOT NULL DEFAULT 0
+    drift_tokens   INTEGER NOT NULL DEFAULT 0,
+    -- The same over the values its evidence committed (contract/model_proof.VALUE_DRIFT): the node's other CUSUM.
+    value_gap_nats REAL NOT NULL DEFAULT 0,
+    value_tokens   INTEGER NOT NULL DEFAULT 0,
+    value_weights  TEXT NOT NULL DEFAULT 'quantized'
 );
 CREATE INDEX IF NOT EXISTS audits_by_node ON audits (node_id, decided_at);
 CREATE TABLE IF NOT EXISTS receipts (
@@ -83,7 +87,9 @@ CREATE TABLE IF NOT EXISTS receipts (
 
 # Columns added after the first schema; a ledger from an older run gets them on open.
 # Columns added to `audits` after it first shipped (proof of quant): a ledger written before gets them, zero.
-_ADDED_AUDIT_COLUMNS = {"drift_gap_nats": "REAL NOT NULL DEFAULT 0", "drift_tokens": "INTEGER NOT NULL DEFAULT 0"}
+_ADDED_AUDIT_COLUMNS = {"drift_gap_nats": "REAL NOT NULL DEFAULT 0", "drift_tokens": "INTEGER NOT NULL DEFAULT 0",
+                        "value_gap_nats": "REAL NOT NULL DEFAULT 0", "value_tokens": "INTEGER NOT NULL DEFAULT 0",
+                        "value_weights": "TEXT NOT NULL DEFAULT 'quantized'"}
 _ADDED_COLUMNS = {
     "max_tokens": "INTEGER",
     "choices": "INTEGER NOT NULL DEFAULT 1",
@@ -128,6 +134,9 @@ class AuditRecord:
     decided_at: float
     drift_gap_nats: float = 0.0  # the whole-answer figures counted in the node's CUSUM (0 tokens: none)
     drift_tokens: int = 0
+    value_gap_nats: float = 0.0  # the same over the committed values (its other CUSUM)
+    value_tokens: int = 0
+    value_weights: str = "quantized"  # whose allowance they got (contract/model_proof.VALUE_DRIFTS)
 
 
 # What a node earned, grouped by `columns`: its requests billed and their tokens, each figure of a receipt capped by
@@ -299,9 +308,11 @@ class TrackerLedger:
                 try:
                     self._store.db.execute(
                         "INSERT OR IGNORE INTO audits (audit_id, node_id, model, outcome, reason, margin_nats, issued_at, decided_at,"
-                        " drift_gap_nats, drift_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        " drift_gap_nats, drift_tokens, value_gap_nats, value_tokens, value_weights)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (audit.audit_id, audit.node_id, audit.model, audit.outcome, audit.reason, audit.margin_nats,
-                         audit.issued_at, audit.decided_at, audit.drift_gap_nats, audit.drift_tokens),
+                         audit.issued_at, audit.decided_at, audit.drift_gap_nats, audit.drift_tokens, audit.value_gap_nats,
+                         audit.value_tokens, audit.value_weights),
                     )  # fmt: skip
                     changed = 0 if flag_unproven_since is None else self._flag_unproven(audit.node_id, flag_unproven_since)
                 except BaseException:
@@ -330,17 +341,19 @@ class TrackerLedger:
 
         return await self._store.run(read)
 
-    async def audit_drifts(self) -> dict[str, list[tuple[float, int, float]]]:
+    async def audit_drifts(self) -> dict[str, list[tuple[float, int, float, int, str, float]]]:
         """Per node, the whole-answer figures of its audits that carried some, in the order they were decided:
-        (gap nats, tokens, issue time), for the tracker to count its CUSUM again when it starts."""
+        (gap nats, tokens, value gap nats, value tokens, value weights, issue time), for the tracker to count its
+        CUSUMs again when it starts."""
         rows = await self._store.run(
             self._store.read,
-            "SELECT node_id, drift_gap_nats, drift_tokens, issued_at FROM audits WHERE drift_tokens > 0 ORDER BY decided_at, rowid",
+            "SELECT node_id, drift_gap_nats, drift_tokens, value_gap_nats, value_tokens, value_weights, issued_at FROM audits"
+            " WHERE drift_tokens > 0 OR value_tokens > 0 ORDER BY decided_at, rowid",
             (),
         )
-        out: dict[str, list[tuple[float, int, float]]] = {}
-        for node_id, gap, tokens, issued_at in rows:
-            out.setdefault(node_id, []).append((float(gap), int(tokens), float(issued_at)))
+        out: dict[str, list[tuple[float, int, float, int, str, float]]] = {}
+        for node_id, gap, tokens, value_gap, value_tokens, weights, issued_at in rows:
+            out.setdefault(node_id, []).append((float(gap), int(tokens), float(value_gap), int(value_tokens), str(weights), float(issued_at)))
         return out
 
     async def recent_audits(self, node_id: str | None = None, limit: int = 10) -> list[AuditRecord]:
