@@ -6,12 +6,13 @@ honest node is never refused; a verifier that is down only delays a new node's f
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+import openai
 import pytest
 from support.llama_instance import Backend, llama_instance
 from support.loopback import serve_asgi
@@ -34,6 +35,8 @@ EVERY_ANSWER = AuditPolicy(rate=1.0, new_node_rate=1.0)
 # Honest answers audited in the switch test before the switch (M in docs/protocol.md): none refused.
 HONEST_RUNS = 6
 PROMPTS = ["The quick brown fox", "In the beginning there was", "My favourite food is", "Tell me about the sea"]
+# The near quant's audited answers asked at most before the test gives up on its refusal (it comes in about 6).
+NEAR_QUANT_MOST_ANSWERS = 40
 
 
 class SwitchableLlama:
@@ -48,11 +51,15 @@ def llamas(real_llama: BinaryInfo, tmp_path_factory: pytest.TempPathFactory) -> 
     folder = tmp_path_factory.mktemp("wiring")
     claimed = write_tiny_model(folder / "claimed.gguf", SHAPE)
     other = write_tiny_model(folder / "other.gguf", TinyModelSpec(**{**SHAPE.__dict__, "seed": 1}))
+    # The claimed weights themselves, stored as Q5_0: a near quant whose picks no token test tells from the claimed
+    # model's (bench/RESULTS.md: 0 % refused within 50 audited answers by the tokens), about a third the size.
+    near_quant = write_tiny_model(folder / "q5_0.gguf", TinyModelSpec(**{**SHAPE.__dict__, "weight_type": "Q5_0"}))
     cpu = Backend("cpu", threads=1, batch=512)
     with llama_instance(real_llama, claimed, Backend("cpu", threads=2, batch=32), folder / "v.log") as verifier, \
             llama_instance(real_llama, claimed, cpu, folder / "h.log") as honest, \
-            llama_instance(real_llama, other, cpu, folder / "o.log") as impostor:  # fmt: skip
-        yield {"gguf": claimed, "verifier": verifier, "honest": honest, "other": impostor}
+            llama_instance(real_llama, other, cpu, folder / "o.log") as impostor, \
+            llama_instance(real_llama, near_quant, cpu, folder / "q.log") as quant:  # fmt: skip
+        yield {"gguf": claimed, "verifier": verifier, "honest": honest, "other": impostor, "near_quant": quant}
 
 
 @asynccontextmanager
@@ -216,6 +223,55 @@ async def test_a_node_that_failed_stays_refused_with_its_audits_listed_after_a_t
                 assert set(flagged_before) <= {u["request_id"] for u in usage if u["flagged"]}
                 page = (await http.get(url + "/dashboard.json")).json()["nodes"][0]["audits"]
                 assert page["failed"] == before["failed"] and page["proof_blocked"]
+
+
+async def test_a_node_serving_a_near_quant_of_the_claimed_weights_is_caught_by_its_committed_values(
+    tmp_path: Path, llamas: dict[str, Any]
+) -> None:
+    """The attacker serves the claimed weights as Q5_0 and announces the claimed file: every token it picks is the
+    claimed model's best or a near-tie, so the token tests pass it. The values its llama-server reports at each token
+    (asked by the tracker on every answer) lie off the claimed model's a little on every token, and its audits in a row
+    add up past the values' bound. Meanwhile clients that did not ask for log-probabilities never see them."""
+    async with mesh(tmp_path, llamas, "near_quant") as (tracker, url, node, _), httpx.AsyncClient() as http, AsyncExitStack() as stack:
+        record = _audits(tracker, node)
+        await wait_until(lambda: _async(_routed(tracker, node) or record.failed > 0), timeout=60)
+        client = await stack.enter_async_context(openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0))
+        asked = 0
+        while record.failed == 0 and asked < NEAR_QUANT_MOST_ANSWERS:
+            prompt = PROMPTS[asked % len(PROMPTS)] + f" ({asked})"
+            if asked % 2:
+                stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stream=True)
+                chunks = [chunk async for chunk in stream]
+                assert chunks and all(c.choices[0].logprobs is None for c in chunks if c.choices)
+            else:
+                answer = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+                assert answer.choices[0].logprobs is None and answer.choices[0].text
+            asked += 1
+            await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=60)
+        assert record.failed >= 1, f"{asked} answers audited, values CUSUM {record.values.s:.3f}"
+        assert "log-probabilities" in record.last_verdict.reason
+        assert record.drift.s < record.drift.rule.refuse_nats  # the tokens alone would have let it go on
+        assert (await _ask(http, url, "hello")).status_code == 503
+
+
+async def test_the_log_probabilities_a_client_asks_for_reach_it_and_an_honest_nodes_values_pass(
+    tmp_path: Path, llamas: dict[str, Any]
+) -> None:
+    async with mesh(tmp_path, llamas, "honest") as (tracker, url, node, _), AsyncExitStack() as stack:
+        record = _audits(tracker, node)
+        await wait_until(lambda: _async(_routed(tracker, node)), timeout=60)
+        client = await stack.enter_async_context(openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0))
+        for i in range(HONEST_RUNS):
+            if i % 2:  # the client's own: as many tops as it asked, where the tracker asks 4 of its own
+                answer = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=24,
+                                                         temperature=0, logprobs=2)  # fmt: skip
+                assert answer.choices[0].logprobs is not None
+            else:
+                chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[i % 4]}],
+                                                            max_tokens=24, temperature=0.8)  # fmt: skip
+                assert chat.choices[0].logprobs is None
+        await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=60)
+        assert record.failed == 0 and record.values.answers >= len(PROBE_PROMPTS) and record.values.s == 0.0
 
 
 def _healthy(tracker: Any, node: MeshNode) -> bool:
