@@ -11,7 +11,8 @@ over them can be computed afterwards from the records (`--table`).
 
     PYTHONPATH=src:tests python bench/bench_quant_evidence.py --work DIR --pairs "Q8_0:Q8_0,Q6_K,Q4_K_M;F16:F16,Q8_0,Q4_K_M" \
         --prompts 20 --tokens 32 --records R.jsonl [--device cpu|Vulkan0|CUDA0] [--vk-visible-devices 0|'']
-    PYTHONPATH=src:tests python bench/bench_quant_evidence.py --table R.jsonl
+    PYTHONPATH=src:tests python bench/bench_quant_evidence.py --table R.jsonl            # several measures, side by side
+    PYTHONPATH=src:tests python bench/bench_quant_evidence.py --detection R.jsonl [...]  # the values' rule, simulated
 
 `--work` holds the demo quants `demo-<TYPE>.gguf` (`bench_model_proof.py --quants` makes them with llama-quantize). The
 served model answers on `--device` (the CPU, 1 thread, by default); the claimed model's verifier runs on the CPU
@@ -86,7 +87,8 @@ def record(args: argparse.Namespace) -> None:
                 with args.records.open("a") as f:
                     for answer, ver in zip(answers[served], verifier):
                         node = [[[int(t["id"]), round(float(t["logprob"]), 5)] for t in e["top_logprobs"]] for e in answer]
-                        f.write(json.dumps({"claimed": claimed, "served": served, "device": args.device, "tokens": [int(e["id"]) for e in answer],
+                        f.write(json.dumps({"family": args.family, "claimed": claimed, "served": served, "device": args.device,
+                                            "tokens": [int(e["id"]) for e in answer],
                                             "node": node, "verifier": [[[i, round(v, 5)] for i, v in pos] for pos in ver]}) + "\n")  # fmt: skip
                 print(f"  claimed {claimed} served {served}: scored in {time.monotonic() - t0:.0f} s", flush=True)
 
@@ -95,6 +97,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, help="where demo-<TYPE>.gguf are")
     parser.add_argument("--pairs", default="Q8_0:Q8_0,Q6_K,Q4_K_M", metavar="C:S,S;C:S")
+    parser.add_argument("--family", default="demo", help="the records' model family (demo: the demo's quants; tiny: generated)")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--from-prompt", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=32)
@@ -103,11 +106,18 @@ def main() -> int:
     parser.add_argument("--llama-server", type=Path, default=None)
     parser.add_argument("--records", type=Path)
     parser.add_argument("--table", type=Path, default=None, metavar="RECORDS")
+    parser.add_argument("--detection", type=Path, nargs="+", default=None, metavar="RECORDS",
+                        help="the values' rule simulated on RECORDS: refused after 1, 10, 50 audits; honest CUSUMs")  # fmt: skip
     args = parser.parse_args()
     if args.table:
         from quant_evidence_stats import print_table
 
         print_table(args.table)
+        return 0
+    if args.detection:
+        from quant_evidence_stats import print_detection
+
+        print_detection(args.detection)
         return 0
     record(args)
     return 0

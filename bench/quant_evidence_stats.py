@@ -72,3 +72,60 @@ def print_table(path: Path, k: int = 4) -> None:
             xs = sorted(per_answer(r, measure, k) for r in rs)
             print(f"  {claimed:>6} <- {served:<6} {device:<8} n={len(xs):>3}  median {statistics.median(xs):.4f}  "
                   f"p90 {xs[int(0.9 * (len(xs) - 1))]:.4f}  min {xs[0]:.4f}  max {xs[-1]:.4f}")  # fmt: skip
+
+
+# --- the values' rule (contract.model_proof.VALUE_DRIFTS), simulated on the records -------------------------------
+DETECTION_AFTER = (1, 10, 50)
+DETECTION_DRAWS = 2000
+HONEST_NODES, HONEST_RUN = 2000, 1000
+
+
+def answer_figures(record: dict):
+    """The audit's figures of one recorded answer (what `proof.values.value_gaps` computes from the evidence)."""
+    from meshnet_gguf.contract.model_proof import VALUE_DRIFTS, AnswerGaps, value_weights
+
+    rule = VALUE_DRIFTS[value_weights("F16" if record["claimed"] in ("F16", "F32", "BF16") else record["claimed"])]
+    gaps = []
+    for node, ver in zip(record["node"], record["verifier"]):
+        theirs = _lookup(ver).get(int(node[0][0]))
+        gaps.append(rule.cap_nats if theirs is None else min(abs(node[0][1] - theirs), rule.cap_nats))
+    return AnswerGaps.of(gaps, rule=rule)
+
+
+def print_detection(paths: list[Path], seed: int = 44) -> None:
+    """Per (claimed, served, device): the share of simulated nodes refused within their first k audited answers (each
+    drawn with replacement from the recorded ones), and for the claimed file itself the highest CUSUM of
+    HONEST_NODES nodes x HONEST_RUN audits in a row."""
+    import random
+
+    from meshnet_gguf.contract.model_proof import VALUE_DRIFT, NodeDrift, answer_refused
+
+    rng = random.Random(seed)
+    pairs: dict[tuple[str, str, str, str], list] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            pairs.setdefault((r.get("family", "demo"), r["claimed"], r["served"], r["device"]), []).append(answer_figures(r))
+    print("| model | claimed | served | on | answers | mean value gap / token | allowance | refused after "
+          + " | ".join(map(str, DETECTION_AFTER)) + " | honest: highest CUSUM in a row (bound) |")
+    print("|---" * (8 + len(DETECTION_AFTER)) + "|")
+    for (family, claimed, served, device), figures in sorted(pairs.items()):
+        tokens = sum(f.tokens for f in figures)
+        rates = []
+        for k in DETECTION_AFTER:
+            caught = 0
+            for _ in range(DETECTION_DRAWS):
+                node = NodeDrift(rule=VALUE_DRIFT)
+                caught += any(answer_refused(f) or node.add(f) for f in (rng.choice(figures) for _ in range(k)))
+            rates.append(f"{caught / DETECTION_DRAWS:.0%}")
+        honest = "-"
+        if claimed == served:
+            highest = 0.0
+            for _ in range(HONEST_NODES):
+                node = NodeDrift(rule=VALUE_DRIFT)
+                for _ in range(HONEST_RUN):
+                    node.add(rng.choice(figures))
+                    highest = max(highest, node.s)
+            honest = f"{highest:.3f} ({VALUE_DRIFT.refuse_nats})"
+        print(f"| {family} | {claimed} | {served} | {device} | {len(figures)} | {sum(f.gap_nats for f in figures) / tokens:.4f} | "
+              f"{figures[0].rule.allowance_nats_per_token} | " + " | ".join(rates) + f" | {honest} |")
