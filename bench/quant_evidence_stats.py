@@ -61,8 +61,16 @@ def per_answer(record: dict, measure: Callable[[Top, Top, int], float | None], k
     return statistics.fmean(kept) if kept else float("nan")
 
 
+def read_records(path: Path) -> list[dict]:
+    """A records file, gzipped (`.gz`, as bench/results keeps them) or not."""
+    import gzip
+
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
 def print_table(path: Path, k: int = 4) -> None:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records = read_records(path)
     pairs: dict[tuple[str, str, str], list[dict]] = {}
     for r in records:
         pairs.setdefault((r["claimed"], r["served"], r["device"]), []).append(r)
@@ -84,7 +92,7 @@ def answer_figures(record: dict):
     """The audit's figures of one recorded answer (what `proof.values.value_gaps` computes from the evidence)."""
     from meshnet_gguf.contract.model_proof import VALUE_DRIFTS, AnswerGaps, value_weights
 
-    rule = VALUE_DRIFTS[value_weights("F16" if record["claimed"] in ("F16", "F32", "BF16") else record["claimed"])]
+    rule = VALUE_DRIFTS[value_weights(record["claimed"])]
     gaps = []
     for node, ver in zip(record["node"], record["verifier"]):
         theirs = _lookup(ver).get(int(node[0][0]))
@@ -103,8 +111,7 @@ def print_detection(paths: list[Path], seed: int = 44) -> None:
     rng = random.Random(seed)
     pairs: dict[tuple[str, str, str, str], list] = {}
     for path in paths:
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
+        for r in read_records(path):
             pairs.setdefault((r.get("family", "demo"), r["claimed"], r["served"], r["device"]), []).append(answer_figures(r))
     print("| model | claimed | served | on | answers | mean value gap / token | allowance | refused after "
           + " | ".join(map(str, DETECTION_AFTER)) + " | honest: highest CUSUM in a row (bound) |")

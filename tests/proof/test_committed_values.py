@@ -85,8 +85,10 @@ def test_a_committed_top1_the_claimed_model_does_not_rank_counts_at_the_cap() ->
 
 def test_the_claimed_files_weights_pick_the_allowance() -> None:
     assert value_weights("F16") == value_weights("BF16") == value_weights("all F32") == "float"
-    assert value_weights("Q8_0") == value_weights("Q4_K - Medium") == value_weights(None) == "quantized"
-    assert VALUE_DRIFTS["float"].allowance_nats_per_token < VALUE_DRIFTS["quantized"].allowance_nats_per_token
+    assert value_weights("Q8_0") == "q8_0"
+    assert value_weights("Q4_K - Medium") == value_weights("IQ3_XXS - 3.0625 bpw") == value_weights(None) == "quantized"
+    allowances = [VALUE_DRIFTS[w].allowance_nats_per_token for w in ("float", "q8_0", "quantized")]
+    assert allowances == sorted(allowances) and len(set(allowances)) == 3
 
 
 def _fake_llama(answer: list[int], ftype: str = "F16") -> httpx.MockTransport:
@@ -119,8 +121,8 @@ async def test_a_verdict_carries_the_values_figures_for_greedy_and_sampled_answe
         verdict = await _audit(_evidence([0.002] * TOKENS), temperature)
         assert verdict.outcome == "passed" and verdict.value_tokens == TOKENS and verdict.value_weights == "float"
         assert verdict.value_gap_nats == pytest.approx(0.002 * TOKENS, abs=LOGPROB_SLACK)
-    quantized = await _audit(_evidence([0.002] * TOKENS), ftype="Q8_0")
-    assert quantized.value_weights == "quantized"
+    assert (await _audit(_evidence([0.002] * TOKENS), ftype="Q8_0")).value_weights == "q8_0"
+    assert (await _audit(_evidence([0.002] * TOKENS), ftype="Q4_K - Medium")).value_weights == "quantized"
 
 
 LOGPROB_SLACK = TOKENS / 512  # the evidence's values are kept to 1/512 nat
@@ -272,9 +274,9 @@ async def test_a_forged_verdict_cannot_buy_allowance_with_tokens_the_evidence_ne
         await auditor._apply(job, _verdict(job, quant))
     s = auditor.record("node").values.s
     forged = _job(10.0)
-    await auditor._apply(forged, _verdict(forged, AnswerGaps(0.0, 1_000_000, rule=VALUE_DRIFTS["float"]), weights="quantized"))
-    assert s - VALUE_DRIFTS["quantized"].allowance_nats_per_token * TOKENS > 0
-    assert auditor.record("node").values.s >= s - VALUE_DRIFTS["quantized"].allowance_nats_per_token * TOKENS - 1e-9
+    await auditor._apply(forged, _verdict(forged, AnswerGaps(0.0, 1_000_000, rule=VALUE_DRIFTS["float"]), weights="q8_0"))
+    assert s - VALUE_DRIFTS["q8_0"].allowance_nats_per_token * TOKENS > 0
+    assert auditor.record("node").values.s >= s - VALUE_DRIFTS["q8_0"].allowance_nats_per_token * TOKENS - 1e-9
     without = _job(11.0)
     bare = without.request.model_copy(update={"evidence": None})
     assert Auditor.counted_values(_Job("node", bare, 11.0), _verdict(without, quant)) is None

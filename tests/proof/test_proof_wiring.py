@@ -35,7 +35,7 @@ EVERY_ANSWER = AuditPolicy(rate=1.0, new_node_rate=1.0)
 # Honest answers audited in the switch test before the switch (M in docs/protocol.md): none refused.
 HONEST_RUNS = 6
 PROMPTS = ["The quick brown fox", "In the beginning there was", "My favourite food is", "Tell me about the sea"]
-# The near quant's audited answers asked at most before the test gives up on its refusal (it comes in about 6).
+# The near quant's audited answers asked at most before the test gives up on its refusal (it comes in about 8).
 NEAR_QUANT_MOST_ANSWERS = 40
 
 

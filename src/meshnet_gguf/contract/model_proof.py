@@ -201,24 +201,33 @@ DRIFT_MIN_TOKENS = 8
 # how far the committed top-1's log-probability lies from the claimed model's value for that token (`proof.values`),
 # each capped here: past it `proof.tolerance.EVIDENCE_LOGPROB_NATS` refuses the answer alone.
 VALUE_GAP_CAP_NATS = 1.0
-# How far the same file moves on another backend depends on whether its weights are quantized: a quantized matrix is
+# How far the same file moves on another backend depends on how its weights are stored: a quantized matrix is
 # multiplied with the activations quantized too (q8_1 on a GPU, q8_0 or q8_K on the CPU), each backend its own way,
-# while float weights meet float activations everywhere. So the verifier says which its claimed file holds
-# (`AuditVerdict.value_weights`, from llama-server's `ftype`), and each kind has its allowance per judged token (nats).
-# Measured (the demo gemma-3-270m, 32-token greedy answers, a CPU verifier; per-token means):
-# - float weights (its F16): honest on lavapipe Vulkan 0.0011 (the worst answer 0.0022); its Q8_0, Q6_K, Q4_K_M served
-#   as the F16 0.037-0.053 (the tiny model's Q5_0 0.025, Q4_0 0.067; its Q8_0 0.004 is not told apart);
-# - quantized weights (its Q8_0): honest on lavapipe Vulkan 0.033 (the worst answer 0.047); its Q6_K and Q4_K_M served
-#   as the Q8_0 0.051 and 0.058 on the CPU.
+# while float weights meet float activations everywhere. So the verifier says what its claimed file holds
+# (`AuditVerdict.value_weights`, from llama-server's `ftype`), and each kind has its allowance per judged token (nats),
+# set from its measured honest spread (bench/RESULTS.md, "Proof of quant from the committed values": the demo
+# gemma-3-270m, 32-token greedy answers, a CPU verifier; per-token means over each pair's answers):
+# - float weights (its F16): honest 0.0012 on an H100's CUDA, 0.0006 on its Vulkan, 0.0012 on lavapipe; its Q8_0,
+#   Q6_K, Q4_K_M served as the F16 0.035-0.058 (the tiny model's Q5_0 0.026; its Q8_0, 0.005, is not told apart);
+# - Q8_0: honest 0.033 on the H100's CUDA (its worst answer 0.067), 0.027 on its Vulkan, 0.034 on lavapipe; its
+#   Q4_K_M served as the Q8_0 0.066 on CUDA and 0.059 on the CPU, its Q6_K 0.054 on the CPU;
+# - other quantized files: the demo's own Q4_K_M honest 0.073 on the H100's CUDA (its worst answer 0.113) and 0.045 on
+#   its Vulkan, so a near quant of a claimed Q4_K_M cannot be told apart by its values; 0.15 (2x CUDA's honest mean)
+#   keeps such claims from ever refusing an honest node, and the greedy tokens still catch the far quants (Q3_K_M and
+#   Q2_K served as the Q4_K_M: rule 9). Types not measured get this widest one.
 VALUE_ALLOWANCE_FLOAT_NATS_PER_TOKEN = 0.01
-VALUE_ALLOWANCE_QUANTIZED_NATS_PER_TOKEN = 0.045
-# A node is refused when its CUSUM over the values passes this (nats).
-VALUE_REFUSE_NATS = 3.0
+VALUE_ALLOWANCE_Q8_0_NATS_PER_TOKEN = 0.05
+VALUE_ALLOWANCE_QUANTIZED_NATS_PER_TOKEN = 0.15
+# A node is refused when its CUSUM over the values passes this (nats). A bootstrap of the honest answers above
+# (2,000 nodes x 1,000 audits in a row each, answers drawn whole): the highest CUSUM any reached was 1.61 (Q8_0 on
+# CUDA), 0 for every other honest pair; the Q8_0's Q4_K_M served on CUDA passes it within 10 audited answers 80 % of
+# the time, within 50 always (bench_quant_evidence.py --detection).
+VALUE_REFUSE_NATS = 4.0
 # An answer with fewer judged tokens adds nothing (one token's value is noise, not a drift).
 VALUE_MIN_TOKENS = 8
 # llama-server's `ftype` names of files whose matrices are stored as floats.
 FLOAT_FTYPES = frozenset({"all F32", "F32", "F16", "BF16"})
-ValueWeights = Literal["float", "quantized"]
+ValueWeights = Literal["float", "q8_0", "quantized"]
 
 
 @dataclass(frozen=True)
@@ -239,6 +248,7 @@ TOKEN_DRIFT = DriftRule("token", DRIFT_GAP_CAP_NATS, DRIFT_ALLOWANCE_NATS_PER_TO
 # The values the node's evidence committed (`AuditVerdict.value_*`, protocol 12 rule 10), by the claimed file's weights.
 VALUE_DRIFTS: dict[str, DriftRule] = {
     "float": DriftRule("value", VALUE_GAP_CAP_NATS, VALUE_ALLOWANCE_FLOAT_NATS_PER_TOKEN, VALUE_REFUSE_NATS, VALUE_MIN_TOKENS),
+    "q8_0": DriftRule("value", VALUE_GAP_CAP_NATS, VALUE_ALLOWANCE_Q8_0_NATS_PER_TOKEN, VALUE_REFUSE_NATS, VALUE_MIN_TOKENS),
     "quantized": DriftRule("value", VALUE_GAP_CAP_NATS, VALUE_ALLOWANCE_QUANTIZED_NATS_PER_TOKEN, VALUE_REFUSE_NATS, VALUE_MIN_TOKENS),
 }
 VALUE_DRIFT = VALUE_DRIFTS["quantized"]  # a node's values CUSUM: its bound (the same for both kinds)
@@ -246,7 +256,7 @@ VALUE_DRIFT = VALUE_DRIFTS["quantized"]  # a node's values CUSUM: its bound (the
 
 def value_weights(ftype: str | None) -> ValueWeights:
     """Which allowance a claimed file's values get, from llama-server's `ftype` (unknown: the wider, quantized one)."""
-    return "float" if ftype in FLOAT_FTYPES else "quantized"
+    return "float" if ftype in FLOAT_FTYPES else "q8_0" if ftype == "Q8_0" else "quantized"
 
 
 @dataclass(frozen=True)
