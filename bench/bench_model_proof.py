@@ -9,7 +9,7 @@ For every (node, verifier) pair the node answers a few prompts greedily with `n_
 evidence) and the verifier scores each answer by forced greedy re-generation (`proof.scoring`):
 - `div`: answer tokens that are not the verifier's best; `gap`: the largest such shortfall (nats),
   scoring stops at a token 1 nat short (the verdict is then long known);
-- `evid`: the largest difference between a committed top-4 log-probability and the verifier's;
+- `evid`: the largest difference between a committed top-4 probability and the verifier's;
 - the greedy and the evidence verdict at the tolerances of `proof/tolerance.py`, with their margins.
 Then the sampled test (z-scores at temperature 0.8), the decode cost of `n_probs` on the node, the
 evidence's bytes, and what a verification costs against the generation it checks.
@@ -67,7 +67,7 @@ from meshnet_gguf.models.tiny_model import TinyModelSpec, write_tiny_model
 from meshnet_gguf.proof.check import check_evidence, check_greedy, sampled_z
 from meshnet_gguf.proof.evidence import evidence_from_token_probs
 from meshnet_gguf.proof.scoring import score_answer
-from meshnet_gguf.proof.tolerance import EVIDENCE_LOGPROB_NATS
+from meshnet_gguf.proof.tolerance import EVIDENCE_PROB_TOLERANCE
 
 # --honest: N prompts made of an opening and a subject, the same on every run.
 OPENINGS = ["The history of", "A short note about", "Here is a list of", "My grandmother told me about", "def parse_", "Q: What is",
@@ -143,7 +143,7 @@ async def verify(url: str, prompts: list[list[int]], answers: dict[str, list[dic
                 refused_greedy += g.passed is False
                 gap = max(gap, max(p.gap() for p in scored.positions))
                 greedy_margin, evidence_margin = min(greedy_margin, g.margin), min(evidence_margin, e.margin)
-                evid = max(evid, EVIDENCE_LOGPROB_NATS + LOGPROB_STEP / 2 - e.margin)  # the largest difference
+                evid = max(evid, EVIDENCE_PROB_TOLERANCE + LOGPROB_STEP / 2 - e.margin)  # the largest difference
             took = time.monotonic() - t0
             if temperature:
                 rows.append(f"{node:<34} sampled T={temperature}: {n} tokens, z per answer {', '.join(f'{z:+.1f}' for z in zs)}; "

@@ -93,6 +93,31 @@ def record(args: argparse.Namespace) -> None:
                 print(f"  claimed {claimed} served {served}: scored in {time.monotonic() - t0:.0f} s", flush=True)
 
 
+# --costs: what asking every answer for its log-probabilities costs, at the node (decode) and at the tracker (stripping).
+STRIP_EVENTS = 20_000
+
+
+def strip_cost() -> str:
+    """The tracker's CPU per streamed event to take out top-4 log-probabilities (`answer_evidence.LogprobStripper`)."""
+    from meshnet_gguf.reference.tracker.answer_evidence import LogprobStripper
+
+    def event(i: int, logprobs: bool) -> bytes:
+        top = [{"id": i + k, "token": "tok", "bytes": [116, 111, 107], "logprob": -0.1 * (k + 1)} for k in range(4)]
+        choice: dict = {"finish_reason": None, "index": 0, "delta": {"content": "tok"}}
+        if logprobs:
+            choice["logprobs"] = {"content": [{"id": i, "token": "tok", "bytes": [116, 111, 107], "logprob": -0.1, "top_logprobs": top}]}
+        body = {"choices": [choice], "created": 1, "id": "chatcmpl-x", "model": "m", "object": "chat.completion.chunk"}
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    events = [event(i, True) for i in range(STRIP_EVENTS)]
+    stripper = LogprobStripper(stream=True)
+    t0 = time.perf_counter()
+    out = sum(len(stripper.feed(e)) for e in events)
+    took = time.perf_counter() - t0
+    return (f"tracker: a streamed event with top-4 log-probabilities is {len(events[0])} bytes ({len(event(0, False))} without); "
+            f"taking them out costs {took / STRIP_EVENTS * 1e6:.1f} us of CPU an event ({out / STRIP_EVENTS:.0f} bytes left)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, help="where demo-<TYPE>.gguf are")
@@ -106,6 +131,8 @@ def main() -> int:
     parser.add_argument("--llama-server", type=Path, default=None)
     parser.add_argument("--records", type=Path)
     parser.add_argument("--table", type=Path, default=None, metavar="RECORDS")
+    parser.add_argument("--costs", action="store_true", help="what the log-probabilities cost: the node's decode (the demo "
+                        "F16 and Q8_0 in --work, 1 thread), the tracker's stripping")  # fmt: skip
     parser.add_argument("--detection", type=Path, nargs="+", default=None, metavar="RECORDS",
                         help="the values' rule simulated on RECORDS: refused after 1, 10, 50 audits; honest CUSUMs")  # fmt: skip
     args = parser.parse_args()
@@ -113,6 +140,13 @@ def main() -> int:
         from quant_evidence_stats import print_table
 
         print_table(args.table)
+        return 0
+    if args.costs:
+        from bench_model_proof import n_probs_cost
+
+        print(strip_cost(), flush=True)
+        for name in ("Q8_0", "F16"):
+            print("node: " + n_probs_cost(find_llama_server(args.llama_server), args.work / f"demo-{name}.gguf", args.work / "cost.log", 5), flush=True)
         return 0
     if args.detection:
         from quant_evidence_stats import print_detection

@@ -100,6 +100,17 @@ def answer_figures(record: dict):
     return AnswerGaps.of(gaps, rule=rule)
 
 
+def evidence_refused(record: dict) -> bool:
+    """Whether `proof.check.check_evidence` (each committed entry against the claimed model's) refuses the answer alone."""
+    from meshnet_gguf.contract.model_proof import evidence_from_token_probs
+    from meshnet_gguf.proof.check import check_evidence
+    from meshnet_gguf.proof.scoring import Position, Scored
+
+    entries = [{"id": t, "top_logprobs": [{"id": i, "logprob": v} for i, v in node]} for t, node in zip(record["tokens"], record["node"])]
+    scored = Scored(tuple(Position(t, tuple((int(i), float(v)) for i, v in ver)) for t, ver in zip(record["tokens"], record["verifier"])), 1)
+    return check_evidence(scored, evidence_from_token_probs(entries)).passed is False
+
+
 def print_detection(paths: list[Path], seed: int = 44) -> None:
     """Per (claimed, served, device): the share of simulated nodes refused within their first k audited answers (each
     drawn with replacement from the recorded ones), and for the claimed file itself the highest CUSUM of
@@ -110,12 +121,15 @@ def print_detection(paths: list[Path], seed: int = 44) -> None:
 
     rng = random.Random(seed)
     pairs: dict[tuple[str, str, str, str], list] = {}
+    entry_refusals: dict[tuple[str, str, str, str], int] = {}
     for path in paths:
         for r in read_records(path):
-            pairs.setdefault((r.get("family", "demo"), r["claimed"], r["served"], r["device"]), []).append(answer_figures(r))
-    print("| model | claimed | served | on | answers | mean value gap / token | allowance | refused after "
+            key = (r.get("family", "demo"), r["claimed"], r["served"], r["device"])
+            pairs.setdefault(key, []).append(answer_figures(r))
+            entry_refusals[key] = entry_refusals.get(key, 0) + evidence_refused(r)
+    print("| model | claimed | served | on | answers | refused by an entry | mean value gap / token | allowance | refused after "
           + " | ".join(map(str, DETECTION_AFTER)) + " | honest: highest CUSUM in a row (bound) |")
-    print("|---" * (8 + len(DETECTION_AFTER)) + "|")
+    print("|---" * (9 + len(DETECTION_AFTER)) + "|")
     for (family, claimed, served, device), figures in sorted(pairs.items()):
         tokens = sum(f.tokens for f in figures)
         rates = []
@@ -134,5 +148,6 @@ def print_detection(paths: list[Path], seed: int = 44) -> None:
                     node.add(rng.choice(figures))
                     highest = max(highest, node.s)
             honest = f"{highest:.3f} ({VALUE_DRIFT.refuse_nats})"
-        print(f"| {family} | {claimed} | {served} | {device} | {len(figures)} | {sum(f.gap_nats for f in figures) / tokens:.4f} | "
+        print(f"| {family} | {claimed} | {served} | {device} | {len(figures)} | {entry_refusals[(family, claimed, served, device)]} | "
+              f"{sum(f.gap_nats for f in figures) / tokens:.4f} | "
               f"{figures[0].rule.allowance_nats_per_token} | " + " | ".join(rates) + f" | {honest} |")

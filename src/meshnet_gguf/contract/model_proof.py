@@ -199,7 +199,7 @@ DRIFT_MIN_TOKENS = 8
 # sampler). A cheaper quant of the claimed weights moves them on nearly every token; another backend running the
 # claimed file moves them less (bench/RESULTS.md, "Proof of quant from the committed values"). Per token the figure is
 # how far the committed top-1's log-probability lies from the claimed model's value for that token (`proof.values`),
-# each capped here: past it `proof.tolerance.EVIDENCE_LOGPROB_NATS` refuses the answer alone.
+# each capped here (one token must not carry a whole answer's drift).
 VALUE_GAP_CAP_NATS = 1.0
 # How far the same file moves on another backend depends on how its weights are stored: a quantized matrix is
 # multiplied with the activations quantized too (q8_1 on a GPU, q8_0 or q8_K on the CPU), each backend its own way,

@@ -2,7 +2,7 @@
 
 Three checks, each returning a `Verdict` with the reason and the margin to its tolerance:
 - `check_greedy`: every token of a greedy answer is the claimed model's best, up to near-ties;
-- `check_evidence`: the node's committed top-k log-probabilities are the claimed model's, and
+- `check_evidence`: the node's committed top-k probabilities are the claimed model's, and
   cover exactly the answer's tokens;
 - `check_sampled`: a sampled answer's log-likelihood at its temperature is what the claimed model's
   own samples score (a z-score over the tokens).
@@ -20,7 +20,7 @@ from meshnet_gguf.contract.model_proof import (
 )
 from meshnet_gguf.proof.scoring import Scored
 from meshnet_gguf.proof.tolerance import (
-    EVIDENCE_LOGPROB_NATS,
+    EVIDENCE_PROB_TOLERANCE,
     GREEDY_TIE_NATS,
     SAMPLED_MIN_TOKENS,
     SAMPLED_Z_REFUSE,
@@ -48,30 +48,31 @@ def check_greedy(scored: Scored, *, tolerance: float = GREEDY_TIE_NATS) -> Verdi
     return Verdict(True, f"every token is the claimed model's best or within {worst:.4f} nats of it", tolerance - worst, n)
 
 
-def check_evidence(scored: Scored, evidence: AnswerEvidence, *, tolerance: float = EVIDENCE_LOGPROB_NATS) -> Verdict:
+def check_evidence(scored: Scored, evidence: AnswerEvidence, *, tolerance: float = EVIDENCE_PROB_TOLERANCE) -> Verdict:
     tokens = evidence.tokens
     answer = [p.token for p in scored.positions]
     if tokens[: len(answer)] != answer or len(tokens) < len(answer):
         return Verdict(False, "the evidence does not cover the answer's tokens", -math.inf, 0)
+    # A probability moves at most as much as its log-probability (slope <= 1 below 0): the half step bounds both.
     allowed = tolerance + LOGPROB_STEP / 2
     worst, where = 0.0, -1
     pairs = [(ids, qs) for block in evidence.blocks for ids, qs in zip(block.top_ids, block.top_q)]
     for i, (position, (ids, qs)) in enumerate(zip(scored.positions, pairs)):
         # The committed best must be the verifier's best value (an evidence that leaves out the
         # model's favourite is caught here), and every committed entry must match.
-        diffs = [abs(position.top[0][1] - max(dequantize_logprob(q) for q in qs))]
+        diffs = [abs(math.exp(position.top[0][1]) - math.exp(max(dequantize_logprob(q) for q in qs)))]
         for tid, q in zip(ids, qs):
             theirs = position.logprob_of(tid)
             # Not in the verifier's wider top: it can only be at or below its last entry.
-            diffs.append(abs(theirs - dequantize_logprob(q)) if theirs is not None
-                         else max(0.0, dequantize_logprob(q) - position.top[-1][1]))  # fmt: skip
+            diffs.append(abs(math.exp(theirs) - math.exp(dequantize_logprob(q))) if theirs is not None
+                         else max(0.0, math.exp(dequantize_logprob(q)) - math.exp(position.top[-1][1])))  # fmt: skip
         if max(diffs) > worst:
             worst, where = max(diffs), i
     n = len(scored.positions)
     if worst > allowed:
-        return Verdict(False, f"token {where}: a committed log-probability is {worst:.3f} nats off the claimed model's "
+        return Verdict(False, f"token {where}: a committed probability is {worst:.3f} off the claimed model's "
                               f"(tolerance {tolerance})", allowed - worst, n)  # fmt: skip
-    return Verdict(True, f"every committed log-probability within {worst:.4f} nats of the claimed model's", allowed - worst, n)
+    return Verdict(True, f"every committed probability within {worst:.4f} of the claimed model's", allowed - worst, n)
 
 
 def sampling_distribution(top: tuple[tuple[int, float], ...], temperature: float) -> dict[int, float]:

@@ -6,7 +6,7 @@ does, so no rule over the picks can tell them apart. The evidence says more: at 
 its top-k log-probabilities, the raw softmax before any sampler. A cheaper quant moves those values on nearly every
 token; the claimed file on another backend moves them far less (bench/RESULTS.md, "Proof of quant from the committed
 values"). Per token the figure is |committed log-probability of the node's top-1 - the claimed model's value for that
-token|, capped at `VALUE_GAP_CAP_NATS` (past it `check.check_evidence` refuses the answer alone), and an answer's
+token|, capped at `VALUE_GAP_CAP_NATS` (one token must not carry a whole answer's drift), and an answer's
 figures go into the same CUSUM as `drift`'s, with their own bounds (`contract.model_proof.VALUE_DRIFTS`, by whether the claimed file's
 weights are floats or quantized).
 
@@ -29,7 +29,7 @@ def value_gaps(scored: Scored, evidence: AnswerEvidence, rule: DriftRule = VALUE
     for position, (top_id, q) in zip(scored.positions, committed):
         theirs = position.logprob_of(top_id)
         gaps.append(rule.cap_nats if theirs is None else abs(theirs - dequantize_logprob(q)))
-    # Capped, not broken: a value far off is check_evidence's refusal; here it counts at most the cap.
+    # Capped, not broken: one value far off counts at most the cap (`check.check_evidence` judges each entry).
     return AnswerGaps.of([min(g, rule.cap_nats) for g in gaps], rule=rule)
 
 
