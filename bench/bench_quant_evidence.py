@@ -114,8 +114,10 @@ def strip_cost() -> str:
     t0 = time.perf_counter()
     out = sum(len(stripper.feed(e)) for e in events)
     took = time.perf_counter() - t0
-    return (f"tracker: a streamed event with top-4 log-probabilities is {len(events[0])} bytes ({len(event(0, False))} without); "
-            f"taking them out costs {took / STRIP_EVENTS * 1e6:.1f} us of CPU an event ({out / STRIP_EVENTS:.0f} bytes left)")
+    return (
+        f"tracker: a streamed event with top-4 log-probabilities is {len(events[0])} bytes ({len(event(0, False))} without); "
+        f"taking them out costs {took / STRIP_EVENTS * 1e6:.1f} us of CPU an event ({out / STRIP_EVENTS:.0f} bytes left)"
+    )
 
 
 def main() -> int:
@@ -146,7 +148,10 @@ def main() -> int:
 
         print(strip_cost(), flush=True)
         for name in ("Q8_0", "F16"):
-            print("node: " + n_probs_cost(find_llama_server(args.llama_server), args.work / f"demo-{name}.gguf", args.work / "cost.log", 5), flush=True)
+            print(
+                "node: " + n_probs_cost(find_llama_server(args.llama_server), args.work / f"demo-{name}.gguf", args.work / "cost.log", 5),
+                flush=True,
+            )
         return 0
     if args.detection:
         from quant_evidence_stats import print_detection

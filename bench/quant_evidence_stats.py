@@ -107,7 +107,9 @@ def evidence_refused(record: dict) -> bool:
     from meshnet_gguf.proof.scoring import Position, Scored
 
     entries = [{"id": t, "top_logprobs": [{"id": i, "logprob": v} for i, v in node]} for t, node in zip(record["tokens"], record["node"])]
-    scored = Scored(tuple(Position(t, tuple((int(i), float(v)) for i, v in ver)) for t, ver in zip(record["tokens"], record["verifier"])), 1)
+    scored = Scored(
+        tuple(Position(t, tuple((int(i), float(v)) for i, v in ver)) for t, ver in zip(record["tokens"], record["verifier"])), 1
+    )
     return check_evidence(scored, evidence_from_token_probs(entries)).passed is False
 
 
@@ -127,8 +129,11 @@ def print_detection(paths: list[Path], seed: int = 44) -> None:
             key = (r.get("family", "demo"), r["claimed"], r["served"], r["device"])
             pairs.setdefault(key, []).append(answer_figures(r))
             entry_refusals[key] = entry_refusals.get(key, 0) + evidence_refused(r)
-    print("| model | claimed | served | on | answers | refused by an entry | mean value gap / token | allowance | refused after "
-          + " | ".join(map(str, DETECTION_AFTER)) + " | honest: highest CUSUM in a row (bound) |")
+    print(
+        "| model | claimed | served | on | answers | refused by an entry | mean value gap / token | allowance | refused after "
+        + " | ".join(map(str, DETECTION_AFTER))
+        + " | honest: highest CUSUM in a row (bound) |"
+    )
     print("|---" * (9 + len(DETECTION_AFTER)) + "|")
     for (family, claimed, served, device), figures in sorted(pairs.items()):
         tokens = sum(f.tokens for f in figures)
@@ -148,6 +153,8 @@ def print_detection(paths: list[Path], seed: int = 44) -> None:
                     node.add(rng.choice(figures))
                     highest = max(highest, node.s)
             honest = f"{highest:.3f} ({VALUE_DRIFT.refuse_nats})"
-        print(f"| {family} | {claimed} | {served} | {device} | {len(figures)} | {entry_refusals[(family, claimed, served, device)]} | "
-              f"{sum(f.gap_nats for f in figures) / tokens:.4f} | "
-              f"{figures[0].rule.allowance_nats_per_token} | " + " | ".join(rates) + f" | {honest} |")
+        print(
+            f"| {family} | {claimed} | {served} | {device} | {len(figures)} | {entry_refusals[(family, claimed, served, device)]} | "
+            f"{sum(f.gap_nats for f in figures) / tokens:.4f} | "
+            f"{figures[0].rule.allowance_nats_per_token} | " + " | ".join(rates) + f" | {honest} |"
+        )

@@ -71,7 +71,11 @@ class LogprobStripper:
             document = json.loads(raw)
         except ValueError:
             return raw  # not JSON (an error page): nothing of ours in it
-        return json.dumps(_without_logprobs(document), separators=(",", ":"), ensure_ascii=False).encode() if isinstance(document, dict) else raw
+        return (
+            json.dumps(_without_logprobs(document), separators=(",", ":"), ensure_ascii=False).encode()
+            if isinstance(document, dict)
+            else raw
+        )
 
     @staticmethod
     def _event(raw: bytes) -> bytes:

@@ -278,7 +278,9 @@ class Auditor:
             failed = sorted(node_id for node_id, kept in totals.items() if kept.failed)
             log.info("audit history of %d node(s) read from the ledger; %d failed and stay unroutable", len(totals), len(failed))
 
-    def draw(self, entry: NodeEntry, path: str, payload: dict[str, Any], stream: bool, evidence_asked: bool = False) -> AnswerCapture | None:
+    def draw(
+        self, entry: NodeEntry, path: str, payload: dict[str, Any], stream: bool, evidence_asked: bool = False
+    ) -> AnswerCapture | None:
         """A capture for this answer when it is drawn for audit; None (nothing kept) otherwise. `evidence_asked`: the
         tracker asked the node for the answer's log-probabilities (`answer_evidence.evidence_body`)."""
         if self.verifier_for(entry) is None or path == EMBEDDINGS_PATH or requested_choices(payload) != 1:

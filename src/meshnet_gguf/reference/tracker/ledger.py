@@ -87,9 +87,13 @@ CREATE TABLE IF NOT EXISTS receipts (
 
 # Columns added after the first schema; a ledger from an older run gets them on open.
 # Columns added to `audits` after it first shipped (proof of quant): a ledger written before gets them, zero.
-_ADDED_AUDIT_COLUMNS = {"drift_gap_nats": "REAL NOT NULL DEFAULT 0", "drift_tokens": "INTEGER NOT NULL DEFAULT 0",
-                        "value_gap_nats": "REAL NOT NULL DEFAULT 0", "value_tokens": "INTEGER NOT NULL DEFAULT 0",
-                        "value_weights": "TEXT NOT NULL DEFAULT 'quantized'"}
+_ADDED_AUDIT_COLUMNS = {
+    "drift_gap_nats": "REAL NOT NULL DEFAULT 0",
+    "drift_tokens": "INTEGER NOT NULL DEFAULT 0",
+    "value_gap_nats": "REAL NOT NULL DEFAULT 0",
+    "value_tokens": "INTEGER NOT NULL DEFAULT 0",
+    "value_weights": "TEXT NOT NULL DEFAULT 'quantized'",
+}
 _ADDED_COLUMNS = {
     "max_tokens": "INTEGER",
     "choices": "INTEGER NOT NULL DEFAULT 1",
@@ -353,7 +357,9 @@ class TrackerLedger:
         )
         out: dict[str, list[tuple[float, int, float, int, str, float]]] = {}
         for node_id, gap, tokens, value_gap, value_tokens, weights, issued_at in rows:
-            out.setdefault(node_id, []).append((float(gap), int(tokens), float(value_gap), int(value_tokens), str(weights), float(issued_at)))
+            out.setdefault(node_id, []).append(
+                (float(gap), int(tokens), float(value_gap), int(value_tokens), str(weights), float(issued_at))
+            )
         return out
 
     async def recent_audits(self, node_id: str | None = None, limit: int = 10) -> list[AuditRecord]:
