@@ -46,13 +46,16 @@ NODE_TOP_K = 8
 VERIFIER_TOP_K = 32
 
 
-def node_answers(binary: BinaryInfo, model: Path, backend: Backend, prompts: list[list[int]], tokens: int, log: Path) -> list[list[dict]]:
-    """Greedy answers with the node's top-k per token (llama-server's `completion_probabilities`)."""
+def node_answers(
+    binary: BinaryInfo, model: Path, backend: Backend, prompts: list[list[int]], tokens: int, log: Path, temperature: float = 0.0
+) -> list[list[dict]]:
+    """Answers (greedy, or sampled at `temperature` with a seed per prompt) with the node's top-k per token (llama-server's
+    `completion_probabilities`: the raw softmax before the sampler, whatever the temperature)."""
     out = []
     with llama_instance(binary, model, backend, log) as url:
-        for prompt in prompts:
-            body = {"prompt": prompt, "n_predict": tokens, "n_probs": NODE_TOP_K, "cache_prompt": False, "ignore_eos": True,
-                    "temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}  # fmt: skip
+        for i, prompt in enumerate(prompts):
+            body = {"prompt": prompt, "n_predict": tokens, "n_probs": NODE_TOP_K, "cache_prompt": False, "ignore_eos": True}
+            body |= {"temperature": temperature, "seed": 1000 + i} if temperature else {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}
             out.append(httpx.post(url + "/completion", json=body, timeout=900).json()["completion_probabilities"])
     return out
 
@@ -77,7 +80,7 @@ def record(args: argparse.Namespace) -> None:
     answers: dict[str, list[list[dict]]] = {}
     for name in sorted({s for ss in pairs.values() for s in ss}):
         t0 = time.monotonic()
-        answers[name] = node_answers(binary, args.work / f"demo-{name}.gguf", node_backend, prompts, args.tokens, log)
+        answers[name] = node_answers(binary, args.work / f"demo-{name}.gguf", node_backend, prompts, args.tokens, log, args.temperature)
         print(f"served {name} on {args.device}: {len(prompts)} answers in {time.monotonic() - t0:.0f} s", flush=True)
     for claimed, served_by in pairs.items():
         with llama_instance(binary, args.work / f"demo-{claimed}.gguf", CPU2, log) as url:
@@ -88,6 +91,7 @@ def record(args: argparse.Namespace) -> None:
                     for answer, ver in zip(answers[served], verifier):
                         node = [[[int(t["id"]), round(float(t["logprob"]), 5)] for t in e["top_logprobs"]] for e in answer]
                         f.write(json.dumps({"family": args.family, "claimed": claimed, "served": served, "device": args.device,
+                                            "temperature": args.temperature,
                                             "tokens": [int(e["id"]) for e in answer],
                                             "node": node, "verifier": [[[i, round(v, 5)] for i, v in pos] for pos in ver]}) + "\n")  # fmt: skip
                 print(f"  claimed {claimed} served {served}: scored in {time.monotonic() - t0:.0f} s", flush=True)
@@ -128,6 +132,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--from-prompt", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampled answers at this temperature (0: greedy)")
     parser.add_argument("--device", default="cpu", help="the served model's device: cpu, Vulkan0, CUDA0")
     parser.add_argument("--vk-visible-devices", default="0", help="GGML_VK_VISIBLE_DEVICES for a Vulkan device ('' leaves it unset)")
     parser.add_argument("--llama-server", type=Path, default=None)
