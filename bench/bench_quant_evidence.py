@@ -55,7 +55,9 @@ def node_answers(
     with llama_instance(binary, model, backend, log) as url:
         for i, prompt in enumerate(prompts):
             body = {"prompt": prompt, "n_predict": tokens, "n_probs": NODE_TOP_K, "cache_prompt": False, "ignore_eos": True}
-            body |= {"temperature": temperature, "seed": 1000 + i} if temperature else {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}
+            body |= (
+                {"temperature": temperature, "seed": 1000 + i} if temperature else {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}
+            )
             out.append(httpx.post(url + "/completion", json=body, timeout=900).json()["completion_probabilities"])
     return out
 
