@@ -1,6 +1,6 @@
 """Routing by speed, end to end on loopback: the reference tracker (`dev tracker`) in front of two real
 nodes serving the same model name, one a tiny model and one a larger model of the same family (about
-100x the arithmetic per token), each measuring itself at start. The tracker sends a lone request to the
+60x the arithmetic per token), each measuring itself at start. The tracker sends a lone request to the
 faster (and the next while one is under way there), and spills to the slower only while the faster is full."""
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ from support.tracker_process import TrackerProcess, tracker, wait_for  # noqa: F
 
 pytestmark = [pytest.mark.real_llama, pytest.mark.slow]
 
-# The slow node's model is wider and deeper than the fast one's; both stay small, since two llama-servers share the
-# box's cores with the tracker and another test worker (a holder sent to a slow node decodes for all of them).
+# The slow node's model is wider and deeper than the fast one's: ~60x the arithmetic per token (8 layers, 768 wide, in
+# F16 to keep its decode quick), so its prefill is bound by the arithmetic where the fast one's is bound by
+# llama-server's overhead. With ~7x (4 layers, 384 wide), and with ~20x, both claims were mostly overhead and the box's
+# load: CI runs measured the fast node's prefill at 7,327 and 3,126 tokens/s, the slow one's at 9,792 and 4,063.
+# Both stay small, since two llama-servers share the box's cores with the tracker and another test worker (a holder
+# sent to a slow node decodes for all of them).
 FAST_SPEC = TinyModelSpec(n_layers=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512)
-SLOW_SPEC = TinyModelSpec(n_layers=4, n_embd=384, n_head=4, n_head_kv=2, n_ff=1536)
+SLOW_SPEC = TinyModelSpec(n_layers=8, n_embd=768, n_head=4, n_head_kv=2, n_ff=3072, weight_type="F16")
 SLOTS = 2
 PROMPT = [{"role": "user", "content": "Say hello to the mesh."}]
 # Rounds of load: the fast node's slots held by long streams, then one request more. A round counts only when

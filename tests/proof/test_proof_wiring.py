@@ -35,6 +35,9 @@ EVERY_ANSWER = AuditPolicy(rate=1.0, new_node_rate=1.0)
 # Honest answers audited in the switch test before the switch (M in docs/protocol.md): none refused.
 HONEST_RUNS = 6
 PROMPTS = ["The quick brown fox", "In the beginning there was", "My favourite food is", "Tell me about the sea"]
+# How long a test waits for its drawn audits to be decided: a sampled answer costs the verifier a request per token
+# where it diverges, and on a loaded 2-core box (the other test worker beside it) 60 s was seen to run out.
+AUDITS_SETTLE_S = 180
 # The near quant's audited answers asked at most before the test gives up on its refusal (it comes in about 8).
 NEAR_QUANT_MOST_ANSWERS = 40
 
@@ -118,7 +121,7 @@ async def test_an_honest_node_passes_and_one_that_switches_is_caught_at_its_next
             sampled = {"temperature": 0.8, "max_tokens": 48} if i % 2 else {}
             answer = await _ask(http, url, PROMPTS[i % len(PROMPTS)], **sampled)
             assert answer.status_code == 200, answer.text
-        await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=60)
+        await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=AUDITS_SETTLE_S)
         assert record.failed == 0 and record.passed >= len(PROBE_PROMPTS) + HONEST_RUNS // 2  # sampled ones may be too short
         llama.url = llamas["other"]  # the node switches its weights under the same identity
         switched = await _ask(http, url, "Once upon a time")
@@ -199,7 +202,9 @@ async def test_a_node_that_failed_stays_refused_with_its_audits_listed_after_a_t
                 # Every probe answer decided: the probe asks its prompts one after another, so the queue is empty
                 # between a verdict and the next prompt's answer.
                 decided = lambda: _audits(tracker, node).passed + _audits(tracker, node).failed
-                await wait_until(lambda: _async(decided() >= len(PROBE_PROMPTS) and tracker.auditor.outstanding == 0), timeout=60)
+                await wait_until(
+                    lambda: _async(decided() >= len(PROBE_PROMPTS) and tracker.auditor.outstanding == 0), timeout=AUDITS_SETTLE_S
+                )
                 before = (await http.get(url + "/v1/nodes")).json()[0]["audits"]
                 flagged_before = [u["request_id"] for u in (await http.get(url + "/v1/usage?limit=100")).json() if u["flagged"]]
         assert before["failed"] >= 1 and before["recent"][0]["outcome"] == "failed" and flagged_before
@@ -247,7 +252,7 @@ async def test_a_node_serving_a_near_quant_of_the_claimed_weights_is_caught_by_i
                 answer = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
                 assert answer.choices[0].logprobs is None and answer.choices[0].text
             asked += 1
-            await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=60)
+            await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=AUDITS_SETTLE_S)
         assert record.failed >= 1, f"{asked} answers audited, values CUSUM {record.values.s:.3f}"
         assert "log-probabilities" in record.last_verdict.reason
         assert record.drift.s < record.drift.rule.refuse_nats  # the tokens alone would have let it go on
@@ -270,7 +275,7 @@ async def test_the_log_probabilities_a_client_asks_for_reach_it_and_an_honest_no
                 chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[i % 4]}],
                                                             max_tokens=24, temperature=0.8)  # fmt: skip
                 assert chat.choices[0].logprobs is None
-        await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=60)
+        await wait_until(lambda: _async(tracker.auditor.outstanding == 0), timeout=AUDITS_SETTLE_S)
         assert record.failed == 0 and record.values.answers >= len(PROBE_PROMPTS) and record.values.s == 0.0
 
 
