@@ -194,7 +194,7 @@ DRIFT_REFUSE_NATS = 4.0
 # judges it): below it one near-tie is the whole answer.
 DRIFT_MIN_TOKENS = 8
 
-# --- The same from the values a node's evidence committed (protocol 12 rule 10) ---
+# --- The same from the values a node's evidence committed (protocol 12 rule 11) ---
 # A node's evidence carries, per answer token, its top-k log-probabilities (what its llama-server reported before any
 # sampler). A cheaper quant of the claimed weights moves them on nearly every token; another backend running the
 # claimed file moves them less (bench/RESULTS.md, "Proof of quant from the committed values"). Per token the figure is
@@ -245,13 +245,13 @@ class DriftRule:
 
 # Which tokens a greedy answer picked (`AuditVerdict.drift_*`, protocol 12 rule 9).
 TOKEN_DRIFT = DriftRule("token", DRIFT_GAP_CAP_NATS, DRIFT_ALLOWANCE_NATS_PER_TOKEN, DRIFT_REFUSE_NATS, DRIFT_MIN_TOKENS)
-# The values the node's evidence committed (`AuditVerdict.value_*`, protocol 12 rule 10), by the claimed file's weights.
+# The values the node's evidence committed (`AuditVerdict.value_*`, protocol 12 rule 11), by the claimed file's weights.
 VALUE_DRIFTS: dict[str, DriftRule] = {
     "float": DriftRule("value", VALUE_GAP_CAP_NATS, VALUE_ALLOWANCE_FLOAT_NATS_PER_TOKEN, VALUE_REFUSE_NATS, VALUE_MIN_TOKENS),
     "q8_0": DriftRule("value", VALUE_GAP_CAP_NATS, VALUE_ALLOWANCE_Q8_0_NATS_PER_TOKEN, VALUE_REFUSE_NATS, VALUE_MIN_TOKENS),
     "quantized": DriftRule("value", VALUE_GAP_CAP_NATS, VALUE_ALLOWANCE_QUANTIZED_NATS_PER_TOKEN, VALUE_REFUSE_NATS, VALUE_MIN_TOKENS),
 }
-VALUE_DRIFT = VALUE_DRIFTS["quantized"]  # a node's values CUSUM: its bound (the same for both kinds)
+VALUE_DRIFT = VALUE_DRIFTS["quantized"]  # a node's values CUSUM: its bound (the same for every kind)
 
 
 def value_weights(ftype: str | None) -> ValueWeights:
