@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from support.audit_harness import RegistryStandIn, auditor_on
 
 from meshnet_gguf.contract.model_proof import (
     EVIDENCE_TOP_K,
@@ -32,7 +32,7 @@ from meshnet_gguf.proof.audit import audit
 from meshnet_gguf.proof.scoring import Position, Scored
 from meshnet_gguf.proof.values import check_values, value_gaps
 from meshnet_gguf.reference.tracker.answer_evidence import LogprobStripper, evidence_body, evidence_of
-from meshnet_gguf.reference.tracker.audits import AnswerCapture, Auditor, AuditPolicy, _Job
+from meshnet_gguf.reference.tracker.audits import AnswerCapture, Auditor, _Job
 from meshnet_gguf.reference.tracker.ledger import TrackerLedger
 
 pytestmark = pytest.mark.anyio
@@ -203,24 +203,6 @@ def test_the_evidence_spells_the_forwarded_text_without_the_end_token() -> None:
 # --- the tracker's second CUSUM -------------------------------------------------------------------------------
 
 
-class _Entry:
-    proof_blocked = False
-
-
-class _Registry:
-    def __init__(self) -> None:
-        self.entries: dict[str, _Entry] = {"node": _Entry()}
-
-    def get(self, node_id: str) -> _Entry | None:
-        return self.entries.get(node_id)
-
-
-def _auditor(ledger: TrackerLedger, registry: _Registry) -> Auditor:
-    auditor = Auditor({"m": "http://127.0.0.1:9"}, AuditPolicy(), Ed25519PrivateKey.generate(), "tracker", ledger, None, None)
-    auditor.registry = registry
-    return auditor
-
-
 def _job(issued_at: float, temperature: float = 0.8, tokens: int = TOKENS) -> _Job:
     request = AuditRequest(audit_id=f"audit-{issued_at}", model="m", path=COMPLETIONS_PATH, body="{}", answer_text="a" * tokens,
                            temperature=temperature, evidence=_evidence([0.0] * tokens))  # fmt: skip
@@ -233,18 +215,11 @@ def _verdict(job: _Job, gaps: AnswerGaps, weights: str = "float") -> AuditVerdic
                         value_weights=weights)  # fmt: skip
 
 
-@pytest.fixture
-def ledger(tmp_path: Path) -> Any:
-    ledger = TrackerLedger(tmp_path / "tracker.sqlite")
-    yield ledger
-    ledger.close()
-
-
 async def test_the_tracker_refuses_a_node_whose_sampled_answers_values_drift_and_keeps_it_across_a_restart(
     ledger: TrackerLedger, tmp_path: Path
 ) -> None:
-    registry = _Registry()
-    auditor = _auditor(ledger, registry)
+    registry = RegistryStandIn("node")
+    auditor = auditor_on(ledger, registry)
     quant = AnswerGaps(3 * VALUE_DRIFTS["float"].allowance_nats_per_token * TOKENS, TOKENS, rule=VALUE_DRIFTS["float"])
     applied = 0
     while not registry.entries["node"].proof_blocked:
@@ -257,7 +232,7 @@ async def test_the_tracker_refuses_a_node_whose_sampled_answers_values_drift_and
     ledger.close()
     again = TrackerLedger(tmp_path / "tracker.sqlite")
     try:
-        restarted = _auditor(again, _Registry())
+        restarted = auditor_on(again, RegistryStandIn())
         await restarted.load()
         assert restarted.record("node").values.s == pytest.approx(record.values.s) and restarted.record("node").failed == 1
     finally:
@@ -267,7 +242,7 @@ async def test_the_tracker_refuses_a_node_whose_sampled_answers_values_drift_and
 async def test_a_forged_verdict_cannot_buy_allowance_with_tokens_the_evidence_never_had(ledger: TrackerLedger) -> None:
     # Attacker: zero drift over a million tokens would wipe a drifting node's values CUSUM. The tracker counts at most
     # the tokens the audit's evidence holds, and the verifier's kind of weights picks only one of the two allowances.
-    auditor = _auditor(ledger, _Registry())
+    auditor = auditor_on(ledger, RegistryStandIn())
     quant = AnswerGaps(2 * VALUE_DRIFTS["float"].allowance_nats_per_token * TOKENS, TOKENS, rule=VALUE_DRIFTS["float"])
     for i in range(1, 7):
         job = _job(float(i))

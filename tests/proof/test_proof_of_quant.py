@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from support.audit_harness import RegistryStandIn, auditor_on
 from pydantic import ValidationError
 
 from meshnet_gguf.contract.model_proof import (
@@ -31,7 +30,7 @@ from meshnet_gguf.proof.audit import MAX_SCORED_TOKENS, audit
 from meshnet_gguf.proof.drift import answer_gaps, check_drift
 from meshnet_gguf.proof.scoring import Position, Scored
 from meshnet_gguf.proof.tolerance import GREEDY_TIE_NATS
-from meshnet_gguf.reference.tracker.audits import MAX_QUEUED_AUDITS, MAX_QUEUED_AUDITS_PER_NODE, Auditor, AuditPolicy, _Job
+from meshnet_gguf.reference.tracker.audits import MAX_QUEUED_AUDITS, MAX_QUEUED_AUDITS_PER_NODE, Auditor, _Job
 from meshnet_gguf.reference.tracker.ledger import TrackerLedger
 
 pytestmark = pytest.mark.anyio
@@ -137,24 +136,6 @@ def test_a_verdicts_figures_must_be_finite_and_not_negative() -> None:
 # --- the tracker ------------------------------------------------------------------------------------------
 
 
-class _Registry:
-    def __init__(self) -> None:
-        self.entries: dict[str, Any] = {}
-
-    def get(self, node_id: str) -> Any:
-        return self.entries.get(node_id)
-
-
-class _Entry:
-    proof_blocked = False
-
-
-def _auditor(ledger: TrackerLedger, registry: _Registry) -> Auditor:
-    auditor = Auditor({"m": "http://127.0.0.1:9"}, AuditPolicy(), Ed25519PrivateKey.generate(), "tracker", ledger, None, None)
-    auditor.registry = registry
-    return auditor
-
-
 def _job(answer_text: str = "x" * 200, temperature: float = 0.0, issued_at: float = 1.0) -> _Job:
     request = AuditRequest(audit_id=f"audit-{issued_at}-{temperature}", model="m", path="/v1/completions", body="{}",
                            answer_text=answer_text, temperature=temperature)  # fmt: skip
@@ -166,19 +147,12 @@ def _verdict(job: _Job, gaps: AnswerGaps, outcome: str = "passed") -> AuditVerdi
                         margin_nats=0.1, positions_checked=gaps.tokens, drift_gap_nats=gaps.gap_nats, drift_tokens=gaps.tokens)  # fmt: skip
 
 
-@pytest.fixture
-def ledger(tmp_path: Path) -> Any:
-    ledger = TrackerLedger(tmp_path / "tracker.sqlite")
-    yield ledger
-    ledger.close()
-
-
 async def test_the_tracker_refuses_a_node_whose_audits_drift_and_keeps_the_cusum_across_a_restart(
     ledger: TrackerLedger, tmp_path: Path
 ) -> None:
-    registry = _Registry()
-    registry.entries["node"] = entry = _Entry()
-    auditor = _auditor(ledger, registry)
+    registry = RegistryStandIn("node")
+    entry = registry.entries["node"]
+    auditor = auditor_on(ledger, registry)
     quant = QUANT
     applied = 0
     while not entry.proof_blocked:
@@ -193,7 +167,7 @@ async def test_the_tracker_refuses_a_node_whose_audits_drift_and_keeps_the_cusum
     ledger.close()
     again = TrackerLedger(tmp_path / "tracker.sqlite")
     try:
-        restarted = _auditor(again, _Registry())
+        restarted = auditor_on(again, RegistryStandIn())
         await restarted.load()
         assert restarted.record("node").drift.s == pytest.approx(record.drift.s)
         assert restarted.record("node").failed == 1
@@ -203,7 +177,7 @@ async def test_the_tracker_refuses_a_node_whose_audits_drift_and_keeps_the_cusum
 
 async def test_a_tracker_restart_does_not_reset_a_drifting_nodes_cusum(tmp_path: Path) -> None:
     first = TrackerLedger(tmp_path / "t.sqlite")
-    auditor = _auditor(first, _Registry())
+    auditor = auditor_on(first, RegistryStandIn())
     quant = QUANT
     for i in range(1, 4):
         job = _job(issued_at=float(i))
@@ -213,7 +187,7 @@ async def test_a_tracker_restart_does_not_reset_a_drifting_nodes_cusum(tmp_path:
     first.close()
     second = TrackerLedger(tmp_path / "t.sqlite")
     try:
-        restarted = _auditor(second, _Registry())
+        restarted = auditor_on(second, RegistryStandIn())
         await restarted.load()
         assert restarted.record("node").drift.s == pytest.approx(s)
         assert restarted.record("node").drift.started_at == 1.0
@@ -224,9 +198,8 @@ async def test_a_tracker_restart_does_not_reset_a_drifting_nodes_cusum(tmp_path:
 async def test_a_forged_verdict_claiming_more_tokens_than_the_answer_holds_does_not_reset_the_cusum(ledger: TrackerLedger) -> None:
     # Attacker: a verdict with zero drift over a million tokens would buy a million tokens' allowance and bring a
     # drifting node's CUSUM back to zero. The tracker counts at most the tokens the audited answer's text can hold.
-    registry = _Registry()
-    registry.entries["node"] = _Entry()
-    auditor = _auditor(ledger, registry)
+    registry = RegistryStandIn("node")
+    auditor = auditor_on(ledger, registry)
     quant = QUANT
     for i in range(1, 4):
         job = _job(issued_at=float(i))
@@ -239,9 +212,8 @@ async def test_a_forged_verdict_claiming_more_tokens_than_the_answer_holds_does_
 
 
 async def test_sampled_answers_and_no_verdicts_add_nothing_to_the_cusum(ledger: TrackerLedger) -> None:
-    registry = _Registry()
-    registry.entries["node"] = _Entry()
-    auditor = _auditor(ledger, registry)
+    registry = RegistryStandIn("node")
+    auditor = auditor_on(ledger, registry)
     big = AnswerGaps(DRIFT_GAP_CAP_NATS * 150, 150)
     sampled = _job(answer_text="z" * 400, temperature=0.8, issued_at=1.0)
     await auditor._apply(sampled, _verdict(sampled, big))
@@ -315,7 +287,7 @@ def test_one_nodes_flood_cannot_push_another_nodes_audits_out_of_the_queue(tmp_p
     # dropped first, another node's drawn audits were the first to go.
     ledger = TrackerLedger(tmp_path / "t.sqlite")
     try:
-        auditor = _auditor(ledger, _Registry())
+        auditor = auditor_on(ledger, RegistryStandIn())
         victims = [auditor._enqueue("victim", _request(i), 1.0) for i in range(5)]
         for i in range(2 * MAX_QUEUED_AUDITS):
             auditor._enqueue("flooder", _request(1000 + i), 1.0)
@@ -338,7 +310,7 @@ def test_a_node_cannot_flush_its_own_earlier_audit_out_by_a_flood(tmp_path: Path
     try:
         kept = 0
         for _ in range(trials):
-            auditor = _auditor(ledger, _Registry())
+            auditor = auditor_on(ledger, RegistryStandIn())
             cheap = auditor._enqueue("cheat", _request(0), 1.0)
             for i in range(flood):
                 auditor._enqueue("cheat", _request(1 + i), 1.0)
@@ -357,7 +329,7 @@ def test_a_registration_probes_audits_are_never_dropped(tmp_path: Path, monkeypa
     monkeypatch.setattr(module, "MAX_QUEUED_AUDITS", 4)
     ledger = TrackerLedger(tmp_path / "t.sqlite")
     try:
-        auditor = _auditor(ledger, _Registry())
+        auditor = auditor_on(ledger, RegistryStandIn())
         probes = [auditor._enqueue("new", _request(i), 1.0, probe=True) for i in range(3)]
         for i in range(50):
             auditor._enqueue("new", _request(100 + i), 1.0)
