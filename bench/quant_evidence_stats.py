@@ -28,23 +28,24 @@ def topk_abs(node: Top, ver: Top, k: int) -> float | None:
     return statistics.fmean(diffs) if diffs else None
 
 
-def logit_gap_abs(node: Top, ver: Top, k: int) -> float | None:
-    """The node's log-ratios to its top-1 against the verifier's (no softmax normalizer in it): mean |difference|."""
+def _log_ratio_differences(node: Top, ver: Top, k: int) -> list[float] | None:
+    """The node's log-ratios to its top-1 less the verifier's for the same tokens (no softmax normalizer in them), for
+    its entries 2..k the verifier ranks; None when the verifier does not rank the node's top-1."""
     v = _lookup(ver)
     t1, lp1 = int(node[0][0]), node[0][1]
     if t1 not in v:
         return None
-    diffs = [abs((lp - lp1) - (v[int(t)] - v[t1])) for t, lp in node[1:k] if int(t) in v]
-    return statistics.fmean(diffs) if diffs else None
+    return [(lp - lp1) - (v[int(t)] - v[t1]) for t, lp in node[1:k] if int(t) in v]
+
+
+def logit_gap_abs(node: Top, ver: Top, k: int) -> float | None:
+    diffs = _log_ratio_differences(node, ver, k)
+    return statistics.fmean(abs(d) for d in diffs) if diffs else None
 
 
 def logit_gap_sq(node: Top, ver: Top, k: int) -> float | None:
-    v = _lookup(ver)
-    t1, lp1 = int(node[0][0]), node[0][1]
-    if t1 not in v:
-        return None
-    diffs = [((lp - lp1) - (v[int(t)] - v[t1])) ** 2 for t, lp in node[1:k] if int(t) in v]
-    return statistics.fmean(diffs) if diffs else None
+    diffs = _log_ratio_differences(node, ver, k)
+    return statistics.fmean(d * d for d in diffs) if diffs else None
 
 
 MEASURES: dict[str, Callable[[Top, Top, int], float | None]] = {
