@@ -152,10 +152,13 @@ class AnswerCapture:
         self._chunks: list[bytes] = []
         self._size = 0
         self.overflowed = False
+        # The answer parsed once: its text and its evidence both read it (up to MAX_AUDITED_ANSWER_BYTES of JSON).
+        self._parsed: list[dict[str, Any]] | None = None
 
     def feed(self, chunk: bytes) -> None:
         if self.overflowed:
             return
+        self._parsed = None
         self._size += len(chunk)
         if self._size > MAX_AUDITED_ANSWER_BYTES:
             self.overflowed, self._chunks = True, []
@@ -164,14 +167,18 @@ class AnswerCapture:
 
     def _documents(self) -> list[dict[str, Any]]:
         """The answer's JSON documents in order: the whole answer, or each event's data but [DONE]."""
+        if self._parsed is not None:
+            return self._parsed
         raw = b"".join(self._chunks)
         if not self.stream:
-            return [json.loads(raw)]
+            self._parsed = [json.loads(raw)]
+            return self._parsed
         documents = []
         for event in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
             data = event_data(event + b"\n\n")
             if data is not None and data.strip() != b"[DONE]":
                 documents.append(json.loads(data))
+        self._parsed = documents
         return documents
 
     def text(self) -> str | None:
